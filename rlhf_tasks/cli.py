@@ -1,0 +1,262 @@
+"""rlhf-tasks command line. Thin: parses arguments, calls the layers, maps errors to
+exit codes (0 ok, 2 bad input with nothing launched or written, 1 a failed step).
+Imports nothing heavy (ray, torch, provider SDKs) at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import BadInput, StepFailed
+
+
+def _task(path: str):
+    from .spec import load_task
+
+    return load_task(path)
+
+
+def _provider(name: str):
+    from . import providers
+
+    return providers.get(name)
+
+
+def cmd_check(args) -> int:
+    task = _task(args.task)
+    plan = _provider(args.provider).plan(task)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    import shlex
+
+    res = task.resources
+    print(f"{args.task}: ok")
+    print(f"  cluster   {task.nodes} node(s) x {res.gpus or 'no GPU'}"
+          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + f" on {args.provider}")
+    for service in plan["services"]:
+        ready = service["ready"] or {}
+        probe = f"{ready.get('method', '')} {ready.get('url', '')}".strip() if ready.get("kind") == "http" \
+            else f"tcp {ready.get('port')}" if ready else "no readiness check"
+        print(f"  service   {service['name']} on {service['where']} ({probe})")
+    for command in plan["prepare"]:
+        print(f"  prepare   {command}  (rank 0)")
+    job = plan["job"]
+    print(f"  job       {job['recipe']}, submitted from {job['submit']}")
+    print(f"  entrypoint {shlex.join(job['entrypoint'])}")
+    if plan["checkpoint_dir"]:
+        print(f"  checkpoints {plan['checkpoint_dir']} (resume: {task.checkpoints.resume})")
+    return 0
+
+
+def cmd_render(args) -> int:
+    task = _task(args.task)
+    provider = _provider(args.provider)
+    files = provider.render(provider.plan(task))
+    if not args.output:
+        for name, content in files.items():
+            if len(files) > 1:
+                print(f"# ---- {name} ----")
+            sys.stdout.write(content)
+        return 0
+    main_path = Path(args.output)
+    targets = {name: (main_path if i == 0 else main_path.parent / name) for i, name in enumerate(files)}
+    for name, content in files.items():
+        targets[name].parent.mkdir(parents=True, exist_ok=True)
+        targets[name].write_text(content)
+        print(f"wrote {targets[name]}", file=sys.stderr)
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from .launch import launch
+
+    task = _task(args.task)
+    return launch(task, _provider(args.provider), keep=args.keep)
+
+
+def _token(args, name: str | None) -> str | None:
+    from . import state
+
+    return os.environ.get("RAY_AUTH_TOKEN") or (state.token(name) if name else None)
+
+
+def _jobs(args):
+    """A Jobs client for --address (or the cluster named by --cluster / the only known one)."""
+    from . import state
+    from .jobs import Jobs
+
+    name = args.cluster
+    if name is None and len(state.known()) == 1:
+        name = state.known()[0]
+    record = state.load(name) if name else None
+    address = args.address or os.environ.get("RAY_ADDRESS") or (record or {}).get("dashboard")
+    if not address:
+        raise BadInput("--address: no dashboard address given (e.g. --address http://localhost:8265 through "
+                       "your port forward), and no single known cluster to use")
+    return Jobs(address, _token(args, name))
+
+
+def cmd_submit(args) -> int:
+    from . import state
+
+    task = _task(args.task)
+    plan = _provider(args.provider).plan(task)
+    record = state.load(task.name) or {}
+    cluster_key = record.get("cluster_id") or hashlib.sha256(args.address.encode()).hexdigest()[:8]
+    submission_id = f"{task.name}-{cluster_key}"
+    from .jobs import Jobs
+    from .node import alive_nodes
+
+    token = _token(args, task.name)
+    jobs = Jobs(args.address, token)
+    head = next(n["node_ip"] for n in alive_nodes(args.address, token) if n.get("is_head_node"))
+    jobs.submit(plan, submission_id, head, wandb=bool(os.environ.get("WANDB_API_KEY")))
+    print(f"submitted {submission_id}")
+    if args.follow:
+        status = jobs.follow(submission_id, plan["job"].get("timeout_s"))
+        print(f"job {submission_id}: {status}")
+        return 0 if status == "SUCCEEDED" else 1
+    print(f"follow it with: rlhf-tasks logs {submission_id} --follow --address {args.address}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    status = _jobs(args).status(args.job)
+    if status is None:
+        raise BadInput(f"JOB: no job {args.job} on this cluster")
+    print(status)
+    return 0
+
+
+def cmd_logs(args) -> int:
+    jobs = _jobs(args)
+    if args.follow:
+        status = jobs.follow(args.job)
+        print(f"job {args.job}: {status}", file=sys.stderr)
+        return 0 if status == "SUCCEEDED" else 1
+    sys.stdout.write(jobs.logs(args.job))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    stopped = _jobs(args).stop(args.job)
+    print(f"{args.job}: {'stop requested' if stopped else 'already finished'}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    for job in _jobs(args).list():
+        print(f"{job.submission_id or job.job_id}\t{job.status}\t{job.entrypoint[:80]}")
+    return 0
+
+
+def cmd_down(args) -> int:
+    from . import state
+
+    name = args.target
+    if name.endswith((".yaml", ".yml")):
+        name = _task(name).name
+    record = state.load(name)
+    provider_name = args.provider or (record or {}).get("provider")
+    if provider_name is None:
+        raise BadInput(f"down: no cluster named {name} is known here; pass --provider")
+    print(_provider(provider_name).down(name))
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from .recipes import catalogue
+
+    for recipe in catalogue():
+        print(f"{recipe['name']}: {recipe['summary']}\n  needs: {recipe['needs']}")
+        for arg, info in recipe["args"].items():
+            default = "required" if info["default"] is None else f"default {info['default']!r}"
+            print(f"    {arg} ({default}) {info['description']}".rstrip())
+    tasks = sorted(Path("tasks").glob("*.yaml")) if Path("tasks").is_dir() else []
+    if tasks:
+        print("\ntasks in ./tasks:")
+        import yaml
+
+        for path in tasks:
+            data = yaml.safe_load(path.read_text()) or {}
+            print(f"  {path}: {data.get('job', {}).get('recipe', '?')} on {data.get('nodes', '?')} node(s)")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from .spec import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf-tasks", description="One task file -> a multi-node Ray cluster on "
+                                     "any provider -> an RLHF job, submitted and followed.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("check", cmd_check, "validate a task and print what would run")
+    p.add_argument("task")
+    p.add_argument("--provider", default="local")
+    p.add_argument("--json", action="store_true", help="print the resolved cluster plan as JSON")
+    p = add("render", cmd_render, "write the provider's native file(s); pure: no cluster, no network")
+    p.add_argument("task")
+    p.add_argument("--provider", required=True)
+    p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted")
+    p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
+    p.add_argument("task")
+    p.add_argument("--provider", default="local")
+    p.add_argument("--keep", action="store_true", help="local: keep the cluster running after the job")
+    p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
+    p.add_argument("task")
+    p.add_argument("--address", required=True, help="e.g. http://localhost:8265")
+    p.add_argument("--provider", default="local", help="provider whose plan to use (paths, checkpoint dir)")
+    p.add_argument("--follow", action="store_true")
+    for name, func, help_text in (("status", cmd_status, "a job's status"), ("logs", cmd_logs, "a job's logs"),
+                                  ("stop", cmd_stop, "stop a job")):
+        p = add(name, func, help_text)
+        p.add_argument("job", metavar="JOB")
+        p.add_argument("--address")
+        p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true")
+    p = add("list", cmd_list, "list the jobs on a cluster")
+    p.add_argument("--address")
+    p.add_argument("--cluster")
+    p = add("down", cmd_down, "stop a cluster launched from here")
+    p.add_argument("target", metavar="TASK.yaml|NAME")
+    p.add_argument("--provider")
+    add("recipes", cmd_recipes, "list the recipes and what each needs")
+    add("schema", cmd_schema, "print the task file's JSON Schema")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .node import AgentError
+
+    try:
+        return args.func(args)
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (StepFailed, AgentError) as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

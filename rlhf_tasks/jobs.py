@@ -1,0 +1,116 @@
+"""Jobs client: submit, status, logs, stop and list through Ray's JobSubmissionClient,
+with the cluster's token in the Authorization header. Ray is imported lazily."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .errors import BadInput, StepFailed
+from .node import TERMINAL_JOB_STATES, auth_headers
+
+
+def working_dir_size(path: str, excludes: list[str]) -> int:
+    """Bytes Ray would pack from `path`, using Ray's own traversal and exclude rules."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    root = Path(path).absolute()
+    total = 0
+
+    def add(p: Path):
+        nonlocal total
+        if p.is_file():
+            total += p.stat().st_size
+
+    _dir_travel(root, [_get_excludes(root, excludes)], add, include_gitignore=True)
+    return total
+
+
+def upload_limit() -> int:
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+
+    return GCS_STORAGE_MAX_SIZE
+
+
+def check_working_dir(path: str, excludes: list[str]) -> int:
+    """Refuse, before any upload, a working_dir Ray would reject as too large."""
+    if not Path(path).is_dir():
+        raise BadInput(f"job.working_dir: {path} is not a directory")
+    size, limit = working_dir_size(path, excludes), upload_limit()
+    if size >= limit:
+        raise BadInput(f"job.working_dir: {path} packs {size / 2**20:.0f} MiB after excludes, over Ray's upload "
+                       f"limit of {limit / 2**20:.0f} MiB; add large files to job.excludes")
+    return size
+
+
+class Jobs:
+    """One Ray cluster's Jobs API, reached at `address` (e.g. a forwarded localhost port)."""
+
+    def __init__(self, address: str, token: str | None):
+        from ray.job_submission import JobSubmissionClient
+
+        self.address, self.token = address, token
+        try:
+            self.client = JobSubmissionClient(address, headers=auth_headers(token))
+        except Exception as exc:  # ray raises ConnectionError or RuntimeError with its own text
+            raise StepFailed("connecting to the Ray Jobs API", f"{address}: {exc}") from None
+
+    def status(self, submission_id: str) -> str | None:
+        try:
+            return str(self.client.get_job_status(submission_id).value)
+        except RuntimeError as exc:
+            if "does not exist" in str(exc) or "404" in str(exc):
+                return None
+            raise
+
+    def submit(self, plan: dict, submission_id: str, head_addr: str, wandb: bool) -> str:
+        """Submit the plan's job once: a retry with the same id finds the first one."""
+        if self.status(submission_id) is not None:
+            print(f"job {submission_id} is already on this cluster; following it")
+            return submission_id
+        job = plan["job"]
+        argv = [arg.replace("{head_addr}", head_addr) for arg in job["entrypoint"]]
+        if job.get("wandb_args") and wandb:
+            argv += job["wandb_args"]
+        runtime_env = {}
+        if job.get("working_dir"):
+            check_working_dir(job["working_dir"], job["excludes"])
+            runtime_env = {"working_dir": job["working_dir"], "excludes": job["excludes"]}
+        self.client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id, runtime_env=runtime_env)
+        return submission_id
+
+    def logs(self, submission_id: str) -> str:
+        return self.client.get_job_logs(submission_id)
+
+    def stop(self, submission_id: str) -> bool:
+        return self.client.stop_job(submission_id)
+
+    def list(self) -> list:
+        return self.client.list_jobs()
+
+    def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout) -> str:
+        """Print the job's log as it grows until it ends; return the final status.
+
+        Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
+        printed, delay, started = 0, 0.5, time.monotonic()
+        try:
+            while True:
+                status = self.status(submission_id)
+                logs = self.logs(submission_id)
+                if len(logs) > printed:
+                    out.write(logs[printed:])
+                    out.flush()
+                    printed, delay = len(logs), 0.5
+                if status in TERMINAL_JOB_STATES:
+                    return status
+                if timeout_s and time.monotonic() - started > timeout_s:
+                    self.stop(submission_id)
+                    raise StepFailed(f"running job {submission_id}", f"still {status} after {timeout_s:.0f}s; stopped it")
+                time.sleep(delay)
+                delay = min(delay * 1.5, 3.0)
+        except KeyboardInterrupt:
+            print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
+                  f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)
+            raise

@@ -1,0 +1,127 @@
+"""launch: apply the provider's files, wait for the cluster, submit when the task says
+`submit: client` (or find the head's submission), follow the job, and summarise."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .errors import StepFailed
+from .node import alive_nodes, cluster_check, job_status, wait_for
+from .providers import Cluster, Provider
+from .spec import Task
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] rlhf-tasks: {message}", flush=True)
+
+
+def collect_secrets(task: Task) -> dict[str, str]:
+    """Values of the task's secrets from this environment; missing ones are named, never shown."""
+    values = {name: os.environ[name] for name in task.secrets if os.environ.get(name)}
+    missing = [name for name in task.secrets if name not in values]
+    if missing:
+        say(f"not set in your environment, so not passed: {', '.join(missing)}")
+    return values
+
+
+class LogTail:
+    """Echo new lines of the node agents' logs while we wait for the cluster."""
+
+    def __init__(self, directory: str | None):
+        self.directory = Path(directory) if directory else None
+        self.offsets: dict[Path, int] = {}
+
+    def pump(self) -> None:
+        if not self.directory:
+            return
+        for path in sorted(self.directory.glob("node-*.log")):
+            with open(path, "rb") as handle:
+                handle.seek(self.offsets.get(path, 0))
+                chunk = handle.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            if complete:
+                print(complete.decode("utf-8", "replace"), end="", flush=True)
+                self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+
+
+def _watching(cluster: Cluster, tail: LogTail, check):
+    """A wait_for check that also echoes node logs and notices a dead head."""
+    def wrapped():
+        tail.pump()
+        if not cluster.head_alive():
+            tail.pump()
+            raise StepFailed("bringing up the cluster", "the head node's agent exited (its log is above)")
+        return check()
+    return wrapped
+
+
+def wait_cluster(cluster: Cluster, plan: dict, tail: LogTail) -> str:
+    from .node import http_check
+
+    timeout = plan["wait"]["head_s"] + plan["wait"]["nodes_s"]
+    wait_for(f"the Ray dashboard at {cluster.dashboard}",
+             _watching(cluster, tail, lambda: http_check(cluster.dashboard + "/api/gcs_healthz")), timeout)
+    check = cluster_check(cluster.dashboard, cluster.token, plan["nodes"])
+    return wait_for(f"{plan['nodes']} nodes", _watching(cluster, tail, check), plan["wait"]["nodes_s"], interval=0.5)
+
+
+def summarise(plan: dict, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
+    lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
+    metrics_path = (plan["job"].get("summary") or {}).get("metrics")
+    if metrics_path and Path(metrics_path).exists():
+        rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+        if rows:
+            first, last = rows[0], rows[-1]
+            nodes = {n for row in rows for n in row.get("node_ids", [])}
+            lines.append(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over steps "
+                         f"{first['step']}..{last['step']} (world size {last.get('world_size')}, {len(nodes)} nodes took part)")
+        lines.append(f"metrics: {metrics_path}")
+    if plan.get("checkpoint_dir"):
+        lines.append(f"checkpoints: {plan['checkpoint_dir']}")
+    if artifacts:
+        lines.append(f"node logs: {artifacts}")
+    print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
+
+
+def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+    from .jobs import Jobs
+
+    started = time.monotonic()
+    plan = provider.plan(task)
+    secrets = collect_secrets(task)
+    say(f"launching {task.name} on {provider.name}: {task.nodes} nodes")
+    cluster = provider.apply(task, plan, secrets)
+    plan = cluster.extra.get("plan", plan)
+    tail = LogTail(cluster.logs_dir)
+    interrupted = False
+    try:
+        have = wait_cluster(cluster, plan, tail)
+        say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
+        submission_id = f"{plan['name']}-{cluster.cluster_id}"
+        jobs = Jobs(cluster.dashboard, cluster.token)
+        if plan["job"]["submit"] == "client":
+            head = next(n["node_ip"] for n in alive_nodes(cluster.dashboard, cluster.token) if n.get("is_head_node"))
+            if plan["job"].get("wandb_args"):
+                say("W&B logging " + ("on" if "WANDB_API_KEY" in secrets else "off: WANDB_API_KEY was not provided"))
+            jobs.submit(plan, submission_id, head, wandb="WANDB_API_KEY" in secrets)
+            say(f"submitted job {submission_id}")
+        else:
+            say("waiting for the head to submit the job")
+            wait_for(f"job {submission_id} to be submitted by the head",
+                     _watching(cluster, tail, lambda: (lambda s: (s is not None, s or "not submitted yet"))(
+                         job_status(cluster.dashboard, cluster.token, submission_id))), 600)
+        tail.pump()
+        say(f"following job {submission_id} (Ctrl-C stops following, not the job)")
+        status = jobs.follow(submission_id, plan["job"].get("timeout_s"))
+        summarise(plan, submission_id, status, started, cluster.logs_dir)
+        return 0 if status == "SUCCEEDED" else 1
+    except KeyboardInterrupt:
+        interrupted = True
+        say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
+        return 130
+    finally:
+        if provider.name == "local" and not keep and not interrupted:
+            say(provider.down(task.name))

@@ -1,0 +1,40 @@
+"""Provider adapters. Each turns a cluster plan into the provider's native files
+(`render`, pure: the dry run) and makes them real (`apply`, `down`: side effects).
+
+Providers register under the entry-point group `rlhf_tasks.providers` (as torchx
+registers schedulers), so a third party can add one with a package of its own.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from ..errors import BadInput
+from .base import Cluster, Provider
+
+GROUP = "rlhf_tasks.providers"
+BUILTIN = {"local": "rlhf_tasks.providers.local:LocalProvider"}
+
+
+def _targets() -> dict[str, str]:
+    targets = dict(BUILTIN)
+    for ep in entry_points(group=GROUP):
+        targets.setdefault(ep.name, ep.value)
+    return targets
+
+
+def names() -> list[str]:
+    return sorted(_targets())
+
+
+def get(name: str) -> Provider:
+    target = _targets().get(name)
+    if target is None:
+        raise BadInput(f"--provider: unknown provider {name!r} (known: {', '.join(names())})")
+    module_name, _, attr = target.partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), attr)()
+
+
+__all__ = ["Cluster", "Provider", "get", "names"]

@@ -1,0 +1,43 @@
+"""The provider contract: pure `plan`/`render`, effectful `apply`/`down`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..plan import build_plan
+from ..spec import Task
+
+
+@dataclass
+class Cluster:
+    """A cluster `apply` brought up, as the launcher sees it."""
+
+    name: str
+    cluster_id: str
+    dashboard: str                       # reachable from here (e.g. a forwarded localhost port)
+    token: str | None
+    head_alive: Callable[[], bool]       # False once the head's process (or run) has ended
+    head_log: Callable[[], str] = lambda: ""
+    logs_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Provider:
+    name = "?"
+    #: where checkpoints go when the task names no path
+    default_checkpoint_dir = "/checkpoints"
+
+    def plan(self, task: Task) -> dict:
+        """The plan this provider's nodes run (pure)."""
+        return build_plan(task, self.name, self.default_checkpoint_dir)
+
+    def render(self, plan: dict) -> dict[str, str]:
+        """File name -> content; pure, printable, safe to commit (no secret values)."""
+        raise NotImplementedError
+
+    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+        raise NotImplementedError
+
+    def down(self, name: str) -> str:
+        raise NotImplementedError

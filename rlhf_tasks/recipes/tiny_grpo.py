@@ -1,0 +1,64 @@
+"""tiny-grpo: the CPU demo. A real GRPO run, shaped like the GPU recipes: rank 0
+prepares data, a reward model server runs on the head, one trainer actor per node."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+
+
+class TinyGrpoArgs(StrictModel):
+    steps: int = Field(60, ge=1, description="GRPO steps in total (a resumed run continues to this count)")
+    save_every: int = Field(10, ge=1, description="checkpoint every this many steps")
+    group_size: int = Field(8, ge=2, description="completions sampled per prompt (GRPO needs > 1)")
+    prompts_per_step: int = Field(16, ge=1, description="prompts per rank per step")
+    lr: float = Field(0.05, gt=0)
+    num_prompts: int = Field(2000, ge=10, description="size of the prepared toy dataset")
+    reward_port: int = Field(23080, ge=1024, le=65535, description="port of the reward server on the head")
+    seed: int = 0
+
+
+class TinyGrpoJob(JobBase):
+    """Toy GRPO on CPU: PyTorch DDP over gloo across all nodes, remote reward server."""
+
+    recipe_summary = "tiny GRPO on CPU across all nodes (the demo)"
+    recipe_needs = "torch (CPU) on every node; 1 CPU per node; no GPUs"
+
+    recipe: Literal["tiny-grpo"]
+    args: TinyGrpoArgs = TinyGrpoArgs()
+
+    def build(self, shape: Shape) -> RecipeOutput:
+        if shape.checkpoint_dir is None:
+            raise infeasible("tiny-grpo needs a checkpoint directory", "set checkpoints.path")
+        a = self.args
+        ckpt = shape.checkpoint_dir
+        data = f"{ckpt}/data"
+        reward_url = f"http://{{head_addr}}:{a.reward_port}/score"
+        probe = {"prompts": ["1+2="], "completions": ["3"]}
+        return RecipeOutput(
+            prepare=[f"python3 -m rlhf_tasks.demo.prepare --out {data} --num-prompts {a.num_prompts} --seed {a.seed}"],
+            services=[{
+                "name": "reward",
+                "where": "head",
+                "command": f"python3 -m rlhf_tasks.demo.reward_server --host {{node_addr}} --port {a.reward_port}",
+                "ready": {"http": f"http://{{node_addr}}:{a.reward_port}/score", "method": "POST", "json": probe},
+                "timeout": "2m",
+            }],
+            entrypoint=[
+                "python3", "-m", "rlhf_tasks.demo.train",
+                "--data", f"{data}/prompts.jsonl",
+                "--reward-url", reward_url,
+                "--ckpt-dir", ckpt,
+                "--num-nodes", str(shape.nodes),
+                "--steps", str(a.steps),
+                "--save-every", str(a.save_every),
+                "--group-size", str(a.group_size),
+                "--prompts-per-step", str(a.prompts_per_step),
+                "--lr", str(a.lr),
+                "--seed", str(a.seed),
+            ],
+            summary={"metrics": f"{ckpt}/metrics.jsonl"},
+        )

@@ -1,0 +1,257 @@
+"""The task file: what a user writes, parsed into strict pydantic models.
+
+Provider-neutral. Every error names the field path (`services[0].ready.http`) and
+the task file, and is raised as BadInput (exit 2) before anything is launched.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+
+from .errors import BadInput
+from .recipes import JOB_MODELS
+from .recipes.base import StrictModel, parse_duration
+
+_NAME = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?$", re.IGNORECASE)
+
+#: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
+RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
+
+
+def _size(value: str | None) -> str | None:
+    if value is not None and not _SIZE.match(str(value)):
+        raise ValueError(f"{value!r} is not a size (use e.g. 128GB, 500GB, 64GiB)")
+    return value
+
+
+def _duration(value):
+    parse_duration(value)
+    return value
+
+
+class Resources(StrictModel):
+    gpus: str | None = Field(None, description="per node: NAME:COUNT (H100:8), NAME (one GPU) or COUNT")
+    cpus: int | None = Field(None, ge=1, description="CPUs per node to register with Ray")
+    memory: str | None = None
+    shm_size: str | None = None
+    disk: str | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_spec(cls, value):
+        if value is None:
+            return value
+        match = _GPU.match(str(value))
+        count = match and (match.group("count") or match.group("only"))
+        if not match or (count is not None and int(count) < 1):
+            raise ValueError(f"{value!r} is not a GPU spec (use NAME:COUNT such as H100:8, or a count >= 1)")
+        return str(value)
+
+    _sizes = field_validator("memory", "shm_size", "disk")(classmethod(lambda cls, v: _size(v)))
+
+    @property
+    def gpu_name(self) -> str | None:
+        return _GPU.match(self.gpus).group("name") if self.gpus else None
+
+    @property
+    def gpus_per_node(self) -> int:
+        if not self.gpus:
+            return 0
+        match = _GPU.match(self.gpus)
+        return int(match.group("count") or match.group("only") or 1)
+
+
+class HttpReady(StrictModel):
+    """Ready when this request answers with a status below 400 (POST with a body for
+    servers whose GET answers 405, like OpenRLHF-M's reward server)."""
+
+    http: str = Field(description="URL; {node_addr} and {head_addr} are filled in on the node")
+    method: Literal["GET", "POST", "HEAD"] = "GET"
+    json_body: Any = Field(None, alias="json")
+
+    @field_validator("http")
+    @classmethod
+    def _url(cls, value):
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+
+class TcpReady(StrictModel):
+    tcp: int = Field(ge=1, le=65535, description="ready when this port accepts connections")
+    host: str = "{node_addr}"
+
+
+def _ready_kind(value) -> str | None:
+    if isinstance(value, dict):
+        return "http" if "http" in value else "tcp" if "tcp" in value else None
+    return "http" if isinstance(value, HttpReady) else "tcp" if isinstance(value, TcpReady) else None
+
+
+class Service(StrictModel):
+    name: str = Field(pattern=_NAME)
+    where: Literal["head", "every_node"] = "head"
+    command: str = Field(min_length=1)
+    ready: Annotated[
+        Union[Annotated[HttpReady, Tag("http")], Annotated[TcpReady, Tag("tcp")]],
+        Discriminator(_ready_kind, custom_error_type="ready", custom_error_message="ready needs either http: URL or tcp: PORT"),
+    ] | None = None
+    timeout: str = "10m"
+    env: dict[str, str] = {}
+
+    _timeout = field_validator("timeout")(classmethod(lambda cls, v: _duration(v)))
+
+
+class RayConfig(StrictModel):
+    port: int = Field(6379, ge=1024, le=65535)
+    dashboard_port: int = Field(8265, ge=1024, le=65535)
+    client_server_port: int = Field(10001, ge=1024, le=65535)
+    dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
+    auth: Literal["token", "none"] = "token"
+    debug: Literal["off", "legacy", "post_mortem"] = "off"
+    object_store_memory: str | None = None
+
+    _size = field_validator("object_store_memory")(classmethod(lambda cls, v: _size(v)))
+
+    @model_validator(mode="after")
+    def _ports(self):
+        ports = {"port": self.port, "dashboard_port": self.dashboard_port, "client_server_port": self.client_server_port}
+        for field, port in ports.items():
+            if port in RESERVED_PORTS:
+                raise ValueError(f"{field} {port} is used by {RESERVED_PORTS[port]}; choose another")
+            if 10002 <= port <= 19999 and field != "client_server_port":
+                raise ValueError(f"{field} {port} is inside Ray's worker port range 10002-19999")
+        if len(set(ports.values())) != len(ports):
+            raise ValueError(f"ports must differ: {ports}")
+        return self
+
+
+class Checkpoints(StrictModel):
+    path: str | None = Field(None, description="absolute, shared by all nodes; the provider picks one when omitted")
+    resume: Literal["auto", "never"] = "auto"
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value):
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path (relative paths resolve inside Ray's working_dir copy)")
+        return value
+
+
+class Wait(StrictModel):
+    head: str = Field("30m", description="how long workers wait for the head (it runs setup and prepare first)")
+    nodes: str = Field("20m", description="how long the head waits for every node to join")
+
+    _durations = field_validator("head", "nodes")(classmethod(lambda cls, v: _duration(v)))
+
+
+_RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
+Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
+
+
+class Task(StrictModel):
+    name: str = Field(pattern=_NAME, description="lowercase letters, digits and dashes")
+    nodes: int = Field(ge=1, le=1024)
+    resources: Resources = Resources()
+    image: str | None = None
+    env: dict[str, str] = {}
+    secrets: list[str] = Field([], description="names of environment variables taken from the launcher's environment")
+    setup: list[str] = []
+    prepare: list[str] = []
+    services: list[Service] = []
+    network: Literal["auto", "runpod-global", "runpod-cluster", "infiniband", "ethernet"] = "auto"
+    ray: RayConfig = RayConfig()
+    checkpoints: Checkpoints = Checkpoints()
+    wait: Wait = Wait()
+    job: Job
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value):
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, value):
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name (secrets are listed by name only)")
+        if len(set(value)) != len(value):
+            raise ValueError("secrets are listed twice")
+        return value
+
+    @field_validator("services")
+    @classmethod
+    def _unique_services(cls, value):
+        names = [s.name for s in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate service names {duplicates}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        clash = sorted(set(self.env) & set(self.secrets))
+        if clash:
+            raise ValueError(f"env and secrets both define {clash}: a secret's value must not be in the task file")
+        return self
+
+
+def _field_path(loc: tuple) -> str:
+    """('services', 0, 'ready', 'http') -> 'services[0].ready.http' (union tags dropped)."""
+    path = ""
+    for index, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif (part in {"http", "tcp"} and loc[index - 1] == "ready") or (part in _RECIPES and loc[index - 1] == "job"):
+            continue  # union tags are not field names
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "(top level)"
+
+
+def parse_task(data: Any, source: str = "<task>") -> Task:
+    """Validate a task mapping; BadInput lists every problem with its field path."""
+    if not isinstance(data, dict):
+        raise BadInput(f"{source}: a task file must be a mapping of fields, got {type(data).__name__}")
+    try:
+        return Task.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {_field_path(err['loc'])}: {msg}")
+        raise BadInput(f"{source}: invalid task\n" + "\n".join(dict.fromkeys(lines))) from None
+
+
+def load_task(path: str | Path) -> Task:
+    """Read and validate a task file."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read task file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path}: not valid YAML: {exc}") from None
+    return parse_task(data, str(path))
+
+
+def json_schema() -> dict:
+    """JSON Schema of the task file, for editors (yaml-language-server)."""
+    schema = Task.model_json_schema(by_alias=True)
+    schema["title"] = "rlhf-tasks task file"
+    return schema

@@ -1,0 +1,729 @@
+"""N real "hosts" on one machine, for tests that must see what a rented cluster looks like.
+
+Each host is a network namespace (own IP on a private bridge, own ``lo``) plus a
+long-lived init process in its own PID, UTS, IPC and mount namespace: own
+hostname, own process table (``ray stop`` on one host touches only that host),
+own ``/tmp`` and ``/dev/shm`` (tmpfs).  Everything else on the filesystem is
+shared, like an NFS mount on a real cluster; paths under ``/tmp`` named in
+``shared`` (the testbed dir and the test's ``tmp_path``) are bind-mounted back
+so hosts see them too.  Names resolve through one hosts file bind-mounted over
+``/etc/hosts`` on every host.
+
+Hosts are entered with ``nsenter --net`` (not ``ip netns exec``, which remounts
+/sys and hides /sys/fs/cgroup that Ray's raylet reads).
+
+Teardown kills the PIDs of this testbed's namespaces only (``ip netns pids``),
+never anything by name.  Namespace names carry a per-testbed prefix
+``rt-<pid>-<n>`` so stale ones of a dead test run can be found and removed.
+
+Needs root.  Use from pytest with :func:`make_testbed_fixture`.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+PREFIX = "rt-"
+SUBNET = "10.77.0"  # private range, only ever inside namespaces we create
+LAPTOP_IP = f"{SUBNET}.2"
+APT_PACKAGES = ("openssh-server", "openssh-client")
+APT_INSTALL_CMD = (
+    "apt-get update && DEBIAN_FRONTEND=noninteractive "
+    "apt-get install -y --no-install-recommends " + " ".join(APT_PACKAGES)
+)
+SSHD = "/usr/sbin/sshd"
+PYTHON = sys.executable
+BIN_DIR = os.path.dirname(PYTHON)
+
+_counter = 0
+
+
+class TestbedError(RuntimeError):
+    """The testbed itself failed (not the code under test)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def poll(fn: Callable[[], object], timeout: float, what: str = "condition",
+         interval: float = 0.2):
+    """Call ``fn`` until it returns something truthy; raise TimeoutError at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            result = fn()
+            if result:
+                return result
+        except Exception as exc:  # noqa: BLE001 - keep polling, report the last one
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}"
+                               + (f" (last error: {last_exc!r})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise TestbedError(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _sh("ip", *args, check=check)
+
+
+def _netns_pids(ns: str) -> list[int]:
+    proc = _ip("netns", "pids", ns, check=False)
+    return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
+
+
+def _netns_names() -> list[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # field 4 (ppid) comes after the ")" closing the command name
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def _pidns_members(init_pid: int) -> list[int]:
+    """Root-namespace PIDs of all processes in init_pid's PID namespace."""
+    try:
+        ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return []
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                    members.append(int(entry))
+            except OSError:
+                pass
+    return members
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this process when the test process dies, so hosts never outlive it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces left by testbeds whose test process is gone (crash, SIGKILL)."""
+    removed = []
+    for ns in _netns_names():
+        m = re.match(rf"^{re.escape(PREFIX)}(\d+)-\d+-", ns)
+        if not m or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        for pid in _netns_pids(ns):
+            _kill(pid)
+        try:
+            poll(lambda: not _netns_pids(ns), 10, f"processes of stale netns {ns}", 0.05)
+        except TimeoutError:
+            continue
+        _ip("netns", "del", ns, check=False)
+        removed.append(ns)
+    return removed
+
+
+def require_root() -> str | None:
+    """Reason to skip, or None.  In CI (CI=true) missing root is an error, never a skip."""
+    if os.geteuid() == 0:
+        for tool in ("ip", "unshare", "nsenter", "mount"):
+            if not shutil.which(tool):
+                raise TestbedError(f"testbed needs `{tool}` (util-linux / iproute2)")
+        return None
+    reason = "testbed needs root (network/PID/mount namespaces)"
+    if os.environ.get("CI", "").lower() == "true":
+        raise TestbedError(f"{reason}; CI must run these tests as root")
+    return reason
+
+
+def ensure_sshd() -> None:
+    """Install Debian's openssh-server if sshd is missing (CI installs it up front)."""
+    if os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("ssh-keygen"):
+        return
+    proc = subprocess.run(["bash", "-c", APT_INSTALL_CMD], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 or not os.path.exists(SSHD):
+        raise TestbedError(
+            f"sshd missing and `{APT_INSTALL_CMD}` failed ({proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+# --------------------------------------------------------------------------- hosts
+
+
+# PID 1 of a host: set hostname, private mounts, then reap orphans forever
+# (a plain `sleep infinity` would leave zombies of everything ray forks).
+_INIT = r"""
+import ctypes, os, signal, socket, sys
+name, hosts, *shared = sys.argv[1:]
+libc = ctypes.CDLL(None, use_errno=True)
+def mount(src, dst, fstype=None, flags=0, data=None):
+    if libc.mount(src.encode(), dst.encode(), fstype and fstype.encode(), flags,
+                  data and data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {src} {dst}")
+MS_BIND, MS_REC, MNT_DETACH = 4096, 16384, 2
+socket.sethostname(name)
+mount(hosts, "/etc/hosts", flags=MS_BIND)
+fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in shared]
+mount("tmpfs", "/tmp", "tmpfs", 0, "mode=1777")
+mount("tmpfs", "/dev/shm", "tmpfs", 0, "mode=1777")
+libc.umount2(b"/run/netns", MNT_DETACH)  # drop references to other testbeds' namespaces
+for d, fd in zip(shared, fds):
+    os.makedirs(d, exist_ok=True)
+    # the fd still points at the real directory, now hidden under the tmpfs
+    mount(f"/proc/self/fd/{fd}", d, flags=MS_BIND | MS_REC)
+    os.close(fd)
+os.chdir("/")
+print("ready", flush=True)
+os.close(1)
+signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+while True:  # reap orphans, as an init must
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+    signal.sigtimedwait([signal.SIGCHLD], 5)
+"""
+
+
+@dataclass
+class Host:
+    """One machine of the testbed."""
+    index: int          # -1 for the laptop
+    name: str           # hostname, resolvable on every host
+    ip: str
+    netns: str
+    init_pid: int = 0   # root-namespace PID of the host's PID-namespace init
+    _init_proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self._init_proc is not None and self._init_proc.poll() is None
+
+
+class Proc:
+    """A command running on a host: ``wait``/``returncode``/``kill`` and its log file."""
+
+    def __init__(self, host: Host, argv: list[str], popen: subprocess.Popen, log: Path):
+        self.host, self.argv, self.popen, self.log = host, argv, popen, log
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Root-namespace PID of the command (nsenter's child), None once it is gone."""
+        if self._pid is None and self.popen.poll() is None:
+            kids = _children(self.popen.pid)
+            self._pid = kids[0] if kids else None
+        return self._pid if self.popen.poll() is None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Exit code; raises subprocess.TimeoutExpired (with the log's tail) at the deadline."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            exc.output = self.output[-4000:]
+            raise
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the command itself (like systemd's main PID), not its children."""
+        pid = self.pid
+        if pid is None and self.popen.poll() is None:
+            poll(lambda: self.pid or self.popen.poll() is not None, 5, "command pid", 0.02)
+            pid = self.pid
+        if pid is not None:
+            _kill(pid, sig)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the command's whole process group (it runs in a session of its own)."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    @property
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"<Proc {self.host.name} {shlex.join(self.argv)[:60]!r} rc={self.returncode}>"
+
+
+@dataclass
+class HttpResponse:
+    status: int | None  # None: no HTTP answer at all (refused, timeout...)
+    body: str
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    def json(self):
+        return json.loads(self.body)
+
+
+_HTTP = r"""
+import json, sys, urllib.request, urllib.error
+spec = json.loads(sys.argv[1])
+req = urllib.request.Request(spec["url"], data=spec["data"].encode() if spec["data"] is not None else None,
+                             method=spec["method"], headers=spec["headers"])
+try:
+    with urllib.request.urlopen(req, timeout=spec["timeout"]) as r:
+        out = {"status": r.status, "body": r.read().decode("utf-8", "replace"), "error": ""}
+except urllib.error.HTTPError as e:
+    out = {"status": e.code, "body": e.read().decode("utf-8", "replace"), "error": str(e)}
+except Exception as e:
+    out = {"status": None, "body": "", "error": repr(e)}
+print(json.dumps(out))
+"""
+
+_WAIT_PORT = r"""
+import socket, sys, time
+addr, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + timeout
+while True:
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        sys.exit(0)
+    except OSError as e:
+        if time.monotonic() >= deadline:
+            print(f"{addr}:{port} not accepting after {timeout}s: {e}")
+            sys.exit(1)
+        time.sleep(0.05)
+"""
+
+
+class Testbed:
+    """N hosts (``hosts[i]``, named ``node<i>``) on a private bridge, plus a ``laptop`` host.
+
+    The laptop is on the same bridge (it can reach hosts' public ports) but is
+    not part of the cluster; it reaches a host's loopback-only services only
+    through :meth:`laptop_forward`.
+    """
+
+    def __init__(self, n: int, dir: str | os.PathLike, *, shared: Sequence[str | os.PathLike] = (),
+                 names: Sequence[str] | None = None):
+        global _counter
+        reason = require_root()
+        if reason:
+            raise TestbedError(reason)
+        cleanup_stale()
+        _counter += 1
+        self.prefix = f"{PREFIX}{os.getpid()}-{_counter}"
+        self.dir = Path(dir).resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # paths under /tmp are hidden by each host's private /tmp: bind them back
+        paths = {str(self.dir), *(str(Path(p).resolve()) for p in shared)}
+        self.shared = sorted(p for p in paths if p == "/tmp" or p.startswith("/tmp/"))
+        self.hosts_file = self.dir / "hosts"
+        self.aliases: dict[str, int] = {}
+        self.bridge_ns = f"{self.prefix}-br"
+        names = list(names or [f"node{i}" for i in range(n)])
+        self.hosts = [Host(i, names[i], f"{SUBNET}.{10 + i}", f"{self.prefix}-h{i}")
+                      for i in range(n)]
+        self.laptop = Host(-1, "laptop", LAPTOP_IP, f"{self.prefix}-lap")
+        self._procs: list[Proc] = []
+        self._seq = 0
+        self._sshd: dict[int, Proc] = {}
+        self._forwards: dict[int, tuple[Proc, int, int]] = {}  # local port -> (ssh, host, port)
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- setup
+
+    def _all_hosts(self) -> list[Host]:
+        return [*self.hosts, self.laptop]
+
+    def _create(self) -> None:
+        self._write_hosts_file()
+        _ip("netns", "add", self.bridge_ns)
+        _ip("-n", self.bridge_ns, "link", "set", "lo", "up")
+        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        for k, h in enumerate(self._all_hosts()):
+            _ip("netns", "add", h.netns)
+            port = f"v{k}"
+            _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth",
+                "peer", "name", "eth0", "netns", h.netns)
+            _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+            _ip("-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
+            _ip("-n", h.netns, "link", "set", "eth0", "up")
+            _ip("-n", h.netns, "link", "set", "lo", "up")
+        for h in self._all_hosts():
+            self._boot(h)
+
+    def _boot(self, h: Host) -> None:
+        """Start the host's init (PID 1 of its PID namespace) and wait until its mounts are set."""
+        argv = ["nsenter", f"--net=/run/netns/{h.netns}",
+                "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "--ipc",
+                "--mount", "--propagation", "private",
+                PYTHON, "-I", "-S", self._script("hostinit", _INIT), h.name, str(self.hosts_file), *self.shared]
+        err = self.dir / f"{h.name}-init.err"
+        with open(err, "wb") as errf:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=errf, preexec_fn=_die_with_parent, env={"PATH": os.defpath})
+        h._init_proc = p
+        line = b""
+        deadline = time.monotonic() + 20
+        import select
+        while not line.endswith(b"\n") and time.monotonic() < deadline and p.poll() is None:
+            r, _, _ = select.select([p.stdout], [], [], 0.5)
+            if r:
+                chunk = os.read(p.stdout.fileno(), 64)
+                if not chunk:
+                    break
+                line += chunk
+        p.stdout.close()
+        if line.strip() != b"ready":
+            raise TestbedError(f"host {h.name} did not boot: {err.read_text()[-2000:]}")
+        kids = _children(p.pid)  # unshare's only child is the init
+        if len(kids) != 1:
+            raise TestbedError(f"host {h.name}: expected one init process, found {kids}")
+        h.init_pid = kids[0]
+
+    def _script(self, name: str, source: str) -> str:
+        """Helper scripts live in the (shared) testbed dir: short, readable argv in ps."""
+        path = self.dir / "bin" / f"{name}.py"
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(source.lstrip())
+        return str(path)
+
+    def _write_hosts_file(self) -> None:
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        lines += [f"{h.ip}\t{h.name}" for h in self._all_hosts()]
+        lines += [f"{self.hosts[i].ip}\t{alias}" for alias, i in self.aliases.items()]
+        # rewrite in place: the file is bind-mounted by inode into every host
+        with open(self.hosts_file, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def add_alias(self, name: str, i: int) -> None:
+        """Make ``name`` (e.g. ``abc123.runpod.internal``) resolve to host i on every host."""
+        self.aliases[name] = i
+        self._write_hosts_file()
+
+    # ----------------------------------------------------------------- running
+
+    def host(self, h: int | str | Host) -> Host:
+        if isinstance(h, Host):
+            return h
+        if h == "laptop" or h == -1:
+            return self.laptop
+        if isinstance(h, str):
+            return next(x for x in self._all_hosts() if x.name == h)
+        return self.hosts[h]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """A minimal host environment (venv's bin first on PATH) plus ``extra``.
+
+        Nothing of the test runner's own environment leaks in, as on a fresh node.
+        """
+        env = {"PATH": f"{BIN_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "HOME": "/root", "LANG": "C.UTF-8", "USER": "root"}
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def run(self, h: int | str | Host, cmd: str | Sequence[str], *,
+            env: Mapping[str, str] | None = None, background: bool = True,
+            timeout: float = 120, check: bool = False, cwd: str | os.PathLike | None = None,
+            name: str | None = None) -> Proc:
+        """Run ``cmd`` on a host with exactly ``env`` (default :meth:`env`).
+
+        A string runs under ``bash -c``; a list is exec'd as is.  Output (stdout
+        and stderr) goes to ``<dir>/<host>/<seq>-<name>.log``.  With
+        ``background=False`` waits up to ``timeout`` (``check``: raise on a
+        non-zero exit).
+        """
+        host = self.host(h)
+        if not host.alive:
+            raise TestbedError(f"host {host.name} is down")
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        self._seq += 1
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name or os.path.basename(
+            argv[0] if argv[0] != "/bin/bash" else cmd.split()[0] if cmd.split() else "bash"))[:40]
+        logdir = self.dir / host.name
+        logdir.mkdir(exist_ok=True)
+        log = logdir / f"{self._seq:03d}-{label}.log"
+        wd = str(cwd) if cwd is not None else os.getcwd()
+        full = ["nsenter", f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
+                "--net", f"--wd={wd}", "--", *argv]
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, env=dict(env if env is not None
+                                                                       else self.env()),
+                                     start_new_session=True)
+        proc = Proc(host, argv, popen, log)
+        self._procs.append(proc)
+        if not background:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.popen.wait(10)
+                raise TestbedError(f"{proc!r} timed out after {timeout}s:\n{proc.output[-4000:]}")
+            if check and proc.returncode != 0:
+                raise TestbedError(f"{proc!r} failed:\n{proc.output[-4000:]}")
+        return proc
+
+    def sh(self, h: int | str | Host, cmd: str, **kw) -> str:
+        """Run ``cmd`` to completion (must succeed) and return its output."""
+        return self.run(h, cmd, background=False, check=True, **kw).output
+
+    # ----------------------------------------------------------------- faults
+
+    def processes(self, h: int | str | Host) -> list[int]:
+        """Root-namespace PIDs of the host's processes, its init excluded."""
+        host = self.host(h)
+        return [p for p in _pidns_members(host.init_pid) if p != host.init_pid]
+
+    def kill(self, h: int | str | Host, sig: int = signal.SIGKILL, timeout: float = 15) -> None:
+        """Kill every process on the host except its init: a crash, the host stays up.
+
+        Its /tmp survives; run new commands on it afterwards to "restart".
+        """
+        host = self.host(h)
+
+        def gone():
+            pids = self.processes(host)
+            for pid in pids:
+                _kill(pid, sig)
+            return not pids
+        poll(gone, timeout, f"processes of {host.name} to die", 0.05)
+        self._reap()
+
+    def reboot(self, h: int | str | Host, timeout: float = 15) -> None:
+        """Kill the whole host (init too) and boot it again: fresh /tmp, same name and IP."""
+        host = self.host(h)
+        self._kill_host(host, timeout)
+        self._boot(host)
+
+    def _kill_host(self, host: Host, timeout: float) -> None:
+        # Kill the init first and leave `unshare` to reap it: were unshare killed
+        # first, the init would become a zombie of the root namespace's PID 1,
+        # which may take seconds to reap it.
+        unshare = host._init_proc
+
+        def gone():
+            pids = _pidns_members(host.init_pid) if host.init_pid else []
+            pids += [p for p in _netns_pids(host.netns) if unshare is None or p != unshare.pid]
+            for pid in pids:
+                _kill(pid)
+            return not pids and (unshare is None or unshare.poll() is not None)
+        poll(gone, timeout, f"processes of {host.name} to die", 0.02)
+        self._reap()
+
+    def _reap(self) -> None:
+        for p in self._procs:
+            p.popen.poll()
+
+    # ----------------------------------------------------------------- probes
+
+    def wait_port(self, h: int | str | Host, port: int, addr: str = "127.0.0.1",
+                  timeout: float = 30) -> None:
+        """Wait until ``addr:port`` accepts TCP connections as seen from host h."""
+        p = self.run(h, [PYTHON, "-I", "-S", self._script("wait_port", _WAIT_PORT), addr, str(port), str(timeout)],
+                     name="wait_port", background=False, timeout=timeout + 15)
+        if p.returncode != 0:
+            raise TimeoutError(f"{self.host(h).name}: {p.output.strip()}")
+
+    def http(self, h: int | str | Host, url: str, *, method: str | None = None,
+             data: str | dict | None = None, headers: Mapping[str, str] | None = None,
+             timeout: float = 10) -> HttpResponse:
+        """HTTP request made from inside host h (so its loopback and names apply)."""
+        hdrs = dict(headers or {})
+        if isinstance(data, dict):
+            data = json.dumps(data)
+            hdrs.setdefault("Content-Type", "application/json")
+        spec = {"url": url, "method": method or ("POST" if data is not None else "GET"),
+                "data": data, "headers": hdrs, "timeout": timeout}
+        p = self.run(h, [PYTHON, "-I", "-S", self._script("http", _HTTP), json.dumps(spec)], name="http",
+                     background=False, timeout=timeout + 15)
+        try:
+            out = json.loads(p.output.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return HttpResponse(None, "", f"probe failed: {p.output[-2000:]}")
+        return HttpResponse(out["status"], out["body"], out["error"])
+
+    # ----------------------------------------------------------------- laptop
+
+    def laptop_forward(self, remote_port: int, host: int = 0, local_port: int | None = None,
+                       timeout: float = 30) -> int:
+        """``ssh -N -L`` from the laptop to host's 127.0.0.1:remote_port; returns the laptop port.
+
+        Starts sshd on the host (port 22, keys under the testbed dir) the first
+        time.  Returns once the forward accepts connections on the laptop's
+        127.0.0.1.
+        """
+        ensure_sshd()
+        target = self.host(host)
+        key = self._ssh_keys()
+        sshd = self._sshd.get(target.index)
+        if sshd is None or not sshd.running():
+            sshd = self._start_sshd(target, timeout)
+        if local_port is None:
+            local_port = remote_port
+            while local_port in self._forwards:
+                local_port = 30000 + len(self._forwards) + (local_port % 1000)
+        ssh = self.run(self.laptop, [
+            "ssh", "-N", "-F", "/dev/null", "-i", str(key),
+            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", f"UserKnownHostsFile={self.dir / 'ssh' / 'known_hosts'}",
+            "-o", "ExitOnForwardFailure=yes", "-o", "ServerAliveInterval=5",
+            "-L", f"127.0.0.1:{local_port}:127.0.0.1:{remote_port}",
+            "-p", "22", f"root@{target.name}"], name=f"ssh-L{local_port}")
+        self._forwards[local_port] = (ssh, target.index, remote_port)
+
+        def accepting():
+            if not ssh.running():
+                raise TestbedError(f"ssh forward exited ({ssh.returncode}):\n{ssh.output}")
+            return self.run(self.laptop, [PYTHON, "-I", "-S", self._script("wait_port", _WAIT_PORT), "127.0.0.1",
+                                          str(local_port), "0"], name="wait_port",
+                            background=False, timeout=15).returncode == 0
+        try:
+            poll(accepting, timeout, f"laptop forward :{local_port}", 0.1)
+        except TimeoutError as exc:
+            raise TestbedError(f"{exc}\nssh log:\n{ssh.output}\nsshd log:\n{sshd.output}") from None
+        return local_port
+
+    def _ssh_keys(self) -> Path:
+        d = self.dir / "ssh"
+        key = d / "id_ed25519"
+        if not key.exists():
+            d.mkdir(mode=0o700, exist_ok=True)
+            _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "testbed", "-f", str(key))
+            _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_ed25519"))
+            shutil.copy(d / "id_ed25519.pub", d / "authorized_keys")
+            (d / "sshd_config").write_text("\n".join([
+                "Port 22", f"HostKey {d / 'host_ed25519'}",
+                f"AuthorizedKeysFile {d / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
+                "StrictModes no", "AllowTcpForwarding yes", "PidFile none", "UseDNS no",
+                "LogLevel VERBOSE", ""]))
+        return key
+
+    def _start_sshd(self, target: Host, timeout: float) -> Proc:
+        os.makedirs("/run/sshd", exist_ok=True)
+        sshd = self.run(target, [SSHD, "-D", "-e", "-f", str(self.dir / "ssh" / "sshd_config")],
+                        name="sshd")
+        self._sshd[target.index] = sshd
+        try:
+            self.wait_port(target, 22, target.ip, timeout)
+        except TimeoutError as exc:
+            raise TestbedError(f"sshd on {target.name} did not come up: {exc}\n{sshd.output}")
+        return sshd
+
+    # ----------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Kill every process of this testbed (by namespace PIDs) and delete its namespaces.
+
+        Idempotent; also registered with atexit.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for h in self._all_hosts():
+            try:
+                self._kill_host(h, 15)
+            except Exception as exc:  # noqa: BLE001 - tear down the rest anyway
+                errors.append(f"{h.name}: {exc}")
+        for p in self._procs:
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{p!r} did not exit")
+        for ns in [h.netns for h in self._all_hosts()] + [self.bridge_ns]:
+            if ns in _netns_names():
+                r = _ip("netns", "del", ns, check=False)
+                if r.returncode != 0:
+                    errors.append(f"ip netns del {ns}: {r.stderr.strip()}")
+        atexit.unregister(self.close)
+        if errors:
+            raise TestbedError("testbed teardown incomplete: " + "; ".join(errors))
+
+    def __enter__(self) -> "Testbed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- pytest
+
+
+def make_testbed_fixture(n: int = 2, scope: str = "function", **kwargs):
+    """A pytest fixture giving a fresh ``Testbed(n)`` under the test's tmp_path.
+
+    In conftest.py: ``testbed2 = make_testbed_fixture(2)``.  Skips without root,
+    except in CI (CI=true), where that is an error.
+    """
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def _fixture(request, tmp_path_factory):
+        reason = require_root()
+        if reason:
+            pytest.skip(reason)
+        # share the whole basetemp: every test's tmp_path is then visible on the hosts
+        tb = Testbed(n, tmp_path_factory.mktemp(f"testbed{n}-"),
+                     shared=[tmp_path_factory.getbasetemp()], **kwargs)
+        request.addfinalizer(tb.close)
+        return tb
+
+    return _fixture
