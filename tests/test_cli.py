@@ -1,0 +1,89 @@
+"""CLI contract: light start-up, exit codes, render purity, no fixed sleeps in the product."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_tasks.cli import main
+
+from conftest import ROOT
+
+HEAVY = ("ray", "torch", "sky", "dstack", "runpod")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["render", "tasks/tiny-grpo.yaml", "--provider", "local"],
+                                  ["check", "tasks/tiny-grpo.yaml"], ["recipes"]])
+def test_no_heavy_imports(argv):
+    code = ("import sys\nfrom rlhf_tasks.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stderr, out.stderr
+
+
+def test_check_json_is_the_plan_with_an_argument_list(capsys):
+    assert main(["check", str(ROOT / "tasks/tiny-grpo.yaml"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["nodes"] == 3 and plan["job"]["recipe"] == "tiny-grpo"
+    assert isinstance(plan["job"]["entrypoint"], list) and plan["job"]["entrypoint"][:3] == ["python3", "-m", "rlhf_tasks.demo.train"]
+    assert plan["services"][0]["ready"]["method"] == "POST"
+
+
+def test_render_is_pure_and_writes_beside_the_main_file(tmp_path, capsys, rlhf_home):
+    out = tmp_path / "r" / "plan.json"
+    assert main(["render", str(ROOT / "tasks/tiny-grpo.yaml"), "--provider", "local", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["name"] == "tiny-grpo"
+    assert (tmp_path / "r" / "start-nodes.sh").exists()
+    assert not rlhf_home.exists()  # no token, no cluster record: nothing happened
+
+
+def test_unknown_provider_is_bad_input(capsys):
+    assert main(["render", str(ROOT / "tasks/tiny-grpo.yaml"), "--provider", "nope"]) == 2
+    assert "--provider" in capsys.readouterr().err
+
+
+def test_usage_error_exits_2():
+    with pytest.raises(SystemExit) as info:
+        main(["launch"])
+    assert info.value.code == 2
+
+
+def _sleeps_outside_loops(tree: ast.AST) -> list[int]:
+    bad = []
+
+    def visit(node, in_loop):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("time.sleep", "sleep"):
+            if not in_loop:
+                bad.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+            else:
+                visit(child, in_loop or isinstance(node, (ast.While, ast.For)))
+
+    visit(tree, False)
+    return bad
+
+
+def test_no_fixed_sleeps_in_the_product():
+    """A sleep is allowed only as the pause of a polling loop, never to wait blindly."""
+    offenders = {}
+    for path in sorted((ROOT / "rlhf_tasks").rglob("*.py")):
+        lines = _sleeps_outside_loops(ast.parse(path.read_text()))
+        if lines:
+            offenders[str(path.relative_to(ROOT))] = lines
+    assert offenders == {}
+    assert _sleeps_outside_loops(ast.parse("import time\ntime.sleep(30)\n")) == [2]
+
+
+def test_node_agent_is_standard_library_only():
+    tree = ast.parse((ROOT / "rlhf_tasks" / "node.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)

@@ -1,0 +1,260 @@
+"""Node agent units: role detection per provider contract, readiness polling with a
+deadline and a diagnosis, network and debug presets, the Ray command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from rlhf_tasks import node
+from rlhf_tasks.node import AgentError, NodeInfo, node_env, node_info, probe_tcp, ray_start_command, wait_for
+from rlhf_tasks.plan import build_plan
+from rlhf_tasks.spec import parse_task
+
+from conftest import ROOT
+
+
+def plan_for(**overrides):
+    data = {"name": "t", "nodes": 3, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    data.update(overrides)
+    return build_plan(parse_task(data), "local", "/ckpt")
+
+
+CONTRACTS = [
+    ("local", {"RLHF_TASKS_NODE_RANK": "2", "RLHF_TASKS_NUM_NODES": "3", "RLHF_TASKS_HEAD_ADDR": "127.0.1.1",
+               "RLHF_TASKS_NODE_ADDR": "127.0.1.3"}, (2, 3, "127.0.1.1", "127.0.1.3")),
+    ("dstack", {"DSTACK_NODE_RANK": "1", "DSTACK_NODES_NUM": "2", "DSTACK_MASTER_NODE_IP": "10.0.0.1",
+                "DSTACK_NODES_IPS": "10.0.0.1\n10.0.0.2"}, (1, 2, "10.0.0.1", "10.0.0.2")),
+    ("sky", {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "10.1.0.5\n10.1.0.6\n"},
+     (0, 2, "10.1.0.5", "10.1.0.5")),
+    ("runpod-global", {"RAY_WORKER": "1", "HEAD_POD_ID": "abc123", "EXPECTED_WORKERS": "3"},
+     (1, 4, "abc123.runpod.internal", None)),
+    ("runpod-global", {"RUNPOD_POD_ID": "abc123", "EXPECTED_WORKERS": "1"}, (0, 2, "abc123.runpod.internal", None)),
+    ("runpod-cluster", {"NODE_RANK": "3", "NUM_NODES": "4", "PRIMARY_ADDR": "10.65.0.2", "NODE_ADDR": "10.65.0.5"},
+     (3, 4, "10.65.0.2", "10.65.0.5")),
+]
+
+
+@pytest.mark.parametrize("provider,env,expected", CONTRACTS, ids=[c[0] + str(i) for i, c in enumerate(CONTRACTS)])
+def test_role_detection(provider, env, expected):
+    info = node_info(provider, env)
+    assert (info.rank, info.nodes, info.head, info.node_addr) == expected
+
+
+def test_slurm_head_is_first_of_the_nodelist():
+    calls = []
+
+    def scontrol(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="gpu-a\ngpu-b\n", stderr="")
+
+    info = node_info("slurm", {"SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-[a-b]"},
+                     run=scontrol)
+    assert (info.rank, info.nodes, info.head) == (1, 2, "gpu-a")
+    assert calls == [["scontrol", "show", "hostnames", "gpu-[a-b]"]]
+
+
+def test_missing_contract_variable_names_it():
+    with pytest.raises(AgentError) as info:
+        node_info("dstack", {"DSTACK_NODE_RANK": "0", "DSTACK_NODES_NUM": "2"})
+    assert "$DSTACK_MASTER_NODE_IP" in str(info.value) and info.value.code == 2
+    with pytest.raises(AgentError, match="not an integer"):
+        node_info("local", {"RLHF_TASKS_NODE_RANK": "x", "RLHF_TASKS_NUM_NODES": "1", "RLHF_TASKS_HEAD_ADDR": "h"})
+
+
+def test_wait_for_deadline_names_what_and_last_error():
+    calls = []
+
+    def check():
+        calls.append(1)
+        return False, f"attempt {len(calls)} refused"
+
+    with pytest.raises(AgentError) as info:
+        wait_for("the thing", check, timeout_s=0.6, interval=0.05, max_interval=0.1)
+    text = str(info.value)
+    assert "waiting for the thing" in text and f"attempt {len(calls)} refused" in text and len(calls) > 3
+
+
+def test_wait_for_returns_value_when_ready():
+    state = iter([(False, "no"), (False, "no"), (True, 42)])
+    assert wait_for("x", lambda: next(state), 5, interval=0.01) == 42
+
+
+def test_probe_tells_refused_from_timeout():
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    assert "refused" in probe_tcp("127.0.0.1", port)
+
+    listener = socket.socket()  # a full accept queue drops new SYNs: the connect times out
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        reason = None
+        for _ in range(8):
+            reason = probe_tcp("127.0.0.1", port, timeout=0.3)
+            if reason is not None:
+                break
+            s = socket.socket()
+            s.settimeout(0.3)
+            try:
+                s.connect(("127.0.0.1", port))
+            except OSError:
+                pass
+            fillers.append(s)
+        assert reason is not None and "timed out" in reason
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(5)
+    try:
+        assert probe_tcp("127.0.0.1", server.getsockname()[1]) is None
+    finally:
+        server.close()
+
+
+def test_probe_names_a_name_that_does_not_resolve(monkeypatch):
+    # The resolver is the remote boundary: tests send no DNS query off this machine.
+    def no_such_name(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    assert "does not resolve" in probe_tcp("abc.runpod.internal", 6379)
+
+
+@pytest.mark.parametrize("preset,expected", [
+    ("auto", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}),
+    ("runpod-global", {"NCCL_SOCKET_IFNAME": "podnet1", "GLOO_SOCKET_IFNAME": "podnet1", "NCCL_IB_DISABLE": "1"}),
+    ("runpod-cluster", {"NCCL_SOCKET_IFNAME": "ens1", "GLOO_SOCKET_IFNAME": "ens1"}),
+    ("ethernet", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}),
+    ("infiniband", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "0"}),
+])
+def test_network_presets(preset, expected):
+    assert node.network_env(preset, "127.0.1.2") == expected
+
+
+def test_auto_preset_finds_the_interface_holding_the_address():
+    addr = node.source_address("127.0.0.1")
+    assert node.network_env("auto", addr)["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_task_env_overrides_presets_and_token_is_required():
+    plan = plan_for(env={"NCCL_SOCKET_IFNAME": "eth9"}, network="ethernet")
+    info = NodeInfo("local", 1, 3, "127.0.1.1", "127.0.1.2")
+    with pytest.raises(AgentError, match=r"\$RAY_AUTH_TOKEN is not set") as err:
+        node_env(plan, info, {"PATH": "/bin"})
+    assert err.value.code == 2
+    env = node_env(plan, info, {"PATH": "/bin", "RAY_AUTH_TOKEN": "s3cret"})
+    assert env["NCCL_SOCKET_IFNAME"] == "eth9" and env["NCCL_IB_DISABLE"] == "1"
+    assert (env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN"]) == ("token", "s3cret")
+    assert env["RLHF_TASKS_HEAD_ADDR"] == "127.0.1.1" and env["RLHF_TASKS_NODE_RANK"] == "1"
+    off = node_env(plan_for(ray={"auth": "none"}), info, {"RAY_AUTH_TOKEN": "x"})
+    assert off["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN" not in off
+
+
+@pytest.mark.parametrize("debug,variable,flag", [("legacy", "RAY_DEBUG", True), ("post_mortem", "RAY_DEBUG_POST_MORTEM", False)])
+def test_debug_presets(debug, variable, flag):
+    plan = plan_for(ray={"debug": debug})
+    info = NodeInfo("local", 0, 3, "10.0.0.1", "10.0.0.1")
+    assert variable in node_env(plan, info, {"RAY_AUTH_TOKEN": "t"})
+    assert ("--ray-debugger-external" in ray_start_command(plan, info, head=True)) is flag
+
+
+def test_ray_binds_the_private_address_and_keeps_the_dashboard_local():
+    plan = plan_for()
+    info = NodeInfo("dstack", 0, 3, "10.0.0.1", "10.0.0.1")
+    head = ray_start_command(plan, info, head=True)
+    assert head[head.index("--node-ip-address") + 1] == "10.0.0.1"
+    assert head[head.index("--dashboard-host") + 1] == "127.0.0.1"
+    assert "0.0.0.0" not in head and "--block" in head
+    worker = ray_start_command(plan, NodeInfo("dstack", 1, 3, "10.0.0.1", "10.0.0.2"), head=False)
+    assert worker[worker.index("--address") + 1] == "10.0.0.1:6379" and "--head" not in worker
+    public = ray_start_command(plan_for(ray={"dashboard_public": True}), info, head=True)
+    assert public[public.index("--dashboard-host") + 1] == "10.0.0.1"
+
+
+def test_placeholders_fill_only_our_names():
+    info = NodeInfo("local", 0, 1, "10.0.0.1", "10.0.0.2")
+    assert node.fill("http://{head_addr}:5000 ${HOME} {node_addr}", info) == "http://10.0.0.1:5000 ${HOME} 10.0.0.2"
+
+
+def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    plan = plan_for(wait={"head": "2s"}, ray={"port": 20000 + port % 9000})
+    plan["ray"]["port"] = port
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    env = dict(os.environ, RLHF_TASKS_NODE_RANK="1", RLHF_TASKS_NUM_NODES="2", RLHF_TASKS_HEAD_ADDR="127.0.0.1",
+               RLHF_TASKS_NODE_ADDR="127.0.1.2", RAY_AUTH_TOKEN="secret-token-value")
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path), "--state-dir", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "waiting for the head's GCS at 127.0.0.1" in out.stdout and "refused" in out.stdout
+    assert "secret-token-value" not in out.stdout + out.stderr
+
+
+def test_service_readiness_over_http_post(tmp_path):
+    """A service is ready only when a POST answers (the server answers GET with 405)."""
+    script = tmp_path / "srv.py"
+    script.write_text(
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(405); self.end_headers()\n"
+        "    def do_POST(self):\n"
+        "        n = int(self.headers['Content-Length']); body = self.rfile.read(n)\n"
+        "        self.send_response(200 if b'query' in body else 400); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    info = NodeInfo("local", 0, 1, "127.0.0.1", "127.0.0.1")
+    agent = node.Agent(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    service = {"name": "rm", "where": "head", "command": f"{sys.executable} {script} {port}", "env": {},
+               "timeout_s": 20, "ready": {"kind": "http", "url": f"http://{{node_addr}}:{port}/get_reward",
+                                          "method": "POST", "json": {"query": ["q"]}}}
+    try:
+        agent.plan["services"] = [service]
+        agent.start_services(("head",))
+        assert agent.services[0].alive()
+        assert node.http_check(f"http://127.0.0.1:{port}/get_reward")[0] is False  # GET: 405
+    finally:
+        agent.stop_all()
+    assert not agent.services[0].alive()
+
+
+def test_a_service_that_dies_fails_fast_with_its_log(tmp_path):
+    info = NodeInfo("local", 0, 1, "127.0.0.1", "127.0.0.1")
+    agent = node.Agent(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    agent.plan["services"] = [{"name": "rm", "where": "head", "command": "echo cannot load model >&2; exit 3",
+                               "env": {}, "timeout_s": 60, "ready": {"kind": "tcp", "host": "{node_addr}", "port": 1}}]
+    with pytest.raises(AgentError) as info_:
+        agent.start_services(("head",))
+    assert "exited with code 3" in str(info_.value) and "cannot load model" in str(info_.value)
+
+
+def test_stale_process_group_of_our_own_is_stopped(tmp_path):
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    pgid_file = tmp_path / "t-node0-ray.pgid"
+    pgid_file.write_text(str(proc.pid))
+    done = threading.Event()
+    threading.Thread(target=lambda: (proc.wait(), done.set()), daemon=True).start()
+    node.stop_stale(str(pgid_file))
+    assert done.wait(10) and not pgid_file.exists()
