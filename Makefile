@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install-demo install-test clean
+.PHONY: demo test golden install-demo install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,6 @@ test: install-test
 
 clean:
 	rm -rf $(VENV) runs
+
+golden: install-test
+	$(PY) tests/test_providers_render.py

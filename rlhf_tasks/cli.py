@@ -58,10 +58,10 @@ def cmd_render(args) -> int:
     provider = _provider(args.provider)
     files = provider.render(provider.plan(task))
     if not args.output:
-        for name, content in files.items():
-            if len(files) > 1:
-                print(f"# ---- {name} ----")
-            sys.stdout.write(content)
+        main_name, *others = files
+        sys.stdout.write(files[main_name])
+        if others:
+            print(f"(with -o PATH, also written beside it: {', '.join(others)})", file=sys.stderr)
         return 0
     main_path = Path(args.output)
     targets = {name: (main_path if i == 0 else main_path.parent / name) for i, name in enumerate(files)}

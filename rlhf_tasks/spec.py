@@ -136,6 +136,7 @@ class RayConfig(StrictModel):
 class Checkpoints(StrictModel):
     path: str | None = Field(None, description="absolute, shared by all nodes; the provider picks one when omitted")
     resume: Literal["auto", "never"] = "auto"
+    volume: str | None = Field(None, description="dstack: a network volume name to mount at path (else the host path is mounted)")
 
     @field_validator("path")
     @classmethod
@@ -153,6 +154,19 @@ class Wait(StrictModel):
 
 
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
+class Placement(StrictModel):
+    """Where and how the provider may place the nodes (used by the providers that have it)."""
+
+    spot: Literal["off", "on", "auto"] = Field("off", description="spot instances: off, on, or auto (spot when available)")
+    max_duration: str | None = Field(None, description="stop the run after this long (dstack max_duration)")
+    retry: bool = Field(False, description="resubmit after interruption or no capacity (dstack retry, SkyPilot job recovery)")
+    fleets: list[str] = Field([], description="dstack fleets to run on (one with placement: cluster)")
+    backends: list[str] = Field([], description="dstack backends / SkyPilot clouds to consider")
+    regions: list[str] = []
+
+    _duration = field_validator("max_duration")(classmethod(lambda cls, v: v if v is None else _duration(v)))
+
+
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
 
 
@@ -170,6 +184,7 @@ class Task(StrictModel):
     ray: RayConfig = RayConfig()
     checkpoints: Checkpoints = Checkpoints()
     wait: Wait = Wait()
+    placement: Placement = Placement()
     job: Job
 
     @field_validator("env")

@@ -13,7 +13,11 @@ from ..errors import BadInput
 from .base import Cluster, Provider
 
 GROUP = "rlhf_tasks.providers"
-BUILTIN = {"local": "rlhf_tasks.providers.local:LocalProvider"}
+BUILTIN = {
+    "local": "rlhf_tasks.providers.local:LocalProvider",
+    "dstack": "rlhf_tasks.providers.dstack:DstackProvider",
+    "sky": "rlhf_tasks.providers.sky:SkyProvider",
+}
 
 
 def _targets() -> dict[str, str]:

@@ -1,0 +1,93 @@
+"""dstack: one `type: task` configuration with `nodes: N`, applied with `dstack apply`.
+
+dstack starts the same commands on every node and sets DSTACK_NODE_RANK,
+DSTACK_MASTER_NODE_IP and DSTACK_NODES_NUM; the node agent reads them. Only job 0's
+ports are forwarded by `dstack apply`, which is the head: its dashboard port is the
+one port we expose. Secrets and the Ray token are listed as bare names, which the
+dstack CLI fills from the local environment at apply time.
+"""
+
+from __future__ import annotations
+
+from ..plan import build_plan
+from ..spec import Task
+from .base import Provider
+from .shipping import agent_command, dump_yaml, node_path, shipped_files
+
+SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
+
+
+class DstackProvider(Provider):
+    name = "dstack"
+
+    def plan(self, task: Task) -> dict:
+        plan = build_plan(task, self.name, f"/checkpoints/{task.name}")
+        plan["placement"] = task.placement.model_dump()
+        plan["resources"] = task.resources.model_dump(exclude_none=True)
+        plan["image"] = task.image
+        plan["checkpoint_volume"] = task.checkpoints.volume
+        return plan
+
+    def task_config(self, plan: dict, files: dict[str, str]) -> dict:
+        res = plan["resources"]
+        placement = plan["placement"]
+        config: dict = {"type": "task", "name": plan["name"], "nodes": plan["nodes"]}
+        if plan["image"]:
+            config["image"] = plan["image"]
+            config["shell"] = "bash"
+        env = [f"{k}={v}" for k, v in plan["env"].items()] + list(plan["secrets"])
+        if plan["token_env"]:
+            env.append(plan["token_env"])
+        if env:
+            config["env"] = env
+        config["files"] = [f"{local}:{node_path(local)}" for local in files]
+        config["commands"] = list(plan["setup"]) + [agent_command(plan, self.name)]
+        config["ports"] = [plan["ray"]["dashboard_port"]]
+        resources = {key: res[key] for key in ("shm_size", "disk", "memory") if key in res}
+        if res.get("gpus"):
+            resources["gpu"] = res["gpus"]
+        if res.get("cpus"):
+            resources["cpu"] = res["cpus"]
+        config["resources"] = resources
+        ckpt = plan["checkpoint_dir"]
+        if ckpt:
+            volume = plan["checkpoint_volume"]
+            config["volumes"] = [{"name": volume, "path": ckpt} if volume else {"instance_path": ckpt, "path": ckpt}]
+        config["startup_order"] = "master-first"
+        config["stop_criteria"] = "master-done"
+        config["spot_policy"] = SPOT[placement["spot"]]
+        if placement["retry"]:
+            config["retry"] = {"on_events": ["no-capacity", "interruption", "error"]}
+        for key in ("max_duration",):
+            if placement[key]:
+                config[key] = placement[key]
+        for key in ("fleets", "backends", "regions"):
+            if placement[key]:
+                config[key] = list(placement[key])
+        return config
+
+    def fleet_config(self, plan: dict) -> dict:
+        """A fleet with `placement: cluster` (nodes on one fast network) that fits the task."""
+        res = plan["resources"]
+        fleet: dict = {"type": "fleet", "name": f"{plan['name']}-fleet", "nodes": plan["nodes"], "placement": "cluster"}
+        resources = {key: res[key] for key in ("disk",) if key in res}
+        if res.get("gpus"):
+            resources["gpu"] = res["gpus"]
+        if resources:
+            fleet["resources"] = resources
+        fleet["spot_policy"] = SPOT[plan["placement"]["spot"]]
+        for key in ("backends", "regions"):
+            if plan["placement"][key]:
+                fleet[key] = list(plan["placement"][key])
+        return fleet
+
+    def render(self, plan: dict) -> dict[str, str]:
+        files = shipped_files(plan)
+        secrets = ", ".join(plan["secrets"] + ([plan["token_env"]] if plan["token_env"] else [])) or "none"
+        header = (f"# Rendered by rlhf-tasks for dstack; apply with: dstack apply -f <this file>\n"
+                  f"# Values filled from your environment at apply time: {secrets}\n")
+        out = {f"{plan['name']}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
+               f"{plan['name']}-fleet.dstack.yml": dump_yaml(self.fleet_config(plan),
+                                                         "# Apply once before the task: dstack apply -f <this file>\n")}
+        out.update(files)
+        return out

@@ -1,0 +1,74 @@
+"""SkyPilot: one task YAML with `num_nodes: N`, launched with `sky launch` (a cluster)
+or `sky jobs launch` (a managed job that SkyPilot recovers).
+
+SkyPilot runs its own Ray on every node (GCS 6380, dashboard 8266, dashboard agent
+52365), so ours takes other ports and is never stopped machine-wide. `setup` runs the
+task's setup commands; `run` starts the node agent, which reads SKYPILOT_NODE_RANK,
+SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES. Secrets and the Ray token are `secrets:` with
+null values, filled by `sky launch --secret NAME` from the local environment.
+"""
+
+from __future__ import annotations
+
+from ..plan import build_plan, size_bytes
+from ..spec import Task
+from .base import Provider
+from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_files
+
+#: Our dashboard agent must not take SkyPilot's 52365.
+AGENT_LISTEN_PORT = 52366
+
+
+class SkyProvider(Provider):
+    name = "sky"
+
+    def plan(self, task: Task) -> dict:
+        plan = build_plan(task, self.name, f"/checkpoints/{task.name}", {"agent_listen_port": AGENT_LISTEN_PORT})
+        plan["placement"] = task.placement.model_dump()
+        plan["resources"] = task.resources.model_dump(exclude_none=True)
+        plan["image"] = task.image
+        return plan
+
+    def task_config(self, plan: dict) -> dict:
+        res, placement = plan["resources"], plan["placement"]
+        resources: dict = {}
+        if res.get("gpus"):
+            resources["accelerators"] = res["gpus"]
+        if res.get("cpus"):
+            resources["cpus"] = f"{res['cpus']}+"
+        if res.get("memory"):
+            resources["memory"] = f"{max(1, size_bytes(res['memory']) // 10**9)}+"
+        if res.get("disk"):
+            resources["disk_size"] = max(1, size_bytes(res["disk"]) // 10**9)
+        if plan["image"]:
+            resources["image_id"] = f"docker:{plan['image']}"
+        if placement["spot"] != "off":
+            resources["use_spot"] = True
+        if placement["retry"]:
+            resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
+        if plan["ray"]["dashboard_host"] != "127.0.0.1":
+            resources["ports"] = [plan["ray"]["dashboard_port"]]
+        if placement["backends"]:
+            resources["any_of"] = [{"cloud": cloud} for cloud in placement["backends"]]
+        if len(placement["regions"]) == 1:
+            resources["region"] = placement["regions"][0]
+        config: dict = {"name": plan["name"], "num_nodes": plan["nodes"], "resources": resources}
+        if plan["env"]:
+            config["envs"] = dict(plan["env"])
+        secrets = list(plan["secrets"]) + ([plan["token_env"]] if plan["token_env"] else [])
+        if secrets:
+            config["secrets"] = {name: None for name in secrets}
+        config["file_mounts"] = {NODE_DIR: LOCAL_DIR}
+        setup = ["set -e"] + list(plan["setup"])
+        if plan["checkpoint_dir"]:
+            setup.append(f"mkdir -p {plan['checkpoint_dir']}")
+        config["setup"] = "\n".join(setup) + "\n"
+        config["run"] = agent_command(plan, self.name) + "\n"
+        return config
+
+    def render(self, plan: dict) -> dict[str, str]:
+        names = " ".join(f"--secret {n}" for n in plan["secrets"] + ([plan["token_env"]] if plan["token_env"] else []))
+        header = (f"# Rendered by rlhf-tasks for SkyPilot. From this directory:\n"
+                  f"#   sky launch -c {plan['name']} {plan['name']}.sky.yaml {names}\n"
+                  f"# or as a managed job: sky jobs launch {plan['name']}.sky.yaml {names}\n")
+        return {f"{plan['name']}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
