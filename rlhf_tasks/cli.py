@@ -76,7 +76,12 @@ def cmd_launch(args) -> int:
     from .launch import launch
 
     task = _task(args.task)
-    return launch(task, _provider(args.provider), keep=args.keep)
+    provider = _provider(args.provider)
+    if args.managed:
+        if args.provider != "sky":
+            raise BadInput("--managed: only for --provider sky (SkyPilot managed jobs)")
+        provider.managed = True
+    return launch(task, provider, keep=args.keep)
 
 
 def _token(args, name: str | None) -> str | None:
@@ -217,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task")
     p.add_argument("--provider", default="local")
     p.add_argument("--keep", action="store_true", help="local: keep the cluster running after the job")
+    p.add_argument("--managed", action="store_true", help="sky: run as a SkyPilot managed job (recovered on preemption)")
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")
     p.add_argument("--address", required=True, help="e.g. http://localhost:8265")

@@ -7,6 +7,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from .errors import BadInput, StepFailed
 from .node import TERMINAL_JOB_STATES, auth_headers
@@ -90,15 +91,24 @@ class Jobs:
     def list(self) -> list:
         return self.client.list_jobs()
 
-    def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout) -> str:
+    def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
+               final_status: Callable[[], str | None] = lambda: None) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
+        When the dashboard goes away (a head that submitted the job exits as soon as it
+        ends), `final_status()` may still know the outcome, e.g. from the head's log.
         Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
         printed, delay, started = 0, 0.5, time.monotonic()
         try:
             while True:
-                status = self.status(submission_id)
-                logs = self.logs(submission_id)
+                try:
+                    status = self.status(submission_id)
+                    logs = self.logs(submission_id)
+                except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
+                    status = final_status()
+                    if status is None:
+                        raise StepFailed(f"following job {submission_id}", f"lost the Ray dashboard: {exc}") from None
+                    return status
                 if len(logs) > printed:
                     out.write(logs[printed:])
                     out.flush()

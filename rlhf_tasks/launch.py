@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 from .errors import StepFailed
-from .node import alive_nodes, cluster_check, job_status, wait_for
+from .node import AgentError, alive_nodes, auth_headers, cluster_check, http_request, wait_for
 from .providers import Cluster, Provider
 from .spec import Task
 
@@ -68,6 +69,34 @@ def wait_cluster(cluster: Cluster, plan: dict, tail: LogTail) -> str:
     return wait_for(f"{plan['nodes']} nodes", _watching(cluster, tail, check), plan["wait"]["nodes_s"], interval=0.5)
 
 
+def head_submission(dashboard: str, token: str | None, name: str):
+    """A wait_for check: the id of the job the head agent submitted (named `<task>-<cluster>`)."""
+    try:
+        status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
+    except OSError as exc:
+        return False, str(exc)
+    ids = [job.get("submission_id") or "" for job in (json.loads(body) if status == 200 else [])]
+    ours = [sid for sid in ids if sid.startswith(f"{name}-")]
+    return (True, ours[0]) if ours else (False, "not submitted yet")
+
+
+def final_status_from_head(cluster: Cluster, submission_id: str, timeout_s: float = 60) -> str | None:
+    """The job's end state as the head agent logged it (`job <id> SUCCEEDED after ...`),
+    once the head has exited; None when it is still running or never said."""
+    pattern = re.compile(rf"job {re.escape(submission_id)} (SUCCEEDED|FAILED|STOPPED) after")
+
+    def check():
+        if cluster.head_alive():
+            return False, "the head is still running"
+        found = pattern.findall(cluster.head_log())
+        return True, (found[-1] if found else None)
+
+    try:
+        return wait_for("the head agent to finish", check, timeout_s, interval=0.2)
+    except AgentError:
+        return None
+
+
 def summarise(plan: dict, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
     lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
     metrics_path = (plan["job"].get("summary") or {}).get("metrics")
@@ -94,28 +123,30 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     secrets = collect_secrets(task)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes")
     cluster = provider.apply(task, plan, secrets)
+    if "exit_code" in cluster.extra:  # the provider ran the job to its end itself (a managed job)
+        return cluster.extra["exit_code"]
     plan = cluster.extra.get("plan", plan)
     tail = LogTail(cluster.logs_dir)
     interrupted = False
     try:
         have = wait_cluster(cluster, plan, tail)
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
-        submission_id = f"{plan['name']}-{cluster.cluster_id}"
         jobs = Jobs(cluster.dashboard, cluster.token)
         if plan["job"]["submit"] == "client":
             head = next(n["node_ip"] for n in alive_nodes(cluster.dashboard, cluster.token) if n.get("is_head_node"))
             if plan["job"].get("wandb_args"):
                 say("W&B logging " + ("on" if "WANDB_API_KEY" in secrets else "off: WANDB_API_KEY was not provided"))
-            jobs.submit(plan, submission_id, head, wandb="WANDB_API_KEY" in secrets)
+            submission_id = jobs.submit(plan, f"{plan['name']}-{cluster.cluster_id}", head,
+                                        wandb="WANDB_API_KEY" in secrets)
             say(f"submitted job {submission_id}")
         else:
             say("waiting for the head to submit the job")
-            wait_for(f"job {submission_id} to be submitted by the head",
-                     _watching(cluster, tail, lambda: (lambda s: (s is not None, s or "not submitted yet"))(
-                         job_status(cluster.dashboard, cluster.token, submission_id))), 600)
+            submission_id = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
+                cluster.dashboard, cluster.token, plan["name"])), 600)
         tail.pump()
         say(f"following job {submission_id} (Ctrl-C stops following, not the job)")
-        status = jobs.follow(submission_id, plan["job"].get("timeout_s"))
+        status = jobs.follow(submission_id, plan["job"].get("timeout_s"),
+                             final_status=lambda: final_status_from_head(cluster, submission_id))
         summarise(plan, submission_id, status, started, cluster.logs_dir)
         return 0 if status == "SUCCEEDED" else 1
     except KeyboardInterrupt:

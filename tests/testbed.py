@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -38,12 +39,16 @@ from typing import Callable, Mapping, Sequence
 PREFIX = "rt-"
 SUBNET = "10.77.0"  # private range, only ever inside namespaces we create
 LAPTOP_IP = f"{SUBNET}.2"
-APT_PACKAGES = ("openssh-server", "openssh-client")
+# what the testbed and its tests use beyond a base Debian: CI installs it up front
+APT_PACKAGES = ("openssh-server", "openssh-client", "iproute2", "procps")
 APT_INSTALL_CMD = (
     "apt-get update && DEBIAN_FRONTEND=noninteractive "
     "apt-get install -y --no-install-recommends " + " ".join(APT_PACKAGES)
 )
 SSHD = "/usr/sbin/sshd"
+# absolute: a host command's exact env may have no PATH that finds them
+NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
+UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 PYTHON = sys.executable
 BIN_DIR = os.path.dirname(PYTHON)
 
@@ -112,6 +117,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
 def _pidns_members(init_pid: int) -> list[int]:
     """Root-namespace PIDs of all processes in init_pid's PID namespace."""
     try:
@@ -163,7 +182,7 @@ def cleanup_stale() -> list[str]:
 def require_root() -> str | None:
     """Reason to skip, or None.  In CI (CI=true) missing root is an error, never a skip."""
     if os.geteuid() == 0:
-        for tool in ("ip", "unshare", "nsenter", "mount"):
+        for tool in ("ip", "unshare", "nsenter"):
             if not shutil.which(tool):
                 raise TestbedError(f"testbed needs `{tool}` (util-linux / iproute2)")
         return None
@@ -280,12 +299,14 @@ class Proc:
             _kill(pid, sig)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the command's whole process group (it runs in a session of its own)."""
+        """Send ``sig`` to the command's whole process group (it runs in a session of its own).
+
+        nsenter itself is spared: it reaps its child and exits with the child's status.
+        """
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
+            for pid in _group_members(self.popen.pid):
+                if pid != self.popen.pid:
+                    _kill(pid, sig)
 
     @property
     def output(self) -> str:
@@ -315,8 +336,9 @@ class HttpResponse:
 _HTTP = r"""
 import json, sys, urllib.request, urllib.error
 spec = json.loads(sys.argv[1])
-req = urllib.request.Request(spec["url"], data=spec["data"].encode() if spec["data"] is not None else None,
-                             method=spec["method"], headers=spec["headers"])
+data = spec["data"].encode() if spec["data"] is not None else None
+req = urllib.request.Request(spec["url"], data=data, method=spec["method"],
+                             headers=spec["headers"])
 try:
     with urllib.request.urlopen(req, timeout=spec["timeout"]) as r:
         out = {"status": r.status, "body": r.read().decode("utf-8", "replace"), "error": ""}
@@ -353,6 +375,11 @@ class Testbed:
 
     def __init__(self, n: int, dir: str | os.PathLike, *, shared: Sequence[str | os.PathLike] = (),
                  names: Sequence[str] | None = None):
+        """``dir`` holds the hosts file, keys and logs; ``shared``: dirs hosts must see too.
+
+        Create it from the main thread: hosts are bound to the creating thread's
+        life (PR_SET_PDEATHSIG), so a crashed test run leaves no host running.
+        """
         global _counter
         reason = require_root()
         if reason:
@@ -362,9 +389,12 @@ class Testbed:
         self.prefix = f"{PREFIX}{os.getpid()}-{_counter}"
         self.dir = Path(dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
-        # paths under /tmp are hidden by each host's private /tmp: bind them back
-        paths = {str(self.dir), *(str(Path(p).resolve()) for p in shared)}
-        self.shared = sorted(p for p in paths if p == "/tmp" or p.startswith("/tmp/"))
+        # Paths under /tmp are hidden by each host's private /tmp: bind them back.
+        # The venv, the checkout and the cwd too, in case CI cloned under /tmp.
+        paths = {self.dir, *map(Path, shared), Path(sys.prefix), Path(sys.base_prefix),
+                 Path(__file__).parent.parent, Path.cwd()}
+        resolved = {str(p.resolve()) for p in paths}
+        self.shared = sorted(p for p in resolved if p.startswith("/tmp/"))
         self.hosts_file = self.dir / "hosts"
         self.aliases: dict[str, int] = {}
         self.bridge_ns = f"{self.prefix}-br"
@@ -381,7 +411,10 @@ class Testbed:
         try:
             self._create()
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            except TestbedError:
+                pass  # the boot error is the one to see
             raise
 
     # ----------------------------------------------------------------- setup
@@ -409,10 +442,10 @@ class Testbed:
 
     def _boot(self, h: Host) -> None:
         """Start the host's init (PID 1 of its PID namespace) and wait until its mounts are set."""
-        argv = ["nsenter", f"--net=/run/netns/{h.netns}",
-                "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "--ipc",
+        argv = [NSENTER, f"--net=/run/netns/{h.netns}",
+                UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "--ipc",
                 "--mount", "--propagation", "private",
-                PYTHON, "-I", "-S", self._script("hostinit", _INIT), h.name, str(self.hosts_file), *self.shared]
+                *self._py("hostinit", _INIT), h.name, str(self.hosts_file), *self.shared]
         err = self.dir / f"{h.name}-init.err"
         with open(err, "wb") as errf:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -420,7 +453,6 @@ class Testbed:
         h._init_proc = p
         line = b""
         deadline = time.monotonic() + 20
-        import select
         while not line.endswith(b"\n") and time.monotonic() < deadline and p.poll() is None:
             r, _, _ = select.select([p.stdout], [], [], 0.5)
             if r:
@@ -436,13 +468,13 @@ class Testbed:
             raise TestbedError(f"host {h.name}: expected one init process, found {kids}")
         h.init_pid = kids[0]
 
-    def _script(self, name: str, source: str) -> str:
-        """Helper scripts live in the (shared) testbed dir: short, readable argv in ps."""
+    def _py(self, name: str, source: str) -> list[str]:
+        """argv running a helper script kept in the (shared) testbed dir: short argv in ps."""
         path = self.dir / "bin" / f"{name}.py"
         if not path.exists():
             path.parent.mkdir(exist_ok=True)
             path.write_text(source.lstrip())
-        return str(path)
+        return [PYTHON, "-I", "-S", str(path)]
 
     def _write_hosts_file(self) -> None:
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
@@ -462,7 +494,7 @@ class Testbed:
     def host(self, h: int | str | Host) -> Host:
         if isinstance(h, Host):
             return h
-        if h == "laptop" or h == -1:
+        if h == "laptop":
             return self.laptop
         if isinstance(h, str):
             return next(x for x in self._all_hosts() if x.name == h)
@@ -481,11 +513,12 @@ class Testbed:
     def run(self, h: int | str | Host, cmd: str | Sequence[str], *,
             env: Mapping[str, str] | None = None, background: bool = True,
             timeout: float = 120, check: bool = False, cwd: str | os.PathLike | None = None,
-            name: str | None = None) -> Proc:
+            name: str | None = None, log: str | os.PathLike | None = None) -> Proc:
         """Run ``cmd`` on a host with exactly ``env`` (default :meth:`env`).
 
         A string runs under ``bash -c``; a list is exec'd as is.  Output (stdout
-        and stderr) goes to ``<dir>/<host>/<seq>-<name>.log``.  With
+        and stderr) goes to ``log``, by default ``<dir>/<host>/<seq>-<name>.log``.
+        ``cwd`` defaults to the caller's.  With
         ``background=False`` waits up to ``timeout`` (``check``: raise on a
         non-zero exit).
         """
@@ -494,13 +527,13 @@ class Testbed:
             raise TestbedError(f"host {host.name} is down")
         argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         self._seq += 1
-        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name or os.path.basename(
-            argv[0] if argv[0] != "/bin/bash" else cmd.split()[0] if cmd.split() else "bash"))[:40]
+        first = (cmd.split() or ["bash"])[0] if isinstance(cmd, str) else argv[0]
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name or os.path.basename(first))[:40]
         logdir = self.dir / host.name
         logdir.mkdir(exist_ok=True)
-        log = logdir / f"{self._seq:03d}-{label}.log"
+        log = Path(log) if log is not None else logdir / f"{self._seq:03d}-{label}.log"
         wd = str(cwd) if cwd is not None else os.getcwd()
-        full = ["nsenter", f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
+        full = [NSENTER, f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
                 "--net", f"--wd={wd}", "--", *argv]
         with open(log, "wb") as out:
             popen = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out,
@@ -534,14 +567,18 @@ class Testbed:
     def kill(self, h: int | str | Host, sig: int = signal.SIGKILL, timeout: float = 15) -> None:
         """Kill every process on the host except its init: a crash, the host stays up.
 
-        Its /tmp survives; run new commands on it afterwards to "restart".
+        Its /tmp survives; run new commands on it afterwards to "restart".  With
+        ``sig=SIGTERM`` each process gets it once, for a graceful stop.
         """
         host = self.host(h)
+        sent: set[int] = set()
 
         def gone():
             pids = self.processes(host)
-            for pid in pids:
-                _kill(pid, sig)
+            for pid in pids:  # SIGKILL again for late forks; other signals once each
+                if sig == signal.SIGKILL or pid not in sent:
+                    _kill(pid, sig)
+                    sent.add(pid)
             return not pids
         poll(gone, timeout, f"processes of {host.name} to die", 0.05)
         self._reap()
@@ -553,17 +590,24 @@ class Testbed:
         self._boot(host)
 
     def _kill_host(self, host: Host, timeout: float) -> None:
-        # Kill the init first and leave `unshare` to reap it: were unshare killed
-        # first, the init would become a zombie of the root namespace's PID 1,
-        # which may take seconds to reap it.
+        # Kill inside-out.  A process whose parent is outside its PID namespace
+        # (nsenter's child, the init under unshare) becomes a zombie of the root
+        # namespace's PID 1 if that parent dies first, which may take seconds to
+        # reap; and the namespace is not gone until it is.  So kill the PID
+        # namespace (init first), let nsenter/unshare reap and exit by
+        # themselves, and only then kill whatever else is left in the netns.
         unshare = host._init_proc
 
         def gone():
-            pids = _pidns_members(host.init_pid) if host.init_pid else []
-            pids += [p for p in _netns_pids(host.netns) if unshare is None or p != unshare.pid]
-            for pid in pids:
+            members = _pidns_members(host.init_pid) if host.init_pid else []
+            for pid in members:
                 _kill(pid)
-            return not pids and (unshare is None or unshare.poll() is not None)
+            if members:
+                return False
+            rest = [p for p in _netns_pids(host.netns) if unshare is None or p != unshare.pid]
+            for pid in rest:
+                _kill(pid)
+            return not rest and (unshare is None or unshare.poll() is not None)
         poll(gone, timeout, f"processes of {host.name} to die", 0.02)
         self._reap()
 
@@ -573,11 +617,15 @@ class Testbed:
 
     # ----------------------------------------------------------------- probes
 
+    def _probe_log(self, h: int | str | Host, what: str) -> Path:
+        """One log per probe kind and host, overwritten: polling loops leave no pile of files."""
+        return self.dir / self.host(h).name / f"probe-{what}.log"
+
     def wait_port(self, h: int | str | Host, port: int, addr: str = "127.0.0.1",
                   timeout: float = 30) -> None:
         """Wait until ``addr:port`` accepts TCP connections as seen from host h."""
-        p = self.run(h, [PYTHON, "-I", "-S", self._script("wait_port", _WAIT_PORT), addr, str(port), str(timeout)],
-                     name="wait_port", background=False, timeout=timeout + 15)
+        p = self.run(h, [*self._py("wait_port", _WAIT_PORT), addr, str(port), str(timeout)],
+                     log=self._probe_log(h, "wait_port"), background=False, timeout=timeout + 15)
         if p.returncode != 0:
             raise TimeoutError(f"{self.host(h).name}: {p.output.strip()}")
 
@@ -591,8 +639,8 @@ class Testbed:
             hdrs.setdefault("Content-Type", "application/json")
         spec = {"url": url, "method": method or ("POST" if data is not None else "GET"),
                 "data": data, "headers": hdrs, "timeout": timeout}
-        p = self.run(h, [PYTHON, "-I", "-S", self._script("http", _HTTP), json.dumps(spec)], name="http",
-                     background=False, timeout=timeout + 15)
+        p = self.run(h, [*self._py("http", _HTTP), json.dumps(spec)],
+                     log=self._probe_log(h, "http"), background=False, timeout=timeout + 15)
         try:
             out = json.loads(p.output.strip().splitlines()[-1])
         except (IndexError, ValueError):
@@ -611,14 +659,16 @@ class Testbed:
         """
         ensure_sshd()
         target = self.host(host)
+        live = {lp: f for lp, f in self._forwards.items() if f[0].running()}
+        for lp, (_, h, rp) in live.items():
+            if (h, rp) == (target.index, remote_port) and local_port in (None, lp):
+                return lp
+        if local_port is None:
+            local_port = remote_port if remote_port not in live else max(30000, *live) + 1
         key = self._ssh_keys()
         sshd = self._sshd.get(target.index)
         if sshd is None or not sshd.running():
             sshd = self._start_sshd(target, timeout)
-        if local_port is None:
-            local_port = remote_port
-            while local_port in self._forwards:
-                local_port = 30000 + len(self._forwards) + (local_port % 1000)
         ssh = self.run(self.laptop, [
             "ssh", "-N", "-F", "/dev/null", "-i", str(key),
             "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
@@ -631,8 +681,8 @@ class Testbed:
         def accepting():
             if not ssh.running():
                 raise TestbedError(f"ssh forward exited ({ssh.returncode}):\n{ssh.output}")
-            return self.run(self.laptop, [PYTHON, "-I", "-S", self._script("wait_port", _WAIT_PORT), "127.0.0.1",
-                                          str(local_port), "0"], name="wait_port",
+            probe = [*self._py("wait_port", _WAIT_PORT), "127.0.0.1", str(local_port), "0"]
+            return self.run(self.laptop, probe, log=self._probe_log("laptop", "wait_port"),
                             background=False, timeout=15).returncode == 0
         try:
             poll(accepting, timeout, f"laptop forward :{local_port}", 0.1)
@@ -708,10 +758,12 @@ class Testbed:
 
 
 def make_testbed_fixture(n: int = 2, scope: str = "function", **kwargs):
-    """A pytest fixture giving a fresh ``Testbed(n)`` under the test's tmp_path.
+    """A pytest fixture giving a fresh ``Testbed(n)``, torn down after the test (pass or fail).
 
-    In conftest.py: ``testbed2 = make_testbed_fixture(2)``.  Skips without root,
-    except in CI (CI=true), where that is an error.
+    In conftest.py: ``testbed2 = make_testbed_fixture(2)``.  Its files and logs
+    are in ``<tmp_path>/testbed`` (``function`` scope).  The whole pytest
+    basetemp is shared with the hosts, so every test's tmp_path is visible on
+    them.  Skips without root, except in CI (CI=true), where that is an error.
     """
     import pytest
 
@@ -720,9 +772,11 @@ def make_testbed_fixture(n: int = 2, scope: str = "function", **kwargs):
         reason = require_root()
         if reason:
             pytest.skip(reason)
-        # share the whole basetemp: every test's tmp_path is then visible on the hosts
-        tb = Testbed(n, tmp_path_factory.mktemp(f"testbed{n}-"),
-                     shared=[tmp_path_factory.getbasetemp()], **kwargs)
+        if scope == "function":
+            base = request.getfixturevalue("tmp_path") / "testbed"
+        else:
+            base = tmp_path_factory.mktemp(f"testbed{n}-")
+        tb = Testbed(n, base, shared=[tmp_path_factory.getbasetemp()], **kwargs)
         request.addfinalizer(tb.close)
         return tb
 

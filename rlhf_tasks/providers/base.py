@@ -41,3 +41,25 @@ class Provider:
 
     def down(self, name: str) -> str:
         raise NotImplementedError
+
+
+def require_cli(executable: str, extra: str) -> str:
+    """The provider's CLI on PATH, or a bad-input error that says how to install it."""
+    import shutil
+
+    from ..errors import BadInput
+
+    path = shutil.which(executable)
+    if path is None:
+        raise BadInput(f"--provider: the `{executable}` command is not installed; "
+                       f"pip install 'rlhf-tasks[{extra}]' (and configure it) first")
+    return path
+
+
+def write_files(directory, files: dict[str, str]) -> None:
+    from pathlib import Path
+
+    for name, text in files.items():
+        path = Path(directory) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)

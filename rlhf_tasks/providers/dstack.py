@@ -9,9 +9,14 @@ dstack CLI fills from the local environment at apply time.
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
+from .. import state
 from ..plan import build_plan
 from ..spec import Task
-from .base import Provider
+from .base import Cluster, Provider, require_cli, write_files
 from .shipping import agent_command, dump_yaml, node_path, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -91,3 +96,26 @@ class DstackProvider(Provider):
                                                          "# Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
+
+    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+        """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
+        dstack = require_cli("dstack", "dstack")
+        directory = Path.cwd() / "runs" / plan["name"] / "dstack"
+        files = self.render(plan)
+        write_files(directory, files)
+        token = state.new_token(plan["name"]) if plan["token_env"] else None
+        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
+        log = open(directory / "dstack-apply.log", "ab")
+        proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan['name']}.dstack.yml"), "-y"],
+                                cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        dashboard = f"http://localhost:{plan['ray']['dashboard_port']}"
+        state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "dashboard": dashboard})
+        return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard=dashboard, token=token,
+                       head_alive=lambda: proc.poll() is None,
+                       head_log=lambda: (directory / "dstack-apply.log").read_text(errors="replace"))
+
+    def down(self, name: str) -> str:
+        out = subprocess.run([require_cli("dstack", "dstack"), "stop", name, "-y"], capture_output=True, text=True)
+        state.forget(name)
+        return out.stdout.strip() or out.stderr.strip() or f"dstack stop {name}: exit {out.returncode}"

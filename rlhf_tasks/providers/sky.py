@@ -10,9 +10,15 @@ null values, filled by `sky launch --secret NAME` from the local environment.
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
+from .. import state
+from ..errors import BadInput
 from ..plan import build_plan, size_bytes
 from ..spec import Task
-from .base import Provider
+from .base import Cluster, Provider, require_cli, write_files
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_files
 
 #: Our dashboard agent must not take SkyPilot's 52365.
@@ -72,3 +78,48 @@ class SkyProvider(Provider):
                   f"#   sky launch -c {plan['name']} {plan['name']}.sky.yaml {names}\n"
                   f"# or as a managed job: sky jobs launch {plan['name']}.sky.yaml {names}\n")
         return {f"{plan['name']}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
+
+    managed = False  # set by `rlhf-tasks launch --managed`
+
+    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+        """`sky launch` (then the dashboard through `ssh -L` to the head, which SkyPilot
+        names in ~/.ssh/config), or `sky jobs launch` for a managed job."""
+        sky = require_cli("sky", "sky")
+        if self.managed and plan["job"]["submit"] != "head":
+            raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
+                           "since SkyPilot relaunches the whole task on recovery")
+        directory = Path.cwd() / "runs" / plan["name"] / "sky"
+        write_files(directory, self.render(plan))
+        token = state.new_token(plan["name"]) if plan["token_env"] else None
+        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
+        names = list(secrets) + ([plan["token_env"]] if token else [])
+        secret_args = [arg for name in names for arg in ("--secret", name)]
+        yaml_file = f"{plan['name']}.sky.yaml"
+        if self.managed:
+            argv = [sky, "jobs", "launch", "-n", plan["name"], yaml_file, *secret_args, "-y"]
+        else:
+            argv = [sky, "launch", "-c", plan["name"], yaml_file, *secret_args, "-y", "--detach-run"]
+        out = subprocess.run(argv, cwd=directory, env=env)  # a managed job streams its logs until it ends
+        if self.managed:
+            state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "managed": True})
+            return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard="", token=token,
+                           head_alive=lambda: False, extra={"exit_code": out.returncode})
+        if out.returncode != 0:
+            from ..errors import StepFailed
+
+            raise StepFailed("sky launch", f"exit code {out.returncode}")
+        port = plan["ray"]["dashboard_port"]
+        tunnel = subprocess.Popen(["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-L",
+                                   f"{port}:127.0.0.1:{port}", plan["name"]], stdin=subprocess.DEVNULL)
+        dashboard = f"http://localhost:{port}"
+        state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "dashboard": dashboard})
+        return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard=dashboard, token=token,
+                       head_alive=lambda: tunnel.poll() is None)
+
+    def down(self, name: str) -> str:
+        record = state.load(name) or {}
+        sky = require_cli("sky", "sky")
+        argv = [sky, "jobs", "cancel", "-n", name, "-y"] if record.get("managed") else [sky, "down", name, "-y"]
+        out = subprocess.run(argv, capture_output=True, text=True)
+        state.forget(name)
+        return out.stdout.strip() or out.stderr.strip() or f"{' '.join(argv[1:3])}: exit {out.returncode}"
