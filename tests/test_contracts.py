@@ -1,0 +1,181 @@
+"""Provider contracts on the multi-host testbed: what we render for dstack and SkyPilot,
+run on separate hosts with exactly the environment each provider's runner sets, forms
+a Ray cluster and runs the job (submitted by the head, or from a laptop through an SSH
+port forward)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+import testbed as tbmod
+from rlhf_tasks import providers
+from rlhf_tasks.spec import parse_task
+
+testbed2 = tbmod.make_testbed_fixture(2)
+testbed3 = tbmod.make_testbed_fixture(3)
+
+TOKEN = "contract-test-token-0123456789abcdef"
+JOB = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.nodes() if x['Alive']); "
+       "print('CONTRACT alive nodes', n); assert n == {nodes}\"")
+
+
+def contract_task(tmp_path: Path, nodes: int, submit: str, service: bool = True) -> dict:
+    task = {
+        "name": f"contract-{submit}",
+        "nodes": nodes,
+        "resources": {"cpus": 1},
+        "env": {"PYTHONUNBUFFERED": "1"},
+        "secrets": ["WANDB_API_KEY"],
+        "setup": [f"echo setup ran on $(hostname) >> {tmp_path}/setup.log"],
+        "ray": {"object_store_memory": "80MB"},
+        "checkpoints": {"path": str(tmp_path / "ckpt")},
+        "wait": {"head": "3m", "nodes": "3m"},
+        "job": {"recipe": "command", "submit": submit, "working_dir": None, "timeout": "5m",
+                "args": {"entrypoint": JOB.format(nodes=nodes)}},
+    }
+    if service:  # a node-local service on every node, checked over HTTP before the job
+        task["services"] = [{"name": "web", "where": "every_node", "timeout": "1m",
+                             "command": "python3 -m http.server --bind {node_addr} 23111",
+                             "ready": {"http": "http://{node_addr}:23111/"}}]
+    return task
+
+
+def render(provider_name: str, task: dict, directory: Path) -> dict[str, str]:
+    provider = providers.get(provider_name)
+    files = provider.render(provider.plan(parse_task(task)))
+    for name, text in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+    return files
+
+
+def place(tb, host: int, sources: dict[str, Path]) -> None:
+    """Put shipped files at their destinations on one host, as the provider would upload them.
+    /opt is a tmpfs of the host's own (its mount namespace), so the machine's /opt is untouched."""
+    script = ["mountpoint -q /opt || mount -t tmpfs tmpfs /opt"]
+    for destination, source in sources.items():
+        script.append(f"mkdir -p {shlex.quote(str(Path(destination).parent))}")
+        script.append(f"cp -r {shlex.quote(str(source))} {shlex.quote(destination)}")
+    tb.sh(host, " && ".join(script))
+
+
+def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str]) -> dict[str, str]:
+    """What dstack's runner sets on a node, plus the configuration's `env` (bare names filled
+    from the user's environment at `dstack apply`)."""
+    local = {"WANDB_API_KEY": "", "RAY_AUTH_TOKEN": TOKEN}
+    env = {}
+    for entry in rendered_env:
+        key, sep, value = entry.partition("=")
+        env[key] = value if sep else local[key]
+    env = {k: v for k, v in env.items() if v}
+    ips = [h.ip for h in tb.hosts[:nodes]]
+    return tb.env(**env, DSTACK_NODE_RANK=str(rank), DSTACK_MASTER_NODE_IP=ips[0], DSTACK_NODES_IPS="\n".join(ips),
+                  DSTACK_NODES_NUM=str(nodes), DSTACK_GPUS_PER_NODE="0", DSTACK_GPUS_NUM="0",
+                  DSTACK_RUN_NAME="contract-run")
+
+
+def start_dstack(tb, tmp_path: Path, task: dict) -> list:
+    files = render("dstack", task, tmp_path / "rendered")
+    config = yaml.safe_load(files[f"{task['name']}.dstack.yml"])
+    assert TOKEN not in json.dumps(config)
+    mounts = {m.split(":")[1]: tmp_path / "rendered" / m.split(":")[0] for m in config["files"]}
+    procs = []
+    for rank in range(task["nodes"]):
+        place(tb, rank, mounts)
+        env = dstack_env(tb, rank, task["nodes"], config["env"])
+        procs.append(tb.run(rank, " && ".join(config["commands"]), env=env, name=f"dstack-node{rank}"))
+    return procs
+
+
+def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
+    task = contract_task(tmp_path, 3, "head")
+    procs = start_dstack(testbed3, tmp_path, task)
+    head, workers = procs[0], procs[1:]
+    assert head.wait(240) == 0, head.output[-4000:]
+    out = head.output
+    assert "CONTRACT alive nodes 3" in out and "SUCCEEDED" in out
+    assert "service web ready" in out and TOKEN not in out
+    for worker in workers:  # the head is gone: the run is over for them too
+        assert worker.wait(90) == 0, worker.output[-3000:]
+        assert "the head is gone" in worker.output and TOKEN not in worker.output
+
+
+def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):
+    task = contract_task(tmp_path, 2, "head", service=False)
+    task["job"]["args"]["entrypoint"] = "python3 -c 'raise SystemExit(3)'"
+    procs = start_dstack(testbed2, tmp_path, task)
+    assert procs[0].wait(240) == 1, procs[0].output[-4000:]
+    assert "FAILED" in procs[0].output
+    assert procs[1].wait(90) == 0
+
+
+def test_dstack_client_submission_through_a_forwarded_port(testbed2, tmp_path):
+    tb = testbed2
+    task = contract_task(tmp_path, 2, "client")
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(yaml.safe_dump(task))
+    procs = start_dstack(tb, tmp_path, task)
+    tbmod.poll(lambda: "cluster ready for a client submission" in procs[0].output or None, 180,
+               "the head to report the cluster ready")
+    port = tb.laptop_forward(8265, host=0)
+    # The dashboard is bound to the head's 127.0.0.1 only: the laptop reaches it through the tunnel.
+    assert not tb.http("laptop", f"http://{tb.hosts[0].ip}:8265/api/gcs_healthz", timeout=3).ok
+    assert tb.http("laptop", f"http://127.0.0.1:{port}/api/gcs_healthz").ok
+    refused = tb.http("laptop", f"http://127.0.0.1:{port}/api/jobs/")
+    assert refused.status in (401, 403), refused
+    home = tmp_path / "laptop-home"
+    submit = tb.run("laptop", ["rlhf-tasks", "submit", str(task_file), "--address", f"http://127.0.0.1:{port}",
+                               "--provider", "dstack", "--follow"],
+                    env=tb.env(RAY_AUTH_TOKEN=TOKEN, RLHF_TASKS_HOME=str(home)), name="submit")
+    assert submit.wait(240) == 0, submit.output[-4000:]
+    assert "CONTRACT alive nodes 2" in submit.output and "SUCCEEDED" in submit.output
+    assert procs[0].running() and procs[1].running()  # a client-mode cluster stays up until `down`
+
+
+def test_skypilot_setup_then_run_on_every_host(testbed2, tmp_path):
+    tb = testbed2
+    task = contract_task(tmp_path, 2, "head")
+    files = render("sky", task, tmp_path / "rendered")
+    config = yaml.safe_load(files[f"{task['name']}.sky.yaml"])
+    assert set(config["secrets"]) == {"WANDB_API_KEY", "RAY_AUTH_TOKEN"}
+    mounts = {dst: tmp_path / "rendered" / src for dst, src in config["file_mounts"].items()}
+    ips = "\n".join(h.ip for h in tb.hosts)
+    secrets = {"RAY_AUTH_TOKEN": TOKEN}  # `sky launch --secret RAY_AUTH_TOKEN`; WANDB_API_KEY not given
+    for rank in range(2):
+        place(tb, rank, mounts)
+        env = tb.env(**config["envs"], **secrets, SKYPILOT_SETUP_NODE_RANK=str(rank), SKYPILOT_NUM_NODES="2",
+                     SKYPILOT_SETUP_NODE_IPS=ips)
+        tb.run(rank, config["setup"], env=env, background=False, check=True, name="sky-setup")
+    assert (tmp_path / "setup.log").read_text().count("setup ran on") == 2
+    procs = []
+    for rank in range(2):
+        env = tb.env(**config["envs"], **secrets, SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS=ips,
+                     SKYPILOT_NUM_NODES="2", SKYPILOT_NUM_GPUS_PER_NODE="0", SKYPILOT_TASK_ID="sky-contract-1")
+        procs.append(tb.run(rank, config["run"], env=env, name=f"sky-node{rank}"))
+    assert procs[0].wait(240) == 0, procs[0].output[-4000:]
+    assert "CONTRACT alive nodes 2" in procs[0].output
+    assert "--dashboard-agent-listen-port 52366" in procs[0].output  # never SkyPilot's 52365
+    assert procs[1].wait(90) == 0, procs[1].output[-3000:]
+
+
+@pytest.mark.parametrize("provider_name", ["dstack", "sky"])
+def test_missing_token_is_a_clear_error(testbed2, tmp_path, provider_name):
+    task = contract_task(tmp_path, 2, "head", service=False)
+    files = render(provider_name, task, tmp_path / "rendered")
+    main = next(iter(files))
+    config = yaml.safe_load(files[main])
+    command = config["commands"][-1] if provider_name == "dstack" else config["run"]
+    mounts = ({m.split(":")[1]: tmp_path / "rendered" / m.split(":")[0] for m in config["files"]}
+              if provider_name == "dstack" else
+              {dst: tmp_path / "rendered" / src for dst, src in config["file_mounts"].items()})
+    place(testbed2, 0, mounts)
+    env = (dstack_env(testbed2, 0, 2, ["PYTHONUNBUFFERED=1"]) if provider_name == "dstack" else
+           testbed2.env(SKYPILOT_NODE_RANK="0", SKYPILOT_NODE_IPS=testbed2.hosts[0].ip, SKYPILOT_NUM_NODES="2"))
+    proc = testbed2.run(0, command, env=env, name="no-token")
+    assert proc.wait(60) == 2
+    assert "$RAY_AUTH_TOKEN is not set" in proc.output
