@@ -54,7 +54,9 @@ def _watching(cluster: Cluster, tail: LogTail, check):
         tail.pump()
         if not cluster.head_alive():
             tail.pump()
-            raise StepFailed("bringing up the cluster", "the head node's agent exited (its log is above)")
+            where = "its log is above" if cluster.logs_dir else "last lines:\n" + "\n".join(
+                cluster.head_log().splitlines()[-20:])
+            raise StepFailed("bringing up the cluster", f"the head's process exited ({where})")
         return check()
     return wrapped
 

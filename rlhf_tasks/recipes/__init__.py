@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from .base import JobBase, RecipeOutput, Shape
 from .command import CommandJob
+from .openrlhf import OpenRLHFPPOJob
+from .openrlhf_m import OpenRLHFMGrpoJob
+from .search_r1 import SearchR1Job
 from .tiny_grpo import TinyGrpoJob
+from .verl import VerlPPOJob
 
 #: Every recipe's job model; the task spec's `job` is a union discriminated by `recipe`.
-JOB_MODELS: tuple[type[JobBase], ...] = (TinyGrpoJob, CommandJob)
+JOB_MODELS: tuple[type[JobBase], ...] = (TinyGrpoJob, CommandJob, OpenRLHFPPOJob, OpenRLHFMGrpoJob, VerlPPOJob, SearchR1Job)
 
 
 def recipe_name(model: type[JobBase]) -> str:

@@ -1,0 +1,214 @@
+"""search-r1: Search-R1's PPO/GRPO (its own fork of verl, `python3 -m verl.trainer.main_ppo`)
+with the retriever it searches through running on every node.
+
+The multi-node guide launches the same retriever on every node and points the trainer at
+127.0.0.1:8000, so every rollout worker queries its own node. Here each retriever is ready
+only when it answers a real query; rank 0 downloads the index, corpus and NQ data once
+into the shared checkpoint directory before any retriever starts. Search-R1's fork
+predates verl's resume_mode and checks batches differently from verl 0.9, hence its own
+checks (cited from the fork's files)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
+
+#: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
+RETRIEVER_URL = "http://127.0.0.1:8000/retrieve"
+
+#: Search-R1's verl/trainer/config/ppo_trainer.yaml keys the recipe fills from the task.
+OWNED = {"trainer.nnodes", "trainer.n_gpus_per_node", "trainer.default_local_dir", "trainer.logger",
+         "data.train_files", "data.val_files", "retriever.url"}
+
+
+class SearchR1Args(StrictModel):
+    model: str = Field("Qwen/Qwen2.5-7B", description="base model to train (actor and critic)")
+    estimator: Literal["gae", "grpo"] = Field("gae", description="gae is PPO with a critic; grpo needs n_agent > 1")
+    n_agent: int = Field(1, ge=1, description="rollouts per prompt (actor_rollout_ref.rollout.n_agent; 5 for grpo)")
+    repo_dir: str = Field("/workspace/Search-R1", description="Search-R1 checkout on every node, installed with "
+                          "`pip install -e .` (its verl fork provides the trainer)")
+    retriever_python: str = Field("python3", description="Python that runs the retriever (the guide uses a separate "
+                                  "environment with faiss-gpu, e.g. /opt/conda/envs/retriever/bin/python)")
+    index_dir: str | None = Field(None, description="e5 index and wiki-18 corpus, downloaded on rank 0 (absolute, "
+                                  "shared by all nodes); default: <checkpoints>/search-r1/index")
+    data_dir: str | None = Field(None, description="NQ search data, prepared on rank 0 (absolute); default: "
+                                 "<checkpoints>/data/nq_search")
+    faiss_gpu: bool = Field(True, description="retriever index on the GPUs (faster; its memory is outside Ray's "
+                            "accounting, so keep gpu_memory_utilization moderate)")
+    topk: int = Field(3, ge=1, description="passages per search")
+    max_turns: int = Field(4, ge=1, description="search turns per rollout")
+    train_batch_size: int = Field(512, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    max_prompt_length: int = Field(4096, ge=1)
+    max_response_length: int = Field(500, ge=1)
+    max_start_length: int = Field(2048, ge=1)
+    max_obs_length: int = Field(500, ge=1)
+    ppo_mini_batch_size: int = Field(256, ge=1, description="global; the fork divides it by the GPU count")
+    ppo_micro_batch_size: int = Field(64, ge=1, description="global; the fork divides it by the GPU count")
+    log_prob_micro_batch_size: int = Field(128, ge=1, description="global; the fork divides it by the GPU count")
+    critic_micro_batch_size: int = Field(16, ge=1, description="global; the fork divides it by the GPU count")
+    rollout_tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine; must divide GPUs per node")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    actor_lr: float = Field(1e-6, gt=0)
+    actor_warmup_ratio: float = Field(0.285, ge=0, le=1)
+    critic_lr: float = Field(1e-5, gt=0)
+    critic_warmup_ratio: float = Field(0.015, ge=0, le=1)
+    kl_coef: float = Field(0.001, ge=0)
+    total_epochs: int = Field(15, ge=1)
+    total_training_steps: int | None = Field(1005, ge=1)
+    save_freq: int = Field(100)
+    test_freq: int = Field(100)
+    project_name: str = Field("Search-R1")
+    experiment_name: str = Field("nq-search-r1-ppo-qwen2.5-7b-em")
+    extra_overrides: list[str] = Field([], description="more Hydra overrides for Search-R1's ppo_trainer config")
+
+    @field_validator("repo_dir", "index_dir", "data_dir")
+    @classmethod
+    def _absolute(cls, value):
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"{value!r} must be absolute")
+        return value
+
+
+class SearchR1Job(JobBase):
+    """Search-R1 PPO/GRPO with a retriever on every node."""
+
+    recipe_summary = "Search-R1 PPO / GRPO (its verl fork) with a retrieval server on every node"
+    recipe_needs = ("Search-R1 checked out at repo_dir and installed on every node; a retriever environment "
+                    "(faiss, fastapi, uvicorn); GPUs; a shared checkpoints.path; checkpoints.resume: never")
+
+    recipe: Literal["search-r1"]
+    args: SearchR1Args = SearchR1Args()
+
+    def build(self, shape: Shape) -> RecipeOutput:
+        a = self.args
+        ckpt = shape.checkpoint_dir
+        if ckpt is None:
+            raise infeasible("Search-R1 needs a checkpoint directory", "set checkpoints.path")
+        if shape.resume:
+            raise infeasible("Search-R1's trainer cannot resume: its verl fork has no resume_mode and starts from "
+                             "step 0 on every run", "set checkpoints.resume: never")
+        if shape.gpus_per_node == 0:
+            raise infeasible("Search-R1 trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8")
+        gpus = shape.nodes * shape.gpus_per_node
+        if a.estimator == "grpo" and a.n_agent < 2:
+            raise infeasible(f"grpo compares rollouts of the same prompt but n_agent is {a.n_agent}",
+                             "set n_agent to 2 or more (the guide uses 5)")
+        # verl/trainer/ppo/ray_trainer.py (fork) _balance_batch splits the batch into equal
+        # parts per GPU (get_seqlen_balanced_partitions with equal_size=True).
+        check_divides(f"train_batch_size x n_agent = {a.train_batch_size} x {a.n_agent}",
+                      a.train_batch_size * a.n_agent, gpus, f"use a train_batch_size that makes this a multiple "
+                      f"of {gpus}")
+        # verl/workers/fsdp_workers.py (fork): these global sizes are divided by the world size
+        # (`//=`), so below the GPU count they become 0.
+        sizes = {"ppo_mini_batch_size": a.ppo_mini_batch_size, "ppo_micro_batch_size": a.ppo_micro_batch_size,
+                 "log_prob_micro_batch_size": a.log_prob_micro_batch_size}
+        if a.estimator == "gae":
+            sizes["critic_micro_batch_size"] = a.critic_micro_batch_size
+        for name, size in sizes.items():
+            if size < gpus:
+                raise infeasible(f"{name} {size} is split over {gpus} GPUs: {size} // {gpus} = 0 per GPU",
+                                 f"set {name} to at least {gpus}")
+        check_tensor_parallel(a.rollout_tensor_parallel_size, shape.gpus_per_node)
+        clash = sorted(override_keys(a.extra_overrides) & OWNED)
+        if clash:
+            raise infeasible(f"extra_overrides set {clash}, which the recipe sets from the task",
+                             "use the task's nodes, resources, checkpoints and secrets instead")
+
+        index = a.index_dir or f"{ckpt}/search-r1/index"
+        data = a.data_dir or f"{ckpt}/data/nq_search"
+        repo = a.repo_dir
+        prepare = [
+            f"test -f {index}/e5_Flat.index || (cd {repo} && python3 scripts/download.py --save_path {index} && "
+            f"cat {index}/part_* > {index}/e5_Flat.index.tmp && mv {index}/e5_Flat.index.tmp {index}/e5_Flat.index)",
+            f"test -f {index}/wiki-18.jsonl || gzip -d {index}/wiki-18.jsonl.gz",
+            f"test -f {data}/train.parquet || (cd {repo} && python3 scripts/data_process/nq_search.py "
+            f"--local_dir {data})",
+        ]
+        retriever = {
+            "name": "retriever",
+            "where": "every_node",
+            "command": (f"cd {repo} && {a.retriever_python} search_r1/search/retrieval_server.py "
+                        f"--index_path {index}/e5_Flat.index --corpus_path {index}/wiki-18.jsonl --topk {a.topk} "
+                        f"--retriever_name e5 --retriever_model intfloat/e5-base-v2"
+                        + (" --faiss_gpu" if a.faiss_gpu else "")),
+            "ready": {"http": RETRIEVER_URL, "method": "POST",
+                      "json": {"queries": ["Who wrote Hamlet?"], "topk": a.topk, "return_scores": True}},
+            "timeout": "30m",  # loading the ~60 GB flat index
+        }
+        overrides = [
+            f"data.train_files={data}/train.parquet",
+            f"data.val_files={data}/test.parquet",
+            "data.train_data_num=null",
+            "data.val_data_num=null",
+            f"data.train_batch_size={a.train_batch_size}",
+            f"data.val_batch_size={a.val_batch_size}",
+            f"data.max_prompt_length={a.max_prompt_length}",
+            f"data.max_response_length={a.max_response_length}",
+            f"data.max_start_length={a.max_start_length}",
+            f"data.max_obs_length={a.max_obs_length}",
+            "data.shuffle_train_dataloader=True",
+            f"algorithm.adv_estimator={a.estimator}",
+            f"actor_rollout_ref.model.path={a.model}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            f"actor_rollout_ref.actor.optim.lr={a.actor_lr}",
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={a.actor_warmup_ratio}",
+            f"actor_rollout_ref.actor.use_kl_loss={a.estimator == 'grpo'}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={a.ppo_micro_batch_size}",
+            "actor_rollout_ref.actor.state_masking=true",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size={a.log_prob_micro_batch_size}",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={a.rollout_tensor_parallel_size}",
+            "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={a.gpu_memory_utilization}",
+            f"actor_rollout_ref.rollout.n_agent={a.n_agent}",
+            "actor_rollout_ref.rollout.temperature=1",
+            "actor_rollout_ref.rollout.top_p=1.0",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size={a.log_prob_micro_batch_size}",
+            f"algorithm.kl_ctrl.kl_coef={a.kl_coef}",
+            "algorithm.no_think_rl=false",
+        ]
+        if a.estimator == "gae":
+            overrides += [
+                f"critic.model.path={a.model}",
+                "critic.model.enable_gradient_checkpointing=true",
+                "critic.model.use_remove_padding=True",
+                f"critic.optim.lr={a.critic_lr}",
+                f"critic.optim.lr_warmup_steps_ratio={a.critic_warmup_ratio}",
+                f"critic.ppo_micro_batch_size={a.critic_micro_batch_size}",
+            ]
+        overrides += [
+            "trainer.critic_warmup=0",
+            "trainer.logger=[console]",
+            "+trainer.val_only=false",
+            "+trainer.val_before_train=false",
+            "trainer.default_hdfs_dir=null",
+            f"trainer.n_gpus_per_node={shape.gpus_per_node}",
+            f"trainer.nnodes={shape.nodes}",
+            f"trainer.save_freq={a.save_freq}",
+            f"trainer.test_freq={a.test_freq}",
+            f"trainer.project_name={a.project_name}",
+            f"trainer.experiment_name={a.experiment_name}",
+            f"trainer.total_epochs={a.total_epochs}",
+            f"trainer.total_training_steps={'null' if a.total_training_steps is None else a.total_training_steps}",
+            f"trainer.default_local_dir={ckpt}",
+            f"max_turns={a.max_turns}",
+            f"retriever.url={RETRIEVER_URL}",
+            f"retriever.topk={a.topk}",
+            *a.extra_overrides,
+        ]
+        return RecipeOutput(
+            entrypoint=["python3", "-m", "verl.trainer.main_ppo", *overrides],
+            prepare=prepare,
+            services=[retriever],
+            # Search-R1's verl/trainer/runtime_env.yaml (vLLM with Qwen2 and flash-attn misbehaves).
+            env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
+            excludes=EXCLUDES + ["*.index"],
+            wandb_args=["trainer.logger=[console,wandb]"],
+            summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index},
+        )

@@ -1,0 +1,112 @@
+"""`launch` and `down` with dstack and SkyPilot up to their CLIs, the remote boundary:
+a stand-in `dstack` / `sky` / `ssh` on PATH records how it was called and with which
+environment, so we check the argv, that secrets and the token reach the CLI by
+environment only, and the install hint when the CLI is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import ROOT
+
+RECORDER = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:], "cwd": os.getcwd(),
+                        "token": os.environ.get("RAY_AUTH_TOKEN"), "wandb": os.environ.get("WANDB_API_KEY")}}) + "\\n")
+sys.exit({code})
+"""
+
+
+def fake_cli(bin_dir: Path, name: str, log: Path, code: int = 1) -> None:
+    path = bin_dir / name
+    path.write_text(RECORDER.format(python=sys.executable, log=str(log), code=code))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def run_cli(args, cwd, env):
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def task_file(tmp_path: Path, submit="client") -> Path:
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "boundary", "nodes": 2, "resources": {"gpus": "H100:8"}, "secrets": ["WANDB_API_KEY"],
+        "job": {"recipe": "command", "submit": submit, "working_dir": None, "args": {"entrypoint": "true"}}}))
+    return path
+
+
+def env_with(tmp_path: Path, bin_dir: Path | None) -> dict:
+    env = dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), WANDB_API_KEY="wandb-value-xyz",
+               PYTHONPATH=str(ROOT))
+    path_dirs = [str(bin_dir)] if bin_dir else []
+    path_dirs += ["/usr/bin", "/bin"]  # no dstack/sky of the machine's own
+    env["PATH"] = os.pathsep.join(path_dirs)
+    env.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
+def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)  # "apply" fails at once, like a dstack without a server
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
+    assert out.returncode == 1, out.stderr
+    assert "head" in out.stderr  # the failed step is named
+    call = json.loads(log.read_text().splitlines()[0])
+    generated = tmp_path / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
+    assert call["argv"] == ["dstack", "apply", "-f", str(generated), "-y"]
+    token = (tmp_path / "home" / "clusters" / "boundary" / "token").read_text()
+    assert call["token"] == token and call["wandb"] == "wandb-value-xyz"
+    assert oct((tmp_path / "home" / "clusters" / "boundary" / "token").stat().st_mode & 0o777) == "0o600"
+    rendered = "".join(p.read_text() for p in generated.parent.rglob("*") if p.is_file() and p.suffix != ".log")
+    assert token not in rendered and "wandb-value-xyz" not in rendered
+    assert token not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
+
+    down = run_cli(["down", "boundary"], tmp_path, env_with(tmp_path, bin_dir))
+    assert down.returncode == 0, down.stderr
+    assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["dstack", "stop", "boundary", "-y"]
+
+
+def test_sky_launch_and_managed_launch(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "sky", log, code=0)
+    fake_cli(bin_dir, "ssh", log, code=255)  # the tunnel to the head cannot be opened
+    env = env_with(tmp_path, bin_dir)
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "sky"], tmp_path, env)
+    assert out.returncode == 1, out.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["argv"] == ["sky", "launch", "-c", "boundary", "boundary.sky.yaml", "--secret", "WANDB_API_KEY",
+                                "--secret", "RAY_AUTH_TOKEN", "-y", "--detach-run"]
+    assert calls[0]["cwd"] == str(tmp_path / "runs" / "boundary" / "sky") and calls[0]["token"]
+    assert calls[1]["argv"][0] == "ssh" and "8265:127.0.0.1:8265" in calls[1]["argv"]
+
+    managed = run_cli(["launch", str(task_file(tmp_path, submit="head")), "--provider", "sky", "--managed"], tmp_path, env)
+    assert managed.returncode == 0, managed.stderr
+    assert json.loads(log.read_text().splitlines()[-1])["argv"][:3] == ["sky", "jobs", "launch"]
+    assert run_cli(["down", "boundary"], tmp_path, env).returncode == 0
+    assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["sky", "jobs", "cancel", "-n", "boundary", "-y"]
+
+
+def test_managed_needs_head_submission_and_sky(tmp_path):
+    env = env_with(tmp_path, None)
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack", "--managed"], tmp_path, env)
+    assert out.returncode == 2 and "--managed" in out.stderr
+
+
+def test_missing_provider_cli_says_how_to_install_it(tmp_path):
+    env = env_with(tmp_path, None)
+    for provider, extra in (("dstack", "dstack"), ("sky", "sky")):
+        out = run_cli(["launch", str(task_file(tmp_path)), "--provider", provider], tmp_path, env)
+        assert out.returncode == 2, out.stderr
+        assert f"rlhf-tasks[{extra}]" in out.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home").exists()
