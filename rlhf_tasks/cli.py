@@ -180,7 +180,7 @@ def cmd_recipes(args) -> int:
     for recipe in catalogue():
         print(f"{recipe['name']}: {recipe['summary']}\n  needs: {recipe['needs']}")
         for arg, info in recipe["args"].items():
-            default = "required" if info["default"] is None else f"default {info['default']!r}"
+            default = "required" if info["required"] else f"default {info['default']!r}"
             print(f"    {arg} ({default}) {info['description']}".rstrip())
     tasks = sorted(Path("tasks").glob("*.yaml")) if Path("tasks").is_dir() else []
     if tasks:

@@ -25,7 +25,8 @@ def catalogue() -> list[dict]:
     for model in JOB_MODELS:
         args_model = model.model_fields["args"].annotation
         args = {
-            name: {"default": None if f.is_required() else f.default, "description": f.description or ""}
+            name: {"required": f.is_required(), "default": None if f.is_required() else f.default,
+                   "description": f.description or ""}
             for name, f in args_model.model_fields.items()
         }
         rows.append({"name": recipe_name(model), "summary": model.recipe_summary,

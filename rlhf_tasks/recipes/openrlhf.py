@@ -169,9 +169,11 @@ class OpenRLHFArgs(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _one_reward(self):
+    def _consistent(self):
         if (self.reward_pretrain is None) == (self.reward_url is None):
             raise ValueError("set exactly one of reward_pretrain (a reward model) and reward_url (a remote reward)")
+        if self.estimator == "dr_grpo" and parse_version(self.version) < (0, 7, 0):
+            raise ValueError(f"dr_grpo needs OpenRLHF 0.7.0 or later (version is {self.version})")
         return self
 
 
@@ -224,20 +226,20 @@ def _allocate(a: OpenRLHFArgs, shape: Shape) -> tuple[dict[str, int], int]:
     # train(): "num_nodes and num_gpus_per_node must be the same when colocate actor and ref model"
     # and "... when colocate critic and reward model"; with colocate_all every model takes its
     # bundles from the actor's placement group, so each needs exactly the actor's GPUs.
-    pairs = [("actor", "ref"), ("critic", "reward")] if a.colocate == "pairs" else \
-        [("actor", role) for role in roles if role != "actor"] if a.colocate == "all" else []
-    for first, second in pairs:
+    if a.colocate == "all":
+        colocated = [("actor", role) for role in roles if role != "actor"]
+    elif a.colocate == "pairs":
+        colocated = [("actor", "ref"), ("critic", "reward")]
+    else:
+        colocated = []
+    for first, second in colocated:
         if first in roles and second in roles and roles[first] != roles[second]:
             raise infeasible(f"{first} ({roles[first]} GPUs) and {second} ({roles[second]} GPUs) are colocated, "
                              "so they must have the same GPUs", f"set {second}_gpus to {roles[first]}, "
                              "or colocate: none")
-    if a.colocate == "all":
-        used, label = actor, f"all models on the actor's {actor}"
-    elif a.colocate == "pairs":
-        groups = {"actor": actor, "critic": roles.get("critic", roles.get("reward", 0))}
-        used, label = sum(groups.values()), " + ".join(f"{r} {g}" for r, g in groups.items() if g)
-    else:
-        used, label = sum(roles.values()), " + ".join(f"{r} {g}" for r, g in roles.items())
+    sharing = {second for first, second in colocated if first in roles}
+    groups = {role: gpus for role, gpus in roles.items() if role not in sharing}
+    used, label = sum(groups.values()), " + ".join(f"{role} {gpus}" for role, gpus in groups.items())
 
     tp = a.vllm_tensor_parallel_size
     engines = a.vllm_engines

@@ -4,12 +4,13 @@ real reward request.
 
 OpenRLHF-M is a fork of OpenRLHF 0.6.1: its trainer takes the flat flags and runs the
 0.6.1 assertions, so the command comes from the openrlhf-ppo recipe at that version. The
-published multi-node guide points the trainer at 127.0.0.1 (wrong on every worker) and
-passes a `--worker_rm_url` flag the trainer does not have; here the trainer reaches the
-verifier through the head's private address."""
+published RunPod multi-node script passes `--worker_rm_url`, a flag the trainer rejects,
+instead of `--remote_rm_url`; here the trainer reaches the verifier through the head's
+private address, which every node can reach."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -24,8 +25,8 @@ OPENRLHF_M_VERSION = "0.6.1"  # version.txt of OpenRLHF-M
 
 class OpenRLHFMGrpoArgs(StrictModel):
     pretrain: str = Field("Qwen/Qwen2.5-VL-3B-Instruct", description="the vision-language model to train")
-    repo_dir: str = Field("/workspace/OpenRLHF-M", description="OpenRLHF-M checkout on the head: its "
-                          "examples/scripts/downloaders/download_mathv60k.py prepares the data")
+    repo_dir: str = Field("/workspace/OpenRLHF-M", description="OpenRLHF-M checkout; rank 0 prepares the data "
+                          "with its examples/scripts/downloaders/download_mathv60k.py")
     data_dir: str | None = Field(None, description="where MathV60K is downloaded (absolute, shared by all nodes); "
                                  "default: <checkpoints>/data/VerMulti")
     input_key: str = Field("message", description="dataset field holding the prompt messages")
@@ -87,8 +88,9 @@ class OpenRLHFMGrpoJob(JobBase):
             normalize_reward=True, save_steps=a.save_steps, save_hf=True, extra_args=a.extra_args,
         )
         out = openrlhf_command(trainer, shape)
-        out.prepare = [f"test -f {dataset} || python3 {a.repo_dir}/examples/scripts/downloaders/download_mathv60k.py "
-                       f"--root_dir {data_dir}"]
+        data, repo = shlex.quote(data_dir), shlex.quote(a.repo_dir)
+        out.prepare = [f"test -f {data}/mathv60k_message.jsonl || python3 {repo}/examples/scripts/downloaders/"
+                       f"download_mathv60k.py --root_dir {data}"]
         # A real reward request: the verifier answers GET with 405 and an unknown problem
         # falls back to the most similar one, so this is ready once the dataset is loaded.
         probe = {"query": ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
@@ -97,8 +99,8 @@ class OpenRLHFMGrpoJob(JobBase):
         out.services = [{
             "name": "math-verifier",
             "where": "head",
-            "command": (f"python3 -m openrlhf.models.remote_rm.math_verifier --dataset {dataset} "
-                        f"--input_key {a.input_key} --prompt-template {a.prompt_template}"),
+            "command": (f"python3 -m openrlhf.models.remote_rm.math_verifier --dataset {shlex.quote(dataset)} "
+                        f"--input_key {shlex.quote(a.input_key)} --prompt-template {a.prompt_template}"),
             "ready": {"http": f"http://{{node_addr}}:{REWARD_PORT}/get_reward", "method": "POST", "json": probe},
             "timeout": "15m",
         }]

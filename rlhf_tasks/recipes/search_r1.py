@@ -10,6 +10,7 @@ checks (cited from the fork's files)."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -119,9 +120,9 @@ class SearchR1Job(JobBase):
             raise infeasible(f"extra_overrides set {clash}, which the recipe sets from the task",
                              "use the task's nodes, resources, checkpoints and secrets instead")
 
-        index = a.index_dir or f"{ckpt}/search-r1/index"
-        data = a.data_dir or f"{ckpt}/data/nq_search"
-        repo = a.repo_dir
+        index_dir = a.index_dir or f"{ckpt}/search-r1/index"
+        data_dir = a.data_dir or f"{ckpt}/data/nq_search"
+        index, data, repo = shlex.quote(index_dir), shlex.quote(data_dir), shlex.quote(a.repo_dir)
         prepare = [
             f"test -f {index}/e5_Flat.index || (cd {repo} && python3 scripts/download.py --save_path {index} && "
             f"cat {index}/part_* > {index}/e5_Flat.index.tmp && mv {index}/e5_Flat.index.tmp {index}/e5_Flat.index)",
@@ -141,8 +142,8 @@ class SearchR1Job(JobBase):
             "timeout": "30m",  # loading the ~60 GB flat index
         }
         overrides = [
-            f"data.train_files={data}/train.parquet",
-            f"data.val_files={data}/test.parquet",
+            f"data.train_files={data_dir}/train.parquet",
+            f"data.val_files={data_dir}/test.parquet",
             "data.train_data_num=null",
             "data.val_data_num=null",
             f"data.train_batch_size={a.train_batch_size}",
@@ -210,5 +211,5 @@ class SearchR1Job(JobBase):
             env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES + ["*.index"],
             wandb_args=["trainer.logger=[console,wandb]"],
-            summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index},
+            summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
         )

@@ -8,6 +8,7 @@ verl's Hydra config in the tests."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -57,7 +58,7 @@ class VerlPPOArgs(StrictModel):
     estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                        "grpo_passk", "gpg", "opo"] = Field("gae", description="algorithm.adv_estimator: gae is "
                                                            "PPO with a critic, grpo needs rollout_n > 1")
-    dataset: str | None = Field("gsm8k", description="verl's examples/data_preprocess/<dataset>.py, run on rank 0 "
+    dataset: str | None = Field("gsm8k", pattern=r"^\w+$", description="verl's examples/data_preprocess/<dataset>.py, run on rank 0 "
                                 "into <checkpoints>/data/<dataset>; null to give train_files and val_files")
     train_files: str | None = Field(None, description="training parquet (absolute); default: the prepared dataset")
     val_files: str | None = Field(None, description="validation parquet (absolute); default: the prepared dataset")
@@ -141,11 +142,11 @@ class VerlPPOJob(JobBase):
         if a.dataset:
             data = f"{ckpt}/data/{a.dataset}"
             train, val = train or f"{data}/train.parquet", val or f"{data}/test.parquet"
+            src, out = shlex.quote(a.verl_source), shlex.quote(data)
             prepare = [
-                f"test -d {a.verl_source}/examples || git clone --depth 1 --branch v{VERL_VERSION} {VERL_REPO} "
-                f"{a.verl_source}",
-                f"test -f {data}/train.parquet || python3 {a.verl_source}/examples/data_preprocess/{a.dataset}.py "
-                f"--local_save_dir {data}",
+                f"test -d {src}/examples || git clone --depth 1 --branch v{VERL_VERSION} {VERL_REPO} {src}",
+                f"test -f {out}/train.parquet || python3 {src}/examples/data_preprocess/{a.dataset}.py "
+                f"--local_save_dir {out}",
             ]
         if not (train and val):
             raise infeasible("no training data: dataset is null and train_files or val_files is missing",
