@@ -14,7 +14,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from .errors import BadInput
 from .recipes import JOB_MODELS
-from .recipes.base import StrictModel, parse_duration
+from .recipes.base import StrictModel, parse_duration, require_absolute
 
 _NAME = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -138,12 +138,8 @@ class Checkpoints(StrictModel):
     resume: Literal["auto", "never"] = "auto"
     volume: str | None = Field(None, description="dstack: a network volume name to mount at path (else the host path is mounted)")
 
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, value):
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"{value!r} must be an absolute path (relative paths resolve inside Ray's working_dir copy)")
-        return value
+    _absolute = field_validator("path")(classmethod(lambda cls, v: require_absolute(
+        v, "relative paths resolve inside Ray's working_dir copy")))
 
 
 class Wait(StrictModel):

@@ -1,8 +1,8 @@
 """tiny-grpo trainer: GRPO on CPU with one Ray actor per node and DDP over gloo.
 
     python3 -m rlhf_tasks.demo.train --data DIR/prompts.jsonl --reward-url http://HEAD:PORT/score \\
-        --ckpt-dir DIR --num-nodes 3 [--steps 120] [--save-every 20] [--group-size 16] \\
-        [--prompts-per-step 32] [--lr 0.01] [--entropy-coef 0.1] [--seed 0] [--pg-timeout 120]
+        --ckpt-dir DIR --num-nodes 3 [--steps 150] [--save-every 25] [--group-size 16] \\
+        [--prompts-per-step 32] [--lr 0.02] [--explore-coef 0.05] [--seed 0] [--pg-timeout 120]
 
 Shaped like the GPU frameworks: this process is the job driver on the head of a running
 cluster (`ray.init(address="auto")`). It reserves one CPU on each of N nodes with a
@@ -10,10 +10,10 @@ STRICT_SPREAD placement group and starts one Worker actor per bundle; the worker
 gloo process group and wrap a tiny policy in DistributedDataParallel. Every step each rank
 draws its own prompts from its shard of the data, samples G completions per prompt,
 scores them on the reward server over HTTP and takes a GRPO step: advantage = (reward -
-group mean) / (group std + eps), loss = -mean(advantage * logprob) - entropy bonus.
+group mean) / (group std + eps), loss = -mean(advantage * logprob) + an exploration term.
 
-The defaults make the demo learn reliably: with 3 nodes on 2 shared CPU cores the mean
-reward goes from about 0.1 to above 0.9 in 120 steps.
+The defaults make the demo learn reliably: with 3 nodes the mean reward goes from about
+0.1 (a random digit) to about 0.98 in 150 steps, above 0.7 after about 30.
 
 Files in --ckpt-dir, written by rank 0 only (placed on the driver's node when it holds a
 bundle, so nothing needs a shared filesystem): step_XXXXXX.pt every --save-every steps and
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import socket
@@ -101,10 +102,32 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
-def grpo_loss(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, entropy_coef: float) -> torch.Tensor:
-    """Policy gradient with group advantages (one on-policy update, so no ratio clipping);
-    the entropy bonus keeps the policy from collapsing onto one answer early."""
-    return -(advantages.detach() * logprobs).mean() - entropy_coef * entropy.mean()
+def grpo_loss(logits: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor, explore_coef: float) -> torch.Tensor:
+    """Policy gradient with group advantages (one on-policy update, so no ratio clipping),
+    plus explore_coef * KL(uniform || policy). That term keeps every answer's probability
+    away from zero, so an answer the policy wrote off for some prompts is still sampled and
+    can be rediscovered; a plain entropy bonus cannot do this, its gradient vanishes for
+    near-zero probabilities, and runs stall with a few prompts stuck on wrong answers."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(1, actions.unsqueeze(1)).squeeze(1)
+    kl_from_uniform = -log_probs.mean(dim=-1) - math.log(logits.shape[-1])
+    return -(advantages.detach() * chosen).mean() + explore_coef * kl_from_uniform.mean()
+
+
+def grpo_step(model: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[str], score, group_size: int,
+              explore_coef: float, generator: torch.Generator) -> tuple[float, float]:
+    """Sample group_size answers per prompt, score them with score(prompts, completions)
+    and take one optimizer step. Returns (mean reward, loss) of this batch."""
+    logits = model(encode_prompts(prompts).repeat_interleave(group_size, dim=0))
+    actions = torch.multinomial(logits.detach().softmax(dim=-1), 1, generator=generator).squeeze(1)
+    completions = [ANSWER_CHARS[a] for a in actions.tolist()]
+    rewards = torch.tensor(score([p for p in prompts for _ in range(group_size)], completions), dtype=torch.float)
+    advantages = group_advantages(rewards.view(-1, group_size)).view(-1)
+    loss = grpo_loss(logits, actions, advantages, explore_coef)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return rewards.mean().item(), loss.item()
 
 
 # ---------------------------------------------------------------- I/O helpers
@@ -237,20 +260,16 @@ class Worker:
         args = self.args
         started = time.perf_counter()
         picks = torch.randint(len(self.shard), (args.prompts_per_step,), generator=self.generator)
-        prompts = [self.shard[i] for i in picks.tolist()]
-        logits = self.ddp(encode_prompts(prompts).repeat_interleave(args.group_size, dim=0))
-        policy = torch.distributions.Categorical(logits=logits)
-        actions = torch.multinomial(policy.probs.detach(), 1, generator=self.generator).squeeze(1)
-        completions = [ANSWER_CHARS[a] for a in actions.tolist()]
-        repeated_prompts = [p for p in prompts for _ in range(args.group_size)]
-        rewards = torch.tensor(fetch_rewards(args.reward_url, repeated_prompts, completions))
-        advantages = group_advantages(rewards.view(-1, args.group_size)).view(-1)
-        loss = grpo_loss(policy.log_prob(actions), policy.entropy(), advantages, args.entropy_coef)
-        self.optimizer.zero_grad()
-        loss.backward()  # DDP averages the gradients over all ranks here
-        self.optimizer.step()
-
-        totals = torch.tensor([rewards.mean().item(), loss.item()])
+        reward, loss = grpo_step(
+            self.ddp,  # its backward averages the gradients over all ranks
+            self.optimizer,
+            [self.shard[i] for i in picks.tolist()],
+            lambda prompts, completions: fetch_rewards(args.reward_url, prompts, completions),
+            args.group_size,
+            args.explore_coef,
+            self.generator,
+        )
+        totals = torch.tensor([reward, loss])
         dist.all_reduce(totals)
         mean_reward, mean_loss = (totals / self.world_size).tolist()
         if step % args.save_every == 0 or step == args.steps:
@@ -364,12 +383,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reward-url", required=True, help="reward server endpoint, e.g. http://HEAD:23080/score")
     parser.add_argument("--ckpt-dir", required=True, type=Path, help="checkpoints and metrics.jsonl (on rank 0's node)")
     parser.add_argument("--num-nodes", required=True, type=int, help="nodes to train on, one rank each")
-    parser.add_argument("--steps", type=int, default=120, help="total steps; a resumed run continues to this count (default 120)")
-    parser.add_argument("--save-every", type=int, default=20, help="checkpoint every this many steps and at the end (default 20)")
+    parser.add_argument("--steps", type=int, default=150, help="total steps; a resumed run continues to this count (default 150)")
+    parser.add_argument("--save-every", type=int, default=25, help="checkpoint every this many steps and at the end (default 25)")
     parser.add_argument("--group-size", type=int, default=16, help="completions per prompt, G (default 16)")
     parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per rank per step (default 32)")
-    parser.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
-    parser.add_argument("--entropy-coef", type=float, default=0.1, help="entropy bonus weight (default 0.1)")
+    parser.add_argument("--lr", type=float, default=0.02, help="Adam learning rate (default 0.02)")
+    parser.add_argument("--explore-coef", type=float, default=0.05, help="weight of KL(uniform || policy) in the loss (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds to wait for the N nodes (default 120)")
     args = parser.parse_args(argv)
@@ -383,6 +402,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    found = latest_checkpoint(args.ckpt_dir)  # rank 0 decides; this only skips a no-op launch
+    if found and found[0] >= args.steps:
+        print(f"already at step {found[0]} ({found[1].name}), --steps is {args.steps}: nothing to do")
+        return 0
     try:
         prompts = load_prompts(args.data)
         ray.init(address="auto")

@@ -36,6 +36,13 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
+def require_absolute(value: str | None, why: str = "every node reads it") -> str | None:
+    """Paths that travel to the nodes must be absolute (relative ones resolve inside Ray's working_dir copy)."""
+    if value is not None and not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path: {why}")
+    return value
+
+
 @dataclass(frozen=True)
 class Shape:
     """The cluster a recipe is built for: the numbers every role flag must agree with."""

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel
+from .base import JobBase, RecipeOutput, Shape, StrictModel, require_absolute
 from .openrlhf import OpenRLHFArgs, openrlhf_command
 
 #: openrlhf/models/remote_rm/math_verifier.py: Flask on 0.0.0.0:5000 (fixed), POST /get_reward only.
@@ -52,12 +52,7 @@ class OpenRLHFMGrpoArgs(StrictModel):
     save_steps: int = Field(5, description="checkpoint every this many steps")
     extra_args: list[str] = Field([], description="more flat OpenRLHF 0.6.1 flags (as OpenRLHF-M takes them)")
 
-    @field_validator("data_dir")
-    @classmethod
-    def _absolute(cls, value):
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"{value!r} must be absolute: every node reads it")
-        return value
+    _absolute = field_validator("data_dir")(classmethod(lambda cls, v: require_absolute(v, "every node reads it")))
 
 
 class OpenRLHFMGrpoJob(JobBase):

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible, require_absolute
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
@@ -67,12 +67,7 @@ class SearchR1Args(StrictModel):
     experiment_name: str = Field("nq-search-r1-ppo-qwen2.5-7b-em")
     extra_overrides: list[str] = Field([], description="more Hydra overrides for Search-R1's ppo_trainer config")
 
-    @field_validator("repo_dir", "index_dir", "data_dir")
-    @classmethod
-    def _absolute(cls, value):
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"{value!r} must be absolute")
-        return value
+    _absolute = field_validator("repo_dir", "index_dir", "data_dir")(classmethod(lambda cls, v: require_absolute(v)))
 
 
 class SearchR1Job(JobBase):

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible, require_absolute
 
 VERL_VERSION = "0.9.1"
 VERL_REPO = "https://github.com/volcengine/verl"
@@ -88,12 +88,7 @@ class VerlPPOArgs(StrictModel):
     extra_overrides: list[str] = Field([], description="more Hydra overrides for verl's ppo_trainer config; keys "
                                        "that carry the cluster's shape, checkpoints or logger are refused")
 
-    @field_validator("train_files", "val_files", "verl_source")
-    @classmethod
-    def _absolute(cls, value):
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"{value!r} must be absolute: relative paths resolve inside Ray's working_dir copy")
-        return value
+    _absolute = field_validator("train_files", "val_files", "verl_source")(classmethod(lambda cls, v: require_absolute(v, "relative paths resolve inside Ray's working_dir copy")))
 
 
 class VerlPPOJob(JobBase):

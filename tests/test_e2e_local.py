@@ -1,0 +1,104 @@
+"""End to end on the local provider, for real: the demo task on a 3-node Ray cluster,
+a relaunch that resumes from the checkpoint, and token auth on the Jobs API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from conftest import ROOT
+
+
+def launch(args, cwd, env, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "launch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def no_leftovers(cluster_id: str) -> bool:
+    """No process of ours still runs: our temp dir names the cluster in every Ray command line."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return f"rlhf-{cluster_id}" not in out
+
+
+def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env):
+    task = ROOT / "tasks" / "tiny-grpo.yaml"
+    first = launch([str(task)], tmp_path, cli_env)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-6000:]
+    assert "== summary ==" in out and "SUCCEEDED" in out
+
+    ckpt = tmp_path / "runs" / "tiny-grpo" / "checkpoints"
+    rows = metrics(ckpt / "metrics.jsonl")
+    steps = yaml.safe_load(task.read_text())["job"]["args"]["steps"]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    start, end = rows[0]["mean_reward"], rows[-1]["mean_reward"]
+    assert end >= 0.7 and end >= 3 * start, (start, end)
+    assert rows[-1]["world_size"] == 3 and len(set(rows[-1]["node_ids"])) == 3  # every node took part
+    assert f"reward {start:.2f} -> {end:.2f}" in out
+    assert sorted(p.name for p in ckpt.glob("step_*.pt"))[-1] == f"step_{steps:06d}.pt"
+    record_id = next(line.split("job tiny-grpo-")[1].split(":")[0] for line in out.splitlines() if "job tiny-grpo-" in line)
+    assert no_leftovers(record_id)
+
+    more = yaml.safe_load(task.read_text())
+    more["job"]["args"]["steps"] = steps + 5
+    (tmp_path / "tiny-grpo-more.yaml").write_text(yaml.safe_dump(more))
+    second = launch([str(tmp_path / "tiny-grpo-more.yaml")], tmp_path, cli_env)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
+    rows = metrics(ckpt / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 6))  # continued, not restarted
+    assert rows[-1]["mean_reward"] >= 0.7
+
+
+def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_home):
+    task = tmp_path / "auth.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "auth", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "job": {"recipe": "command", "submit": "client", "working_dir": str(tmp_path / "code"),
+                "args": {"entrypoint": "python3 hello.py"}}}))
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "hello.py").write_text("print('hello from the working_dir')\n")
+    (tmp_path / "code" / "weights.safetensors").write_bytes(b"0" * 1024)  # excluded from the upload
+    try:
+        run = launch([str(task), "--keep"], tmp_path, cli_env)
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-6000:]
+        assert "hello from the working_dir" in out
+
+        record = json.loads((rlhf_home / "clusters" / "auth" / "cluster.json").read_text())
+        token_path = rlhf_home / "clusters" / "auth" / "token"
+        token = token_path.read_text()
+        assert oct(token_path.stat().st_mode & 0o777) == "0o600"
+        for request in (urllib.request.Request(record["dashboard"] + "/api/jobs/"),
+                        urllib.request.Request(record["dashboard"] + "/api/jobs/", method="POST",
+                                               data=b'{"entrypoint": "id"}', headers={"Content-Type": "application/json"})):
+            try:
+                urllib.request.urlopen(request, timeout=10)
+                raise AssertionError("the Jobs API answered a request without the token")
+            except urllib.error.HTTPError as exc:
+                assert exc.code in (401, 403)
+        authed = urllib.request.Request(record["dashboard"] + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+        jobs = json.loads(urllib.request.urlopen(authed, timeout=10).read())
+        assert [j["submission_id"] for j in jobs] == [f"auth-{record['cluster_id']}"]
+
+        listed = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "list", "--cluster", "auth"], cwd=tmp_path,
+                                env=cli_env, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stderr
+
+        logs = "".join(p.read_text() for p in (tmp_path / "runs" / "auth" / "nodes").glob("*.log"))
+        assert token not in out and token not in logs
+        assert not (tmp_path / "runs" / "auth" / "plan.json").read_text().count(token)
+    finally:
+        down = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "down", "auth"], cwd=tmp_path, env=cli_env,
+                              capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert no_leftovers(record["cluster_id"])
