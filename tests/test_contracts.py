@@ -179,3 +179,22 @@ def test_missing_token_is_a_clear_error(testbed2, tmp_path, provider_name):
     proc = testbed2.run(0, command, env=env, name="no-token")
     assert proc.wait(60) == 2
     assert "$RAY_AUTH_TOKEN is not set" in proc.output
+
+
+def test_worker_rejoins_when_its_raylet_dies(testbed2, tmp_path):
+    tb = testbed2
+    task = contract_task(tmp_path, 2, "client", service=False)
+    procs = start_dstack(tb, tmp_path, task)
+    tbmod.poll(lambda: "cluster ready for a client submission" in procs[0].output or None, 180,
+               "the head to report the cluster ready")
+    # Kill the worker host's raylet by PID, inside that host's own process table.
+    tb.sh(1, "kill -9 $(ps -eo pid,comm | awk '$2 == \"raylet\" {print $1}')")
+    tbmod.poll(lambda: "rejoining (1/3)" in procs[1].output or None, 60, "the worker agent to rejoin")
+
+    def two_alive():
+        r = tb.http(0, "http://127.0.0.1:8265/api/v0/nodes?limit=100&filter_keys=state&filter_predicates=%3D"
+                       "&filter_values=ALIVE", headers={"Authorization": f"Bearer {TOKEN}"})
+        return r.ok and len(r.json()["data"]["result"]["result"]) == 2 or None
+
+    tbmod.poll(two_alive, 120, "two ALIVE nodes after the rejoin", 0.5)
+    assert procs[1].running()

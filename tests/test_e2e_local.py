@@ -94,6 +94,13 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
                                 env=cli_env, capture_output=True, text=True, timeout=60)
         assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stderr
 
+        # A retried submission finds the first job instead of starting a second one.
+        again = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "submit", str(task), "--address",
+                                record["dashboard"]], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 0 and "already on this cluster" in again.stdout, again.stdout + again.stderr
+        assert len(json.loads(urllib.request.urlopen(authed, timeout=10).read())) == 1
+
         logs = "".join(p.read_text() for p in (tmp_path / "runs" / "auth" / "nodes").glob("*.log"))
         assert token not in out and token not in logs
         assert not (tmp_path / "runs" / "auth" / "plan.json").read_text().count(token)
