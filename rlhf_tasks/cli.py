@@ -149,8 +149,15 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    stopped = _jobs(args).stop(args.job)
-    print(f"{args.job}: {'stop requested' if stopped else 'already finished'}")
+    from .node import TERMINAL_JOB_STATES, wait_for
+
+    jobs = _jobs(args)
+    if not jobs.stop(args.job):
+        print(f"{args.job}: already finished ({jobs.status(args.job)})")
+        return 0
+    status = wait_for(f"job {args.job} to stop", lambda: (lambda s: (s in TERMINAL_JOB_STATES, s))(
+        jobs.status(args.job)), args.wait)
+    print(f"{args.job}: {status}")
     return 0
 
 
@@ -236,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
+        if name == "stop":
+            p.add_argument("--wait", type=float, default=120, metavar="SECONDS", help="how long to wait for it to stop")
     p = add("list", cmd_list, "list the jobs on a cluster")
     p.add_argument("--address")
     p.add_argument("--cluster")

@@ -109,3 +109,39 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
                               capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert no_leftovers(record["cluster_id"])
+
+
+def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_home):
+    import signal
+
+    task = tmp_path / "long.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "long", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "job": {"recipe": "command", "submit": "client", "working_dir": None,
+                "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=tmp_path, env=cli_env,
+                              capture_output=True, text=True, timeout=120)
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(task)], cwd=tmp_path, env=cli_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("started"):
+                break
+        assert any("following job" in line for line in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130, rest
+        assert "keeps running" in rest and "rlhf-tasks stop long-" in rest and "rlhf-tasks down long" in rest
+        job = next(w for w in rest.split() if w.startswith("long-"))
+        assert cli("status", job, "--cluster", "long").stdout.strip() == "RUNNING"
+        stop = cli("stop", job, "--cluster", "long")
+        assert stop.returncode == 0 and stop.stdout.strip() == f"{job}: STOPPED", stop.stdout + stop.stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        assert cli("down", "long").returncode == 0
