@@ -66,9 +66,10 @@ def wait_cluster(cluster: Cluster, plan: dict, tail: LogTail) -> str:
 
     timeout = plan["wait"]["head_s"] + plan["wait"]["nodes_s"]
     wait_for(f"the Ray dashboard at {cluster.dashboard}",
-             _watching(cluster, tail, lambda: http_check(cluster.dashboard + "/api/gcs_healthz")), timeout)
+             _watching(cluster, tail, lambda: http_check(cluster.dashboard + "/api/gcs_healthz")), timeout, report=say)
     check = cluster_check(cluster.dashboard, cluster.token, plan["nodes"])
-    return wait_for(f"{plan['nodes']} nodes", _watching(cluster, tail, check), plan["wait"]["nodes_s"], interval=0.5)
+    return wait_for(f"{plan['nodes']} nodes", _watching(cluster, tail, check), plan["wait"]["nodes_s"], interval=0.5,
+                    report=say)
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
@@ -94,7 +95,7 @@ def final_status_from_head(cluster: Cluster, submission_id: str, timeout_s: floa
         return True, (found[-1] if found else None)
 
     try:
-        return wait_for("the head agent to finish", check, timeout_s, interval=0.2)
+        return wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say)
     except AgentError:
         return None
 
@@ -144,7 +145,7 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
         else:
             say("waiting for the head to submit the job")
             submission_id = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
-                cluster.dashboard, cluster.token, plan["name"])), 600)
+                cluster.dashboard, cluster.token, plan["name"])), 600, report=say)
         tail.pump()
         say(f"following job {submission_id} (Ctrl-C stops following, not the job)")
         status = jobs.follow(submission_id, plan["job"].get("timeout_s"),

@@ -122,13 +122,14 @@ def node_info(provider, env, run=subprocess.run):
 # Waiting: poll a condition against a deadline, with progress and a diagnosis.
 # --------------------------------------------------------------------------------------
 
-def wait_for(what, check, timeout_s, interval=0.2, max_interval=2.0, progress_every=10.0, clock=time.monotonic):
+def wait_for(what, check, timeout_s, interval=0.2, max_interval=2.0, progress_every=10.0, report=None):
     """Call `check()` until it returns (True, value); it returns (False, reason) otherwise.
 
     Backs off from `interval` to `max_interval`, prints progress every `progress_every`
     seconds, and raises AgentError naming what was awaited, for how long, and the last
     reason when `timeout_s` passes."""
-    start = clock()
+    report = report or log
+    start = time.monotonic()
     next_report = start + progress_every
     reason = "not checked yet"
     delay = interval
@@ -137,11 +138,11 @@ def wait_for(what, check, timeout_s, interval=0.2, max_interval=2.0, progress_ev
         if done:
             return value
         reason = value
-        now = clock()
+        now = time.monotonic()
         if now - start >= timeout_s:
             raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, reason))
         if now >= next_report:
-            log("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, reason))
+            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, reason))
             next_report = now + progress_every
         time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
         delay = min(delay * 1.5, max_interval)
@@ -169,6 +170,55 @@ def probe_tcp(host, port, timeout=2.0):
         finally:
             sock.close()
     return last
+
+
+def probe_ready(host, port, timeout=2.0):
+    """None when the head's ready beacon at host:port answers "ready", else why not."""
+    reason = probe_tcp(host, port, timeout)
+    if reason is not None:
+        return reason
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            answer = sock.recv(16)
+    except OSError as exc:
+        return "the ready beacon at %s:%s failed (%s)" % (host, port, exc)
+    return None if answer.startswith(b"ready") else "%s:%s is not a ready beacon" % (host, port)
+
+
+class ReadyBeacon(object):
+    """A tiny TCP server on the head that answers "ready" once the head is fully up.
+
+    Workers join when it answers, not when the GCS port merely opens (a raylet that
+    registers while the head is still starting can time out), and leave when it goes."""
+
+    def __init__(self, host, port):
+        import threading
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(64)
+        threading.Thread(target=self._serve, name="ready-beacon", daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            try:
+                conn.sendall(b"ready\n")
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
 
 
 def http_request(url, method="GET", body=None, headers=None, timeout=5.0):
@@ -342,8 +392,8 @@ def ray_start_command(plan, info, head):
                 "--dashboard-port", str(ray["dashboard_port"]), "--ray-client-server-port", str(ray["client_server_port"])]
     else:
         cmd += ["--address", "%s:%s" % (info.head, ray["port"])]
-    if ray.get("temp_dir"):
-        cmd += ["--temp-dir", ray["temp_dir"]]
+    if ray.get("temp_dir"):  # one per node: raylets sharing a session dir race for socket names
+        cmd += ["--temp-dir", "%s/n%d" % (ray["temp_dir"], info.rank)]
     for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus")):
         if ray.get(key) is not None:
             cmd += [flag, str(ray[key])]
@@ -438,6 +488,7 @@ class Agent(object):
         self.skip_setup = skip_setup
         self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
         self.ray = None
+        self.beacon = None
         self.services = []
         self.dashboard = "http://%s:%s" % (
             "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr, plan["ray"]["dashboard_port"])
@@ -509,10 +560,12 @@ class Agent(object):
         log("service %s ready after %.1fs" % (service["name"], time.monotonic() - started))
 
     def stop_all(self):
+        if self.beacon is not None:
+            self.beacon.close()
         for child in reversed(self.services):
             child.stop()
-        if self.ray is not None:
-            self.ray.stop()
+        if self.ray is not None:  # a worker's raylet would drain for 30 s for a head that is gone
+            self.ray.stop(grace=15.0 if self.info.rank == 0 else 5.0)
 
     # -- head
     def run_head(self):
@@ -525,6 +578,7 @@ class Agent(object):
         wait_for("the Ray head's GCS on %s:%s" % gcs, self._ray_check(lambda: (lambda r: (r is None, r))(probe_tcp(*gcs))), 180)
         wait_for("the Ray dashboard at %s" % self.dashboard,
                  self._ray_check(lambda: http_check(self.dashboard + "/api/gcs_healthz")), 180)
+        self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])
         log("Ray head up in %.1fs; dashboard %s (reach it through the provider's port forward)"
             % (time.monotonic() - started, self.dashboard))
         self.start_services(("head", "every_node"))
@@ -606,21 +660,21 @@ class Agent(object):
 
     # -- worker
     def run_worker(self):
-        gcs = (self.info.head, self.plan["ray"]["port"])
+        beacon = (self.info.head, self.plan["ray"]["ready_port"])
         started = time.monotonic()
-        wait_for("the head's GCS at %s:%s" % gcs, lambda: (lambda r: (r is None, r))(probe_tcp(*gcs)),
+        wait_for("the head at %s:%s" % beacon, lambda: (lambda r: (r is None, r))(probe_ready(*beacon)),
                  self.plan["wait"]["head_s"], interval=0.2, max_interval=2.0)
-        log("head reachable after %.1fs" % (time.monotonic() - started))
+        log("head ready after %.1fs" % (time.monotonic() - started))
         self.start_ray(head=False)
         self.start_services(("every_node",))
-        return self.supervise_worker(gcs)
+        return self.supervise_worker(beacon)
 
-    def supervise_worker(self, gcs, head_gone_s=20.0, max_rejoins=3):
+    def supervise_worker(self, beacon, head_gone_s=10.0, max_rejoins=3):
         """Keep the raylet up (rejoin if it dies) until the head goes away: then the run is over."""
         unreachable_since = None
         rejoins = 0
         while True:
-            reason = probe_tcp(*gcs)
+            reason = probe_ready(*beacon)
             now = time.monotonic()
             if reason is None:
                 unreachable_since = None

@@ -61,6 +61,7 @@ def build_plan(task: Task, provider: str, checkpoint_dir: str | None, ray_overri
         "dashboard_port": task.ray.dashboard_port,
         "dashboard_host": "{node_addr}" if task.ray.dashboard_public else "127.0.0.1",
         "client_server_port": task.ray.client_server_port,
+        "ready_port": task.ray.ready_port,
         "agent_listen_port": 52365,
         "auth": task.ray.auth,
         "debug": task.ray.debug,

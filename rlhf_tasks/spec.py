@@ -113,6 +113,7 @@ class RayConfig(StrictModel):
     port: int = Field(6379, ge=1024, le=65535)
     dashboard_port: int = Field(8265, ge=1024, le=65535)
     client_server_port: int = Field(10001, ge=1024, le=65535)
+    ready_port: int = Field(6390, ge=1024, le=65535, description="the head agent's ready beacon: workers join when it answers")
     dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
     auth: Literal["token", "none"] = "token"
     debug: Literal["off", "legacy", "post_mortem"] = "off"
@@ -122,7 +123,8 @@ class RayConfig(StrictModel):
 
     @model_validator(mode="after")
     def _ports(self):
-        ports = {"port": self.port, "dashboard_port": self.dashboard_port, "client_server_port": self.client_server_port}
+        ports = {"port": self.port, "dashboard_port": self.dashboard_port, "client_server_port": self.client_server_port,
+                 "ready_port": self.ready_port}
         for field, port in ports.items():
             if port in RESERVED_PORTS:
                 raise ValueError(f"{field} {port} is used by {RESERVED_PORTS[port]}; choose another")

@@ -196,8 +196,8 @@ def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
-    plan = plan_for(wait={"head": "2s"}, ray={"port": 20000 + port % 9000})
-    plan["ray"]["port"] = port
+    plan = plan_for(wait={"head": "2s"})
+    plan["ray"]["ready_port"] = port
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     env = dict(os.environ, RLHF_TASKS_NODE_RANK="1", RLHF_TASKS_NUM_NODES="2", RLHF_TASKS_HEAD_ADDR="127.0.0.1",
@@ -205,7 +205,7 @@ def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path), "--state-dir", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "waiting for the head's GCS at 127.0.0.1" in out.stdout and "refused" in out.stdout
+    assert f"waiting for the head at 127.0.0.1:{port}" in out.stdout and "refused" in out.stdout
     assert "secret-token-value" not in out.stdout + out.stderr
 
 
@@ -258,3 +258,22 @@ def test_stale_process_group_of_our_own_is_stopped(tmp_path):
     threading.Thread(target=lambda: (proc.wait(), done.set()), daemon=True).start()
     node.stop_stale(str(pgid_file))
     assert done.wait(10) and not pgid_file.exists()
+
+
+def test_ready_beacon_answers_until_closed():
+    beacon = node.ReadyBeacon("127.0.0.1", 0)
+    port = beacon.sock.getsockname()[1]
+    assert node.probe_ready("127.0.0.1", port) is None
+    beacon.close()
+    assert "refused" in node.probe_ready("127.0.0.1", port)
+
+
+def test_a_silent_port_is_not_a_ready_beacon():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(5)
+    try:
+        reason = node.probe_ready("127.0.0.1", server.getsockname()[1], timeout=0.3)
+        assert reason is not None and "beacon" in reason
+    finally:
+        server.close()

@@ -13,7 +13,9 @@ scores them on the reward server over HTTP and takes a GRPO step: advantage = (r
 group mean) / (group std + eps), loss = -mean(advantage * logprob) + an exploration term.
 
 The defaults make the demo learn reliably: with 3 nodes the mean reward goes from about
-0.1 (a random digit) to about 0.98 in 150 steps, above 0.7 after about 30.
+0.1 (a random digit) to about 0.99 in 150 steps, above 0.7 after 20-30 of them. On an idle
+2-core machine that takes about 5 s of training, about 15 s with the workers' start-up;
+more steps are safe (the reward stays near 0.99).
 
 Files in --ckpt-dir, written by rank 0 only (placed on the driver's node when it holds a
 bundle, so nothing needs a shared filesystem): step_XXXXXX.pt every --save-every steps and
@@ -26,11 +28,13 @@ and run again); if --steps is already reached it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
 import re
 import socket
+import struct
 import sys
 import time
 import urllib.error
@@ -55,6 +59,7 @@ REWARD_TIMEOUT_S = 10.0
 REWARD_ATTEMPTS = 4
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 LOG_EVERY = 10
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 class TrainError(Exception):
@@ -179,6 +184,19 @@ def fetch_rewards(url: str, prompts: list[str], completions: list[str]) -> list[
     raise RuntimeError(f"reward server {url} failed after {attempt + 1} attempt(s): {error}")
 
 
+def interface_with_address(ip: str) -> str | None:
+    """The network interface whose IPv4 address is ip (Linux), for GLOO_SOCKET_IFNAME."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                info = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(info[20:24]) == ip:
+            return name
+    return None
+
+
 def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
     steps = [(int(m.group(1)), p) for p in ckpt_dir.glob("step_*.pt") if (m := CHECKPOINT_RE.match(p.name))]
     return max(steps) if steps else None
@@ -194,12 +212,19 @@ def write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _metrics_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # e.g. a line cut short by a crash
+
+
 def trim_metrics(path: Path, last_step: int) -> None:
     """Drop metrics of steps after the checkpoint being resumed: they are about to rerun."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = [line for line in lines if (step := _metrics_step(line)) is not None and step <= last_step]
     if len(kept) != len(lines):
         write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
 
@@ -230,6 +255,11 @@ class Worker:
         """Join the process group, build the policy and restore the latest checkpoint.
         Returns (step to continue from, checkpoint file name or None)."""
         args = self.args
+        # gloo binds to what the hostname resolves to, on many images 127.0.1.1, which other
+        # nodes cannot reach; Ray's node address is the one they can.
+        interface = interface_with_address(ray.util.get_node_ip_address())
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
         self.rank, self.world_size, self.node_ids, self.shard = rank, world_size, node_ids, shard
         self.ckpt_dir = Path(args.ckpt_dir)
@@ -365,6 +395,7 @@ def train(args: argparse.Namespace, prompts: list[str]) -> None:
         print(f"training on {args.num_nodes} node(s), {len(prompts)} prompts, "
               f"{args.prompts_per_step}x{args.group_size} completions per rank per step", flush=True)
         first = last = None
+        started = time.monotonic()
         for step in range(start_step + 1, args.steps + 1):
             last = wait_all([w.step.remote(step) for w in workers])[0]
             first = first or last
@@ -372,7 +403,8 @@ def train(args: argparse.Namespace, prompts: list[str]) -> None:
                 print(f"step {step}/{args.steps}  reward {last['mean_reward']:.3f}  loss {last['loss']:+.3f}  "
                       f"{last['seconds'] * 1000:.0f} ms", flush=True)
         wait_all([w.close.remote() for w in workers])
-        print(f"done: steps {start_step + 1}..{args.steps}, reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f}")
+        print(f"done: steps {start_step + 1}..{args.steps} in {time.monotonic() - started:.1f}s, "
+              f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f}")
     finally:
         remove_placement_group(group)
 
@@ -408,7 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         prompts = load_prompts(args.data)
-        ray.init(address="auto")
+        if len(prompts) < args.num_nodes:
+            raise TrainError(f"{args.data} has {len(prompts)} prompts, fewer than the {args.num_nodes} ranks to shard them over")
+        try:
+            ray.init(address="auto")
+        except ConnectionError as exc:
+            raise TrainError(f"cannot connect to the Ray cluster: {exc}") from None
         try:
             train(args, prompts)
         finally:

@@ -112,10 +112,10 @@ class LocalProvider(Provider):
             raise BadInput(f"a local cluster named {name} is already running (PIDs {running}); "
                            f"`rlhf-tasks down {name}` first")
         cluster_id = pysecrets.token_hex(4)
-        gcs, dashboard, client = _free_ports(3)
+        gcs, dashboard, client, ready = _free_ports(4)
         temp_dir = f"/tmp/rlhf-{cluster_id}"  # short: Ray's socket paths must stay under 108 bytes
         plan = {**plan, "ray": {**plan["ray"], "port": gcs, "dashboard_port": dashboard,
-                                "client_server_port": client, "temp_dir": temp_dir}}
+                                "client_server_port": client, "ready_port": ready, "temp_dir": temp_dir}}
         run_dir = self.run_dir(name)
         logs = run_dir / "nodes"
         logs.mkdir(parents=True, exist_ok=True)

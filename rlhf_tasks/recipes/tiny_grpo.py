@@ -11,11 +11,11 @@ from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
 
 
 class TinyGrpoArgs(StrictModel):
-    steps: int = Field(60, ge=1, description="GRPO steps in total (a resumed run continues to this count)")
-    save_every: int = Field(10, ge=1, description="checkpoint every this many steps")
-    group_size: int = Field(8, ge=2, description="completions sampled per prompt (GRPO needs > 1)")
-    prompts_per_step: int = Field(16, ge=1, description="prompts per rank per step")
-    lr: float = Field(0.05, gt=0)
+    steps: int = Field(150, ge=1, description="GRPO steps in total (a resumed run continues to this count)")
+    save_every: int = Field(25, ge=1, description="checkpoint every this many steps")
+    group_size: int = Field(16, ge=2, description="completions sampled per prompt (GRPO needs > 1)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per rank per step")
+    lr: float = Field(0.02, gt=0, description="Adam learning rate")
     num_prompts: int = Field(2000, ge=10, description="size of the prepared toy dataset")
     reward_port: int = Field(23080, ge=1024, le=65535, description="port of the reward server on the head")
     seed: int = 0
