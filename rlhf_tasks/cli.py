@@ -181,6 +181,19 @@ def cmd_down(args) -> int:
     return 0
 
 
+def cmd_token(args) -> int:
+    """For `dstack apply` / `sky launch` by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)."""
+    from . import state
+
+    name = _task(args.target).name if args.target.endswith((".yaml", ".yml")) else args.target
+    token = state.token(name)
+    if token is None or args.new:
+        token = state.new_token(name)
+        print(f"made a new Ray token for {name} in {state.cluster_dir(name) / 'token'} (mode 0600)", file=sys.stderr)
+    print(token)
+    return 0
+
+
 def cmd_recipes(args) -> int:
     from .recipes import catalogue
 
@@ -251,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("down", cmd_down, "stop a cluster launched from here")
     p.add_argument("target", metavar="TASK.yaml|NAME")
     p.add_argument("--provider")
+    p = add("token", cmd_token, "print the cluster's Ray token (made once, kept with mode 0600) for applying a "
+            "rendered file by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)")
+    p.add_argument("target", metavar="TASK.yaml|NAME")
+    p.add_argument("--new", action="store_true", help="make a new token (a new cluster)")
     add("recipes", cmd_recipes, "list the recipes and what each needs")
     add("schema", cmd_schema, "print the task file's JSON Schema")
     return parser

@@ -473,7 +473,7 @@ def stop_stale(pgid_file):
         return
     if _group_alive(pgid):
         log("stopping a stale process group %d left by an earlier agent (%s)" % (pgid, os.path.basename(pgid_file)))
-        _kill_group(pgid, 15.0, lambda: False)
+        _kill_group(pgid, 15.0, lambda: True)
     os.remove(pgid_file)
 
 

@@ -87,3 +87,12 @@ def test_node_agent_is_standard_library_only():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+
+
+def test_token_is_made_once_with_mode_0600(rlhf_home, capsys):
+    assert main(["token", "mycluster"]) == 0
+    first = capsys.readouterr().out.strip()
+    path = rlhf_home / "clusters" / "mycluster" / "token"
+    assert path.read_text() == first and len(first) >= 32 and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert main(["token", "mycluster"]) == 0 and capsys.readouterr().out.strip() == first
+    assert main(["token", "mycluster", "--new"]) == 0 and capsys.readouterr().out.strip() != first
