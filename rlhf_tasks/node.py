@@ -482,10 +482,9 @@ def stop_stale(pgid_file):
 # --------------------------------------------------------------------------------------
 
 class Agent(object):
-    def __init__(self, plan, info, env, state_dir, log_dir, skip_setup=False):
+    def __init__(self, plan, info, env, state_dir, log_dir):
         self.plan, self.info, self.state_dir, self.log_dir = plan, info, state_dir, log_dir
         self.env = env
-        self.skip_setup = skip_setup
         self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
         self.ray = None
         self.beacon = None

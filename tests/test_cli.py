@@ -82,8 +82,8 @@ def test_no_fixed_sleeps_in_the_product():
     assert _sleeps_outside_loops(ast.parse("import time\ntime.sleep(30)\n")) == [2]
 
 
-def test_node_agent_is_standard_library_only():
-    tree = ast.parse((ROOT / "rlhf_tasks" / "node.py").read_text())
+def test_node_agent_is_standard_library_only_and_parses_as_python_38():
+    tree = ast.parse((ROOT / "rlhf_tasks" / "node.py").read_text(), feature_version=(3, 8))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)

@@ -110,3 +110,11 @@ def test_missing_provider_cli_says_how_to_install_it(tmp_path):
         assert out.returncode == 2, out.stderr
         assert f"rlhf-tasks[{extra}]" in out.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "home").exists()
+
+
+def test_local_refuses_gpu_tasks_before_starting_anything(tmp_path):
+    env = env_with(tmp_path, None)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    out = run_cli(["launch", str(task_file(tmp_path))], tmp_path, env)
+    assert out.returncode == 2 and "resources.gpus" in out.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home").exists()

@@ -107,6 +107,9 @@ class LocalProvider(Provider):
 
     def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
         name = plan["name"]
+        if plan["gpus_per_node"]:
+            raise BadInput("resources.gpus: the local provider runs CPU-only nodes on this machine; "
+                           "launch GPU tasks with --provider dstack or --provider sky")
         running = self._running(name)
         if running:
             raise BadInput(f"a local cluster named {name} is already running (PIDs {running}); "
