@@ -45,27 +45,35 @@ def bare(nodes: int) -> float:
     gcs, dash, client = free_port(), free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="rb-", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    common = ["--block", "--object-store-memory", "80000000", "--num-cpus", "1",
-              "--dashboard-agent-listen-port", "0", "--temp-dir", temp]
+    common = ["--block", "--object-store-memory", "80000000", "--num-cpus", "1", "--dashboard-agent-listen-port", "0"]
     procs = []
     start = time.monotonic()
+    deadline = start + 180
+
+    def node_temp(rank):  # one session dir per node: raylets sharing one race for socket names
+        return ["--temp-dir", f"{temp}/n{rank}"]
+
     try:
         procs.append(subprocess.Popen([BIN / "ray", "start", "--head", "--node-ip-address", "127.0.1.1", "--port",
                                        str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                                       "--ray-client-server-port", str(client), *common], env=env,
+                                       "--ray-client-server-port", str(client), *common, *node_temp(0)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         while probe_tcp("127.0.1.1", gcs) is not None:
+            if time.monotonic() > deadline:
+                raise SystemExit("bare: the head's GCS did not open in 180 s")
             time.sleep(0.2)
         for rank in range(1, nodes):
             procs.append(subprocess.Popen([BIN / "ray", "start", "--address", f"127.0.1.1:{gcs}", "--node-ip-address",
-                                           f"127.0.1.{rank + 1}", *common], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=True))
+                                           f"127.0.1.{rank + 1}", *common, *node_temp(rank)], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         while True:
             try:
                 if len(alive_nodes(f"http://127.0.0.1:{dash}", None)) == nodes:
                     return time.monotonic() - start
             except OSError:
                 pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bare: {nodes} nodes not ALIVE in 180 s")
             time.sleep(0.2)
     finally:
         for proc in reversed(procs):
