@@ -140,3 +140,45 @@ if __name__ == "__main__":
     os.chdir(ROOT)
     refresh()
     print(f"refreshed {', '.join(str(d.relative_to(ROOT)) for d in GOLDEN.values())}")
+
+
+FULL = {
+    "name": "everything", "nodes": 4, "image": "verlai/verl:latest",
+    "resources": {"gpus": "H100:8", "cpus": 64, "memory": "512GB", "shm_size": "128GB", "disk": "1TB"},
+    "env": {"NCCL_DEBUG": "INFO"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"], "setup": ["pip install -e ."],
+    "ray": {"dashboard_public": True}, "checkpoints": {"path": "/mnt/ckpt", "volume": "ckpt-vol"},
+    "placement": {"spot": "auto", "retry": True, "max_duration": "72h", "fleets": ["gpu-fleet"],
+                  "backends": ["aws", "gcp"], "regions": ["us-east-1"]},
+    "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}},
+}
+
+
+def test_every_placement_option_passes_dstack():
+    parse = _dstack_parser()
+    provider = providers.get("dstack")
+    from rlhf_tasks.spec import parse_task
+
+    files = provider.render(provider.plan(parse_task(FULL)))
+    cfg = parse(yaml.safe_load(files["everything.dstack.yml"]))
+    assert cfg.spot_policy.value == "auto" and cfg.retry and cfg.fleets and cfg.backends and cfg.regions
+    assert cfg.volumes[0].name == "ckpt-vol" and cfg.image == "verlai/verl:latest" and cfg.shell == "bash"
+    assert cfg.max_duration == 72 * 3600
+    parse(yaml.safe_load(files["everything-fleet.dstack.yml"]))
+
+
+def test_every_placement_option_passes_skypilot(tmp_path, monkeypatch):
+    sky, common_utils, schemas = _sky()
+    provider = providers.get("sky")
+    from rlhf_tasks.spec import parse_task
+
+    files = provider.render(provider.plan(parse_task(FULL)))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    config = yaml.safe_load(files["everything.sky.yaml"])
+    common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+    monkeypatch.chdir(tmp_path)
+    task = sky.Task.from_yaml_config(copy.deepcopy(config))
+    resources = list(task.resources)
+    assert task.num_nodes == 4 and all(r.use_spot for r in resources)
+    assert config["resources"]["ports"] == [8265] and config["resources"]["image_id"] == "docker:verlai/verl:latest"
