@@ -118,3 +118,16 @@ def test_local_refuses_gpu_tasks_before_starting_anything(tmp_path):
     out = run_cli(["launch", str(task_file(tmp_path))], tmp_path, env)
     assert out.returncode == 2 and "resources.gpus" in out.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "home").exists()
+
+
+def test_local_plan_keeps_object_stores_small_and_ports_apart():
+    from rlhf_tasks.providers.local import LOCAL_OBJECT_STORE_BYTES, LocalProvider
+    from rlhf_tasks.spec import parse_task
+
+    task = parse_task({"name": "t", "nodes": 3, "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    plan = LocalProvider().plan(task)
+    assert plan["ray"]["object_store_memory"] == LOCAL_OBJECT_STORE_BYTES  # not 30% of RAM per node
+    assert plan["ray"]["agent_listen_port"] == 0  # every node its own dashboard agent port
+    sized = parse_task({"name": "t", "nodes": 3, "ray": {"object_store_memory": "1GB"},
+                        "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    assert LocalProvider().plan(sized)["ray"]["object_store_memory"] == 10**9

@@ -27,6 +27,9 @@ from ..spec import Task
 from .base import Cluster, Provider
 
 
+LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
+
+
 def node_address(rank: int) -> str:
     return f"127.0.1.{rank + 1}"
 
@@ -79,8 +82,10 @@ class LocalProvider(Provider):
         return Path.cwd() / "runs" / name
 
     def plan(self, task: Task) -> dict:
-        return build_plan(task, self.name, str(self.run_dir(task.name) / "checkpoints"),
-                          {"agent_listen_port": 0})
+        plan = build_plan(task, self.name, str(self.run_dir(task.name) / "checkpoints"), {"agent_listen_port": 0})
+        if plan["ray"]["object_store_memory"] is None:  # Ray's default, 30% of RAM, for each of N nodes here
+            plan["ray"]["object_store_memory"] = LOCAL_OBJECT_STORE_BYTES
+        return plan
 
     def node_env(self, plan: dict, rank: int, cluster_id: str) -> dict[str, str]:
         """The environment contract of the local provider (what node.py reads)."""
