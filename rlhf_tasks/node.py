@@ -662,7 +662,7 @@ class Agent(object):
         beacon = (self.info.head, self.plan["ray"]["ready_port"])
         started = time.monotonic()
         wait_for("the head at %s:%s" % beacon, lambda: (lambda r: (r is None, r))(probe_ready(*beacon)),
-                 self.plan["wait"]["head_s"], interval=0.2, max_interval=2.0)
+                 self.plan["wait"]["head_s"], interval=0.2, max_interval=0.5)
         log("head ready after %.1fs" % (time.monotonic() - started))
         self.start_ray(head=False)
         self.start_services(("every_node",))
