@@ -92,22 +92,26 @@ class Jobs:
         return self.client.list_jobs()
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
-               final_status: Callable[[], str | None] = lambda: None) -> str:
+               final_status: Callable[[str], tuple[str, str] | None] = lambda shown: None) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
         When the dashboard goes away (a head that submitted the job exits as soon as it
-        ends), `final_status()` may still know the outcome, e.g. from the head's log.
+        ends), `final_status(log shown so far)` may still know the outcome and the rest
+        of the log, e.g. from the head agent's own log.
         Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
-        printed, delay, started = 0, 0.5, time.monotonic()
+        logs, printed, delay, started = "", 0, 0.5, time.monotonic()
         try:
             while True:
                 try:
                     status = self.status(submission_id)
                     logs = self.logs(submission_id)
                 except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
-                    status = final_status()
-                    if status is None:
+                    final = final_status(logs[:printed])
+                    if final is None:
                         raise StepFailed(f"following job {submission_id}", f"lost the Ray dashboard: {exc}") from None
+                    status, rest = final
+                    out.write(rest)
+                    out.flush()
                     return status
                 if len(logs) > printed:
                     out.write(logs[printed:])

@@ -83,21 +83,30 @@ def head_submission(dashboard: str, token: str | None, name: str):
     return (True, ours[0]) if ours else (False, "not submitted yet")
 
 
-def final_status_from_head(cluster: Cluster, submission_id: str, timeout_s: float = 60) -> str | None:
-    """The job's end state as the head agent logged it (`job <id> SUCCEEDED after ...`),
-    once the head has exited; None when it is still running or never said."""
-    pattern = re.compile(rf"job {re.escape(submission_id)} (SUCCEEDED|FAILED|STOPPED) after")
+def final_status_from_head(cluster: Cluster, submission_id: str, shown: str,
+                           timeout_s: float = 60) -> tuple[str, str] | None:
+    """The job's end state as the head agent logged it (`job <id> SUCCEEDED after ...`)
+    and the part of the job's log not shown yet, once the head has exited; None when
+    it is still running or never said. The agent prints the job's log as it follows it,
+    so its own log holds the job's log between "submitting job" and that last line."""
+    ended = re.compile(rf"^\[[\d:]+\] \S+: job {re.escape(submission_id)} (SUCCEEDED|FAILED|STOPPED) after", re.M)
 
     def check():
         if cluster.head_alive():
             return False, "the head is still running"
-        found = pattern.findall(cluster.head_log())
-        return True, (found[-1] if found else None)
+        return True, cluster.head_log()
 
     try:
-        return wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say)
+        head_log = wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say)
     except AgentError:
         return None
+    found = list(ended.finditer(head_log))
+    if not found:
+        return None
+    begin = re.search(rf"(submitting job|job) {re.escape(submission_id)}[^\n]*\n", head_log)
+    job_log = head_log[begin.end() if begin else 0:found[-1].start()]
+    rest = job_log[len(shown):] if job_log.startswith(shown) else ""
+    return found[-1].group(1), rest
 
 
 def summarise(plan: dict, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
@@ -149,7 +158,7 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
         tail.pump()
         say(f"following job {submission_id} (Ctrl-C stops following, not the job)")
         status = jobs.follow(submission_id, plan["job"].get("timeout_s"),
-                             final_status=lambda: final_status_from_head(cluster, submission_id))
+                             final_status=lambda shown: final_status_from_head(cluster, submission_id, shown))
         summarise(plan, submission_id, status, started, cluster.logs_dir)
         return 0 if status == "SUCCEEDED" else 1
     except KeyboardInterrupt:

@@ -748,6 +748,7 @@ def main(argv=None):
         return exc.code
     finally:
         if agent is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
             agent.stop_all()
             log("stopped the processes this agent started")
 

@@ -42,3 +42,19 @@ def test_gitignore_is_honoured_like_ray_does(tmp_path):
 def test_missing_working_dir_is_bad_input(tmp_path):
     with pytest.raises(BadInput, match="job.working_dir"):
         check_working_dir(str(tmp_path / "nope"), [])
+
+
+def test_final_status_and_unseen_log_come_from_the_head_agents_log():
+    from rlhf_tasks.launch import final_status_from_head
+    from rlhf_tasks.providers import Cluster
+
+    head_log = ("[01:00:00] node0: cluster ready: 3/3 nodes alive\n"
+                "[01:00:01] node0: submitting job t-1: python3 train.py\n"
+                "step 1\nstep 2\ndone: nothing to do\n"
+                "[01:00:09] node0: job t-1 SUCCEEDED after 8.0s\n"
+                "[01:00:10] node0: stopped the processes this agent started\n")
+    gone = Cluster(name="t", cluster_id="1", dashboard="", token=None, head_alive=lambda: False,
+                   head_log=lambda: head_log)
+    assert final_status_from_head(gone, "t-1", "step 1\n") == ("SUCCEEDED", "step 2\ndone: nothing to do\n")
+    assert final_status_from_head(gone, "t-1", "") == ("SUCCEEDED", "step 1\nstep 2\ndone: nothing to do\n")
+    assert final_status_from_head(gone, "t-2", "") is None  # the head never said
