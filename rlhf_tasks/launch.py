@@ -160,7 +160,9 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
         status = jobs.follow(submission_id, plan["job"].get("timeout_s"),
                              final_status=lambda shown: final_status_from_head(cluster, submission_id, shown))
         summarise(plan, submission_id, status, started, cluster.logs_dir)
-        return 0 if status == "SUCCEEDED" else 1
+        if status != "SUCCEEDED":
+            raise StepFailed(f"running job {submission_id}", f"it ended {status} (its log is above)")
+        return 0
     except KeyboardInterrupt:
         interrupted = True
         say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")

@@ -145,3 +145,14 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         if proc.poll() is None:
             proc.kill()
         assert cli("down", "long").returncode == 0
+
+
+def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
+    task = tmp_path / "failing.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "failing", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
+    run = launch([str(task)], tmp_path, cli_env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "failed: running job failing-" in run.stderr and "ended FAILED" in run.stderr
+    assert "stopped local cluster failing" in run.stdout  # torn down after a failure too
