@@ -172,6 +172,14 @@ def probe_tcp(host, port, timeout=2.0):
     return last
 
 
+def reachable(probe, *args):
+    """A wait_for check from a probe that returns None when ready, else the reason why not."""
+    def check():
+        reason = probe(*args)
+        return reason is None, reason
+    return check
+
+
 def probe_ready(host, port, timeout=2.0):
     """None when the head's ready beacon at host:port answers "ready", else why not."""
     reason = probe_tcp(host, port, timeout)
@@ -546,7 +554,7 @@ class Agent(object):
             what = "service %s (%s %s)" % (service["name"], ready["method"], url)
         else:
             host = fill(ready["host"], self.info)
-            probe = lambda: (lambda reason: (reason is None, reason))(probe_tcp(host, ready["port"]))
+            probe = reachable(probe_tcp, host, ready["port"])
             what = "service %s (tcp %s:%s)" % (service["name"], host, ready["port"])
 
         def check():
@@ -574,7 +582,7 @@ class Agent(object):
         started = time.monotonic()
         self.start_ray(head=True)
         gcs = (self.info.node_addr, plan["ray"]["port"])
-        wait_for("the Ray head's GCS on %s:%s" % gcs, self._ray_check(lambda: (lambda r: (r is None, r))(probe_tcp(*gcs))), 180)
+        wait_for("the Ray head's GCS on %s:%s" % gcs, self._ray_check(reachable(probe_tcp, *gcs)), 180)
         wait_for("the Ray dashboard at %s" % self.dashboard,
                  self._ray_check(lambda: http_check(self.dashboard + "/api/gcs_healthz")), 180)
         self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])
@@ -661,7 +669,7 @@ class Agent(object):
     def run_worker(self):
         beacon = (self.info.head, self.plan["ray"]["ready_port"])
         started = time.monotonic()
-        wait_for("the head at %s:%s" % beacon, lambda: (lambda r: (r is None, r))(probe_ready(*beacon)),
+        wait_for("the head at %s:%s" % beacon, reachable(probe_ready, *beacon),
                  self.plan["wait"]["head_s"], interval=0.2, max_interval=0.5)
         log("head ready after %.1fs" % (time.monotonic() - started))
         self.start_ray(head=False)

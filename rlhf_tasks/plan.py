@@ -98,6 +98,11 @@ def build_plan(task: Task, provider: str, checkpoint_dir: str | None, ray_overri
             "timeout_s": parse_duration(job.timeout) if job.timeout else None,
             "summary": out.summary,
         },
+        # What the provider needs to place the nodes (render reads these; the agent does not).
+        "placement": task.placement.model_dump(),
+        "resources": task.resources.model_dump(exclude_none=True),
+        "image": task.image,
+        "checkpoint_volume": task.checkpoints.volume,
     }
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
+from .. import state
 from ..plan import build_plan
 from ..spec import Task
 
@@ -25,12 +28,25 @@ class Cluster:
 
 class Provider:
     name = "?"
-    #: where checkpoints go when the task names no path
-    default_checkpoint_dir = "/checkpoints"
+    #: Ray settings this provider must move (e.g. away from SkyPilot's own ports)
+    ray_overrides: dict = {}
+
+    def default_checkpoint_dir(self, task: Task) -> str:
+        """Where checkpoints go when the task names no path."""
+        return f"/checkpoints/{task.name}"
 
     def plan(self, task: Task) -> dict:
         """The plan this provider's nodes run (pure)."""
-        return build_plan(task, self.name, self.default_checkpoint_dir)
+        return build_plan(task, self.name, self.default_checkpoint_dir(task), self.ray_overrides)
+
+    def stage(self, plan: dict, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
+        """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
+        make the cluster's token, and the CLI's environment (secrets and token by value)."""
+        directory = Path.cwd() / "runs" / plan["name"] / self.name
+        write_files(directory, self.render(plan))
+        token = state.new_token(plan["name"]) if plan["token_env"] else None
+        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
+        return directory, token, env
 
     def render(self, plan: dict) -> dict[str, str]:
         """File name -> content; pure, printable, safe to commit (no secret values)."""
@@ -57,8 +73,6 @@ def require_cli(executable: str, extra: str) -> str:
 
 
 def write_files(directory, files: dict[str, str]) -> None:
-    from pathlib import Path
-
     for name, text in files.items():
         path = Path(directory) / name
         path.parent.mkdir(parents=True, exist_ok=True)

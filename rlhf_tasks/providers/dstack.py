@@ -9,14 +9,11 @@ dstack CLI fills from the local environment at apply time.
 
 from __future__ import annotations
 
-import os
 import subprocess
-from pathlib import Path
 
 from .. import state
-from ..plan import build_plan
 from ..spec import Task
-from .base import Cluster, Provider, require_cli, write_files
+from .base import Cluster, Provider, require_cli
 from .shipping import agent_command, dump_yaml, node_path, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -24,14 +21,6 @@ SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
 
 class DstackProvider(Provider):
     name = "dstack"
-
-    def plan(self, task: Task) -> dict:
-        plan = build_plan(task, self.name, f"/checkpoints/{task.name}")
-        plan["placement"] = task.placement.model_dump()
-        plan["resources"] = task.resources.model_dump(exclude_none=True)
-        plan["image"] = task.image
-        plan["checkpoint_volume"] = task.checkpoints.volume
-        return plan
 
     def task_config(self, plan: dict, files: dict[str, str]) -> dict:
         res = plan["resources"]
@@ -100,11 +89,7 @@ class DstackProvider(Provider):
     def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
         """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")
-        directory = Path.cwd() / "runs" / plan["name"] / "dstack"
-        files = self.render(plan)
-        write_files(directory, files)
-        token = state.new_token(plan["name"]) if plan["token_env"] else None
-        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
+        directory, token, env = self.stage(plan, secrets)
         log = open(directory / "dstack-apply.log", "ab")
         proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan['name']}.dstack.yml"), "-y"],
                                 cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import state
 from ..errors import BadInput
-from ..plan import TOKEN_ENV, build_plan, plan_json
+from ..plan import TOKEN_ENV, plan_json
 from ..spec import Task
 from .base import Cluster, Provider
 
@@ -81,8 +81,13 @@ class LocalProvider(Provider):
     def run_dir(self, name: str) -> Path:
         return Path.cwd() / "runs" / name
 
+    ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
+
+    def default_checkpoint_dir(self, task: Task) -> str:
+        return str(self.run_dir(task.name) / "checkpoints")
+
     def plan(self, task: Task) -> dict:
-        plan = build_plan(task, self.name, str(self.run_dir(task.name) / "checkpoints"), {"agent_listen_port": 0})
+        plan = super().plan(task)
         if plan["ray"]["object_store_memory"] is None:  # Ray's default, 30% of RAM, for each of N nodes here
             plan["ray"]["object_store_memory"] = LOCAL_OBJECT_STORE_BYTES
         return plan

@@ -10,15 +10,13 @@ null values, filled by `sky launch --secret NAME` from the local environment.
 
 from __future__ import annotations
 
-import os
 import subprocess
-from pathlib import Path
 
 from .. import state
 from ..errors import BadInput
-from ..plan import build_plan, size_bytes
+from ..plan import size_bytes
 from ..spec import Task
-from .base import Cluster, Provider, require_cli, write_files
+from .base import Cluster, Provider, require_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_files
 
 #: Our dashboard agent must not take SkyPilot's 52365.
@@ -28,12 +26,7 @@ AGENT_LISTEN_PORT = 52366
 class SkyProvider(Provider):
     name = "sky"
 
-    def plan(self, task: Task) -> dict:
-        plan = build_plan(task, self.name, f"/checkpoints/{task.name}", {"agent_listen_port": AGENT_LISTEN_PORT})
-        plan["placement"] = task.placement.model_dump()
-        plan["resources"] = task.resources.model_dump(exclude_none=True)
-        plan["image"] = task.image
-        return plan
+    ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT}
 
     def task_config(self, plan: dict) -> dict:
         res, placement = plan["resources"], plan["placement"]
@@ -88,10 +81,7 @@ class SkyProvider(Provider):
         if self.managed and plan["job"]["submit"] != "head":
             raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
                            "since SkyPilot relaunches the whole task on recovery")
-        directory = Path.cwd() / "runs" / plan["name"] / "sky"
-        write_files(directory, self.render(plan))
-        token = state.new_token(plan["name"]) if plan["token_env"] else None
-        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
+        directory, token, env = self.stage(plan, secrets)
         names = list(secrets) + ([plan["token_env"]] if token else [])
         secret_args = [arg for name in names for arg in ("--secret", name)]
         yaml_file = f"{plan['name']}.sky.yaml"
