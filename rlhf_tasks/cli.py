@@ -20,36 +20,58 @@ def _task(path: str):
     return load_task(path)
 
 
-def _provider(name: str):
+def _provider(name: str, args=None):
+    """The provider, with the values of the `launch` options it declares."""
     from . import providers
 
-    return providers.get(name)
+    cls = providers.provider_class(name)
+    return cls(**{option.dest: getattr(args, option.dest, None) for option in cls.options})
+
+
+def _fitting_provider(task) -> tuple[str, list[str], dict[str, str]]:
+    """For `check` without --provider: the providers whose own checks pass (local first),
+    and why the others refuse; bad input when none can run the task."""
+    from . import providers
+
+    fits, refusals = [], {}
+    for name in ["local"] + [n for n in providers.names() if n != "local"]:
+        try:
+            _provider(name).check(task)
+            fits.append(name)
+        except BadInput as exc:
+            refusals[name] = str(exc)
+    if not fits:
+        raise BadInput("no provider can run this task:\n" + "\n".join(f"  {n}: {why}" for n, why in refusals.items()))
+    return fits[0], fits, refusals
 
 
 def cmd_check(args) -> int:
     task = _task(args.task)
-    plan = _provider(args.provider).plan(task)
+    name, fits, refusals = (args.provider, [args.provider], {}) if args.provider else _fitting_provider(task)
+    plan = _provider(name).plan(task)
     if args.json:
-        print(json.dumps(plan, indent=2))
+        print(plan.to_json(), end="")
         return 0
     import shlex
 
     res = task.resources
     print(f"{args.task}: ok")
     print(f"  cluster   {task.nodes} node(s) x {res.gpus or 'no GPU'}"
-          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + f" on {args.provider}")
-    for service in plan["services"]:
-        ready = service["ready"] or {}
-        probe = f"{ready.get('method', '')} {ready.get('url', '')}".strip() if ready.get("kind") == "http" \
-            else f"tcp {ready.get('port')}" if ready else "no readiness check"
-        print(f"  service   {service['name']} on {service['where']} ({probe})")
-    for command in plan["prepare"]:
+          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + f" on {name}")
+    if not args.provider:
+        print(f"  providers {', '.join(fits)} can run it" + "".join(
+            f"\n            not {n}: {why.split(': ', 1)[-1]}" for n, why in refusals.items()))
+    for service in plan.services:
+        ready = service.ready
+        probe = ("no readiness check" if ready is None else f"{ready.method} {ready.http}"
+                 if hasattr(ready, "http") else f"tcp {ready.tcp}")
+        print(f"  service   {service.name} on {service.where} ({probe})")
+    for command in plan.prepare:
         print(f"  prepare   {command}  (rank 0)")
-    job = plan["job"]
-    print(f"  job       {job['recipe']}, submitted from {job['submit']}")
-    print(f"  entrypoint {shlex.join(job['entrypoint'])}")
-    if plan["checkpoint_dir"]:
-        print(f"  checkpoints {plan['checkpoint_dir']} (resume: {task.checkpoints.resume})")
+    print(f"  job       {plan.job.recipe}, submitted from {plan.job.submit}")
+    print(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
+    if plan.checkpoint_dir:
+        print(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")
     return 0
 
 
@@ -75,13 +97,7 @@ def cmd_render(args) -> int:
 def cmd_launch(args) -> int:
     from .launch import launch
 
-    task = _task(args.task)
-    provider = _provider(args.provider)
-    if args.managed:
-        if args.provider != "sky":
-            raise BadInput("--managed: only for --provider sky (SkyPilot managed jobs)")
-        provider.managed = True
-    return launch(task, provider, keep=args.keep)
+    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep)
 
 
 def _token(args, name: str | None) -> str | None:
@@ -108,25 +124,25 @@ def _jobs(args):
 
 def cmd_submit(args) -> int:
     from . import state
+    from .jobs import Jobs
+    from .node import head_address, submission_id
 
     task = _task(args.task)
     plan = _provider(args.provider).plan(task)
     record = state.load(task.name) or {}
     cluster_key = record.get("cluster_id") or hashlib.sha256(args.address.encode()).hexdigest()[:8]
-    submission_id = f"{task.name}-{cluster_key}"
-    from .jobs import Jobs
-    from .node import alive_nodes
-
+    sid = submission_id(task.name, cluster_key)
     token = _token(args, task.name)
     jobs = Jobs(args.address, token)
-    head = next(n["node_ip"] for n in alive_nodes(args.address, token) if n.get("is_head_node"))
-    jobs.submit(plan, submission_id, head, wandb=bool(os.environ.get("WANDB_API_KEY")))
-    print(f"submitted {submission_id}")
+    if jobs.submit(plan, sid, head_address(args.address, token), dict(os.environ)):
+        print(f"submitted {sid}")
+    else:
+        print(f"{sid} is already on this cluster")
     if args.follow:
-        status = jobs.follow(submission_id, plan["job"].get("timeout_s"))
-        print(f"job {submission_id}: {status}")
+        status = jobs.follow(sid, plan.job.timeout_s)
+        print(f"job {sid}: {status}")
         return 0 if status == "SUCCEEDED" else 1
-    print(f"follow it with: rlhf-tasks logs {submission_id} --follow --address {args.address}")
+    print(f"follow it with: rlhf-tasks logs {sid} --follow --address {args.address}")
     return 0
 
 
@@ -232,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("check", cmd_check, "validate a task and print what would run")
     p.add_argument("task")
-    p.add_argument("--provider", default="local")
+    p.add_argument("--provider", help="check for this provider (default: say which providers can run it)")
     p.add_argument("--json", action="store_true", help="print the resolved cluster plan as JSON")
     p = add("render", cmd_render, "write the provider's native file(s); pure: no cluster, no network")
     p.add_argument("task")
@@ -241,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
     p.add_argument("task")
     p.add_argument("--provider", default="local")
-    p.add_argument("--keep", action="store_true", help="local: keep the cluster running after the job")
-    p.add_argument("--managed", action="store_true", help="sky: run as a SkyPilot managed job (recovered on preemption)")
+    p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
+    launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")
     p.add_argument("--address", required=True, help="e.g. http://localhost:8265")
@@ -270,15 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new", action="store_true", help="make a new token (a new cluster)")
     add("recipes", cmd_recipes, "list the recipes and what each needs")
     add("schema", cmd_schema, "print the task file's JSON Schema")
+    parser.set_defaults(launch_parser=launch_parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse twice for `launch`: first to learn the provider, then with the options it declares."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)
+    if args.command == "launch":
+        from . import providers
+
+        for option in providers.provider_class(args.provider).options:
+            args.launch_parser.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
     from .node import AgentError
 
     try:
+        args = _parse(argv)
         return args.func(args)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)

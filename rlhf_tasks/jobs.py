@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 from .errors import BadInput, StepFailed
-from .node import TERMINAL_JOB_STATES, auth_headers
+from .node import JobFollower, auth_headers, job_argv
+from .plan import Plan
 
 
 def working_dir_size(path: str, excludes: list[str]) -> int:
@@ -66,21 +66,20 @@ class Jobs:
                 return None
             raise
 
-    def submit(self, plan: dict, submission_id: str, head_addr: str, wandb: bool) -> str:
-        """Submit the plan's job once: a retry with the same id finds the first one."""
+    def submit(self, plan: Plan, submission_id: str, head_addr: str, env: dict[str, str]) -> bool:
+        """Submit the plan's job once: False when a job with this id is already there (a
+        retry finds the first one). `env` decides W&B (WANDB_API_KEY given or not)."""
         if self.status(submission_id) is not None:
-            print(f"job {submission_id} is already on this cluster; following it")
-            return submission_id
-        job = plan["job"]
-        argv = [arg.replace("{head_addr}", head_addr) for arg in job["entrypoint"]]
-        if job.get("wandb_args") and wandb:
-            argv += job["wandb_args"]
+            return False
+        argv, wandb = job_argv(plan.job.model_dump(), head_addr, head_addr, env)
+        if wandb:
+            print(wandb, flush=True)
         runtime_env = {}
-        if job.get("working_dir"):
-            check_working_dir(job["working_dir"], job["excludes"])
-            runtime_env = {"working_dir": job["working_dir"], "excludes": job["excludes"]}
+        if plan.job.working_dir:
+            check_working_dir(plan.job.working_dir, plan.job.excludes)
+            runtime_env = {"working_dir": plan.job.working_dir, "excludes": plan.job.excludes}
         self.client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id, runtime_env=runtime_env)
-        return submission_id
+        return True
 
     def logs(self, submission_id: str) -> str:
         return self.client.get_job_logs(submission_id)
@@ -92,38 +91,24 @@ class Jobs:
         return self.client.list_jobs()
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
-               final_status: Callable[[str], tuple[str, str] | None] = lambda shown: None) -> str:
+               final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
         When the dashboard goes away (a head that submitted the job exits as soon as it
-        ends), `final_status(log shown so far)` may still know the outcome and the rest
-        of the log, e.g. from the head agent's own log.
+        ends), `final_status(chars of the log shown so far)` may still know the outcome
+        and the rest of the log, e.g. from the head agent's result line.
         Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
-        logs, printed, delay, started = "", 0, 0.5, time.monotonic()
+        follower = JobFollower(self, submission_id, out)
         try:
-            while True:
-                try:
-                    status = self.status(submission_id)
-                    logs = self.logs(submission_id)
-                except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
-                    final = final_status(logs[:printed])
-                    if final is None:
-                        raise StepFailed(f"following job {submission_id}", f"lost the Ray dashboard: {exc}") from None
-                    status, rest = final
-                    out.write(rest)
-                    out.flush()
-                    return status
-                if len(logs) > printed:
-                    out.write(logs[printed:])
-                    out.flush()
-                    printed, delay = len(logs), 0.5
-                if status in TERMINAL_JOB_STATES:
-                    return status
-                if timeout_s and time.monotonic() - started > timeout_s:
-                    self.stop(submission_id)
-                    raise StepFailed(f"running job {submission_id}", f"still {status} after {timeout_s:.0f}s; stopped it")
-                time.sleep(delay)
-                delay = min(delay * 1.5, 3.0)
+            return follower.run(timeout_s)
+        except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
+            final = final_status(follower.shown)
+            if final is None:
+                raise StepFailed(f"following job {submission_id}", f"lost the Ray dashboard: {exc}") from None
+            status, rest = final
+            out.write(rest)
+            out.flush()
+            return status
         except KeyboardInterrupt:
             print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
                   f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
 from .errors import StepFailed
-from .node import AgentError, alive_nodes, auth_headers, cluster_check, http_request, wait_for
+from .node import (AgentError, auth_headers, cluster_check, head_address, http_check, http_request,
+                   is_submission_of, parse_result, submission_id, wait_for)
+from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
 
@@ -61,57 +62,53 @@ def _watching(cluster: Cluster, tail: LogTail, check):
     return wrapped
 
 
-def wait_cluster(cluster: Cluster, plan: dict, tail: LogTail) -> str:
-    from .node import http_check
-
-    timeout = plan["wait"]["head_s"] + plan["wait"]["nodes_s"]
+def wait_cluster(cluster: Cluster, plan: Plan, tail: LogTail) -> str:
+    timeout = plan.wait.head_s + plan.wait.nodes_s
     wait_for(f"the Ray dashboard at {cluster.dashboard}",
              _watching(cluster, tail, lambda: http_check(cluster.dashboard + "/api/gcs_healthz")), timeout, report=say)
-    check = cluster_check(cluster.dashboard, cluster.token, plan["nodes"])
-    return wait_for(f"{plan['nodes']} nodes", _watching(cluster, tail, check), plan["wait"]["nodes_s"], interval=0.5,
+    check = cluster_check(cluster.dashboard, cluster.token, plan.nodes)
+    return wait_for(f"{plan.nodes} nodes", _watching(cluster, tail, check), plan.wait.nodes_s, interval=0.5,
                     report=say)
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
-    """A wait_for check: the id of the job the head agent submitted (named `<task>-<cluster>`)."""
+    """A wait_for check: the id of the job the head agent submitted (see node.submission_id)."""
     try:
         status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
     except OSError as exc:
         return False, str(exc)
     ids = [job.get("submission_id") or "" for job in (json.loads(body) if status == 200 else [])]
-    ours = [sid for sid in ids if sid.startswith(f"{name}-")]
-    return (True, ours[0]) if ours else (False, "not submitted yet")
+    ours = [sid for sid in ids if is_submission_of(name, sid)]
+    return (True, ours[-1]) if ours else (False, "not submitted yet")
 
 
-def final_status_from_head(cluster: Cluster, submission_id: str, shown: str,
-                           timeout_s: float = 60) -> tuple[str, str] | None:
-    """The job's end state as the head agent logged it (`job <id> SUCCEEDED after ...`)
-    and the part of the job's log not shown yet, once the head has exited; None when
-    it is still running or never said. The agent prints the job's log as it follows it,
-    so its own log holds the job's log between "submitting job" and that last line."""
-    ended = re.compile(rf"^\[[\d:]+\] \S+: job {re.escape(submission_id)} (SUCCEEDED|FAILED|STOPPED) after", re.M)
-
+def final_status_from_head(cluster: Cluster, shown: int, timeout_s: float = 60) -> tuple[str, str] | None:
+    """The job's end state and the part of its log not shown yet, from the head agent's
+    result line once the head has exited; None when it never said."""
     def check():
         if cluster.head_alive():
             return False, "the head is still running"
         return True, cluster.head_log()
 
     try:
-        head_log = wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say)
+        result = parse_result(wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say))
     except AgentError:
         return None
-    found = list(ended.finditer(head_log))
-    if not found:
+    job = (result or {}).get("job") or {}
+    if not job.get("status"):
         return None
-    begin = re.search(rf"(submitting job|job) {re.escape(submission_id)}[^\n]*\n", head_log)
-    job_log = head_log[begin.end() if begin else 0:found[-1].start()]
-    rest = job_log[len(shown):] if job_log.startswith(shown) else ""
-    return found[-1].group(1), rest
+    total, tail = result.get("job_log_chars", 0), result.get("job_log_tail", "")
+    missing = total - shown
+    if missing <= 0:
+        return job["status"], ""
+    if missing <= len(tail):
+        return job["status"], tail[len(tail) - missing:]
+    return job["status"], f"[... {missing - len(tail)} characters of the job's log are only in the head's log]\n" + tail
 
 
-def summarise(plan: dict, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
+def summarise(plan: Plan, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
     lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
-    metrics_path = (plan["job"].get("summary") or {}).get("metrics")
+    metrics_path = (plan.job.summary or {}).get("metrics")
     if metrics_path and Path(metrics_path).exists():
         rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
         if rows:
@@ -120,8 +117,8 @@ def summarise(plan: dict, submission_id: str, status: str, started: float, artif
             lines.append(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over steps "
                          f"{first['step']}..{last['step']} (world size {last.get('world_size')}, {len(nodes)} nodes took part)")
         lines.append(f"metrics: {metrics_path}")
-    if plan.get("checkpoint_dir"):
-        lines.append(f"checkpoints: {plan['checkpoint_dir']}")
+    if plan.checkpoint_dir:
+        lines.append(f"checkpoints: {plan.checkpoint_dir}")
     if artifacts:
         lines.append(f"node logs: {artifacts}")
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
@@ -134,39 +131,37 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     plan = provider.plan(task)
     secrets = collect_secrets(task)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes")
-    cluster = provider.apply(task, plan, secrets)
-    if "exit_code" in cluster.extra:  # the provider ran the job to its end itself (a managed job)
-        return cluster.extra["exit_code"]
-    plan = cluster.extra.get("plan", plan)
+    cluster = provider.apply(plan, secrets)
+    if cluster.finished is not None:  # the provider ran the job to its end itself (a managed job)
+        return cluster.finished
     tail = LogTail(cluster.logs_dir)
     interrupted = False
     try:
         have = wait_cluster(cluster, plan, tail)
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
         jobs = Jobs(cluster.dashboard, cluster.token)
-        if plan["job"]["submit"] == "client":
-            head = next(n["node_ip"] for n in alive_nodes(cluster.dashboard, cluster.token) if n.get("is_head_node"))
-            if plan["job"].get("wandb_args"):
-                say("W&B logging " + ("on" if "WANDB_API_KEY" in secrets else "off: WANDB_API_KEY was not provided"))
-            submission_id = jobs.submit(plan, f"{plan['name']}-{cluster.cluster_id}", head,
-                                        wandb="WANDB_API_KEY" in secrets)
-            say(f"submitted job {submission_id}")
+        if plan.job.submit == "client":
+            sid = submission_id(plan.name, cluster.cluster_id)
+            head = head_address(cluster.dashboard, cluster.token)
+            if jobs.submit(plan, sid, head, {**os.environ, **secrets}):
+                say(f"submitted job {sid}")
+            else:
+                say(f"job {sid} is already on this cluster")
         else:
             say("waiting for the head to submit the job")
-            submission_id = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
-                cluster.dashboard, cluster.token, plan["name"])), 600, report=say)
+            sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
+                cluster.dashboard, cluster.token, plan.name)), 600, report=say)
         tail.pump()
-        say(f"following job {submission_id} (Ctrl-C stops following, not the job)")
-        status = jobs.follow(submission_id, plan["job"].get("timeout_s"),
-                             final_status=lambda shown: final_status_from_head(cluster, submission_id, shown))
-        summarise(plan, submission_id, status, started, cluster.logs_dir)
+        say(f"following job {sid} (Ctrl-C stops following, not the job)")
+        status = jobs.follow(sid, plan.job.timeout_s, final_status=lambda shown: final_status_from_head(cluster, shown))
+        summarise(plan, sid, status, started, cluster.logs_dir)
         if status != "SUCCEEDED":
-            raise StepFailed(f"running job {submission_id}", f"it ended {status} (its log is above)")
+            raise StepFailed(f"running job {sid}", f"it ended {status} (its log is above)")
         return 0
     except KeyboardInterrupt:
         interrupted = True
         say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
         return 130
     finally:
-        if provider.name == "local" and not keep and not interrupted:
+        if provider.stop_after_job and not keep and not interrupted:
             say(provider.down(task.name))

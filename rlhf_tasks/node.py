@@ -1,17 +1,24 @@
 """Node agent: runs on every node of the cluster and turns it into a Ray node.
 
 Standard library only and Python >= 3.8, so this one file can be shipped into any
-training image beside the plan (`python3 node.py --plan plan.json`). It maps the
-provider's environment contract to (rank, head address, node count), then:
+training image beside the plan (`python3 node.py --plan plan.json`). It knows no
+provider: the plan carries the provider's environment contract as data (which
+variable, which item of which list, which template, which command), and this file
+only interprets those rules. Then:
 
   head (rank 0): prepare data, `ray start --head` on the private address, start the
                  services and wait until they answer, wait until every node is ALIVE,
                  then (job.submit: head) submit the job, follow it, exit with its result.
-  worker:        wait for the head's GCS port, `ray start --address`, start the
+  worker:        wait for the head's ready beacon, `ray start --address`, start the
                  every-node services, supervise the raylet until the head goes away.
 
-Every step prints one timestamped line. Secrets are passed by variable name and never
-printed. No fixed sleeps: every wait polls its condition against a deadline.
+Every step prints one timestamped line; the agent ends with one structured result
+line (`RLHF_TASKS_RESULT {json}`) that the launcher reads. Secrets are passed by
+variable name and never printed. No fixed sleeps: every wait polls its condition
+against a deadline.
+
+The jobs core (submission ids, the entrypoint with its W&B decision, following a job)
+lives here too, and the launcher's Jobs client uses the same functions.
 """
 
 from __future__ import annotations
@@ -29,100 +36,163 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
+#: The plan format this agent reads; the launcher writes the same number.
+PLAN_VERSION = 2
+RESULT_PREFIX = "RLHF_TASKS_RESULT "
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
-_rank_label = "node"
+JOB_LOG_TAIL_CHARS = 64 * 1024  # how much of the job's log the result line repeats
 
 
-def log(message: str) -> None:
-    print("[%s] %s: %s" % (time.strftime("%H:%M:%S"), _rank_label, message), flush=True)
+class _Log(object):
+    label = "node"
+
+    def __call__(self, message: str) -> None:
+        print("[%s] %s: %s" % (time.strftime("%H:%M:%S"), self.label, message), flush=True)
+
+
+log = _Log()
 
 
 class AgentError(Exception):
     """A step failed; the message names it. `code` 2 means the plan or environment is wrong."""
 
-    def __init__(self, step, message, code=1):
+    def __init__(self, step: str, message: str, code: int = 1):
         Exception.__init__(self, "%s failed: %s" % (step, message))
-        self.code = code
+        self.step, self.code = step, code
 
 
-# --------------------------------------------------------------------------------------
-# Provider environment contracts: the one place that knows each provider's variables.
-# --------------------------------------------------------------------------------------
+# ======================================================================================
+# The provider's environment contract, read through the plan's rules.
+# ======================================================================================
 
 class NodeInfo(object):
-    def __init__(self, provider, rank, nodes, head, node_addr=None, cluster_id=None, gpus=None):
-        self.provider, self.rank, self.nodes, self.head = provider, rank, nodes, head
-        self.node_addr, self.cluster_id, self.gpus = node_addr, cluster_id, gpus
+    """This node's place in the cluster."""
 
-    def __repr__(self):
+    def __init__(self, rank: int, nodes: int, head: Optional[str], node_addr: Optional[str] = None,
+                 cluster_id: Optional[str] = None, gpus: Optional[int] = None):
+        self.rank, self.nodes, self.head, self.node_addr = rank, nodes, head, node_addr
+        self.cluster_id, self.gpus = cluster_id, gpus
+
+    def __repr__(self) -> str:
         return "NodeInfo(%r)" % self.__dict__
 
 
-def _need(env, name, provider):
-    value = env.get(name)
-    if value is None or value == "":
-        raise AgentError("reading the %s environment" % provider, "$%s is not set" % name, code=2)
-    return value
+def _items(text: str) -> List[str]:
+    return [part.strip() for part in text.replace(",", "\n").splitlines() if part.strip()]
 
 
-def _int(env, name, provider):
-    value = _need(env, name, provider)
+def _fill_env(text: str, env: Dict[str, str], what: str) -> str:
+    def one(match):
+        name = match.group(1)
+        if not env.get(name):
+            raise AgentError("reading the provider's environment", "$%s is not set (needed for %s)" % (name, what), code=2)
+        return env[name]
+    return re.sub(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", one, text)
+
+
+def read_rule(rule: Optional[dict], env: Dict[str, str], what: str, rank: Optional[int] = None,
+              run: Callable = subprocess.run) -> Optional[str]:
+    """The value one contract rule gives (see plan.Rule), or None when the rule is absent."""
+    if rule is None:
+        return None
+    step = "reading the provider's environment"
     try:
-        return int(value)
+        if rule.get("env") is not None:
+            raw = env.get(rule["env"]) or None
+            source = "$%s" % rule["env"]
+        elif rule.get("template") is not None:
+            raw = _fill_env(rule["template"], env, what)
+            source = rule["template"]
+        elif rule.get("command") is not None:
+            argv = [_fill_env(arg, env, what) for arg in rule["command"]]
+            out = run(argv, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise AgentError(step, "%s (for %s): %s" % (" ".join(argv), what, out.stderr.strip()))
+            raw, source = out.stdout, " ".join(argv)
+        else:
+            raw, source = rule.get("value"), "the plan"
+    except AgentError:
+        if rule.get("default") is not None:
+            return rule["default"]
+        raise
+    if raw is not None and rule.get("item") is not None:
+        index = rank if rule["item"] == "rank" else rule["item"]
+        items = _items(raw)
+        raw = items[index] if index is not None and index < len(items) else None
+        source = "item %s of %s" % (rule["item"], source)
+    if raw is None or raw == "":
+        if rule.get("default") is not None:
+            return rule["default"]
+        raise AgentError(step, "%s is not set (needed for %s)" % (source, what), code=2)
+    if rule.get("plus"):
+        return str(_integer(raw, source) + rule["plus"])
+    return raw
+
+
+def _integer(text: str, source: str) -> int:
+    try:
+        return int(text.strip())
     except ValueError:
-        raise AgentError("reading the %s environment" % provider, "$%s=%r is not an integer" % (name, value), code=2)
+        raise AgentError("reading the provider's environment", "%s=%r is not an integer" % (source, text), code=2)
 
 
-def _lines(value):
-    return [line.strip() for line in value.replace(",", "\n").splitlines() if line.strip()]
+def read_contract(contract: dict, env: Dict[str, str], run: Callable = subprocess.run) -> NodeInfo:
+    """Map the provider's environment to this node's place (addresses not resolved yet)."""
+    rank = _integer(read_rule(contract["rank"], env, "the node's rank", run=run), "rank")
+    nodes = _integer(read_rule(contract["nodes"], env, "the node count", run=run), "node count")
+    if not 0 <= rank < nodes:
+        raise AgentError("reading the provider's environment", "rank %d is outside 0..%d" % (rank, nodes - 1), code=2)
+    optional = {}
+    for key, what in (("head", "the head's address"), ("node_addr", "this node's address"),
+                      ("cluster_id", "the cluster id"), ("gpus_per_node", "GPUs per node")):
+        try:
+            optional[key] = read_rule(contract.get(key), env, what, rank=rank, run=run)
+        except AgentError:
+            if key == "head" and rank != 0:  # a worker must know its head; the head may use its own address
+                raise
+            optional[key] = None
+    gpus = optional["gpus_per_node"]
+    return NodeInfo(rank, nodes, optional["head"], optional["node_addr"], optional["cluster_id"],
+                    int(gpus) if gpus and gpus.isdigit() else None)
 
 
-def node_info(provider, env, run=subprocess.run):
-    """Map a provider's environment variables to this node's place in the cluster."""
-    p = provider
-    if p == "local":
-        return NodeInfo(p, _int(env, "RLHF_TASKS_NODE_RANK", p), _int(env, "RLHF_TASKS_NUM_NODES", p),
-                        _need(env, "RLHF_TASKS_HEAD_ADDR", p), env.get("RLHF_TASKS_NODE_ADDR"),
-                        env.get("RLHF_TASKS_CLUSTER_ID"))
-    if p == "dstack":
-        rank = _int(env, "DSTACK_NODE_RANK", p)
-        ips = _lines(env.get("DSTACK_NODES_IPS", ""))
-        return NodeInfo(p, rank, _int(env, "DSTACK_NODES_NUM", p), _need(env, "DSTACK_MASTER_NODE_IP", p),
-                        ips[rank] if rank < len(ips) else None, env.get("DSTACK_RUN_NAME"),
-                        env.get("DSTACK_GPUS_PER_NODE"))
-    if p == "sky":
-        rank = _int(env, "SKYPILOT_NODE_RANK", p)
-        ips = _lines(_need(env, "SKYPILOT_NODE_IPS", p))
-        return NodeInfo(p, rank, _int(env, "SKYPILOT_NUM_NODES", p), ips[0],
-                        ips[rank] if rank < len(ips) else None, env.get("SKYPILOT_TASK_ID"),
-                        env.get("SKYPILOT_NUM_GPUS_PER_NODE"))
-    if p == "runpod-global":
-        rank = 0 if env.get("RAY_WORKER", "0") in ("", "0") else 1
-        head_pod = env.get("HEAD_POD_ID") or (env.get("RUNPOD_POD_ID") if rank == 0 else None)
-        if not head_pod:
-            raise AgentError("reading the RunPod environment", "$HEAD_POD_ID is not set on a worker pod", code=2)
-        return NodeInfo(p, rank, _int(env, "EXPECTED_WORKERS", p) + 1, "%s.runpod.internal" % head_pod,
-                        None, env.get("RLHF_TASKS_CLUSTER_ID") or head_pod)
-    if p == "runpod-cluster":
-        return NodeInfo(p, _int(env, "NODE_RANK", p), _int(env, "NUM_NODES", p), _need(env, "PRIMARY_ADDR", p),
-                        env.get("NODE_ADDR"), env.get("RLHF_TASKS_CLUSTER_ID"), env.get("NUM_TRAINERS"))
-    if p == "slurm":
-        rank = _int(env, "SLURM_NODEID", p)
-        nodelist = _need(env, "SLURM_JOB_NODELIST", p)
-        out = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
-        hosts = _lines(out.stdout)
-        if out.returncode != 0 or not hosts:
-            raise AgentError("reading the Slurm environment", "scontrol show hostnames %s: %s" % (nodelist, out.stderr.strip()))
-        return NodeInfo(p, rank, _int(env, "SLURM_JOB_NUM_NODES", p), hosts[0], None, env.get("SLURM_JOB_ID"))
-    raise AgentError("reading the environment", "unknown provider %r" % provider, code=2)
+def resolve_ipv4(name: str) -> str:
+    """An IPv4 address for a name, preferring one that is not loopback (some hosts map
+    their own name to 127.0.1.1, which no other node can reach)."""
+    if re.match(r"^\d+\.\d+\.\d+\.\d+$", name):
+        return name
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise AgentError("resolving %s" % name, "the name does not resolve (%s)" % exc.strerror)
+    addresses = [info[4][0] for info in infos]
+    routable = [a for a in addresses if not a.startswith("127.")]
+    return (routable or addresses)[0]
 
 
-# --------------------------------------------------------------------------------------
+def locate(info: NodeInfo) -> NodeInfo:
+    """Resolve the head's and this node's addresses to IPv4 addresses."""
+    if info.rank == 0:
+        if info.node_addr is None and info.head is None:
+            raise AgentError("reading the provider's environment",
+                             "the contract gives neither the head's address nor this node's", code=2)
+        info.node_addr = resolve_ipv4(info.node_addr or info.head)
+        info.head = resolve_ipv4(info.head) if info.head else info.node_addr
+    else:
+        info.head = resolve_ipv4(info.head)
+        info.node_addr = resolve_ipv4(info.node_addr) if info.node_addr else source_address(info.head)
+    return info
+
+
+# ======================================================================================
 # Waiting: poll a condition against a deadline, with progress and a diagnosis.
-# --------------------------------------------------------------------------------------
+# ======================================================================================
 
-def wait_for(what, check, timeout_s, interval=0.2, max_interval=2.0, progress_every=10.0, report=None):
+def wait_for(what: str, check: Callable[[], Tuple[bool, object]], timeout_s: float, interval: float = 0.2,
+             max_interval: float = 2.0, progress_every: float = 10.0, report: Callable[[str], None] = None):
     """Call `check()` until it returns (True, value); it returns (False, reason) otherwise.
 
     Backs off from `interval` to `max_interval`, prints progress every `progress_every`
@@ -131,24 +201,22 @@ def wait_for(what, check, timeout_s, interval=0.2, max_interval=2.0, progress_ev
     report = report or log
     start = time.monotonic()
     next_report = start + progress_every
-    reason = "not checked yet"
     delay = interval
     while True:
         done, value = check()
         if done:
             return value
-        reason = value
         now = time.monotonic()
         if now - start >= timeout_s:
-            raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, reason))
+            raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, value))
         if now >= next_report:
-            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, reason))
+            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
             next_report = now + progress_every
         time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
         delay = min(delay * 1.5, max_interval)
 
 
-def probe_tcp(host, port, timeout=2.0):
+def probe_tcp(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
     """None when host:port accepts a connection, else why not, in words."""
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
@@ -172,7 +240,7 @@ def probe_tcp(host, port, timeout=2.0):
     return last
 
 
-def reachable(probe, *args):
+def reachable(probe: Callable[..., Optional[str]], *args) -> Callable[[], Tuple[bool, object]]:
     """A wait_for check from a probe that returns None when ready, else the reason why not."""
     def check():
         reason = probe(*args)
@@ -180,7 +248,7 @@ def reachable(probe, *args):
     return check
 
 
-def probe_ready(host, port, timeout=2.0):
+def probe_ready(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
     """None when the head's ready beacon at host:port answers "ready", else why not."""
     reason = probe_tcp(host, port, timeout)
     if reason is not None:
@@ -199,7 +267,7 @@ class ReadyBeacon(object):
     Workers join when it answers, not when the GCS port merely opens (a raylet that
     registers while the head is still starting can time out), and leave when it goes."""
 
-    def __init__(self, host, port):
+    def __init__(self, host: str, port: int):
         import threading
 
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -208,7 +276,7 @@ class ReadyBeacon(object):
         self.sock.listen(64)
         threading.Thread(target=self._serve, name="ready-beacon", daemon=True).start()
 
-    def _serve(self):
+    def _serve(self) -> None:
         while True:
             try:
                 conn, _ = self.sock.accept()
@@ -221,7 +289,7 @@ class ReadyBeacon(object):
             finally:
                 conn.close()
 
-    def close(self):
+    def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -229,7 +297,8 @@ class ReadyBeacon(object):
         self.sock.close()
 
 
-def http_request(url, method="GET", body=None, headers=None, timeout=5.0):
+def http_request(url: str, method: str = "GET", body=None, headers: Optional[dict] = None,
+                 timeout: float = 5.0) -> Tuple[int, bytes]:
     """(status, body bytes); raises OSError with a readable reason when there is no answer."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
@@ -251,7 +320,7 @@ def http_request(url, method="GET", body=None, headers=None, timeout=5.0):
         raise OSError("request to %s timed out" % url)
 
 
-def http_check(url, method="GET", body=None, headers=None):
+def http_check(url: str, method: str = "GET", body=None, headers: Optional[dict] = None) -> Tuple[bool, object]:
     """A wait_for check: ready when the request answers below 400."""
     try:
         status, _ = http_request(url, method, body, headers, timeout=5.0)
@@ -260,15 +329,15 @@ def http_check(url, method="GET", body=None, headers=None):
     return (True, status) if status < 400 else (False, "HTTP %d from %s %s" % (status, method, url))
 
 
-# --------------------------------------------------------------------------------------
+# ======================================================================================
 # Ray through its dashboard REST API (no ray import: this runs before Ray exists).
-# --------------------------------------------------------------------------------------
+# ======================================================================================
 
-def auth_headers(token):
+def auth_headers(token: Optional[str]) -> Dict[str, str]:
     return {"Authorization": "Bearer %s" % token} if token else {}
 
 
-def alive_nodes(dashboard, token):
+def alive_nodes(dashboard: str, token: Optional[str]) -> List[dict]:
     """Nodes the GCS reports ALIVE, from the State API (fast; `ray status` lags)."""
     url = (dashboard + "/api/v0/nodes?limit=1000&detail=true"
            "&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE")
@@ -280,7 +349,20 @@ def alive_nodes(dashboard, token):
     return json.loads(body)["data"]["result"]["result"]
 
 
-def cluster_check(dashboard, token, nodes, cpus=None, gpus=None):
+def head_address(dashboard: str, token: Optional[str]) -> str:
+    """The head node's address as Ray knows it; a named failure when no head is alive."""
+    try:
+        nodes = alive_nodes(dashboard, token)
+    except OSError as exc:
+        raise AgentError("finding the Ray head", str(exc))
+    for node in nodes:
+        if node.get("is_head_node"):
+            return node["node_ip"]
+    raise AgentError("finding the Ray head", "no head node is alive in the cluster at %s (%d nodes alive)"
+                     % (dashboard, len(nodes)))
+
+
+def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float = 0, gpus: float = 0):
     """A wait_for check: every expected node ALIVE, with its CPUs and GPUs registered."""
     def check():
         try:
@@ -298,26 +380,117 @@ def cluster_check(dashboard, token, nodes, cpus=None, gpus=None):
     return check
 
 
-def job_status(dashboard, token, submission_id):
-    """The job's status string, or None when no such job exists."""
-    status, body = http_request("%s/api/jobs/%s" % (dashboard, submission_id), headers=auth_headers(token))
-    if status == 404:
-        return None
-    if status != 200:
-        raise OSError("HTTP %d asking for job %s" % (status, submission_id))
-    return json.loads(body)["status"]
+# ======================================================================================
+# Jobs: one core for the head agent and the launcher's client.
+# ======================================================================================
+
+def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
+    """The job's id on its cluster: `<task>-<cluster>` (`-r<k>` for the k-th restart).
+    Stable, so a retried submission finds the first one instead of starting a second."""
+    sid = re.sub(r"[^A-Za-z0-9_-]+", "-", "%s-%s" % (name, cluster_key)).strip("-")
+    return "%s-r%d" % (sid, attempt) if attempt else sid
 
 
-def job_logs(dashboard, token, submission_id):
-    status, body = http_request("%s/api/jobs/%s/logs" % (dashboard, submission_id), headers=auth_headers(token))
-    return json.loads(body).get("logs", "") if status == 200 else ""
+def is_submission_of(name: str, sid: str) -> bool:
+    return sid.startswith(name + "-")
 
 
-# --------------------------------------------------------------------------------------
-# Environment: auth, network presets, debugging.
-# --------------------------------------------------------------------------------------
+def job_argv(job: dict, head_addr: str, node_addr: str, env: Dict[str, str]) -> Tuple[List[str], Optional[str]]:
+    """The job's command line on this cluster, and what was decided about W&B (None when
+    the recipe has no W&B flags): W&B flags are added only when WANDB_API_KEY is given."""
+    argv = [arg.replace("{head_addr}", head_addr).replace("{node_addr}", node_addr) for arg in job["entrypoint"]]
+    if not job.get("wandb_args"):
+        return argv, None
+    if env.get("WANDB_API_KEY"):
+        return argv + list(job["wandb_args"]), "W&B logging on (WANDB_API_KEY provided)"
+    return argv, "W&B logging off: WANDB_API_KEY was not provided"
 
-def _interface_of(ip):
+
+class DashboardJobs(object):
+    """The Ray Jobs REST API with the standard library (the launcher uses Ray's own client)."""
+
+    def __init__(self, dashboard: str, token: Optional[str]):
+        self.dashboard, self.token = dashboard, token
+
+    def status(self, sid: str) -> Optional[str]:
+        """The job's status, or None when no such job exists."""
+        status, body = http_request("%s/api/jobs/%s" % (self.dashboard, sid), headers=auth_headers(self.token))
+        if status == 404:
+            return None
+        if status != 200:
+            raise OSError("HTTP %d asking for job %s" % (status, sid))
+        return json.loads(body)["status"]
+
+    def logs(self, sid: str) -> str:
+        status, body = http_request("%s/api/jobs/%s/logs" % (self.dashboard, sid), headers=auth_headers(self.token))
+        return json.loads(body).get("logs", "") if status == 200 else ""
+
+    def stop(self, sid: str) -> bool:
+        status, _ = http_request("%s/api/jobs/%s/stop" % (self.dashboard, sid), "POST", {}, auth_headers(self.token))
+        return status < 400
+
+    def submit(self, sid: str, argv: List[str]) -> None:
+        status, body = http_request(self.dashboard + "/api/jobs/", "POST",
+                                    {"entrypoint": " ".join(shlex.quote(a) for a in argv), "submission_id": sid},
+                                    auth_headers(self.token))
+        if status >= 400:
+            raise AgentError("submitting job %s" % sid, "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000]))
+
+
+class JobFollower(object):
+    """Print a job's log as it grows until the job ends. `jobs` is anything with
+    status/logs/stop (DashboardJobs here, the launcher's Jobs client there); `shown` is
+    how much of the log has been printed, so a caller that loses the dashboard knows
+    where to go on from."""
+
+    def __init__(self, jobs, sid: str, out=None):
+        self.jobs, self.sid, self.out = jobs, sid, out or sys.stdout
+        self.shown = 0
+        self.log_text = ""
+
+    def run(self, timeout_s: Optional[float] = None, watch: Optional[Callable[[str], None]] = None) -> str:
+        """The job's final status. `watch(status)` runs on every poll and may raise to
+        give up (e.g. the Ray head died). At `timeout_s` the job is stopped and this fails."""
+        started, delay = time.monotonic(), 0.5
+        while True:
+            status = self.jobs.status(self.sid)
+            text = self.jobs.logs(self.sid)
+            if len(text) > self.shown:
+                self.out.write(text[self.shown:])
+                self.out.flush()
+                self.shown, self.log_text, delay = len(text), text, 0.5
+            if status in TERMINAL_JOB_STATES:
+                return status
+            if timeout_s and time.monotonic() - started > timeout_s:
+                self.jobs.stop(self.sid)
+                raise AgentError("running job %s" % self.sid,
+                                 "still %s after the job timeout of %.0fs; stopped it" % (status, timeout_s))
+            if watch is not None:
+                watch(status)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 3.0)
+
+
+def result_line(result: dict) -> str:
+    return RESULT_PREFIX + json.dumps(result, sort_keys=True)
+
+
+def parse_result(text: str) -> Optional[dict]:
+    """The last result line an agent printed in `text`, or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            try:
+                return json.loads(line[len(RESULT_PREFIX):])
+            except ValueError:
+                return None
+    return None
+
+
+# ======================================================================================
+# This node's environment: auth, the network preset, debugging.
+# ======================================================================================
+
+def interface_of(ip: str) -> Optional[str]:
     """Name of the local interface that holds `ip` (Linux ioctl; no iproute2 needed)."""
     if ip.startswith("127."):
         return "lo"
@@ -337,7 +510,7 @@ def _interface_of(ip):
     return None
 
 
-def source_address(host):
+def source_address(host: str) -> str:
     """This node's address on the route to `host` (no packet is sent)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -347,24 +520,25 @@ def source_address(host):
         sock.close()
 
 
-def network_env(preset, node_addr):
-    """NCCL/GLOO variables for the network preset; user env in the task overrides them."""
-    fixed = {"runpod-global": "podnet1", "runpod-cluster": "ens1"}
-    iface = fixed.get(preset) or _interface_of(node_addr)
+def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
+    """The preset's variables with `{iface}` set to the interface that carries this
+    node's address (or its route to the head); those are dropped when there is none."""
+    iface = interface_of(info.node_addr) or (interface_of(source_address(info.head)) if info.head else None)
     env = {}
-    if iface:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = iface
-    if preset in ("runpod-global", "ethernet"):
-        env["NCCL_IB_DISABLE"] = "1"
-    if preset == "infiniband":
-        env["NCCL_IB_DISABLE"] = "0"
+    for key, value in preset.items():
+        if "{iface}" in value:
+            if not iface:
+                log("no interface carries %s: leaving %s unset" % (info.node_addr, key))
+                continue
+            value = value.replace("{iface}", iface)
+        env[key] = value
     return env
 
 
-def node_env(plan, info, base):
+def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]:
     """The environment for Ray and the services on this node."""
     env = dict(base)
-    env.update(network_env(plan["network"], info.node_addr))
+    env.update(network_env(plan["network_env"], info))
     env.update(plan.get("env", {}))
     env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
                 "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
@@ -386,12 +560,12 @@ def node_env(plan, info, base):
     return env
 
 
-def fill(text, info):
+def fill(text: str, info: NodeInfo) -> str:
     """Replace the {head_addr} and {node_addr} placeholders (nothing else: shell braces stay)."""
     return text.replace("{head_addr}", info.head).replace("{node_addr}", info.node_addr)
 
 
-def ray_start_command(plan, info, head):
+def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
     ray = plan["ray"]
     cmd = ["ray", "start", "--block", "--node-ip-address", info.node_addr,
            "--dashboard-agent-listen-port", str(ray["agent_listen_port"])]
@@ -410,15 +584,16 @@ def ray_start_command(plan, info, head):
     return cmd
 
 
-# --------------------------------------------------------------------------------------
+# ======================================================================================
 # Processes this agent starts: each in its own session, stopped by process group.
-# --------------------------------------------------------------------------------------
+# ======================================================================================
 
 class Child(object):
     """A process in its own session whose group id is recorded in `pgid_file`, so a
     restarted agent stops exactly its own stale Ray, never anyone else's."""
 
-    def __init__(self, name, argv, env, log_path=None, pgid_file=None, shell=False):
+    def __init__(self, name: str, argv, env: Dict[str, str], log_path: Optional[str] = None,
+                 pgid_file: Optional[str] = None, shell: bool = False):
         self.name, self.pgid_file, self.log_path = name, pgid_file, log_path
         out = open(log_path, "ab") if log_path else None
         self.proc = subprocess.Popen(argv, env=env, shell=shell, executable="/bin/bash" if shell and os.path.exists("/bin/bash") else None,
@@ -429,10 +604,10 @@ class Child(object):
             with open(pgid_file, "w") as handle:
                 handle.write(str(self.proc.pid))
 
-    def alive(self):
+    def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, grace=15.0):
+    def stop(self, grace: float = 15.0) -> None:
         if self.alive():
             _kill_group(self.proc.pid, grace, lambda: self.proc.poll() is not None)
         else:
@@ -440,7 +615,7 @@ class Child(object):
         if self.pgid_file and os.path.exists(self.pgid_file):
             os.remove(self.pgid_file)
 
-    def tail(self, lines=20):
+    def tail(self, lines: int = 20) -> str:
         if not self.log_path or not os.path.exists(self.log_path):
             return ""
         with open(self.log_path, "rb") as handle:
@@ -449,7 +624,7 @@ class Child(object):
             return "\n".join(handle.read().decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def _group_alive(pgid):
+def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
@@ -457,7 +632,7 @@ def _group_alive(pgid):
         return exc.errno == errno.EPERM
 
 
-def _kill_group(pgid, grace, gone):
+def _kill_group(pgid: int, grace: float, gone: Callable[[], bool]) -> None:
     try:
         os.killpg(pgid, signal.SIGTERM)
     except OSError:
@@ -472,7 +647,7 @@ def _kill_group(pgid, grace, gone):
             pass
 
 
-def stop_stale(pgid_file):
+def stop_stale(pgid_file: str) -> None:
     """Stop a Ray (or service) an earlier agent on this node started and left behind."""
     try:
         with open(pgid_file) as handle:
@@ -485,77 +660,88 @@ def stop_stale(pgid_file):
     os.remove(pgid_file)
 
 
-# --------------------------------------------------------------------------------------
-# The agent.
-# --------------------------------------------------------------------------------------
+# ======================================================================================
+# The node: what head and worker share (Ray, services, commands, step timings).
+# ======================================================================================
 
-class Agent(object):
-    def __init__(self, plan, info, env, state_dir, log_dir):
-        self.plan, self.info, self.state_dir, self.log_dir = plan, info, state_dir, log_dir
-        self.env = env
+class Node(object):
+    def __init__(self, plan: dict, info: NodeInfo, env: Dict[str, str], state_dir: str, log_dir: str):
+        self.plan, self.info, self.env, self.state_dir, self.log_dir = plan, info, env, state_dir, log_dir
         self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
-        self.ray = None
-        self.beacon = None
-        self.services = []
-        self.dashboard = "http://%s:%s" % (
-            "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr, plan["ray"]["dashboard_port"])
+        self.ray = None  # type: Optional[Child]
+        self.services = []  # type: List[Child]
+        self.steps = []  # type: List[dict]
+        host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
+        self.dashboard = "http://%s:%s" % (host, plan["ray"]["dashboard_port"])
 
-    # -- shared steps
-    def _pgid_file(self, what):
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Time one step for the result line."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.steps.append({"step": name, "seconds": round(time.monotonic() - started, 2)})
+
+    def _pgid_file(self, what: str) -> str:
         return os.path.join(self.state_dir, "%s-node%d-%s.pgid" % (self.plan["name"], self.info.rank, what))
 
-    def run_commands(self, step, commands):
-        for index, command in enumerate(commands):
-            log("%s %d/%d: %s" % (step, index + 1, len(commands), command))
-            started = time.monotonic()
-            code = subprocess.call(fill(command, self.info), shell=True, env=self.env,
-                                   executable="/bin/bash" if os.path.exists("/bin/bash") else None)
-            if code != 0:
-                raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)
-            log("%s %d/%d done in %.1fs" % (step, index + 1, len(commands), time.monotonic() - started))
+    def run_commands(self, step: str, commands: List[str]) -> None:
+        with self.step(step):
+            for index, command in enumerate(commands):
+                log("%s %d/%d: %s" % (step, index + 1, len(commands), command))
+                started = time.monotonic()
+                code = subprocess.call(fill(command, self.info), shell=True, env=self.env,
+                                       executable="/bin/bash" if os.path.exists("/bin/bash") else None)
+                if code != 0:
+                    raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)
+                log("%s %d/%d done in %.1fs" % (step, index + 1, len(commands), time.monotonic() - started))
 
-    def start_ray(self, head):
+    def start_ray(self, head: bool) -> None:
         pgid_file = self._pgid_file("ray")
         stop_stale(pgid_file)
         cmd = ray_start_command(self.plan, self.info, head)
         log("starting Ray %s: %s" % ("head" if head else "worker", " ".join(shlex.quote(c) for c in cmd)))
         self.ray = Child("ray", cmd, self.env, os.path.join(self.log_dir, "ray-node%d.log" % self.info.rank), pgid_file)
 
-    def _ray_check(self, check):
+    def ray_alive(self, check: Callable[[], Tuple[bool, object]]) -> Callable[[], Tuple[bool, object]]:
+        """A wait_for check that fails at once when `ray start` has exited."""
         def wrapped():
             if not self.ray.alive():
                 raise AgentError("starting Ray", "`ray start` exited with code %s:\n%s" % (self.ray.proc.returncode, self.ray.tail()))
             return check()
         return wrapped
 
-    def start_services(self, where):
+    def start_services(self, where: Tuple[str, ...]) -> None:
         for service in self.plan["services"]:
             if service["where"] not in where:
                 continue
-            pgid_file = self._pgid_file("service-" + service["name"])
-            stop_stale(pgid_file)
-            env = dict(self.env)
-            env.update(service.get("env", {}))
-            command = fill(service["command"], self.info)
-            log("starting service %s: %s" % (service["name"], command))
-            child = Child(service["name"], command, env,
-                          os.path.join(self.log_dir, "service-%s-node%d.log" % (service["name"], self.info.rank)),
-                          pgid_file, shell=True)
-            self.services.append(child)
-            self.wait_service(service, child)
+            with self.step("service " + service["name"]):
+                pgid_file = self._pgid_file("service-" + service["name"])
+                stop_stale(pgid_file)
+                env = dict(self.env)
+                env.update(service.get("env", {}))
+                command = fill(service["command"], self.info)
+                log("starting service %s: %s" % (service["name"], command))
+                child = Child(service["name"], command, env,
+                              os.path.join(self.log_dir, "service-%s-node%d.log" % (service["name"], self.info.rank)),
+                              pgid_file, shell=True)
+                self.services.append(child)
+                self.wait_service(service, child)
 
-    def wait_service(self, service, child):
+    def wait_service(self, service: dict, child: Child) -> None:
         ready = service.get("ready")
         if not ready:
             return
-        if ready["kind"] == "http":
-            url = fill(ready["url"], self.info)
-            probe = lambda: http_check(url, ready["method"], ready.get("json"))
-            what = "service %s (%s %s)" % (service["name"], ready["method"], url)
+        if ready.get("http"):
+            url = fill(ready["http"], self.info)
+            method = ready.get("method", "GET")
+            probe = lambda: http_check(url, method, ready.get("json"))  # noqa: E731
+            what = "service %s (%s %s)" % (service["name"], method, url)
         else:
-            host = fill(ready["host"], self.info)
-            probe = reachable(probe_tcp, host, ready["port"])
-            what = "service %s (tcp %s:%s)" % (service["name"], host, ready["port"])
+            host = fill(ready.get("host", "{node_addr}"), self.info)
+            probe = reachable(probe_tcp, host, ready["tcp"])
+            what = "service %s (tcp %s:%s)" % (service["name"], host, ready["tcp"])
 
         def check():
             if not child.alive():
@@ -563,125 +749,144 @@ class Agent(object):
                                  "it exited with code %s before it was ready:\n%s" % (child.proc.returncode, child.tail()))
             return probe()
         started = time.monotonic()
-        wait_for(what, check, service["timeout_s"])
+        wait_for(what, check, service["timeout"])
         log("service %s ready after %.1fs" % (service["name"], time.monotonic() - started))
 
-    def stop_all(self):
-        if self.beacon is not None:
-            self.beacon.close()
+    def stop_all(self) -> None:
         for child in reversed(self.services):
             child.stop()
         if self.ray is not None:  # a worker's raylet would drain for 30 s for a head that is gone
             self.ray.stop(grace=15.0 if self.info.rank == 0 else 5.0)
 
-    # -- head
-    def run_head(self):
-        plan = self.plan
+
+class HeadFlow(object):
+    """Rank 0: prepare, start the head and its services, wait for every node, then
+    submit and follow the job (or keep the cluster up for a client's submission)."""
+
+    def __init__(self, node: Node):
+        self.node, self.plan, self.info = node, node.plan, node.info
+        self.beacon = None  # type: Optional[ReadyBeacon]
+        self.job = {}  # type: dict  (submission_id, status; for the result line)
+        self.follower = None  # type: Optional[JobFollower]
+
+    def run(self) -> int:
+        node, plan = self.node, self.plan
         if plan["prepare"]:
-            self.run_commands("prepare", plan["prepare"])
+            node.run_commands("prepare", plan["prepare"])
         started = time.monotonic()
-        self.start_ray(head=True)
-        gcs = (self.info.node_addr, plan["ray"]["port"])
-        wait_for("the Ray head's GCS on %s:%s" % gcs, self._ray_check(reachable(probe_tcp, *gcs)), 180)
-        wait_for("the Ray dashboard at %s" % self.dashboard,
-                 self._ray_check(lambda: http_check(self.dashboard + "/api/gcs_healthz")), 180)
+        with node.step("ray head"):
+            node.start_ray(head=True)
+            gcs = (self.info.node_addr, plan["ray"]["port"])
+            wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180)
+            wait_for("the Ray dashboard at %s" % node.dashboard,
+                     node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180)
         self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])
-        log("Ray head up in %.1fs; dashboard %s (reach it through the provider's port forward)"
-            % (time.monotonic() - started, self.dashboard))
-        self.start_services(("head", "every_node"))
-        expected_cpus = (plan["ray"].get("num_cpus") or 0) * plan["nodes"]
-        expected_gpus = (plan["ray"].get("num_gpus") or 0) * plan["nodes"]
-        have = wait_for("%d nodes to join" % plan["nodes"],
-                        self._ray_check(cluster_check(self.dashboard, self.token, plan["nodes"], expected_cpus, expected_gpus)),
-                        plan["wait"]["nodes_s"], interval=0.5, max_interval=2.0)
+        where = "" if node.dashboard.startswith("http://127.0.0.1") and self.info.node_addr.startswith("127.") \
+            else " (reach it through the provider's port forward)" if "127.0.0.1" in node.dashboard else ""
+        log("Ray head up in %.1fs; dashboard %s%s" % (time.monotonic() - started, node.dashboard, where))
+        node.start_services(("head", "every_node"))
+        with node.step("nodes"):
+            nodes = plan["nodes"]
+            have = wait_for("%d nodes to join" % nodes,
+                            node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
+                                                         (plan["ray"].get("num_cpus") or 0) * nodes,
+                                                         (plan["ray"].get("num_gpus") or 0) * nodes)),
+                            plan["wait"]["nodes_s"], interval=0.5, max_interval=2.0)
         log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
         if plan["job"]["submit"] == "head":
             return self.submit_and_follow()
-        log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`" % plan["ray"]["dashboard_port"])
-        return self.supervise_head()
+        log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`"
+            % plan["ray"]["dashboard_port"])
+        return self.supervise()
 
-    def submission_id(self):
-        key = self.info.cluster_id or self.info.head
-        return re.sub(r"[^A-Za-z0-9_-]+", "-", "%s-%s" % (self.plan["name"], key)).strip("-")
-
-    def submit_and_follow(self):
-        job = self.plan["job"]
-        sid = self.submission_id()
-        argv = [fill(arg, self.info) for arg in job["entrypoint"]]
-        if job.get("wandb_args"):
-            if self.env.get("WANDB_API_KEY"):
-                argv += job["wandb_args"]
-                log("W&B logging on (WANDB_API_KEY provided)")
+    def submit_and_follow(self) -> int:
+        node, job = self.node, self.plan["job"]
+        sid = submission_id(self.plan["name"], self.info.cluster_id or self.plan.get("cluster_id") or self.info.head)
+        self.job = {"submission_id": sid, "status": None}
+        jobs = DashboardJobs(node.dashboard, node.token)
+        with node.step("submit"):
+            if jobs.status(sid) is not None:
+                log("job %s was already submitted to this cluster; following it" % sid)
             else:
-                log("W&B logging off: WANDB_API_KEY was not provided")
+                self.submit(jobs, sid)
+        log("following job %s" % sid)
+        self.follower = JobFollower(jobs, sid)
+        started = time.monotonic()
+
+        def watch(status):
+            if not node.ray.alive():
+                raise AgentError("running job %s" % sid, "the Ray head exited while the job was %s" % status)
+        with node.step("job"):
+            status = self.follower.run(job.get("timeout_s"), watch)
+        self.job["status"] = status
+        log("job %s %s after %.1fs" % (sid, status, time.monotonic() - started))
+        if status != "SUCCEEDED":
+            raise AgentError("running job %s" % sid, "it ended %s" % status)
+        return 0
+
+    def submit(self, jobs: DashboardJobs, sid: str) -> None:
+        job = self.plan["job"]
+        argv, wandb = job_argv(job, self.info.head, self.info.node_addr, self.node.env)
+        if wandb:
+            log(wandb)
         entrypoint = " ".join(shlex.quote(a) for a in argv)
-        if job_status(self.dashboard, self.token, sid) is not None:
-            log("job %s was already submitted to this cluster; following it" % sid)
-        elif job.get("working_dir"):
-            runtime_env = {"excludes": job["excludes"]}
-            cmd = ["ray", "job", "submit", "--address", self.dashboard, "--submission-id", sid, "--no-wait",
-                   "--working-dir", job["working_dir"], "--runtime-env-json", json.dumps(runtime_env), "--"] + argv
-            log("submitting job %s with working_dir %s: %s" % (sid, job["working_dir"], entrypoint))
-            out = subprocess.run(cmd, env=self.env, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise AgentError("submitting job %s" % sid, out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:])
-        else:
+        if not job.get("working_dir"):
             log("submitting job %s: %s" % (sid, entrypoint))
-            status, body = http_request(self.dashboard + "/api/jobs/", "POST",
-                                        {"entrypoint": entrypoint, "submission_id": sid}, auth_headers(self.token))
-            if status >= 400:
-                raise AgentError("submitting job %s" % sid, "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000]))
-        return self.follow(sid)
+            return jobs.submit(sid, argv)
+        # Packing and uploading a working_dir is Ray's own code: use its CLI.
+        cmd = ["ray", "job", "submit", "--address", self.node.dashboard, "--submission-id", sid, "--no-wait",
+               "--working-dir", job["working_dir"], "--runtime-env-json", json.dumps({"excludes": job["excludes"]}),
+               "--"] + argv
+        log("submitting job %s with working_dir %s: %s" % (sid, job["working_dir"], entrypoint))
+        out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise AgentError("submitting job %s" % sid, out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:])
 
-    def follow(self, sid):
-        """Print the job's log as it grows; return 0 when it succeeded, 1 otherwise."""
-        timeout = self.plan["job"].get("timeout_s")
-        started = time.monotonic()
-        printed = 0
-        state = None
-        delay = 0.5
-        while True:
-            state = job_status(self.dashboard, self.token, sid)
-            logs = job_logs(self.dashboard, self.token, sid)
-            if len(logs) > printed:
-                sys.stdout.write(logs[printed:])
-                sys.stdout.flush()
-                printed = len(logs)
-                delay = 0.5
-            if state in TERMINAL_JOB_STATES:
-                break
-            if timeout and time.monotonic() - started > timeout:
-                http_request("%s/api/jobs/%s/stop" % (self.dashboard, sid), "POST", {}, auth_headers(self.token))
-                raise AgentError("running job %s" % sid, "still %s after the job timeout of %.0fs; stopped it" % (state, timeout))
-            if not self.ray.alive():
-                raise AgentError("running job %s" % sid, "the Ray head exited while the job was %s" % state)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 3.0)
-        log("job %s %s after %.1fs" % (sid, state, time.monotonic() - started))
-        return 0 if state == "SUCCEEDED" else 1
-
-    def supervise_head(self):
-        while self.ray.alive():
+    def supervise(self) -> int:
+        while self.node.ray.alive():
             time.sleep(1.0)
-        raise AgentError("supervising the Ray head", "`ray start` exited with code %s:\n%s" % (self.ray.proc.returncode, self.ray.tail()))
+        raise AgentError("supervising the Ray head", "`ray start` exited with code %s:\n%s"
+                         % (self.node.ray.proc.returncode, self.node.ray.tail()))
 
-    # -- worker
-    def run_worker(self):
-        beacon = (self.info.head, self.plan["ray"]["ready_port"])
-        started = time.monotonic()
-        wait_for("the head at %s:%s" % beacon, reachable(probe_ready, *beacon),
-                 self.plan["wait"]["head_s"], interval=0.2, max_interval=0.5)
-        log("head ready after %.1fs" % (time.monotonic() - started))
-        self.start_ray(head=False)
-        self.start_services(("every_node",))
-        return self.supervise_worker(beacon)
+    def result(self) -> dict:
+        out = {"job": self.job or None}
+        if self.follower is not None:
+            out["job_log_chars"] = self.follower.shown
+            out["job_log_tail"] = self.follower.log_text[-JOB_LOG_TAIL_CHARS:]
+        return out
 
-    def supervise_worker(self, beacon, head_gone_s=10.0, max_rejoins=3):
+    def stop(self) -> None:
+        if self.beacon is not None:
+            self.beacon.close()
+
+
+class WorkerFlow(object):
+    """Every other rank: join when the head's beacon answers, start the every-node
+    services, keep the raylet up (rejoin when it dies) until the head goes away."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.beacon = (node.info.head, node.plan["ray"]["ready_port"])
+
+    def run(self) -> int:
+        node = self.node
+        with node.step("head"):
+            started = time.monotonic()
+            wait_for("the head at %s:%s" % self.beacon, reachable(probe_ready, *self.beacon),
+                     node.plan["wait"]["head_s"], interval=0.2, max_interval=0.5)
+            log("head ready after %.1fs" % (time.monotonic() - started))
+        with node.step("ray worker"):
+            node.start_ray(head=False)
+        node.start_services(("every_node",))
+        return self.supervise()
+
+    def supervise(self, head_gone_s: float = 10.0, max_rejoins: int = 3) -> int:
         """Keep the raylet up (rejoin if it dies) until the head goes away: then the run is over."""
+        node = self.node
         unreachable_since = None
         rejoins = 0
         while True:
-            reason = probe_ready(*beacon)
+            reason = probe_ready(*self.beacon)
             now = time.monotonic()
             if reason is None:
                 unreachable_since = None
@@ -691,74 +896,90 @@ class Agent(object):
             elif now - unreachable_since > head_gone_s:
                 log("the head is gone (%s): the run is over, stopping this node" % reason)
                 return 0
-            if not self.ray.alive() and reason is None:
+            if not node.ray.alive() and reason is None:
                 if rejoins >= max_rejoins:
-                    raise AgentError("supervising the raylet", "it died %d times:\n%s" % (rejoins + 1, self.ray.tail()))
+                    raise AgentError("supervising the raylet", "it died %d times:\n%s" % (rejoins + 1, node.ray.tail()))
                 rejoins += 1
-                log("the raylet exited (code %s); rejoining (%d/%d)" % (self.ray.proc.returncode, rejoins, max_rejoins))
-                self.start_ray(head=False)
+                log("the raylet exited (code %s); rejoining (%d/%d)" % (node.ray.proc.returncode, rejoins, max_rejoins))
+                node.start_ray(head=False)
             time.sleep(1.0)
+
+    def result(self) -> dict:
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+
+# ======================================================================================
+# Entry point.
+# ======================================================================================
+
+def load_plan(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            plan = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise AgentError("reading the plan %s" % path, str(exc), code=2)
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+        found = plan.get("version") if isinstance(plan, dict) else None
+        raise AgentError("reading the plan %s" % path, "it is plan version %s, and this agent reads version %d: "
+                         "render it again with the rlhf-tasks that shipped this agent" % (found, PLAN_VERSION), code=2)
+    return plan
 
 
 def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def main(argv=None):
-    global _rank_label
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf_tasks.node", description="rlhf-tasks node agent (runs on every node)")
     parser.add_argument("--plan", required=True, help="the cluster plan (JSON) rendered by rlhf-tasks")
-    parser.add_argument("--provider", help="environment contract to read (default: the plan's provider)")
     parser.add_argument("--skip-setup", action="store_true", help="the provider already ran the setup commands")
     parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")
     parser.add_argument("--log-dir", default=None, help="where Ray's and the services' output goes (default: state dir)")
     args = parser.parse_args(argv)
-    try:
-        with open(args.plan) as handle:
-            plan = json.load(handle)
-    except (OSError, ValueError) as exc:
-        log("cannot read the plan %s: %s" % (args.plan, exc))
-        return 2
     signal.signal(signal.SIGTERM, _on_signal)
-    agent = None
+    result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
+    node = flow = None
     try:
-        info = node_info(args.provider or plan["provider"], os.environ)
-        _rank_label = "node%d" % info.rank
-        if info.rank == 0:
-            head_ip = socket.gethostbyname(info.head) if not re.match(r"^[\d.]+$", info.head) else info.head
-            info.node_addr = info.node_addr or head_ip
-            info.head = head_ip
-        elif not info.node_addr:
-            info.node_addr = source_address(socket.gethostbyname(info.head))
-        log("%s node %d of %d, address %s, head %s" % (info.provider, info.rank, info.nodes, info.node_addr, info.head))
+        plan = load_plan(args.plan)
+        info = locate(read_contract(plan["contract"], os.environ))
+        result["rank"] = info.rank
+        log.label = "node%d" % info.rank
+        log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
         env = node_env(plan, info, os.environ)
-        net = {k: env[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE") if k in env}
-        log("network preset %s: %s" % (plan["network"], " ".join("%s=%s" % kv for kv in sorted(net.items())) or "none"))
+        net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
+        log("network preset %s: %s" % (plan["network"], " ".join("%s=%s" % kv for kv in net.items()) or "none"))
         state_dir = args.state_dir or os.path.join(plan["ray"].get("temp_dir") or "/tmp", "rlhf-tasks")
         log_dir = args.log_dir or state_dir
         for directory in (state_dir, log_dir):
             os.makedirs(directory, exist_ok=True)
-        agent = Agent(plan, info, env, state_dir, log_dir)
+        node = Node(plan, info, env, state_dir, log_dir)
         if plan["setup"] and not args.skip_setup:
-            agent.run_commands("setup", plan["setup"])
-        return agent.run_head() if info.rank == 0 else agent.run_worker()
+            node.run_commands("setup", plan["setup"])
+        flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)
+        result["exit_code"] = flow.run()
     except AgentError as exc:
         log("ERROR: %s" % exc)
-        return exc.code
-    except socket.gaierror as exc:
-        log("ERROR: resolving the head's address failed: %s" % exc)
-        return 1
+        result.update(exit_code=exc.code, error=str(exc), failed_step=exc.step)
     except KeyboardInterrupt:
         log("interrupted")
-        return 130
+        result.update(exit_code=130, error="interrupted")
     except SystemExit as exc:
         log("stopping (signal)")
-        return exc.code
+        result.update(exit_code=exc.code, error="stopped by signal %d" % (exc.code - 128))
     finally:
-        if agent is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-            agent.stop_all()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if flow is not None:
+            flow.stop()
+            result.update(flow.result())
+        if node is not None:
+            node.stop_all()
+            result["steps"] = node.steps
             log("stopped the processes this agent started")
+        print(result_line(result), flush=True)
+    return result["exit_code"]
 
 
 if __name__ == "__main__":

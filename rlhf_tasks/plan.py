@@ -1,17 +1,25 @@
 """The cluster plan: the resolved, provider-neutral description of what every node
-does. Plain JSON data, because it travels to the nodes, where the node agent (standard
-library only) reads it. Built from the task and the recipe; never edited by hand."""
+does, built from the task, the recipe and the provider's choices, and never edited by
+hand. It travels to the nodes as JSON, where the node agent (standard library only)
+reads it and refuses a plan of another version.
+
+The provider's environment contract travels in it as data: how a node learns its rank,
+the node count, the head's address and its own from that provider's environment, in a
+small fixed set of rule kinds the agent interprets (`Rule`). So the agent names no
+provider, and a provider added from outside works on the nodes unchanged."""
 
 from __future__ import annotations
 
-import json
-import re
+from typing import Any, Literal
+
+from pydantic import model_validator
 
 from .errors import BadInput
-from .recipes.base import Shape, parse_duration
-from .spec import Task
+from .models import Service, StrictModel, size_bytes
+from .node import PLAN_VERSION  # the agent owns the version it reads
+from .recipes.base import Shape
+from .spec import Placement, Resources, Task
 
-PLAN_VERSION = 1
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 #: Kept out of every uploaded working_dir: VCS data, run artifacts, weights, data.
@@ -20,91 +28,219 @@ DEFAULT_EXCLUDES = [
     "*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.parquet", "*.arrow",
 ]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# ------------------------------------------------------------------ the environment contract
+
+class Rule(StrictModel):
+    """How a node reads one value from its provider's environment. Exactly one source:
+
+    - `env`: the variable's value; with `item`, the Nth entry (or the entry at this
+      node's rank: `item: rank`) of a list the variable holds, one per line or comma;
+    - `template`: a string with `{VAR}` filled from the environment, e.g.
+      `{HEAD_ID}.pods.internal`;
+    - `command`: the output of a command whose arguments may hold `{VAR}` (with `item`,
+      one line of it), e.g. a scheduler's command that expands a node list;
+    - `value`: a constant.
+
+    `plus` adds to an integer (a worker count + 1 = the node count); `default` is used
+    when the source is unset or empty."""
+
+    env: str | None = None
+    template: str | None = None
+    command: list[str] | None = None
+    value: str | None = None
+    item: int | Literal["rank"] | None = None
+    plus: int = 0
+    default: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        sources = [k for k in ("env", "template", "command", "value") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise ValueError(f"a contract rule needs exactly one of env, template, command, value (got {sources})")
+        return self
 
 
-def size_bytes(text: str) -> int:
-    number, unit = re.match(r"^([\d.]+)\s*([A-Za-z]*)$", text.strip()).groups()
-    return int(float(number) * _UNITS[unit.lower()])
+def env(name: str, **kw: Any) -> Rule:
+    return Rule(env=name, **kw)
 
 
-def _service(raw: dict) -> dict:
-    ready = raw.get("ready")
-    if ready is not None and "http" in ready:
-        ready = {"kind": "http", "url": ready["http"], "method": ready.get("method", "GET"), "json": ready.get("json")}
-    elif ready is not None:
-        ready = {"kind": "tcp", "host": ready.get("host", "{node_addr}"), "port": ready["tcp"]}
-    return {"name": raw["name"], "where": raw.get("where", "head"), "command": raw["command"],
-            "ready": ready, "timeout_s": parse_duration(raw.get("timeout", "10m")), "env": raw.get("env", {})}
+def template(text: str, **kw: Any) -> Rule:
+    return Rule(template=text, **kw)
 
 
-def build_plan(task: Task, provider: str, checkpoint_dir: str | None, ray_overrides: dict | None = None) -> dict:
+def command(argv: list[str], **kw: Any) -> Rule:
+    return Rule(command=argv, **kw)
+
+
+def value(text: str) -> Rule:
+    return Rule(value=text)
+
+
+class Contract(StrictModel):
+    """Where a node finds its place in the cluster. `head` may be left out for providers
+    where only workers are told the head (the head then uses its own address); a node
+    whose own address is not given uses the one on its route to the head."""
+
+    rank: Rule
+    nodes: Rule
+    head: Rule | None = None
+    node_addr: Rule | None = None
+    cluster_id: Rule | None = None
+    gpus_per_node: Rule | None = None
+
+
+#: Network presets every provider offers: the collective libraries' variables.
+#: `{iface}` is the interface that carries the node's address (or its route to the head),
+#: found on the node. The task's `env` overrides any of them.
+GENERIC_NETWORKS: dict[str, dict[str, str]] = {
+    "auto": {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"},
+    "ethernet": {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1"},
+    "infiniband": {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "0"},
+}
+
+
+# ------------------------------------------------------------------ the plan
+
+class RayPlan(StrictModel):
+    port: int
+    dashboard_port: int
+    dashboard_host: str                  # 127.0.0.1, or {node_addr} when the task opts in
+    client_server_port: int
+    ready_port: int
+    agent_listen_port: int               # 0: Ray picks one (several nodes on one host)
+    auth: Literal["token", "none"]
+    debug: Literal["off", "legacy", "post_mortem"]
+    object_store_memory: int | None
+    num_cpus: int | None
+    num_gpus: int | None
+    temp_dir: str | None = None          # one per node below it, when set
+
+
+class WaitPlan(StrictModel):
+    head_s: float
+    nodes_s: float
+
+
+class JobPlan(StrictModel):
+    recipe: str
+    submit: Literal["head", "client"]
+    entrypoint: list[str]
+    wandb_args: list[str]
+    working_dir: str | None
+    excludes: list[str]
+    timeout_s: float | None
+    summary: dict | None
+
+
+class Plan(StrictModel):
+    version: int = PLAN_VERSION
+    name: str
+    provider: str
+    cluster_id: str | None = None        # set by providers that name the cluster before it starts
+    nodes: int
+    gpus_per_node: int
+    contract: Contract
+    network: str
+    network_env: dict[str, str]
+    env: dict[str, str]
+    secrets: list[str]
+    token_env: str | None
+    setup: list[str]
+    prepare: list[str]
+    services: list[Service]
+    ray: RayPlan
+    wait: WaitPlan
+    checkpoint_dir: str | None
+    job: JobPlan
+    # What the provider needs to place the nodes (render reads these; the agent does not).
+    placement: Placement
+    resources: Resources
+    image: str | None
+    checkpoint_volume: str | None
+
+    @model_validator(mode="after")
+    def _version(self):
+        if self.version != PLAN_VERSION:
+            raise ValueError(f"plan version {self.version}; this rlhf-tasks reads version {PLAN_VERSION}")
+        return self
+
+    def to_json(self) -> str:
+        """What travels to the nodes (field names as the agent reads them)."""
+        return self.model_dump_json(indent=2, by_alias=True) + "\n"
+
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy with some fields changed (and `ray=` merged field by field)."""
+        if "ray" in changes and isinstance(changes["ray"], dict):
+            changes["ray"] = self.ray.model_copy(update=changes["ray"])
+        return self.model_copy(update=changes)
+
+
+def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str, dict[str, str]],
+               checkpoint_dir: str | None, ray_overrides: dict | None = None) -> Plan:
     """Task + recipe + the provider's choices -> the plan every node runs.
 
-    `checkpoint_dir` is the task's path, or the provider's default when the task
-    gives none. `ray_overrides` lets a provider move ports (local, SkyPilot).
-    """
+    `networks` are the presets the provider offers (beyond the generic ones);
+    `checkpoint_dir` is the provider's default when the task names none;
+    `ray_overrides` lets a provider move ports (local, SkyPilot)."""
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
     shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
                   checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto")
     out = task.job.build(shape)
 
-    services = [_service(s) for s in out.services]
-    services += [_service(s.model_dump(by_alias=True, exclude_none=True)) for s in task.services]
-    names = [s["name"] for s in services]
+    services = list(out.services) + list(task.services)
+    names = [s.name for s in services]
     if len(set(names)) != len(names):
         raise BadInput(f"services: a service name is also used by the {task.job.recipe} recipe: {names}")
 
-    ray = {
-        "port": task.ray.port,
-        "dashboard_port": task.ray.dashboard_port,
-        "dashboard_host": "{node_addr}" if task.ray.dashboard_public else "127.0.0.1",
-        "client_server_port": task.ray.client_server_port,
-        "ready_port": task.ray.ready_port,
-        "agent_listen_port": 52365,
-        "auth": task.ray.auth,
-        "debug": task.ray.debug,
-        "object_store_memory": size_bytes(task.ray.object_store_memory) if task.ray.object_store_memory else None,
-        "num_cpus": task.resources.cpus,
-        "num_gpus": task.resources.gpus_per_node if task.resources.gpus else None,
-        "temp_dir": None,
-    }
-    ray.update(ray_overrides or {})
+    presets = {**GENERIC_NETWORKS, **networks}
+    if task.network not in presets:
+        raise BadInput(f"network: {task.network!r} is not a network of the {provider} provider "
+                       f"(choose one of: {', '.join(presets)})")
+
+    ray = RayPlan(
+        port=task.ray.port,
+        dashboard_port=task.ray.dashboard_port,
+        dashboard_host="{node_addr}" if task.ray.dashboard_public else "127.0.0.1",
+        client_server_port=task.ray.client_server_port,
+        ready_port=task.ray.ready_port,
+        agent_listen_port=52365,
+        auth=task.ray.auth,
+        debug=task.ray.debug,
+        object_store_memory=size_bytes(task.ray.object_store_memory) if task.ray.object_store_memory else None,
+        num_cpus=task.resources.cpus,
+        num_gpus=task.resources.gpus_per_node if task.resources.gpus else None,
+    ).model_copy(update=ray_overrides or {})
     job = task.job
-    return {
-        "version": PLAN_VERSION,
-        "name": task.name,
-        "provider": provider,
-        "nodes": task.nodes,
-        "gpus_per_node": task.resources.gpus_per_node,
-        "env": {**out.env, **task.env},
-        "secrets": list(task.secrets),
-        "token_env": TOKEN_ENV if task.ray.auth == "token" else None,
-        "setup": list(task.setup),
-        "prepare": out.prepare + list(task.prepare),
-        "services": services,
-        "network": task.network,
-        "ray": ray,
-        "wait": {"head_s": parse_duration(task.wait.head), "nodes_s": parse_duration(task.wait.nodes)},
-        "checkpoint_dir": checkpoint_dir,
-        "job": {
-            "recipe": job.recipe,
-            "submit": job.submit,
-            "entrypoint": out.entrypoint,
-            "wandb_args": out.wandb_args,
-            "working_dir": job.working_dir,
-            "excludes": DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
-            "timeout_s": parse_duration(job.timeout) if job.timeout else None,
-            "summary": out.summary,
-        },
-        # What the provider needs to place the nodes (render reads these; the agent does not).
-        "placement": task.placement.model_dump(),
-        "resources": task.resources.model_dump(exclude_none=True),
-        "image": task.image,
-        "checkpoint_volume": task.checkpoints.volume,
-    }
-
-
-def plan_json(plan: dict) -> str:
-    return json.dumps(plan, indent=2, sort_keys=False) + "\n"
+    return Plan(
+        name=task.name,
+        provider=provider,
+        nodes=task.nodes,
+        gpus_per_node=task.resources.gpus_per_node,
+        contract=contract,
+        network=task.network,
+        network_env=presets[task.network],
+        env={**out.env, **task.env},
+        secrets=list(task.secrets),
+        token_env=TOKEN_ENV if task.ray.auth == "token" else None,
+        setup=list(task.setup),
+        prepare=out.prepare + list(task.prepare),
+        services=services,
+        ray=ray,
+        wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes),
+        checkpoint_dir=checkpoint_dir,
+        job=JobPlan(
+            recipe=job.recipe,
+            submit=job.submit,
+            entrypoint=out.entrypoint,
+            wandb_args=out.wandb_args,
+            working_dir=job.working_dir,
+            excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
+            timeout_s=job.timeout,
+            summary=out.summary,
+        ),
+        placement=task.placement,
+        resources=task.resources,
+        image=task.image,
+        checkpoint_volume=task.checkpoints.volume,
+    )

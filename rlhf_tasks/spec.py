@@ -10,38 +10,22 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import BadInput
+from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, require_absolute
 from .recipes import JOB_MODELS
-from .recipes.base import StrictModel, parse_duration, require_absolute
 
-_NAME = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
-_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?$", re.IGNORECASE)
-
-#: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
-RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
-
-
-def _size(value: str | None) -> str | None:
-    if value is not None and not _SIZE.match(str(value)):
-        raise ValueError(f"{value!r} is not a size (use e.g. 128GB, 500GB, 64GiB)")
-    return value
-
-
-def _duration(value):
-    parse_duration(value)
-    return value
 
 
 class Resources(StrictModel):
     gpus: str | None = Field(None, description="per node: NAME:COUNT (H100:8), NAME (one GPU) or COUNT")
     cpus: int | None = Field(None, ge=1, description="CPUs per node to register with Ray")
-    memory: str | None = None
-    shm_size: str | None = None
-    disk: str | None = None
+    memory: Size | None = None
+    shm_size: Size | None = None
+    disk: Size | None = None
 
     @field_validator("gpus")
     @classmethod
@@ -53,8 +37,6 @@ class Resources(StrictModel):
         if not match or (count is not None and int(count) < 1):
             raise ValueError(f"{value!r} is not a GPU spec (use NAME:COUNT such as H100:8, or a count >= 1)")
         return str(value)
-
-    _sizes = field_validator("memory", "shm_size", "disk")(classmethod(lambda cls, v: _size(v)))
 
     @property
     def gpu_name(self) -> str | None:
@@ -68,47 +50,6 @@ class Resources(StrictModel):
         return int(match.group("count") or match.group("only") or 1)
 
 
-class HttpReady(StrictModel):
-    """Ready when this request answers with a status below 400 (POST with a body for
-    servers whose GET answers 405, like OpenRLHF-M's reward server)."""
-
-    http: str = Field(description="URL; {node_addr} and {head_addr} are filled in on the node")
-    method: Literal["GET", "POST", "HEAD"] = "GET"
-    json_body: Any = Field(None, alias="json")
-
-    @field_validator("http")
-    @classmethod
-    def _url(cls, value):
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL")
-        return value
-
-
-class TcpReady(StrictModel):
-    tcp: int = Field(ge=1, le=65535, description="ready when this port accepts connections")
-    host: str = "{node_addr}"
-
-
-def _ready_kind(value) -> str | None:
-    if isinstance(value, dict):
-        return "http" if "http" in value else "tcp" if "tcp" in value else None
-    return "http" if isinstance(value, HttpReady) else "tcp" if isinstance(value, TcpReady) else None
-
-
-class Service(StrictModel):
-    name: str = Field(pattern=_NAME)
-    where: Literal["head", "every_node"] = "head"
-    command: str = Field(min_length=1)
-    ready: Annotated[
-        Union[Annotated[HttpReady, Tag("http")], Annotated[TcpReady, Tag("tcp")]],
-        Discriminator(_ready_kind, custom_error_type="ready", custom_error_message="ready needs either http: URL or tcp: PORT"),
-    ] | None = None
-    timeout: str = "10m"
-    env: dict[str, str] = {}
-
-    _timeout = field_validator("timeout")(classmethod(lambda cls, v: _duration(v)))
-
-
 class RayConfig(StrictModel):
     port: int = Field(6379, ge=1024, le=65535)
     dashboard_port: int = Field(8265, ge=1024, le=65535)
@@ -117,17 +58,13 @@ class RayConfig(StrictModel):
     dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
     auth: Literal["token", "none"] = "token"
     debug: Literal["off", "legacy", "post_mortem"] = "off"
-    object_store_memory: str | None = None
-
-    _size = field_validator("object_store_memory")(classmethod(lambda cls, v: _size(v)))
+    object_store_memory: Size | None = None
 
     @model_validator(mode="after")
     def _ports(self):
         ports = {"port": self.port, "dashboard_port": self.dashboard_port, "client_server_port": self.client_server_port,
                  "ready_port": self.ready_port}
         for field, port in ports.items():
-            if port in RESERVED_PORTS:
-                raise ValueError(f"{field} {port} is used by {RESERVED_PORTS[port]}; choose another")
             if 10002 <= port <= 19999 and field != "client_server_port":
                 raise ValueError(f"{field} {port} is inside Ray's worker port range 10002-19999")
         if len(set(ports.values())) != len(ports):
@@ -138,38 +75,38 @@ class RayConfig(StrictModel):
 class Checkpoints(StrictModel):
     path: str | None = Field(None, description="absolute, shared by all nodes; the provider picks one when omitted")
     resume: Literal["auto", "never"] = "auto"
-    volume: str | None = Field(None, description="dstack: a network volume name to mount at path (else the host path is mounted)")
+    volume: str | None = Field(None, description="a network volume to mount at path, where the provider has them")
 
     _absolute = field_validator("path")(classmethod(lambda cls, v: require_absolute(
         v, "relative paths resolve inside Ray's working_dir copy")))
 
 
 class Wait(StrictModel):
-    head: str = Field("30m", description="how long workers wait for the head (it runs setup and prepare first)")
-    nodes: str = Field("20m", description="how long the head waits for every node to join")
-
-    _durations = field_validator("head", "nodes")(classmethod(lambda cls, v: _duration(v)))
+    head: Duration = Field(1800.0, description="how long workers wait for the head (it runs setup and prepare first)")
+    nodes: Duration = Field(1200.0, description="how long the head waits for every node to join")
 
 
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
+
+
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
     spot: Literal["off", "on", "auto"] = Field("off", description="spot instances: off, on, or auto (spot when available)")
-    max_duration: str | None = Field(None, description="stop the run after this long (dstack max_duration)")
-    retry: bool = Field(False, description="resubmit after interruption or no capacity (dstack retry, SkyPilot job recovery)")
-    fleets: list[str] = Field([], description="dstack fleets to run on (one with placement: cluster)")
-    backends: list[str] = Field([], description="dstack backends / SkyPilot clouds to consider")
+    max_duration: Duration | None = Field(None, description="stop the run after this long")
+    retry: bool = Field(False, description="let the provider relaunch the run after an interruption or no capacity")
+    fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
+    backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
-
-    _duration = field_validator("max_duration")(classmethod(lambda cls, v: v if v is None else _duration(v)))
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
 
 
 class Task(StrictModel):
-    name: str = Field(pattern=_NAME, description="lowercase letters, digits and dashes")
+    _source: str = PrivateAttr("<task>")
+
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and dashes")
     nodes: int = Field(ge=1, le=1024)
     resources: Resources = Resources()
     image: str | None = None
@@ -178,12 +115,18 @@ class Task(StrictModel):
     setup: list[str] = []
     prepare: list[str] = []
     services: list[Service] = []
-    network: Literal["auto", "runpod-global", "runpod-cluster", "infiniband", "ethernet"] = "auto"
+    network: str = Field("auto", pattern=NAME_PATTERN,
+                         description="network preset: auto, ethernet, infiniband, or one the provider offers")
     ray: RayConfig = RayConfig()
     checkpoints: Checkpoints = Checkpoints()
     wait: Wait = Wait()
     placement: Placement = Placement()
     job: Job
+
+    @property
+    def source(self) -> str:
+        """The task file it came from, for error messages."""
+        return self._source
 
     @field_validator("env")
     @classmethod
@@ -238,7 +181,9 @@ def parse_task(data: Any, source: str = "<task>") -> Task:
     if not isinstance(data, dict):
         raise BadInput(f"{source}: a task file must be a mapping of fields, got {type(data).__name__}")
     try:
-        return Task.model_validate(data)
+        task = Task.model_validate(data)
+        task._source = source
+        return task
     except ValidationError as exc:
         lines = []
         for err in exc.errors():

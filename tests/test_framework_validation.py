@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from rlhf_tasks.plan import build_plan
+from rlhf_tasks import providers
 from rlhf_tasks.recipes import JOB_MODELS, recipe_name
 from rlhf_tasks.recipes.base import Shape
 from rlhf_tasks.recipes.verl import VERL_VERSION
@@ -30,7 +30,7 @@ def catalogue(*recipes: str) -> list:
     """(task, plan) of the catalogue tasks that use these recipes."""
     tasks = [task for task in map(load_task, TASKS) if task.job.recipe in recipes]
     assert tasks, f"no catalogue task uses {recipes}"
-    return [(task, build_plan(task, "local", None)) for task in tasks]
+    return [(task, providers.get("dstack").plan(task)) for task in tasks]
 
 
 def rendered(recipe: str, args: dict, nodes=2, gpus=8, resume=True) -> list[str]:
@@ -71,10 +71,10 @@ def test_verl_catalogue_tasks_compose(verl_config):
     from omegaconf import OmegaConf
 
     for _, plan in catalogue("verl-ppo"):
-        cfg = frameworks.compose(verl_config, "ppo_trainer", plan["job"]["entrypoint"][3:] + plan["job"]["wandb_args"])
+        cfg = frameworks.compose(verl_config, "ppo_trainer", plan.job.entrypoint[3:] + plan.job.wandb_args)
         OmegaConf.resolve(cfg)
-        assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (plan["nodes"], plan["gpus_per_node"])
-        assert cfg.trainer.default_local_dir == plan["checkpoint_dir"] and cfg.trainer.resume_mode == "auto"
+        assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (plan.nodes, plan.gpus_per_node)
+        assert cfg.trainer.default_local_dir == plan.checkpoint_dir and cfg.trainer.resume_mode == "auto"
         assert list(cfg.trainer.logger) == ["console", "wandb"]
 
 
@@ -102,7 +102,7 @@ def test_verl_misspelled_key_fails(verl_config):
 def test_search_r1_composes(hydra, tmp_path, args):
     from omegaconf import OmegaConf
 
-    overrides = (catalogue("search-r1")[0][1]["job"]["entrypoint"][3:] + ["trainer.logger=[console,wandb]"] if args is None
+    overrides = (catalogue("search-r1")[0][1].job.entrypoint[3:] + ["trainer.logger=[console,wandb]"] if args is None
                  else rendered("search-r1", args, resume=False))
     cfg = frameworks.compose(frameworks.search_r1_config_dir(tmp_path), "ppo_trainer", overrides)
     OmegaConf.resolve(cfg)
@@ -124,10 +124,10 @@ def test_openrlhf_catalogue_tasks_parse(openrlhf):
     for task, plan in catalogue("openrlhf-ppo", "openrlhf-m-grpo"):
         # OpenRLHF-M's trainer is the 0.6.1 it forked
         version = task.job.args.version if task.job.recipe == "openrlhf-ppo" else OPENRLHF["OpenRLHF-M base"]
-        args = frameworks.openrlhf_parse(openrlhf(version), plan["job"]["entrypoint"][3:] + plan["job"]["wandb_args"])
+        args = frameworks.openrlhf_parse(openrlhf(version), plan.job.entrypoint[3:] + plan.job.wandb_args)
         shape = (args.actor.num_nodes, args.actor.num_gpus_per_node) if hasattr(args, "actor") else \
             (args.actor_num_nodes, args.actor_num_gpus_per_node)
-        assert shape[0] * shape[1] == plan["job"]["summary"]["roles"]["actor"], task.name
+        assert shape[0] * shape[1] == plan.job.summary["roles"]["actor"], task.name
 
 
 SETUPS = {

@@ -44,17 +44,25 @@ def test_missing_working_dir_is_bad_input(tmp_path):
         check_working_dir(str(tmp_path / "nope"), [])
 
 
-def test_final_status_and_unseen_log_come_from_the_head_agents_log():
+def test_final_status_and_unseen_log_come_from_the_head_agents_result_line():
+    """The launcher reads the head agent's one structured result line, not its prose."""
     from rlhf_tasks.launch import final_status_from_head
+    from rlhf_tasks.node import result_line
     from rlhf_tasks.providers import Cluster
 
-    head_log = ("[01:00:00] node0: cluster ready: 3/3 nodes alive\n"
-                "[01:00:01] node0: submitting job t-1: python3 train.py\n"
-                "step 1\nstep 2\ndone: nothing to do\n"
-                "[01:00:09] node0: job t-1 SUCCEEDED after 8.0s\n"
-                "[01:00:10] node0: stopped the processes this agent started\n")
+    job_log = "step 1\nstep 2\ndone: nothing to do\n"
+    result = {"exit_code": 0, "job": {"submission_id": "t-1", "status": "SUCCEEDED"},
+              "job_log_chars": len(job_log), "job_log_tail": job_log}
+    head_log = ("[01:00:00] node0: cluster ready: 3/3 nodes alive\n" + job_log
+                + "[01:00:09] node0: job t-1 SUCCEEDED after 8.0s (reworded freely)\n" + result_line(result) + "\n")
     gone = Cluster(name="t", cluster_id="1", dashboard="", token=None, head_alive=lambda: False,
                    head_log=lambda: head_log)
-    assert final_status_from_head(gone, "t-1", "step 1\n") == ("SUCCEEDED", "step 2\ndone: nothing to do\n")
-    assert final_status_from_head(gone, "t-1", "") == ("SUCCEEDED", "step 1\nstep 2\ndone: nothing to do\n")
-    assert final_status_from_head(gone, "t-2", "") is None  # the head never said
+    assert final_status_from_head(gone, len("step 1\n")) == ("SUCCEEDED", "step 2\ndone: nothing to do\n")
+    assert final_status_from_head(gone, 0) == ("SUCCEEDED", job_log)
+    assert final_status_from_head(gone, len(job_log)) == ("SUCCEEDED", "")
+    long = dict(result, job_log_chars=len(job_log) + 100)  # more was printed than the line repeats
+    gone.head_log = lambda: result_line(long)
+    status, rest = final_status_from_head(gone, 0)
+    assert status == "SUCCEEDED" and rest.startswith("[... 100 characters") and rest.endswith(job_log)
+    gone.head_log = lambda: "[01:00:00] node0: ERROR: the head never got to run the job\n"
+    assert final_status_from_head(gone, 0) is None  # the head never said

@@ -12,18 +12,23 @@ import threading
 
 import pytest
 
-from rlhf_tasks import node
-from rlhf_tasks.node import AgentError, NodeInfo, node_env, node_info, probe_tcp, ray_start_command, wait_for
-from rlhf_tasks.plan import build_plan
+from rlhf_tasks import node, providers
+from rlhf_tasks.node import AgentError, NodeInfo, node_env, probe_tcp, ray_start_command, read_contract, wait_for
+from rlhf_tasks.plan import Contract, command, env, template
 from rlhf_tasks.spec import parse_task
 
 from conftest import ROOT
 
 
-def plan_for(**overrides):
+def plan_for(provider="local", **overrides):
+    """The plan as the agent reads it (JSON data)."""
     data = {"name": "t", "nodes": 3, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
     data.update(overrides)
-    return build_plan(parse_task(data), "local", "/ckpt")
+    return json.loads(providers.get(provider).plan(parse_task(data)).to_json())
+
+
+def contract_of(provider_name):
+    return providers.get(provider_name).contract.model_dump()
 
 
 CONTRACTS = [
@@ -33,39 +38,79 @@ CONTRACTS = [
                 "DSTACK_NODES_IPS": "10.0.0.1\n10.0.0.2"}, (1, 2, "10.0.0.1", "10.0.0.2")),
     ("sky", {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "10.1.0.5\n10.1.0.6\n"},
      (0, 2, "10.1.0.5", "10.1.0.5")),
-    ("runpod-global", {"RAY_WORKER": "1", "HEAD_POD_ID": "abc123", "EXPECTED_WORKERS": "3"},
-     (1, 4, "abc123.runpod.internal", None)),
-    ("runpod-global", {"RUNPOD_POD_ID": "abc123", "EXPECTED_WORKERS": "1"}, (0, 2, "abc123.runpod.internal", None)),
-    ("runpod-cluster", {"NODE_RANK": "3", "NUM_NODES": "4", "PRIMARY_ADDR": "10.65.0.2", "NODE_ADDR": "10.65.0.5"},
-     (3, 4, "10.65.0.2", "10.65.0.5")),
 ]
 
 
-@pytest.mark.parametrize("provider,env,expected", CONTRACTS, ids=[c[0] + str(i) for i, c in enumerate(CONTRACTS)])
-def test_role_detection(provider, env, expected):
-    info = node_info(provider, env)
+@pytest.mark.parametrize("provider,environ,expected", CONTRACTS, ids=[c[0] for c in CONTRACTS])
+def test_each_providers_contract_travels_as_data(provider, environ, expected):
+    info = read_contract(contract_of(provider), environ)
     assert (info.rank, info.nodes, info.head, info.node_addr) == expected
 
 
-def test_slurm_head_is_first_of_the_nodelist():
+# Rule kinds on invented variables, shaped like RunPod's hand-made contract (a worker flag,
+# a worker count, a head pod id in a name) and Slurm's (the head from a command's output).
+POD_LIKE = Contract(rank=env("ACME_WORKER", default="0"), nodes=env("ACME_WORKERS", plus=1),
+                    head=template("{ACME_HEAD_ID}.acme.internal"), cluster_id=env("ACME_HEAD_ID")).model_dump()
+
+
+def test_template_plus_and_default_rules():
+    worker = read_contract(POD_LIKE, {"ACME_WORKER": "1", "ACME_WORKERS": "3", "ACME_HEAD_ID": "abc123"})
+    assert (worker.rank, worker.nodes, worker.head, worker.cluster_id) == (1, 4, "abc123.acme.internal", "abc123")
+    head = read_contract(POD_LIKE, {"ACME_WORKERS": "1"})  # the head pod is not told its own id
+    assert (head.rank, head.nodes, head.head) == (0, 2, None)
+
+
+def test_a_worker_without_its_head_is_told_which_variable_is_missing():
+    with pytest.raises(AgentError) as info:
+        read_contract(POD_LIKE, {"ACME_WORKER": "1", "ACME_WORKERS": "3"})
+    assert "$ACME_HEAD_ID is not set" in str(info.value) and info.value.code == 2
+
+
+def test_command_rule_takes_the_head_from_its_output():
     calls = []
 
     def scontrol(argv, **kwargs):
         calls.append(argv)
         return subprocess.CompletedProcess(argv, 0, stdout="gpu-a\ngpu-b\n", stderr="")
 
-    info = node_info("slurm", {"SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-[a-b]"},
-                     run=scontrol)
+    contract = Contract(rank=env("BATCH_NODEID"), nodes=env("BATCH_NUM_NODES"),
+                        head=command(["hostlist", "{BATCH_NODELIST}"], item=0)).model_dump()
+    info = read_contract(contract, {"BATCH_NODEID": "1", "BATCH_NUM_NODES": "2", "BATCH_NODELIST": "gpu-[a-b]"},
+                         run=scontrol)
     assert (info.rank, info.nodes, info.head) == (1, 2, "gpu-a")
-    assert calls == [["scontrol", "show", "hostnames", "gpu-[a-b]"]]
+    assert calls == [["hostlist", "gpu-[a-b]"]]
 
 
 def test_missing_contract_variable_names_it():
     with pytest.raises(AgentError) as info:
-        node_info("dstack", {"DSTACK_NODE_RANK": "0", "DSTACK_NODES_NUM": "2"})
+        read_contract(contract_of("dstack"), {"DSTACK_NODE_RANK": "1", "DSTACK_NODES_NUM": "2"})
     assert "$DSTACK_MASTER_NODE_IP" in str(info.value) and info.value.code == 2
     with pytest.raises(AgentError, match="not an integer"):
-        node_info("local", {"RLHF_TASKS_NODE_RANK": "x", "RLHF_TASKS_NUM_NODES": "1", "RLHF_TASKS_HEAD_ADDR": "h"})
+        read_contract(contract_of("local"), {"RLHF_TASKS_NODE_RANK": "x", "RLHF_TASKS_NUM_NODES": "1",
+                                             "RLHF_TASKS_HEAD_ADDR": "h"})
+    with pytest.raises(AgentError, match="outside"):
+        read_contract(contract_of("local"), {"RLHF_TASKS_NODE_RANK": "3", "RLHF_TASKS_NUM_NODES": "3",
+                                             "RLHF_TASKS_HEAD_ADDR": "h"})
+
+
+def test_the_agent_names_no_provider():
+    """Contracts are data in the plan: the agent's source names no provider and none of their variables."""
+    source = (ROOT / "rlhf_tasks" / "node.py").read_text()
+    for word in ("DSTACK_", "SKYPILOT_", "SLURM_", "HEAD_POD_ID", "PRIMARY_ADDR", "RAY_WORKER", "EXPECTED_WORKERS",
+                 "\"NODE_RANK\"", "runpod", "dstack", "skypilot", "slurm", "podnet", "ens1"):
+        assert word.lower() not in source.lower(), word
+
+
+def test_a_plan_of_another_version_is_refused(tmp_path):
+    plan = plan_for()
+    plan["version"] = 1
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path)], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2
+    assert "plan version 1" in out.stdout and f"reads version {node.PLAN_VERSION}" in out.stdout
+    assert node.parse_result(out.stdout)["exit_code"] == 2
 
 
 def test_wait_for_deadline_names_what_and_last_error():
@@ -135,25 +180,28 @@ def test_probe_names_a_name_that_does_not_resolve(monkeypatch):
     assert "does not resolve" in probe_tcp("abc.runpod.internal", 6379)
 
 
-@pytest.mark.parametrize("preset,expected", [
-    ("auto", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}),
-    ("runpod-global", {"NCCL_SOCKET_IFNAME": "podnet1", "GLOO_SOCKET_IFNAME": "podnet1", "NCCL_IB_DISABLE": "1"}),
-    ("runpod-cluster", {"NCCL_SOCKET_IFNAME": "ens1", "GLOO_SOCKET_IFNAME": "ens1"}),
-    ("ethernet", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}),
-    ("infiniband", {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "0"}),
-])
-def test_network_presets(preset, expected):
-    assert node.network_env(preset, "127.0.1.2") == expected
+def test_network_preset_fills_the_interface_that_holds_the_address():
+    preset = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1"}
+    info = NodeInfo(1, 2, "127.0.0.1", node.source_address("127.0.0.1"))
+    assert node.network_env(preset, info) == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+                                              "NCCL_IB_DISABLE": "1"}
 
 
-def test_auto_preset_finds_the_interface_holding_the_address():
-    addr = node.source_address("127.0.0.1")
-    assert node.network_env("auto", addr)["NCCL_SOCKET_IFNAME"] == "lo"
+def test_network_preset_without_an_interface_leaves_those_variables_unset():
+    info = NodeInfo(1, 2, None, "192.0.2.77")  # TEST-NET-1: no interface here holds it
+    assert node.network_env({"NCCL_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "0"}, info) == {"NCCL_IB_DISABLE": "0"}
+
+
+def test_unknown_network_preset_names_the_field():
+    from rlhf_tasks.errors import BadInput
+
+    with pytest.raises(BadInput, match="network: 'runpod-global' is not a network of the local provider"):
+        plan_for(network="runpod-global")
 
 
 def test_task_env_overrides_presets_and_token_is_required():
     plan = plan_for(env={"NCCL_SOCKET_IFNAME": "eth9"}, network="ethernet")
-    info = NodeInfo("local", 1, 3, "127.0.1.1", "127.0.1.2")
+    info = NodeInfo(1, 3, "127.0.1.1", "127.0.1.2")
     with pytest.raises(AgentError, match=r"\$RAY_AUTH_TOKEN is not set") as err:
         node_env(plan, info, {"PATH": "/bin"})
     assert err.value.code == 2
@@ -168,26 +216,26 @@ def test_task_env_overrides_presets_and_token_is_required():
 @pytest.mark.parametrize("debug,variable,flag", [("legacy", "RAY_DEBUG", True), ("post_mortem", "RAY_DEBUG_POST_MORTEM", False)])
 def test_debug_presets(debug, variable, flag):
     plan = plan_for(ray={"debug": debug})
-    info = NodeInfo("local", 0, 3, "10.0.0.1", "10.0.0.1")
+    info = NodeInfo(0, 3, "10.0.0.1", "10.0.0.1")
     assert variable in node_env(plan, info, {"RAY_AUTH_TOKEN": "t"})
     assert ("--ray-debugger-external" in ray_start_command(plan, info, head=True)) is flag
 
 
 def test_ray_binds_the_private_address_and_keeps_the_dashboard_local():
-    plan = plan_for()
-    info = NodeInfo("dstack", 0, 3, "10.0.0.1", "10.0.0.1")
+    plan = plan_for("dstack")
+    info = NodeInfo(0, 3, "10.0.0.1", "10.0.0.1")
     head = ray_start_command(plan, info, head=True)
     assert head[head.index("--node-ip-address") + 1] == "10.0.0.1"
     assert head[head.index("--dashboard-host") + 1] == "127.0.0.1"
     assert "0.0.0.0" not in head and "--block" in head
-    worker = ray_start_command(plan, NodeInfo("dstack", 1, 3, "10.0.0.1", "10.0.0.2"), head=False)
+    worker = ray_start_command(plan, NodeInfo(1, 3, "10.0.0.1", "10.0.0.2"), head=False)
     assert worker[worker.index("--address") + 1] == "10.0.0.1:6379" and "--head" not in worker
-    public = ray_start_command(plan_for(ray={"dashboard_public": True}), info, head=True)
+    public = ray_start_command(plan_for("dstack", ray={"dashboard_public": True}), info, head=True)
     assert public[public.index("--dashboard-host") + 1] == "10.0.0.1"
 
 
 def test_placeholders_fill_only_our_names():
-    info = NodeInfo("local", 0, 1, "10.0.0.1", "10.0.0.2")
+    info = NodeInfo(0, 1, "10.0.0.1", "10.0.0.2")
     assert node.fill("http://{head_addr}:5000 ${HOME} {node_addr}", info) == "http://10.0.0.1:5000 ${HOME} 10.0.0.2"
 
 
@@ -207,6 +255,8 @@ def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"waiting for the head at 127.0.0.1:{port}" in out.stdout and "refused" in out.stdout
     assert "secret-token-value" not in out.stdout + out.stderr
+    result = node.parse_result(out.stdout)  # the one structured line the launcher reads
+    assert result["exit_code"] == 1 and result["rank"] == 1 and "waiting for the head" in result["failed_step"]
 
 
 def test_service_readiness_over_http_post(tmp_path):
@@ -225,11 +275,11 @@ def test_service_readiness_over_http_post(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    info = NodeInfo("local", 0, 1, "127.0.0.1", "127.0.0.1")
-    agent = node.Agent(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    info = NodeInfo(0, 1, "127.0.0.1", "127.0.0.1")
+    agent = node.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
     service = {"name": "rm", "where": "head", "command": f"{sys.executable} {script} {port}", "env": {},
-               "timeout_s": 20, "ready": {"kind": "http", "url": f"http://{{node_addr}}:{port}/get_reward",
-                                          "method": "POST", "json": {"query": ["q"]}}}
+               "timeout": 20, "ready": {"http": f"http://{{node_addr}}:{port}/get_reward",
+                                        "method": "POST", "json": {"query": ["q"]}}}
     try:
         agent.plan["services"] = [service]
         agent.start_services(("head",))
@@ -241,10 +291,10 @@ def test_service_readiness_over_http_post(tmp_path):
 
 
 def test_a_service_that_dies_fails_fast_with_its_log(tmp_path):
-    info = NodeInfo("local", 0, 1, "127.0.0.1", "127.0.0.1")
-    agent = node.Agent(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    info = NodeInfo(0, 1, "127.0.0.1", "127.0.0.1")
+    agent = node.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
     agent.plan["services"] = [{"name": "rm", "where": "head", "command": "echo cannot load model >&2; exit 3",
-                               "env": {}, "timeout_s": 60, "ready": {"kind": "tcp", "host": "{node_addr}", "port": 1}}]
+                               "env": {}, "timeout": 60, "ready": {"tcp": 1, "host": "{node_addr}"}}]
     with pytest.raises(AgentError) as info_:
         agent.start_services(("head",))
     assert "exited with code 3" in str(info_.value) and "cannot load model" in str(info_.value)

@@ -31,8 +31,24 @@ def fake_cli(bin_dir: Path, name: str, log: Path, code: int = 1) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+def bare_venv(tmp_path: Path) -> Path:
+    """A venv whose bin/ holds only its python (and what a test puts there), with the real
+    venv's packages: so "the provider's CLI beside the interpreter" is under the test's control."""
+    venv = tmp_path / "venv"
+    if not venv.exists():
+        site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        site.mkdir(parents=True)
+        (venv / "bin").mkdir()
+        (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+        (venv / "pyvenv.cfg").write_text((Path(sys.prefix) / "pyvenv.cfg").read_text())
+        real = next(p for p in sys.path if p.startswith(sys.prefix) and p.endswith("site-packages"))
+        (site / "real.pth").write_text(f"import site; site.addsitedir({real!r})\n")
+    return venv / "bin"
+
+
 def run_cli(args, cwd, env):
-    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=cwd, env=env,
+    python = bare_venv(Path(env["RLHF_TASKS_HOME"]).parent) / "python"
+    return subprocess.run([str(python), "-m", "rlhf_tasks.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -112,6 +128,16 @@ def test_missing_provider_cli_says_how_to_install_it(tmp_path):
     assert not (tmp_path / "runs").exists() and not (tmp_path / "home").exists()
 
 
+def test_a_provider_cli_beside_the_interpreter_is_found_without_path(tmp_path):
+    """`.venv/bin/rlhf-tasks launch --provider dstack` uses `.venv/bin/dstack` though PATH lacks it."""
+    log = tmp_path / "calls.jsonl"
+    env = env_with(tmp_path, None)
+    fake_cli(bare_venv(tmp_path), "dstack", log, code=1)
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env)
+    assert out.returncode == 1 and "not installed" not in out.stderr, out.stderr
+    assert json.loads(log.read_text().splitlines()[0])["argv"][:2] == ["dstack", "apply"]
+
+
 def test_local_refuses_gpu_tasks_before_starting_anything(tmp_path):
     env = env_with(tmp_path, None)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
@@ -126,8 +152,8 @@ def test_local_plan_keeps_object_stores_small_and_ports_apart():
 
     task = parse_task({"name": "t", "nodes": 3, "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
     plan = LocalProvider().plan(task)
-    assert plan["ray"]["object_store_memory"] == LOCAL_OBJECT_STORE_BYTES  # not 30% of RAM per node
-    assert plan["ray"]["agent_listen_port"] == 0  # every node its own dashboard agent port
+    assert plan.ray.object_store_memory == LOCAL_OBJECT_STORE_BYTES  # not 30% of RAM per node
+    assert plan.ray.agent_listen_port == 0  # every node its own dashboard agent port
     sized = parse_task({"name": "t", "nodes": 3, "ray": {"object_store_memory": "1GB"},
                         "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
-    assert LocalProvider().plan(sized)["ray"]["object_store_memory"] == 10**9
+    assert LocalProvider().plan(sized).ray.object_store_memory == 10**9

@@ -108,9 +108,9 @@ def test_skypilot_schema_rejects_an_unknown_field():
 def test_our_ray_never_takes_skypilots_ports(provider_name):
     for task_path in TASKS:
         plan = providers.get(provider_name).plan(load_task(task_path))
-        ours = {plan["ray"]["port"], plan["ray"]["dashboard_port"], plan["ray"]["client_server_port"]}
+        ours = {plan.ray.port, plan.ray.dashboard_port, plan.ray.client_server_port}
         if provider_name == "sky":
-            ours.add(plan["ray"]["agent_listen_port"])
+            ours.add(plan.ray.agent_listen_port)
         assert not ours & {6380, 8266, 52365}, (task_path, ours)
 
 

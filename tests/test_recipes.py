@@ -7,7 +7,7 @@ import pytest
 
 from rlhf_tasks.cli import main
 from rlhf_tasks.errors import BadInput
-from rlhf_tasks.plan import build_plan
+from rlhf_tasks import providers
 from rlhf_tasks.recipes import JOB_MODELS, recipe_name
 from rlhf_tasks.recipes.base import Shape
 from rlhf_tasks.recipes.openrlhf import parse_version
@@ -139,7 +139,7 @@ def test_infeasible_task_exits_2_before_anything(tmp_path, capsys, rlhf_home):
     text = TASKS["openrlhf-ppo-llama3-8b"].read_text().replace("critic_gpus: 4", "critic_gpus: 8\n    vllm_engines: 4")
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    assert main(["render", str(bad), "--provider", "local", "-o", str(tmp_path / "out" / "x")]) == 2
+    assert main(["render", str(bad), "--provider", "dstack", "-o", str(tmp_path / "out" / "x")]) == 2
     err = capsys.readouterr().err
     assert "infeasible allocation" in err and "actor 4 + critic 8 + vLLM 4 x TP 2 = 20 GPUs" in err, err
     assert not (tmp_path / "out").exists()
@@ -222,10 +222,10 @@ def test_openrlhf_m_verifier_is_a_head_service_checked_by_post():
     assert flag(argv, "--advantage_estimator") == "group_norm" and flag(argv, "--colocate_all_models")
     assert flag(argv, "--vllm_num_engines") == "4" and flag(argv, "--actor_num_nodes") == "2"
     (service,) = out.services
-    assert service["where"] == "head" and "openrlhf.models.remote_rm.math_verifier" in service["command"]
-    ready = service["ready"]
-    assert ready["method"] == "POST" and ready["http"] == "http://{node_addr}:5000/get_reward"
-    assert set(ready["json"]) == {"query", "prompts"}
+    assert service.where == "head" and "openrlhf.models.remote_rm.math_verifier" in service.command
+    ready = service.ready
+    assert ready.method == "POST" and ready.http == "http://{node_addr}:5000/get_reward"
+    assert set(ready.json_body) == {"query", "prompts"}
     assert out.prepare[0].startswith("test -f /ckpt/data/VerMulti/mathv60k_message.jsonl || ")
     assert "downloaders/download_mathv60k.py --root_dir /ckpt/data/VerMulti" in out.prepare[0]
 
@@ -259,9 +259,9 @@ def test_verl_paths_must_be_absolute():
 def test_search_r1_retriever_on_every_node_checked_by_a_query():
     out = build("search-r1", {}, resume=False)
     (service,) = out.services
-    assert service["where"] == "every_node" and "search_r1/search/retrieval_server.py" in service["command"]
-    assert service["ready"]["http"] == "http://127.0.0.1:8000/retrieve" and service["ready"]["method"] == "POST"
-    assert set(service["ready"]["json"]) == {"queries", "topk", "return_scores"}
+    assert service.where == "every_node" and "search_r1/search/retrieval_server.py" in service.command
+    assert service.ready.http == "http://127.0.0.1:8000/retrieve" and service.ready.method == "POST"
+    assert set(service.ready.json_body) == {"queries", "topk", "return_scores"}
     values = overrides(out.entrypoint)
     assert values["retriever.url"] == "http://127.0.0.1:8000/retrieve"
     assert values["trainer.default_local_dir"] == "/ckpt" and values["trainer.nnodes"] == "2"
@@ -275,10 +275,10 @@ def test_search_r1_retriever_on_every_node_checked_by_a_query():
 @pytest.mark.parametrize("name", TASKS)
 def test_catalogue_task_plan(name):
     task = load_task(TASKS[name])
-    plan = build_plan(task, "local", None)
-    assert {"WANDB_API_KEY", "HF_TOKEN"} <= set(plan["secrets"]) and task.image
-    assert plan["checkpoint_dir"] == f"/checkpoints/{task.name}"
-    assert plan["job"]["wandb_args"] and not any("WANDB_API_KEY=" in a for a in plan["job"]["entrypoint"])
+    plan = providers.get("dstack").plan(task)
+    assert {"WANDB_API_KEY", "HF_TOKEN"} <= set(plan.secrets) and task.image
+    assert plan.checkpoint_dir == f"/checkpoints/{task.name}"
+    assert plan.job.wandb_args and not any("WANDB_API_KEY=" in a for a in plan.job.entrypoint)
 
 
 def test_recipes_command_lists_recipes_and_tasks(capsys, monkeypatch):

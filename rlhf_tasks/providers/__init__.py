@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from ..errors import BadInput
-from .base import Cluster, Provider
+from .base import Cluster, Option, Provider
 
 GROUP = "rlhf_tasks.providers"
 BUILTIN = {
@@ -31,14 +31,19 @@ def names() -> list[str]:
     return sorted(_targets())
 
 
-def get(name: str) -> Provider:
+def provider_class(name: str) -> type[Provider]:
     target = _targets().get(name)
     if target is None:
         raise BadInput(f"--provider: unknown provider {name!r} (known: {', '.join(names())})")
     module_name, _, attr = target.partition(":")
     import importlib
 
-    return getattr(importlib.import_module(module_name), attr)()
+    return getattr(importlib.import_module(module_name), attr)
 
 
-__all__ = ["Cluster", "Provider", "get", "names"]
+def get(name: str, **options) -> Provider:
+    """The provider named `name`, with values for its own `launch` options."""
+    return provider_class(name)(**options)
+
+
+__all__ = ["Cluster", "Option", "Provider", "get", "names", "provider_class"]

@@ -1,14 +1,22 @@
-"""The provider contract: pure `plan`/`render`, effectful `apply`/`down`."""
+"""The provider contract: pure `plan`/`render` (the dry run), effectful `apply`/`down`.
+
+Everything that is true of one provider lives in its own file: its environment
+contract and network presets (data the node agent interprets), the ports it must
+avoid, its extra CLI options, and whether the launcher stops its cluster after the job.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 from .. import state
-from ..plan import build_plan
+from ..errors import BadInput
+from ..plan import Contract, Plan, build_plan
 from ..spec import Task
 
 
@@ -23,48 +31,86 @@ class Cluster:
     head_alive: Callable[[], bool]       # False once the head's process (or run) has ended
     head_log: Callable[[], str] = lambda: ""
     logs_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+    #: Set when the provider followed the job to its end itself (a managed job): its exit code.
+    finished: int | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """An extra `rlhf-tasks launch` option a provider declares (argparse's arguments)."""
+
+    flag: str
+    help: str
+    kwargs: dict = field(default_factory=lambda: {"action": "store_true"})
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
 class Provider:
-    name = "?"
-    #: Ray settings this provider must move (e.g. away from SkyPilot's own ports)
-    ray_overrides: dict = {}
+    name: ClassVar[str] = "?"
+    #: How a node finds its rank, the node count and the head in this provider's environment.
+    contract: ClassVar[Contract]
+    #: Network presets this provider offers beyond auto, ethernet and infiniband.
+    networks: ClassVar[dict[str, dict[str, str]]] = {}
+    #: Ray settings this provider must move (e.g. away from SkyPilot's own ports).
+    ray_overrides: ClassVar[dict[str, Any]] = {}
+    #: Extra options of `rlhf-tasks launch --provider NAME`.
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
+    stop_after_job: ClassVar[bool] = False
+
+    def __init__(self, **options: Any):
+        known = {option.dest for option in self.options}
+        unknown = set(options) - known
+        if unknown:
+            raise BadInput(f"--provider {self.name}: unknown options {sorted(unknown)}")
+        self.chosen = {option.dest: options.get(option.dest) for option in self.options}
 
     def default_checkpoint_dir(self, task: Task) -> str:
         """Where checkpoints go when the task names no path."""
         return f"/checkpoints/{task.name}"
 
-    def plan(self, task: Task) -> dict:
-        """The plan this provider's nodes run (pure)."""
-        return build_plan(task, self.name, self.default_checkpoint_dir(task), self.ray_overrides)
+    def check(self, task: Task) -> None:
+        """The provider's own checks of a task (BadInput naming the field); pure."""
 
-    def stage(self, plan: dict, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
-        """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
-        make the cluster's token, and the CLI's environment (secrets and token by value)."""
-        directory = Path.cwd() / "runs" / plan["name"] / self.name
-        write_files(directory, self.render(plan))
-        token = state.new_token(plan["name"]) if plan["token_env"] else None
-        env = {**os.environ, **secrets, **({plan["token_env"]: token} if token else {})}
-        return directory, token, env
+    def plan(self, task: Task) -> Plan:
+        """The plan this provider's nodes run."""
+        try:
+            self.check(task)
+            return build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
+                              self.ray_overrides)
+        except BadInput as exc:
+            raise BadInput(f"{task.source}: {exc}") from None
 
-    def render(self, plan: dict) -> dict[str, str]:
-        """File name -> content; pure, printable, safe to commit (no secret values)."""
+    def render(self, plan: Plan) -> dict[str, str]:
+        """File name -> content; pure, printable, safe to commit (no secret values).
+        What `apply` runs is exactly this."""
         raise NotImplementedError
 
-    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         raise NotImplementedError
 
     def down(self, name: str) -> str:
         raise NotImplementedError
 
+    def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
+        """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
+        make the cluster's token, and the CLI's environment (secrets and token by value)."""
+        directory = Path.cwd() / "runs" / plan.name / self.name
+        write_files(directory, self.render(plan))
+        token = state.new_token(plan.name) if plan.token_env else None
+        env = {**os.environ, **secrets, **({plan.token_env: token} if token else {})}
+        return directory, token, env
+
 
 def require_cli(executable: str, extra: str) -> str:
-    """The provider's CLI on PATH, or a bad-input error that says how to install it."""
-    import shutil
-
-    from ..errors import BadInput
-
+    """The provider's CLI beside the running interpreter (a venv's bin/) or on PATH, or a
+    bad-input error that says how to install it."""
+    beside = Path(sys.executable).parent / executable
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
     path = shutil.which(executable)
     if path is None:
         raise BadInput(f"--provider: the `{executable}` command is not installed; "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 
 from .. import state
-from ..spec import Task
+from ..plan import Contract, Plan, env
 from .base import Cluster, Provider, require_cli
 from .shipping import agent_command, dump_yaml, node_path, shipped_files
 
@@ -21,82 +21,88 @@ SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
 
 class DstackProvider(Provider):
     name = "dstack"
+    contract = Contract(
+        rank=env("DSTACK_NODE_RANK"),
+        nodes=env("DSTACK_NODES_NUM"),
+        head=env("DSTACK_MASTER_NODE_IP"),
+        node_addr=env("DSTACK_NODES_IPS", item="rank"),
+        cluster_id=env("DSTACK_RUN_NAME"),
+        gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
+    )
 
-    def task_config(self, plan: dict, files: dict[str, str]) -> dict:
-        res = plan["resources"]
-        placement = plan["placement"]
-        config: dict = {"type": "task", "name": plan["name"], "nodes": plan["nodes"]}
-        if plan["image"]:
-            config["image"] = plan["image"]
+    def task_config(self, plan: Plan, files: dict[str, str]) -> dict:
+        res, placement = plan.resources, plan.placement
+        config: dict = {"type": "task", "name": plan.name, "nodes": plan.nodes}
+        if plan.image:
+            config["image"] = plan.image
             config["shell"] = "bash"
-        env = [f"{k}={v}" for k, v in plan["env"].items()] + list(plan["secrets"])
-        if plan["token_env"]:
-            env.append(plan["token_env"])
+        env = [f"{k}={v}" for k, v in plan.env.items()] + list(plan.secrets)
+        if plan.token_env:
+            env.append(plan.token_env)
         if env:
             config["env"] = env
         config["files"] = [f"{local}:{node_path(local)}" for local in files]
-        config["commands"] = list(plan["setup"]) + [agent_command(plan, self.name)]
-        config["ports"] = [plan["ray"]["dashboard_port"]]
-        resources = {key: res[key] for key in ("shm_size", "disk", "memory") if key in res}
-        if res.get("gpus"):
-            resources["gpu"] = res["gpus"]
-        if res.get("cpus"):
-            resources["cpu"] = res["cpus"]
+        config["commands"] = list(plan.setup) + [agent_command(plan)]
+        config["ports"] = [plan.ray.dashboard_port]
+        resources = {key: getattr(res, key) for key in ("shm_size", "disk", "memory") if getattr(res, key)}
+        if res.gpus:
+            resources["gpu"] = res.gpus
+        if res.cpus:
+            resources["cpu"] = res.cpus
         config["resources"] = resources
-        ckpt = plan["checkpoint_dir"]
+        ckpt = plan.checkpoint_dir
         if ckpt:
-            volume = plan["checkpoint_volume"]
+            volume = plan.checkpoint_volume
             config["volumes"] = [{"name": volume, "path": ckpt} if volume else {"instance_path": ckpt, "path": ckpt}]
         config["startup_order"] = "master-first"
         config["stop_criteria"] = "master-done"
-        config["spot_policy"] = SPOT[placement["spot"]]
-        if placement["retry"]:
+        config["spot_policy"] = SPOT[placement.spot]
+        if placement.retry:
             config["retry"] = {"on_events": ["no-capacity", "interruption", "error"]}
-        for key in ("max_duration",):
-            if placement[key]:
-                config[key] = placement[key]
+        if placement.max_duration:
+            config["max_duration"] = int(placement.max_duration)  # seconds
         for key in ("fleets", "backends", "regions"):
-            if placement[key]:
-                config[key] = list(placement[key])
+            if getattr(placement, key):
+                config[key] = list(getattr(placement, key))
         return config
 
-    def fleet_config(self, plan: dict) -> dict:
+    def fleet_config(self, plan: Plan) -> dict:
         """A fleet with `placement: cluster` (nodes on one fast network) that fits the task."""
-        res = plan["resources"]
-        fleet: dict = {"type": "fleet", "name": f"{plan['name']}-fleet", "nodes": plan["nodes"], "placement": "cluster"}
-        resources = {key: res[key] for key in ("disk",) if key in res}
-        if res.get("gpus"):
-            resources["gpu"] = res["gpus"]
+        res = plan.resources
+        fleet: dict = {"type": "fleet", "name": f"{plan.name}-fleet", "nodes": plan.nodes, "placement": "cluster"}
+        resources = {"disk": res.disk} if res.disk else {}
+        if res.gpus:
+            resources["gpu"] = res.gpus
         if resources:
             fleet["resources"] = resources
-        fleet["spot_policy"] = SPOT[plan["placement"]["spot"]]
+        fleet["spot_policy"] = SPOT[plan.placement.spot]
         for key in ("backends", "regions"):
-            if plan["placement"][key]:
-                fleet[key] = list(plan["placement"][key])
+            if getattr(plan.placement, key):
+                fleet[key] = list(getattr(plan.placement, key))
         return fleet
 
-    def render(self, plan: dict) -> dict[str, str]:
+    def render(self, plan: Plan) -> dict[str, str]:
         files = shipped_files(plan)
-        secrets = ", ".join(plan["secrets"] + ([plan["token_env"]] if plan["token_env"] else [])) or "none"
+        secrets = ", ".join(plan.secrets + ([plan.token_env] if plan.token_env else [])) or "none"
         header = (f"# Rendered by rlhf-tasks for dstack; apply with: dstack apply -f <this file>\n"
                   f"# Values filled from your environment at apply time: {secrets}\n")
-        out = {f"{plan['name']}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
-               f"{plan['name']}-fleet.dstack.yml": dump_yaml(self.fleet_config(plan),
+        out = {f"{plan.name}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
+               f"{plan.name}-fleet.dstack.yml": dump_yaml(self.fleet_config(plan),
                                                          "# Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
 
-    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")
         directory, token, env = self.stage(plan, secrets)
         log = open(directory / "dstack-apply.log", "ab")
-        proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan['name']}.dstack.yml"), "-y"],
+        proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan.name}.dstack.yml"), "-y"],
                                 cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
-        dashboard = f"http://localhost:{plan['ray']['dashboard_port']}"
-        state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "dashboard": dashboard})
-        return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard=dashboard, token=token,
+        dashboard = f"http://localhost:{plan.ray.dashboard_port}"
+        state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
+        return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None,
                        head_log=lambda: (directory / "dstack-apply.log").read_text(errors="replace"))
 

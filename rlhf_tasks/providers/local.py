@@ -3,9 +3,10 @@
 Each node is a node-agent process running the very same code path as on a rented
 machine, with its own loopback address (127.0.1.1, 127.0.1.2, ...: Ray rewrites
 127.0.0.1 to the machine's public address, but not the rest of 127/8), its own
-dashboard agent port, and a small object store. Ports are picked free at launch, so
-a local cluster never collides with another Ray on the machine. `down` stops exactly
-the processes it started, by process group.
+dashboard agent port, and a small object store. Ports are picked free when the plan
+is made, so a local cluster never collides with another Ray on the machine, and the
+`start-nodes.sh` that `render` prints is the very script `apply` runs. `down` stops
+exactly the processes it started, by process group.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import time
 from pathlib import Path
 
 from .. import state
-from ..errors import BadInput
-from ..plan import TOKEN_ENV, plan_json
+from ..errors import BadInput, StepFailed
+from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Provider
-
+from .base import Cluster, Provider, write_files
 
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
+#: The local provider's environment contract: the launcher sets these per node.
+RANK, NODES, HEAD, NODE_ADDR = "RLHF_TASKS_NODE_RANK", "RLHF_TASKS_NUM_NODES", "RLHF_TASKS_HEAD_ADDR", "RLHF_TASKS_NODE_ADDR"
 
 
 def node_address(rank: int) -> str:
@@ -77,88 +79,82 @@ def _group_has_live_members(pgid: int) -> bool:
 
 class LocalProvider(Provider):
     name = "local"
+    contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
+    ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
+    stop_after_job = True
 
     def run_dir(self, name: str) -> Path:
         return Path.cwd() / "runs" / name
 
-    ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
-
     def default_checkpoint_dir(self, task: Task) -> str:
         return str(self.run_dir(task.name) / "checkpoints")
 
-    def plan(self, task: Task) -> dict:
+    def check(self, task: Task) -> None:
+        if task.resources.gpus_per_node:
+            raise BadInput("resources.gpus: the local provider runs CPU-only nodes on this machine; "
+                           "run GPU tasks on a provider with GPUs (--provider dstack, sky, ...)")
+
+    def plan(self, task: Task) -> Plan:
+        """The plan with this cluster's id, free ports and its own temp dir."""
         plan = super().plan(task)
-        if plan["ray"]["object_store_memory"] is None:  # Ray's default, 30% of RAM, for each of N nodes here
-            plan["ray"]["object_store_memory"] = LOCAL_OBJECT_STORE_BYTES
-        return plan
+        cluster_id = pysecrets.token_hex(4)
+        gcs, dashboard, client, ready = _free_ports(4)
+        return plan.replace(cluster_id=cluster_id, ray={
+            "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,
+            "temp_dir": f"/tmp/rlhf-{cluster_id}",  # short: Ray's socket paths must stay under 108 bytes
+            # Ray's default, 30% of RAM, for each of N nodes here would not fit.
+            "object_store_memory": plan.ray.object_store_memory or LOCAL_OBJECT_STORE_BYTES})
 
-    def node_env(self, plan: dict, rank: int, cluster_id: str) -> dict[str, str]:
-        """The environment contract of the local provider (what node.py reads)."""
-        return {
-            "RLHF_TASKS_NODE_RANK": str(rank),
-            "RLHF_TASKS_NUM_NODES": str(plan["nodes"]),
-            "RLHF_TASKS_HEAD_ADDR": node_address(0),
-            "RLHF_TASKS_NODE_ADDR": node_address(rank),
-            "RLHF_TASKS_CLUSTER_ID": cluster_id,
-        }
-
-    def render(self, plan: dict) -> dict[str, str]:
-        lines = ["#!/usr/bin/env bash", "# What `rlhf-tasks launch --provider local` runs: one node agent per node.",
-                 f"# Needs ${TOKEN_ENV} in the environment (the launcher makes one per cluster).", "set -euo pipefail"]
-        for rank in range(plan["nodes"]):
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.node_env(plan, rank, "CLUSTER_ID").items())
-            lines.append(f"{env} python3 -m rlhf_tasks.node --plan plan.json > node-{rank}.log 2>&1 &")
-        lines.append("wait")
-        return {"plan.json": plan_json(plan), "start-nodes.sh": "\n".join(lines) + "\n"}
+    def render(self, plan: Plan) -> dict[str, str]:
+        run_dir = self.run_dir(plan.name)
+        plan_path, logs, pids = run_dir / "plan.json", run_dir / "nodes", run_dir / "pids"
+        lines = ["#!/usr/bin/env bash",
+                 "# What `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
+                 f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
+                 "# per cluster). Writes the agents' PIDs to pids, one per line, head first.",
+                 "set -euo pipefail",
+                 f"mkdir -p {shlex.quote(str(logs))}",
+                 f": > {shlex.quote(str(pids))}"]
+        for rank in range(plan.nodes):
+            node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(0), NODE_ADDR: node_address(rank)}
+            argv = ["setsid", sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)]
+            lines.append(" ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
+                         + f" > {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null &")
+            lines.append(f"echo $! >> {shlex.quote(str(pids))}")
+        return {"start-nodes.sh": "\n".join(lines) + "\n", "plan.json": plan.to_json()}
 
     def _running(self, name: str) -> list[int]:
         record = state.load(name) or {}
         return [pid for pid in record.get("pids", []) if _alive(pid)]
 
-    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
-        name = plan["name"]
-        if plan["gpus_per_node"]:
-            raise BadInput("resources.gpus: the local provider runs CPU-only nodes on this machine; "
-                           "launch GPU tasks with --provider dstack or --provider sky")
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
+        name = plan.name
         running = self._running(name)
         if running:
             raise BadInput(f"a local cluster named {name} is already running (PIDs {running}); "
                            f"`rlhf-tasks down {name}` first")
-        cluster_id = pysecrets.token_hex(4)
-        gcs, dashboard, client, ready = _free_ports(4)
-        temp_dir = f"/tmp/rlhf-{cluster_id}"  # short: Ray's socket paths must stay under 108 bytes
-        plan = {**plan, "ray": {**plan["ray"], "port": gcs, "dashboard_port": dashboard,
-                                "client_server_port": client, "ready_port": ready, "temp_dir": temp_dir}}
         run_dir = self.run_dir(name)
         logs = run_dir / "nodes"
-        logs.mkdir(parents=True, exist_ok=True)
         for old in logs.glob("*.log"):
             old.unlink()
-        plan_path = run_dir / "plan.json"
-        plan_path.write_text(plan_json(plan))
-        token = state.new_token(name) if plan["token_env"] else None
-
-        base = dict(os.environ)
-        base["PATH"] = os.path.dirname(sys.executable) + os.pathsep + base.get("PATH", "")
-        base.update(secrets)
+        write_files(run_dir, self.render(plan))
+        token = state.new_token(name) if plan.token_env else None
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        env.update(secrets)
         if token:
-            base[TOKEN_ENV] = token
-        pids = []
-        for rank in range(plan["nodes"]):
-            env = {**base, **self.node_env(plan, rank, cluster_id)}
-            with open(logs / f"node-{rank}.log", "ab") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            pids.append(proc.pid)
+            env[TOKEN_ENV] = token
+        out = subprocess.run(["bash", str(run_dir / "start-nodes.sh")], env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise StepFailed("starting the node agents", out.stderr.strip() or f"exit code {out.returncode}")
+        pids = [int(line) for line in (run_dir / "pids").read_text().split()]
         head = pids[0]
-        state.save(name, {"provider": self.name, "cluster_id": cluster_id, "pids": pids, "temp_dir": temp_dir,
-                          "dashboard": f"http://127.0.0.1:{dashboard}", "run_dir": str(run_dir),
-                          "submission_id": f"{name}-{cluster_id}"})
-        return Cluster(name=name, cluster_id=cluster_id, dashboard=f"http://127.0.0.1:{dashboard}", token=token,
+        dashboard = f"http://127.0.0.1:{plan.ray.dashboard_port}"
+        state.save(name, {"provider": self.name, "cluster_id": plan.cluster_id, "pids": pids,
+                          "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir)})
+        return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
                        head_alive=lambda: _alive(head), logs_dir=str(logs),
-                       head_log=lambda: (logs / "node-0.log").read_text(errors="replace"),
-                       extra={"plan": plan, "run_dir": str(run_dir)})
+                       head_log=lambda: (logs / "node-0.log").read_text(errors="replace"))
 
     def down(self, name: str) -> str:
         record = state.load(name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from ..plan import plan_json
+from ..plan import Plan
 
 #: Beside the rendered file on the user's machine, and on every node.
 LOCAL_DIR = "rlhf-tasks"
@@ -20,20 +20,18 @@ def agent_source() -> str:
     return (Path(__file__).resolve().parent.parent / "node.py").read_text()
 
 
-def shipped_files(plan: dict) -> dict[str, str]:
+def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    return {f"{LOCAL_DIR}/{plan['name']}.plan.json": plan_json(plan), f"{LOCAL_DIR}/node.py": agent_source()}
+    return {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source()}
 
 
 def node_path(local: str) -> str:
     return f"{NODE_DIR}/{Path(local).name}"
 
 
-def agent_command(plan: dict, provider: str) -> str:
-    plan_on_node = node_path(f"{plan['name']}.plan.json")
-    return " ".join(shlex.quote(part) for part in [
-        "python3", f"{NODE_DIR}/node.py", "--plan", plan_on_node, "--provider", provider,
-        "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
+def agent_command(plan: Plan) -> str:
+    return shlex.join(["python3", f"{NODE_DIR}/node.py", "--plan", node_path(f"{plan.name}.plan.json"),
+                       "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
 
 
 class _Dumper(yaml.SafeDumper):

@@ -13,97 +13,112 @@ from __future__ import annotations
 import subprocess
 
 from .. import state
-from ..errors import BadInput
-from ..plan import size_bytes
+from ..errors import BadInput, StepFailed
+from ..models import size_bytes
+from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Provider, require_cli
+from .base import Cluster, Option, Provider, require_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_files
 
+#: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
+RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
 #: Our dashboard agent must not take SkyPilot's 52365.
 AGENT_LISTEN_PORT = 52366
 
 
 class SkyProvider(Provider):
     name = "sky"
-
+    contract = Contract(
+        rank=env("SKYPILOT_NODE_RANK"),
+        nodes=env("SKYPILOT_NUM_NODES"),
+        head=env("SKYPILOT_NODE_IPS", item=0),
+        node_addr=env("SKYPILOT_NODE_IPS", item="rank"),
+        cluster_id=env("SKYPILOT_TASK_ID"),
+        gpus_per_node=env("SKYPILOT_NUM_GPUS_PER_NODE"),
+    )
     ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT}
+    options = (Option("--managed", "run as a SkyPilot managed job (recovered on preemption)"),)
 
-    def task_config(self, plan: dict) -> dict:
-        res, placement = plan["resources"], plan["placement"]
+    def check(self, task: Task) -> None:
+        for field in ("port", "dashboard_port", "client_server_port", "ready_port"):
+            port = getattr(task.ray, field)
+            if port in RESERVED_PORTS:
+                raise BadInput(f"ray.{field}: {port} is used by {RESERVED_PORTS[port]} on every SkyPilot node; "
+                               f"choose another")
+        if self.chosen["managed"] and task.job.submit != "head":
+            raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
+                           "since SkyPilot relaunches the whole task on recovery")
+
+    def task_config(self, plan: Plan) -> dict:
+        res, placement = plan.resources, plan.placement
         resources: dict = {}
-        if res.get("gpus"):
-            resources["accelerators"] = res["gpus"]
-        if res.get("cpus"):
-            resources["cpus"] = f"{res['cpus']}+"
-        if res.get("memory"):
-            resources["memory"] = f"{max(1, size_bytes(res['memory']) // 10**9)}+"
-        if res.get("disk"):
-            resources["disk_size"] = max(1, size_bytes(res["disk"]) // 10**9)
-        if plan["image"]:
-            resources["image_id"] = f"docker:{plan['image']}"
-        if placement["spot"] != "off":
+        if res.gpus:
+            resources["accelerators"] = res.gpus
+        if res.cpus:
+            resources["cpus"] = f"{res.cpus}+"
+        if res.memory:
+            resources["memory"] = f"{max(1, size_bytes(res.memory) // 10**9)}+"
+        if res.disk:
+            resources["disk_size"] = max(1, size_bytes(res.disk) // 10**9)
+        if plan.image:
+            resources["image_id"] = f"docker:{plan.image}"
+        if placement.spot != "off":
             resources["use_spot"] = True
-        if placement["retry"]:
+        if placement.retry:
             resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
-        if plan["ray"]["dashboard_host"] != "127.0.0.1":
-            resources["ports"] = [plan["ray"]["dashboard_port"]]
-        if placement["backends"]:
-            resources["any_of"] = [{"cloud": cloud} for cloud in placement["backends"]]
-        if len(placement["regions"]) == 1:
-            resources["region"] = placement["regions"][0]
-        config: dict = {"name": plan["name"], "num_nodes": plan["nodes"], "resources": resources}
-        if plan["env"]:
-            config["envs"] = dict(plan["env"])
-        secrets = list(plan["secrets"]) + ([plan["token_env"]] if plan["token_env"] else [])
+        if plan.ray.dashboard_host != "127.0.0.1":
+            resources["ports"] = [plan.ray.dashboard_port]
+        if placement.backends:
+            resources["any_of"] = [{"cloud": cloud} for cloud in placement.backends]
+        if len(placement.regions) == 1:
+            resources["region"] = placement.regions[0]
+        config: dict = {"name": plan.name, "num_nodes": plan.nodes, "resources": resources}
+        if plan.env:
+            config["envs"] = dict(plan.env)
+        secrets = list(plan.secrets) + ([plan.token_env] if plan.token_env else [])
         if secrets:
             config["secrets"] = {name: None for name in secrets}
         config["file_mounts"] = {NODE_DIR: LOCAL_DIR}
-        setup = ["set -e"] + list(plan["setup"])
-        if plan["checkpoint_dir"]:
-            setup.append(f"mkdir -p {plan['checkpoint_dir']}")
+        setup = ["set -e"] + list(plan.setup)
+        if plan.checkpoint_dir:
+            setup.append(f"mkdir -p {plan.checkpoint_dir}")
         config["setup"] = "\n".join(setup) + "\n"
-        config["run"] = agent_command(plan, self.name) + "\n"
+        config["run"] = agent_command(plan) + "\n"
         return config
 
-    def render(self, plan: dict) -> dict[str, str]:
-        names = " ".join(f"--secret {n}" for n in plan["secrets"] + ([plan["token_env"]] if plan["token_env"] else []))
+    def render(self, plan: Plan) -> dict[str, str]:
+        names = " ".join(f"--secret {n}" for n in plan.secrets + ([plan.token_env] if plan.token_env else []))
         header = (f"# Rendered by rlhf-tasks for SkyPilot. From this directory:\n"
-                  f"#   sky launch -c {plan['name']} {plan['name']}.sky.yaml {names}\n"
-                  f"# or as a managed job: sky jobs launch {plan['name']}.sky.yaml {names}\n")
-        return {f"{plan['name']}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
+                  f"#   sky launch -c {plan.name} {plan.name}.sky.yaml {names}\n"
+                  f"# or as a managed job: sky jobs launch {plan.name}.sky.yaml {names}\n")
+        return {f"{plan.name}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
 
-    managed = False  # set by `rlhf-tasks launch --managed`
-
-    def apply(self, task: Task, plan: dict, secrets: dict[str, str]) -> Cluster:
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """`sky launch` (then the dashboard through `ssh -L` to the head, which SkyPilot
         names in ~/.ssh/config), or `sky jobs launch` for a managed job."""
         sky = require_cli("sky", "sky")
-        if self.managed and plan["job"]["submit"] != "head":
-            raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
-                           "since SkyPilot relaunches the whole task on recovery")
+        managed = bool(self.chosen["managed"])
         directory, token, env = self.stage(plan, secrets)
-        names = list(secrets) + ([plan["token_env"]] if token else [])
+        names = list(secrets) + ([plan.token_env] if token else [])
         secret_args = [arg for name in names for arg in ("--secret", name)]
-        yaml_file = f"{plan['name']}.sky.yaml"
-        if self.managed:
-            argv = [sky, "jobs", "launch", "-n", plan["name"], yaml_file, *secret_args, "-y"]
+        yaml_file = f"{plan.name}.sky.yaml"
+        if managed:
+            argv = [sky, "jobs", "launch", "-n", plan.name, yaml_file, *secret_args, "-y"]
         else:
-            argv = [sky, "launch", "-c", plan["name"], yaml_file, *secret_args, "-y", "--detach-run"]
+            argv = [sky, "launch", "-c", plan.name, yaml_file, *secret_args, "-y", "--detach-run"]
         out = subprocess.run(argv, cwd=directory, env=env)  # a managed job streams its logs until it ends
-        if self.managed:
-            state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "managed": True})
-            return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard="", token=token,
-                           head_alive=lambda: False, extra={"exit_code": out.returncode})
+        if managed:
+            state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "managed": True})
+            return Cluster(name=plan.name, cluster_id=plan.name, dashboard="", token=token,
+                           head_alive=lambda: False, finished=out.returncode)
         if out.returncode != 0:
-            from ..errors import StepFailed
-
             raise StepFailed("sky launch", f"exit code {out.returncode}")
-        port = plan["ray"]["dashboard_port"]
+        port = plan.ray.dashboard_port
         tunnel = subprocess.Popen(["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-L",
-                                   f"{port}:127.0.0.1:{port}", plan["name"]], stdin=subprocess.DEVNULL)
+                                   f"{port}:127.0.0.1:{port}", plan.name], stdin=subprocess.DEVNULL)
         dashboard = f"http://localhost:{port}"
-        state.save(plan["name"], {"provider": self.name, "cluster_id": plan["name"], "dashboard": dashboard})
-        return Cluster(name=plan["name"], cluster_id=plan["name"], dashboard=dashboard, token=token,
+        state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
+        return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: tunnel.poll() is None)
 
     def down(self, name: str) -> str:

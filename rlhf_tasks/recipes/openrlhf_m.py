@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, require_absolute
+from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, require_absolute
 from .openrlhf import OpenRLHFArgs, openrlhf_command
 
 #: openrlhf/models/remote_rm/math_verifier.py: Flask on 0.0.0.0:5000 (fixed), POST /get_reward only.
@@ -91,12 +91,12 @@ class OpenRLHFMGrpoJob(JobBase):
         probe = {"query": ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
                            "<think>1+1=2</think><answer>$2$</answer><|im_end|>"],
                  "prompts": ["What is 1+1?"]}
-        out.services = [{
+        out.services = [Service.model_validate({
             "name": "math-verifier",
             "where": "head",
             "command": (f"python3 -m openrlhf.models.remote_rm.math_verifier --dataset {shlex.quote(dataset)} "
                         f"--input_key {shlex.quote(a.input_key)} --prompt-template {a.prompt_template}"),
             "ready": {"http": f"http://{{node_addr}}:{REWARD_PORT}/get_reward", "method": "POST", "json": probe},
             "timeout": "15m",
-        }]
+        })]
         return out

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible, require_absolute
+from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible, require_absolute
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
@@ -125,7 +125,7 @@ class SearchR1Job(JobBase):
             f"test -f {data}/train.parquet || (cd {repo} && python3 scripts/data_process/nq_search.py "
             f"--local_dir {data})",
         ]
-        retriever = {
+        retriever = Service.model_validate({
             "name": "retriever",
             "where": "every_node",
             "command": (f"cd {repo} && {a.retriever_python} search_r1/search/retrieval_server.py "
@@ -135,7 +135,7 @@ class SearchR1Job(JobBase):
             "ready": {"http": RETRIEVER_URL, "method": "POST",
                       "json": {"queries": ["Who wrote Hamlet?"], "topk": a.topk, "return_scores": True}},
             "timeout": "30m",  # loading the ~60 GB flat index
-        }
+        })
         overrides = [
             f"data.train_files={data_dir}/train.parquet",
             f"data.val_files={data_dir}/test.parquet",

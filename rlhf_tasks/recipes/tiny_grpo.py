@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
 
 
 class TinyGrpoArgs(StrictModel):
@@ -40,13 +40,13 @@ class TinyGrpoJob(JobBase):
         probe = {"prompts": ["1+2="], "completions": ["3"]}
         return RecipeOutput(
             prepare=[f"python3 -m rlhf_tasks.demo.prepare --out {data} --num-prompts {a.num_prompts} --seed {a.seed}"],
-            services=[{
+            services=[Service.model_validate({
                 "name": "reward",
                 "where": "head",
                 "command": f"python3 -m rlhf_tasks.demo.reward_server --host {{node_addr}} --port {a.reward_port}",
                 "ready": {"http": f"http://{{node_addr}}:{a.reward_port}/score", "method": "POST", "json": probe},
                 "timeout": "2m",
-            }],
+            })],
             entrypoint=[
                 "python3", "-m", "rlhf_tasks.demo.train",
                 "--data", f"{data}/prompts.jsonl",

@@ -1,0 +1,113 @@
+"""Models shared by the task spec, the recipes and the plan: the strict base, durations
+and sizes parsed once, and the service model (a task's services and a recipe's go
+through the same one). A leaf module: it imports nothing else of the package's but
+errors, so recipes and spec can both use it."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+
+
+class StrictModel(BaseModel):
+    """Unknown fields are errors: a typo must never be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_duration(value: str | int | float) -> float:
+    """'90s', '15m', '2h' or a number of seconds -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a duration (use e.g. 90s, 15m, 2h)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+def size_bytes(value: str | int) -> int:
+    """'128GB', '64GiB', '200MB' or a number of bytes -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size (use e.g. 128GB, 500GB, 64GiB)")
+    unit = match.group(2).lower() if match.group(2) else None
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+#: Seconds, written as '90s', '15m', '2h' or a number in a task file; parsed once, here.
+Duration = Annotated[float, BeforeValidator(parse_duration),
+                     WithJsonSchema({"anyOf": [{"type": "string", "pattern": _DURATION.pattern}, {"type": "number"}]})]
+
+
+def _size_text(value: Any) -> Any:
+    size_bytes(value)  # validates; the text is kept, since providers render it as written
+    return value
+
+
+#: A size as written ('128GB'); `size_bytes` turns it into bytes where a number is needed.
+Size = Annotated[str, BeforeValidator(_size_text)]
+
+
+def require_absolute(value: str | None, why: str = "every node reads it") -> str | None:
+    """Paths that travel to the nodes must be absolute (relative ones resolve inside Ray's working_dir copy)."""
+    if value is not None and not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path: {why}")
+    return value
+
+
+class HttpReady(StrictModel):
+    """Ready when this request answers with a status below 400 (POST with a body for
+    servers whose GET answers 405, like OpenRLHF-M's reward server)."""
+
+    http: str = Field(description="URL; {node_addr} and {head_addr} are filled in on the node")
+    method: Literal["GET", "POST", "HEAD"] = "GET"
+    json_body: Any = Field(None, alias="json")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("http")
+    @classmethod
+    def _url(cls, value):
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+
+class TcpReady(StrictModel):
+    tcp: int = Field(ge=1, le=65535, description="ready when this port accepts connections")
+    host: str = "{node_addr}"
+
+
+def _ready_kind(value) -> str | None:
+    if isinstance(value, dict):
+        return "http" if "http" in value else "tcp" if "tcp" in value else None
+    return "http" if isinstance(value, HttpReady) else "tcp" if isinstance(value, TcpReady) else None
+
+
+class Service(StrictModel):
+    """A process the cluster needs before the job (a reward server, a retriever)."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    where: Literal["head", "every_node"] = "head"
+    command: str = Field(min_length=1)
+    ready: Annotated[
+        Union[Annotated[HttpReady, Tag("http")], Annotated[TcpReady, Tag("tcp")]],
+        Discriminator(_ready_kind, custom_error_type="ready", custom_error_message="ready needs either http: URL or tcp: PORT"),
+    ] | None = None
+    timeout: Duration = 600.0
+    env: dict[str, str] = {}
