@@ -6,13 +6,16 @@ PY := $(VENV)/bin/python
 .PHONY: demo test golden install-demo install-test clean
 
 $(PY):
+	@echo "make: creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 install-demo: $(PY)
+	@echo "make: installing rlhf-tasks with the demo's needs (Ray, CPU torch) into $(VENV): about a minute the first time"
 	$(PY) -m pip install -q -e '.[demo]'
 
 install-test: $(PY)
+	@echo "make: installing rlhf-tasks with the test extras (Ray, torch, dstack, SkyPilot, pytest) into $(VENV): a few minutes the first time"
 	$(PY) -m pip install -q -e '.[test]'
 
 demo: install-demo
@@ -22,7 +25,7 @@ test: install-test
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV)
 
 golden: install-test
 	$(PY) tests/test_providers_render.py

@@ -106,15 +106,32 @@ def _token(args, name: str | None) -> str | None:
     return os.environ.get("RAY_AUTH_TOKEN") or (state.token(name) if name else None)
 
 
+def _ended(name: str, record: dict) -> str:
+    """What is known of a cluster that has ended: when, how its job ended, where its logs are."""
+    from . import state
+
+    job = record.get("job") or {}
+    how = f"; its job {job['submission_id']} ended {job['status']}" if job.get("status") else ""
+    logs = state.run_dir(name) / "nodes"
+    where = f"; node logs: {logs}" if logs.is_dir() else ""
+    return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"
+
+
 def _jobs(args):
     """A Jobs client for --address (or the cluster named by --cluster / the only known one)."""
     from . import state
     from .jobs import Jobs
 
     name = args.cluster
-    if name is None and len(state.known()) == 1:
+    if name is None and not args.address and len(state.known()) == 1:
         name = state.known()[0]
     record = state.load(name) if name else None
+    if name and not args.address:
+        if record is None:
+            raise BadInput(f"--cluster: no cluster named {name} was launched from here "
+                           f"(known: {', '.join(state.known()) or 'none'})")
+        if record.get("ended"):
+            raise StepFailed(f"asking cluster {name}", _ended(name, record))
     address = args.address or os.environ.get("RAY_ADDRESS") or (record or {}).get("dashboard")
     if not address:
         raise BadInput("--address: no dashboard address given (e.g. --address http://localhost:8265 through "
@@ -193,7 +210,38 @@ def cmd_down(args) -> int:
     provider_name = args.provider or (record or {}).get("provider")
     if provider_name is None:
         raise BadInput(f"down: no cluster named {name} is known here; pass --provider")
+    if record and record.get("ended") and not args.provider:
+        print(f"{name}: {_ended(name, record)}")
+        return 0
+    print(f"stopping {name} on {provider_name} ...", flush=True)
     print(_provider(provider_name).down(name))
+    return 0
+
+
+def cmd_env(args) -> int:
+    """Shell lines that point Ray's own CLI (and rlhf-tasks) at a cluster launched from here."""
+    import shlex
+
+    from . import state
+
+    record = state.load(args.name)
+    if record is None:
+        raise BadInput(f"NAME: no cluster named {args.name} was launched from here (known: "
+                       f"{', '.join(state.known()) or 'none'})")
+    if record.get("ended"):
+        raise StepFailed(f"setting up a shell for {args.name}", _ended(args.name, record))
+    if not record.get("dashboard"):
+        raise StepFailed(f"setting up a shell for {args.name}", "its dashboard address is not known here; "
+                         "export RAY_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
+    token = state.token(args.name)
+    lines = [f"export RAY_ADDRESS={shlex.quote(record['dashboard'])}"]
+    if token:
+        lines += ["export RAY_AUTH_MODE=token", f"export RAY_AUTH_TOKEN={shlex.quote(token)}"]
+    else:
+        lines += ["export RAY_AUTH_MODE=disabled", "unset RAY_AUTH_TOKEN"]
+    print("\n".join(lines))
+    if sys.stdout.isatty():
+        print(f"# use it as: eval \"$(rlhf-tasks env {args.name})\"", file=sys.stderr)
     return 0
 
 
@@ -280,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("down", cmd_down, "stop a cluster launched from here")
     p.add_argument("target", metavar="TASK.yaml|NAME")
     p.add_argument("--provider")
+    p = add("env", cmd_env, "shell lines for Ray's own CLI against a cluster launched from here: "
+            "eval \"$(rlhf-tasks env NAME)\" sets RAY_ADDRESS, RAY_AUTH_MODE and RAY_AUTH_TOKEN")
+    p.add_argument("name", metavar="NAME")
     p = add("token", cmd_token, "print the cluster's Ray token (made once, kept with mode 0600) for applying a "
             "rendered file by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)")
     p.add_argument("target", metavar="TASK.yaml|NAME")

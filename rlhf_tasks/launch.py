@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import StepFailed
-from .node import (AgentError, auth_headers, cluster_check, head_address, http_check, http_request,
+from .node import (AgentError, alive_nodes, auth_headers, cluster_check, head_address, http_check, http_request,
                    is_submission_of, parse_result, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
@@ -106,16 +106,25 @@ def final_status_from_head(cluster: Cluster, shown: int, timeout_s: float = 60) 
     return job["status"], f"[... {missing - len(tail)} characters of the job's log are only in the head's log]\n" + tail
 
 
-def summarise(plan: Plan, submission_id: str, status: str, started: float, artifacts: str | None) -> None:
+def summarise(plan: Plan, submission_id: str, status: str, started: float, artifacts: str | None,
+              node_ids: set[str] = frozenset()) -> None:
+    """What this run did: only the metrics rows its own nodes wrote (a resumed run's file
+    also holds the rows of the runs before it, on other clusters)."""
     lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
     metrics_path = (plan.job.summary or {}).get("metrics")
     if metrics_path and Path(metrics_path).exists():
         rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-        if rows:
-            first, last = rows[0], rows[-1]
-            nodes = {n for row in rows for n in row.get("node_ids", [])}
+        ours = [row for row in rows if set(row.get("node_ids", [])) <= node_ids and row.get("node_ids")]
+        if ours:
+            first, last = ours[0], ours[-1]
+            nodes = {n for row in ours for n in row["node_ids"]}
+            resumed = f", resumed after step {first['step'] - 1}" if first["step"] > 1 else ""
             lines.append(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over steps "
-                         f"{first['step']}..{last['step']} (world size {last.get('world_size')}, {len(nodes)} nodes took part)")
+                         f"{first['step']}..{last['step']}{resumed} (world size {last.get('world_size')}, "
+                         f"{len(nodes)} nodes took part)")
+        elif rows:
+            lines.append(f"trained nothing: the checkpoint was already at step {rows[-1]['step']} "
+                         f"(raise job.args.steps to train further)")
         lines.append(f"metrics: {metrics_path}")
     if plan.checkpoint_dir:
         lines.append(f"checkpoints: {plan.checkpoint_dir}")
@@ -125,20 +134,26 @@ def summarise(plan: Plan, submission_id: str, status: str, started: float, artif
 
 
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+    from . import state
     from .jobs import Jobs
 
     started = time.monotonic()
     plan = provider.plan(task)
+    if keep:
+        plan = plan.replace(keep_cluster=True)
     secrets = collect_secrets(task)
-    say(f"launching {task.name} on {provider.name}: {task.nodes} nodes")
-    cluster = provider.apply(plan, secrets)
-    if cluster.finished is not None:  # the provider ran the job to its end itself (a managed job)
-        return cluster.finished
-    tail = LogTail(cluster.logs_dir)
-    interrupted = False
+    fresh = (state.load(task.name) or {"ended": True}).get("ended") is not None
+    say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
+    cluster = None
+    job_started = interrupted = False
     try:
+        cluster = provider.apply(plan, secrets)
+        if cluster.finished is not None:  # the provider ran the job to its end itself (a managed job)
+            return cluster.finished
+        tail = LogTail(cluster.logs_dir)
         have = wait_cluster(cluster, plan, tail)
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
+        node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
         jobs = Jobs(cluster.dashboard, cluster.token)
         if plan.job.submit == "client":
             sid = submission_id(plan.name, cluster.cluster_id)
@@ -151,10 +166,16 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
             say("waiting for the head to submit the job")
             sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
                 cluster.dashboard, cluster.token, plan.name)), 600, report=say)
+        job_started = True
+        state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
         tail.pump()
         say(f"following job {sid} (Ctrl-C stops following, not the job)")
         status = jobs.follow(sid, plan.job.timeout_s, final_status=lambda shown: final_status_from_head(cluster, shown))
-        summarise(plan, sid, status, started, cluster.logs_dir)
+        state.update(plan.name, job={"submission_id": sid, "status": status})
+        summarise(plan, sid, status, started, cluster.logs_dir, node_ids)
+        if keep:
+            say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
+                f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")
         if status != "SUCCEEDED":
             raise StepFailed(f"running job {sid}", f"it ended {status} (its log is above)")
         return 0
@@ -162,6 +183,12 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
         interrupted = True
         say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
         return 130
+    except BaseException:
+        if not job_started and not provider.stop_after_job:
+            say(f"cleaning up what this launch created for {task.name}")
+            provider.abandon(task.name, fresh)
+        raise
     finally:
-        if provider.stop_after_job and not keep and not interrupted:
+        if provider.stop_after_job and cluster is not None and not keep and not interrupted:
+            say(f"stopping the {provider.name} cluster {task.name}")
             say(provider.down(task.name))

@@ -820,6 +820,9 @@ class HeadFlow(object):
             status = self.follower.run(job.get("timeout_s"), watch)
         self.job["status"] = status
         log("job %s %s after %.1fs" % (sid, status, time.monotonic() - started))
+        if self.plan.get("keep_cluster"):
+            log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
+            self.supervise()
         if status != "SUCCEEDED":
             raise AgentError("running job %s" % sid, "it ended %s" % status)
         return 0

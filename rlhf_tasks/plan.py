@@ -138,6 +138,7 @@ class Plan(StrictModel):
     name: str
     provider: str
     cluster_id: str | None = None        # set by providers that name the cluster before it starts
+    keep_cluster: bool = False           # the head stays up after the job, until `rlhf-tasks down`
     nodes: int
     gpus_per_node: int
     contract: Contract

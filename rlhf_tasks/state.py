@@ -1,8 +1,12 @@
-"""What the launcher keeps on the user's machine per cluster: the Ray token (mode 0600)
-and a small record (provider, dashboard address, cluster id, local PIDs).
+"""What the launcher keeps on the user's machine, under $RLHF_TASKS_HOME (default
+~/.rlhf-tasks), never inside the working directory (so it is never uploaded with a job's
+working_dir), and wherever the command is run from:
 
-Lives under $RLHF_TASKS_HOME (default ~/.rlhf-tasks/clusters/<name>/), never inside the
-working directory, so it is never uploaded with a job's working_dir.
+  clusters/<name>/token         the cluster's Ray token (mode 0600) while it lives
+  clusters/<name>/cluster.json  provider, dashboard address, cluster id, local PIDs; once
+                                the cluster has ended: when, how its job ended, its logs
+  runs/<name>/                  a launch's files: rendered output, node logs, and for the
+                                local provider its checkpoints (so a relaunch resumes)
 """
 
 from __future__ import annotations
@@ -10,15 +14,26 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
+import time
 from pathlib import Path
 
 
+def root() -> Path:
+    return Path(os.environ.get("RLHF_TASKS_HOME") or Path.home() / ".rlhf-tasks")
+
+
 def home() -> Path:
-    return Path(os.environ.get("RLHF_TASKS_HOME") or Path.home() / ".rlhf-tasks") / "clusters"
+    return root() / "clusters"
 
 
 def cluster_dir(name: str) -> Path:
     return home() / name
+
+
+def run_dir(name: str) -> Path:
+    """Where a launch of task `name` keeps its files, whatever the current directory."""
+    return root() / "runs" / name
 
 
 def new_token(name: str) -> str:
@@ -49,6 +64,13 @@ def save(name: str, record: dict) -> None:
     tmp.replace(directory / "cluster.json")
 
 
+def update(name: str, **facts) -> None:
+    """Add facts (e.g. how the job ended) to a cluster's record."""
+    record = load(name)
+    if record is not None:
+        save(name, {**record, **facts})
+
+
 def load(name: str) -> dict | None:
     try:
         return json.loads((cluster_dir(name) / "cluster.json").read_text())
@@ -56,13 +78,24 @@ def load(name: str) -> dict | None:
         return None
 
 
+def end(name: str, **facts) -> None:
+    """The cluster is gone: drop its token, keep a record of when and how it ended."""
+    record = load(name) or {}
+    try:
+        (cluster_dir(name) / "token").unlink()
+    except OSError:
+        pass
+    if record:
+        save(name, {**record, **facts, "ended": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
 def forget(name: str) -> None:
-    for leaf in ("cluster.json", "token"):
-        try:
-            (cluster_dir(name) / leaf).unlink()
-        except OSError:
-            pass
+    """Remove everything kept about a cluster (a launch that failed before it started)."""
+    shutil.rmtree(cluster_dir(name), ignore_errors=True)
 
 
 def known() -> list[str]:
-    return sorted(p.name for p in home().glob("*") if (p / "cluster.json").exists()) if home().exists() else []
+    """Clusters launched from here that have not ended."""
+    if not home().exists():
+        return []
+    return sorted(p.name for p in home().glob("*") if (load(p.name) or {"ended": 1}).get("ended") is None)

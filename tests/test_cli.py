@@ -96,3 +96,33 @@ def test_token_is_made_once_with_mode_0600(rlhf_home, capsys):
     assert path.read_text() == first and len(first) >= 32 and oct(path.stat().st_mode & 0o777) == "0o600"
     assert main(["token", "mycluster"]) == 0 and capsys.readouterr().out.strip() == first
     assert main(["token", "mycluster", "--new"]) == 0 and capsys.readouterr().out.strip() != first
+
+
+def test_check_without_provider_says_which_providers_can_run_a_gpu_task(capsys):
+    task = str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml")
+    assert main(["check", task]) == 0
+    out = capsys.readouterr().out
+    assert "providers dstack, sky can run it" in out and "not local: the local provider runs CPU-only nodes" in out
+    assert main(["check", task, "--provider", "local"]) == 2  # what launch would refuse, check refuses too
+    err = capsys.readouterr().err
+    assert f"{task}: resources.gpus: the local provider runs CPU-only nodes" in err
+
+
+def test_summary_says_what_this_run_did(tmp_path, capsys):
+    """Rows of earlier runs (other clusters' nodes) are not this run's; a run that trained nothing says so."""
+    from rlhf_tasks import providers
+    from rlhf_tasks.launch import summarise
+    from rlhf_tasks.spec import parse_task
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "mean_reward": s / 10, "world_size": 3, "node_ids": ["a", "b", "c"]} for s in (1, 2)]
+    rows += [{"step": 3, "mean_reward": 0.9, "world_size": 3, "node_ids": ["x", "y", "z"]}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = providers.get("dstack").plan(parse_task({"name": "t", "nodes": 3, "job": {"recipe": "command",
+                                                    "args": {"entrypoint": "true"}}}))
+    plan = plan.replace(job=plan.job.model_copy(update={"summary": {"metrics": str(metrics)}}))
+    summarise(plan, "t-1", "SUCCEEDED", 0.0, None, {"x", "y", "z", "head"})
+    out = capsys.readouterr().out
+    assert "over steps 3..3, resumed after step 2 (world size 3, 3 nodes took part)" in out
+    summarise(plan, "t-2", "SUCCEEDED", 0.0, None, {"p", "q", "r"})
+    assert "trained nothing: the checkpoint was already at step 3" in capsys.readouterr().out

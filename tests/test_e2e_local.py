@@ -20,6 +20,11 @@ def launch(args, cwd, env, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def cli(cwd, env, *args):
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
 def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -30,14 +35,16 @@ def no_leftovers(cluster_id: str) -> bool:
     return f"rlhf-{cluster_id}" not in out
 
 
-def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env):
+def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_home):
     task = ROOT / "tasks" / "tiny-grpo.yaml"
     first = launch([str(task)], tmp_path, cli_env)
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-6000:]
     assert "== summary ==" in out and "SUCCEEDED" in out
+    assert f"its files go to {rlhf_home / 'runs' / 'tiny-grpo'}" in out  # printed, and not under the cwd
+    assert "stopping the local cluster tiny-grpo" in out and "stopped local cluster tiny-grpo: 3 node agents" in out
 
-    ckpt = tmp_path / "runs" / "tiny-grpo" / "checkpoints"
+    ckpt = rlhf_home / "runs" / "tiny-grpo" / "checkpoints"
     rows = metrics(ckpt / "metrics.jsonl")
     steps = yaml.safe_load(task.read_text())["job"]["args"]["steps"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -52,18 +59,24 @@ def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env):
     more = yaml.safe_load(task.read_text())
     more["job"]["args"]["steps"] = steps + 5
     (tmp_path / "tiny-grpo-more.yaml").write_text(yaml.safe_dump(more))
-    second = launch([str(tmp_path / "tiny-grpo-more.yaml")], tmp_path, cli_env)
-    assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
+    elsewhere = tmp_path / "elsewhere"  # the run's files do not depend on the current directory
+    elsewhere.mkdir()
+    second = launch([str(tmp_path / "tiny-grpo-more.yaml")], elsewhere, cli_env)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-6000:]
     rows = metrics(ckpt / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 6))  # continued, not restarted
     assert rows[-1]["mean_reward"] >= 0.7
+    # The summary says what this run did: its own steps and nodes, not the first cluster's too.
+    assert f"over steps {steps + 1}..{steps + 5}, resumed after step {steps} (world size 3, 3 nodes took part)" in out
+    assert not (elsewhere / "runs").exists()
 
 
 def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_home):
     task = tmp_path / "auth.yaml"
     task.write_text(yaml.safe_dump({
         "name": "auth", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
-        "job": {"recipe": "command", "submit": "client", "working_dir": str(tmp_path / "code"),
+        "job": {"recipe": "command", "submit": "head", "working_dir": str(tmp_path / "code"),
                 "args": {"entrypoint": "python3 hello.py"}}}))
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "hello.py").write_text("print('hello from the working_dir')\n")
@@ -90,9 +103,20 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
         jobs = json.loads(urllib.request.urlopen(authed, timeout=10).read())
         assert [j["submission_id"] for j in jobs] == [f"auth-{record['cluster_id']}"]
 
-        listed = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "list", "--cluster", "auth"], cwd=tmp_path,
-                                env=cli_env, capture_output=True, text=True, timeout=60)
+        # --keep keeps the cluster after a head-submitted job: our CLI and Ray's own work on it until `down`.
+        sid = f"auth-{record['cluster_id']}"
+        listed = cli(tmp_path, cli_env, "list", "--cluster", "auth")
         assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stderr
+        assert cli(tmp_path, cli_env, "status", sid, "--cluster", "auth").stdout.strip() == "SUCCEEDED"
+        assert "hello from the working_dir" in cli(tmp_path, cli_env, "logs", sid, "--cluster", "auth").stdout
+        shell = cli(tmp_path, cli_env, "env", "auth")
+        assert shell.returncode == 0 and "RAY_AUTH_MODE=token" in shell.stdout, shell.stderr
+        ray_cli = {k: v for k, v in cli_env.items() if not k.startswith("RAY_")}
+        for command in ("ray job list", f"ray job status {sid}", f"ray job logs {sid}"):
+            ours = subprocess.run(["bash", "-c", f'eval "$({sys.executable} -m rlhf_tasks.cli env auth)" && {command}'],
+                                  cwd=tmp_path, env=ray_cli, capture_output=True, text=True, timeout=120)
+            assert ours.returncode == 0, (command, ours.stdout[-2000:], ours.stderr[-2000:])
+        assert "SUCCEEDED" in ours.stdout or "hello from the working_dir" in ours.stdout
 
         # A retried submission finds the first job instead of starting a second one.
         again = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "submit", str(task), "--address",
@@ -101,14 +125,19 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
         assert again.returncode == 0 and "already on this cluster" in again.stdout, again.stdout + again.stderr
         assert len(json.loads(urllib.request.urlopen(authed, timeout=10).read())) == 1
 
-        logs = "".join(p.read_text() for p in (tmp_path / "runs" / "auth" / "nodes").glob("*.log"))
+        logs = "".join(p.read_text() for p in (rlhf_home / "runs" / "auth" / "nodes").glob("*.log"))
         assert token not in out and token not in logs
-        assert not (tmp_path / "runs" / "auth" / "plan.json").read_text().count(token)
+        assert not (rlhf_home / "runs" / "auth" / "plan.json").read_text().count(token)
     finally:
-        down = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "down", "auth"], cwd=tmp_path, env=cli_env,
-                              capture_output=True, text=True, timeout=120)
+        down = cli(tmp_path, cli_env, "down", "auth")
     assert down.returncode == 0, down.stderr
+    assert "stopping auth on local" in down.stdout and "stopped local cluster auth: 2 node agents" in down.stdout
     assert no_leftovers(record["cluster_id"])
+    assert not token_path.exists()
+    # Asking about it now says that it ended, how its job ended, and where its logs are.
+    gone = cli(tmp_path, cli_env, "status", sid, "--cluster", "auth")
+    assert gone.returncode == 1 and "the cluster ended at" in gone.stderr, gone.stderr
+    assert f"its job {sid} ended SUCCEEDED" in gone.stderr and str(rlhf_home / "runs" / "auth" / "nodes") in gone.stderr
 
 
 def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_home):
@@ -117,7 +146,7 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
     task = tmp_path / "long.yaml"
     task.write_text(yaml.safe_dump({
         "name": "long", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
-        "job": {"recipe": "command", "submit": "client", "working_dir": None,
+        "job": {"recipe": "command", "submit": "head", "working_dir": None,
                 "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
 
     def cli(*args):
@@ -141,6 +170,9 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         assert cli("status", job, "--cluster", "long").stdout.strip() == "RUNNING"
         stop = cli("stop", job, "--cluster", "long")
         assert stop.returncode == 0 and stop.stdout.strip() == f"{job}: STOPPED", stop.stdout + stop.stderr
+        # The promise holds: the cluster keeps running after its job was stopped, until `down`.
+        listed = cli("list", "--cluster", "long")
+        assert listed.returncode == 0 and "STOPPED" in listed.stdout, listed.stdout + listed.stderr
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,8 +18,9 @@ from conftest import ROOT
 
 RECORDER = """#!{python}
 import json, os, sys
+files = {{a: open(a).read() for a in sys.argv[1:] if os.path.isfile(a)}}  # what it was asked to apply
 with open({log!r}, "a") as f:
-    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:], "cwd": os.getcwd(),
+    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:], "cwd": os.getcwd(), "files": files,
                         "token": os.environ.get("RAY_AUTH_TOKEN"), "wandb": os.environ.get("WANDB_API_KEY")}}) + "\\n")
 sys.exit({code})
 """
@@ -78,18 +79,26 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     assert out.returncode == 1, out.stderr
     assert "head" in out.stderr  # the failed step is named
     call = json.loads(log.read_text().splitlines()[0])
-    generated = tmp_path / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
+    generated = tmp_path / "home" / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
     assert call["argv"] == ["dstack", "apply", "-f", str(generated), "-y"]
-    token = (tmp_path / "home" / "clusters" / "boundary" / "token").read_text()
-    assert call["token"] == token and call["wandb"] == "wandb-value-xyz"
-    assert oct((tmp_path / "home" / "clusters" / "boundary" / "token").stat().st_mode & 0o777) == "0o600"
-    rendered = "".join(p.read_text() for p in generated.parent.rglob("*") if p.is_file() and p.suffix != ".log")
-    assert token not in rendered and "wandb-value-xyz" not in rendered
-    assert token not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
+    assert call["token"] and call["wandb"] == "wandb-value-xyz"  # by environment only
+    rendered = call["files"][str(generated)]
+    assert "RAY_AUTH_TOKEN" in rendered and call["token"] not in rendered and "wandb-value-xyz" not in rendered
+    assert call["token"] not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
+    # A launch that failed before its job leaves nothing behind: no staged files, no token, no record.
+    assert "cleaning up what this launch created" in out.stdout
+    assert not generated.parent.exists() and not (tmp_path / "home" / "clusters" / "boundary").exists()
 
-    down = run_cli(["down", "boundary"], tmp_path, env_with(tmp_path, bin_dir))
-    assert down.returncode == 0, down.stderr
+
+def test_down_fails_when_the_providers_command_fails(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)
+    down = run_cli(["down", "boundary", "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
+    assert down.returncode == 1 and "dstack stop boundary" in down.stderr, down.stdout + down.stderr
     assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["dstack", "stop", "boundary", "-y"]
+    fake_cli(bin_dir, "dstack", log, code=0)
+    assert run_cli(["down", "boundary", "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir)).returncode == 0
 
 
 def test_sky_launch_and_managed_launch(tmp_path):
@@ -103,8 +112,11 @@ def test_sky_launch_and_managed_launch(tmp_path):
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls[0]["argv"] == ["sky", "launch", "-c", "boundary", "boundary.sky.yaml", "--secret", "WANDB_API_KEY",
                                 "--secret", "RAY_AUTH_TOKEN", "-y", "--detach-run"]
-    assert calls[0]["cwd"] == str(tmp_path / "runs" / "boundary" / "sky") and calls[0]["token"]
+    assert calls[0]["cwd"] == str(tmp_path / "home" / "runs" / "boundary" / "sky") and calls[0]["token"]
     assert calls[1]["argv"][0] == "ssh" and "8265:127.0.0.1:8265" in calls[1]["argv"]
+    # No API server ran before this launch, so the failed launch stops the one `sky launch` started.
+    assert calls[-1]["argv"] == ["sky", "api", "stop"]
+    assert not (tmp_path / "home" / "runs" / "boundary" / "sky").exists()
 
     managed = run_cli(["launch", str(task_file(tmp_path, submit="head")), "--provider", "sky", "--managed"], tmp_path, env)
     assert managed.returncode == 0, managed.stderr

@@ -93,12 +93,20 @@ class Provider:
         raise NotImplementedError
 
     def down(self, name: str) -> str:
+        """Stop the cluster; StepFailed when the provider could not."""
         raise NotImplementedError
+
+    def abandon(self, name: str, fresh: bool) -> None:
+        """Undo what a launch that failed before its job started created here: the staged
+        files and, when this launch made it (`fresh`), the cluster's record and token."""
+        shutil.rmtree(state.run_dir(name) / self.name, ignore_errors=True)
+        if fresh:
+            state.forget(name)
 
     def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
         make the cluster's token, and the CLI's environment (secrets and token by value)."""
-        directory = Path.cwd() / "runs" / plan.name / self.name
+        directory = state.run_dir(plan.name) / self.name
         write_files(directory, self.render(plan))
         token = state.new_token(plan.name) if plan.token_env else None
         env = {**os.environ, **secrets, **({plan.token_env: token} if token else {})}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 
 from .. import state
+from ..errors import StepFailed
 from ..plan import Contract, Plan, env
 from .base import Cluster, Provider, require_cli
 from .shipping import agent_command, dump_yaml, node_path, shipped_files
@@ -108,5 +109,8 @@ class DstackProvider(Provider):
 
     def down(self, name: str) -> str:
         out = subprocess.run([require_cli("dstack", "dstack"), "stop", name, "-y"], capture_output=True, text=True)
-        state.forget(name)
-        return out.stdout.strip() or out.stderr.strip() or f"dstack stop {name}: exit {out.returncode}"
+        said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
+        if out.returncode != 0:
+            raise StepFailed(f"dstack stop {name}", said or f"exit code {out.returncode}")
+        state.end(name)
+        return said or f"dstack stopped {name}"

@@ -65,6 +65,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
 def _group_has_live_members(pgid: int) -> bool:
     """True when a running (not zombie) process is in process group `pgid`."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -84,7 +91,7 @@ class LocalProvider(Provider):
     stop_after_job = True
 
     def run_dir(self, name: str) -> Path:
-        return Path.cwd() / "runs" / name
+        return state.run_dir(name)
 
     def default_checkpoint_dir(self, task: Task) -> str:
         return str(self.run_dir(task.name) / "checkpoints")
@@ -99,7 +106,8 @@ class LocalProvider(Provider):
         plan = super().plan(task)
         cluster_id = pysecrets.token_hex(4)
         gcs, dashboard, client, ready = _free_ports(4)
-        return plan.replace(cluster_id=cluster_id, ray={
+        # The launcher owns a local cluster's life: its head stays up after the job until `down`.
+        return plan.replace(cluster_id=cluster_id, keep_cluster=True, ray={
             "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,
             "temp_dir": f"/tmp/rlhf-{cluster_id}",  # short: Ray's socket paths must stay under 108 bytes
             # Ray's default, 30% of RAM, for each of N nodes here would not fit.
@@ -113,10 +121,11 @@ class LocalProvider(Provider):
                  f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
                  "# per cluster). Writes the agents' PIDs to pids, one per line, head first.",
                  "set -euo pipefail",
-                 f"mkdir -p {shlex.quote(str(logs))}",
+                 f"mkdir -p {shlex.quote(str(logs))} {shlex.quote(plan.ray.temp_dir + '/tmp')}",
                  f": > {shlex.quote(str(pids))}"]
         for rank in range(plan.nodes):
-            node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(0), NODE_ADDR: node_address(rank)}
+            node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(0), NODE_ADDR: node_address(rank),
+                        "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
             argv = ["setsid", sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)]
             lines.append(" ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
                          + f" > {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null &")
@@ -157,35 +166,43 @@ class LocalProvider(Provider):
                        head_log=lambda: (logs / "node-0.log").read_text(errors="replace"))
 
     def down(self, name: str) -> str:
+        """Stop the cluster now: its Ray and services first, without letting raylets drain
+        (the whole cluster is going away), then the node agents, by process group."""
         record = state.load(name)
-        if not record:
-            return f"no local cluster named {name} is known"
+        if not record or record.get("ended"):
+            return f"no local cluster named {name} is running"
+        started = time.monotonic()
         pids = [pid for pid in record.get("pids", []) if _alive(pid)]
-        for pid in pids:  # each agent stops its own Ray and services on SIGTERM
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 45
+        groups = self._recorded_groups(record.get("temp_dir"))
+        for pgid in groups:
+            _killpg(pgid, signal.SIGKILL)
+        for pid in pids:  # each agent then finds its children gone and exits at once
+            _killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-            time.sleep(0.2)
+            time.sleep(0.1)
         leftovers = self._kill_leftovers(pids, record.get("temp_dir"))
-        state.forget(name)
-        return f"stopped local cluster {name} ({len(pids)} node agents{leftovers})"
+        state.end(name)
+        return (f"stopped local cluster {name}: {len(pids)} node agents, {len(groups)} Ray and service process "
+                f"groups in {time.monotonic() - started:.1f}s{leftovers}")
 
-    def _kill_leftovers(self, pids: list[int], temp_dir: str | None) -> str:
-        """SIGKILL agents that ignored SIGTERM and the process groups they recorded."""
-        groups = set(pids)
-        state_dir = Path(temp_dir or "/nonexistent") / "rlhf-tasks"
-        for pgid_file in state_dir.glob("*.pgid"):
+    @staticmethod
+    def _recorded_groups(temp_dir: str | None) -> set[int]:
+        """The process groups (Ray, services) the node agents recorded in the cluster's temp dir."""
+        groups = set()
+        for pgid_file in (Path(temp_dir or "/nonexistent") / "rlhf-tasks").glob("*.pgid"):
             try:
                 groups.add(int(pgid_file.read_text().strip()))
             except (OSError, ValueError):
                 pass
+        return {g for g in groups if _group_has_live_members(g)}
+
+    def _kill_leftovers(self, pids: list[int], temp_dir: str | None) -> str:
+        """SIGKILL agents that ignored SIGTERM and any group they recorded that still runs."""
         killed = 0
-        for pgid in groups:
+        for pgid in set(pids) | self._recorded_groups(temp_dir):
             if _group_has_live_members(pgid):
-                os.killpg(pgid, signal.SIGKILL)
+                _killpg(pgid, signal.SIGKILL)
                 killed += 1
         if temp_dir and temp_dir.startswith("/tmp/rlhf-"):
             subprocess.run(["rm", "-rf", temp_dir], check=False)

@@ -15,6 +15,7 @@ import subprocess
 from .. import state
 from ..errors import BadInput, StepFailed
 from ..models import size_bytes
+from ..node import probe_tcp
 from ..plan import Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Option, Provider, require_cli
@@ -24,6 +25,8 @@ from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_fil
 RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
 #: Our dashboard agent must not take SkyPilot's 52365.
 AGENT_LISTEN_PORT = 52366
+#: Where `sky` starts its local API server by default.
+API_SERVER_PORT = 46580
 
 
 class SkyProvider(Provider):
@@ -38,6 +41,7 @@ class SkyProvider(Provider):
     )
     ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT}
     options = (Option("--managed", "run as a SkyPilot managed job (recovered on preemption)"),)
+    _started_api_server = False
 
     def check(self, task: Task) -> None:
         for field in ("port", "dashboard_port", "client_server_port", "ready_port"):
@@ -98,6 +102,8 @@ class SkyProvider(Provider):
         names in ~/.ssh/config), or `sky jobs launch` for a managed job."""
         sky = require_cli("sky", "sky")
         managed = bool(self.chosen["managed"])
+        # `sky launch` starts SkyPilot's API server when none runs; a failed launch stops it again.
+        self._started_api_server = probe_tcp("127.0.0.1", API_SERVER_PORT, timeout=1.0) is not None
         directory, token, env = self.stage(plan, secrets)
         names = list(secrets) + ([plan.token_env] if token else [])
         secret_args = [arg for name in names for arg in ("--secret", name)]
@@ -126,5 +132,14 @@ class SkyProvider(Provider):
         sky = require_cli("sky", "sky")
         argv = [sky, "jobs", "cancel", "-n", name, "-y"] if record.get("managed") else [sky, "down", name, "-y"]
         out = subprocess.run(argv, capture_output=True, text=True)
-        state.forget(name)
-        return out.stdout.strip() or out.stderr.strip() or f"{' '.join(argv[1:3])}: exit {out.returncode}"
+        said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
+        if out.returncode != 0:
+            raise StepFailed(f"sky {' '.join(argv[1:3])}", said or f"exit code {out.returncode}")
+        state.end(name)
+        return said or f"sky {' '.join(argv[1:3])}: done"
+
+    def abandon(self, name: str, fresh: bool) -> None:
+        """Also stop SkyPilot's local API server when this launch is what started it."""
+        super().abandon(name, fresh)
+        if self._started_api_server:
+            subprocess.run([require_cli("sky", "sky"), "api", "stop"], capture_output=True, text=True)
