@@ -156,9 +156,10 @@ def note(event, **fields):
     out.write(json.dumps(fields) + "\n")
     out.flush()
 
-def get(path, as_json=True):
+def get(path, as_json=True, auth=True):
+    request = urllib.request.Request(spec["dashboard"] + path, headers=headers if auth else {})
     try:
-        with urllib.request.urlopen(urllib.request.Request(spec["dashboard"] + path, headers=headers), timeout=2) as r:
+        with urllib.request.urlopen(request, timeout=2) as r:
             body = r.read()
             return r.status, json.loads(body) if as_json else body
     except urllib.error.HTTPError as e:
@@ -184,6 +185,7 @@ while time.time() < deadline and not os.path.exists(spec["started"]):
     if gcs and not dashboard and get("/api/gcs_healthz", as_json=False)[0] == 200:
         dashboard = True
         note("dashboard_up")
+        note("no_token", status=get("/api/v0/nodes?limit=1", auth=False)[0])  # is token auth enforced?
     if spec["beacon_port"] and not beacon and tcp(spec["beacon_port"], b"ready"):
         beacon = True
         note("beacon")
@@ -266,6 +268,7 @@ class Run:
     seconds: float                                          # t_cmd - t0
     marks: dict[str, float] = field(default_factory=dict)   # event -> seconds after t0
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
+    no_token_status: int | None = None                      # HTTP status of a request without the token
 
 
 def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: float) -> Run:
@@ -298,6 +301,8 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
     rss.sample()
     run = Run(kind, nodes, t_cmd - t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
     run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
+    run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
+                                if e["event"] == "no_token"), None)
     if kind == "ours":
         run.marks |= agent_marks(head.output, run.marks)
     return run
@@ -361,7 +366,7 @@ def report(runs: list[Run], nodes: int) -> str:
              if medians["ours"] and medians["symmetric-run"] else "-")
     lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in KINDS) + " |",
               f"| ratio ours / symmetric-run | {ratio} | |", "",
-              "Where the time goes: median seconds after t0 (+ since the row above):", "",
+              "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
               "| mark | ours | symmetric-run |", "|---|---|---|"]
     previous = {k: 0.0 for k in KINDS}
     for mark in MARK_ORDER:
@@ -373,7 +378,7 @@ def report(runs: list[Run], nodes: int) -> str:
                 cells.append("-")
                 continue
             median = statistics.median(values)
-            cells.append(f"{median:.1f} (+{median - previous[k]:.1f})")
+            cells.append(f"{median:.1f} ({median - previous[k]:+.1f})")
             previous[k] = median
         if any(c != "-" for c in cells):
             lines.append(f"| {mark} | " + " | ".join(cells) + " |")
@@ -383,6 +388,9 @@ def report(runs: list[Run], nodes: int) -> str:
         head = [r.peak_rss_mib[0] for r in by_kind[kind] if 0 in r.peak_rss_mib]
         workers = [mib for r in by_kind[kind] for rank, mib in r.peak_rss_mib.items() if rank]
         lines.append(f"| {label} | {max(head):.1f} | {max(workers):.1f} |" if head and workers else f"| {label} | - | - |")
+    refused = {k: sorted({str(r.no_token_status) for r in v}) for k, v in by_kind.items()}
+    lines += ["", "Token auth: HTTP status of a State API request without the token, per run: "
+              + "; ".join(f"{k} {', '.join(refused[k])}" for k in KINDS) + " (401/403: enforced)."]
     return "\n".join(lines) + "\n"
 
 
@@ -419,6 +427,9 @@ def main() -> int:
                             failed = True
                             print(f"{nodes} hosts, round {round_}, {kind}: FAILED: {exc}", flush=True)
                         reset(tb, nodes)
+    except KeyboardInterrupt:
+        print("interrupted: the hosts and their processes are torn down")
+        return 130
     finally:
         if args.json:
             args.json.write_text(json.dumps([r.__dict__ for r in runs], indent=1))
