@@ -1,7 +1,7 @@
 """Start-up time on separate hosts: our node agent under dstack's contract against Ray's
 own `ray symmetric-run`, side by side in one run (the machine is noisy: compare ratios).
 
-    sudo .venv/bin/python benchmarks/startup.py [--rounds 5] [--nodes 3,5] [--checkout DIR]
+    .venv/bin/python benchmarks/startup.py [--rounds 5] [--nodes 3,5] [--checkout DIR]   # as root
 
 Hosts are the project's namespace testbed (tests/testbed.py, needs root). Per run:
 
