@@ -1,0 +1,447 @@
+"""Start-up time on separate hosts: our node agent under dstack's contract against Ray's
+own `ray symmetric-run`, side by side in one run (the machine is noisy: compare ratios).
+
+    .venv/bin/python benchmarks/startup.py [--rounds 5] [--nodes 3,5] [--checkout DIR]   # as root
+
+Hosts are the project's namespace testbed (tests/testbed.py, needs root). Per run:
+
+ours:    `rlhf-tasks render TASK --provider dstack` of a `command` job (token auth, no
+         services, submit: head), from the checkout measured (PYTHONPATH); the rendered
+         `files` are placed on every host (/opt is a private tmpfs per host) and the
+         rendered `commands` start on every host with the environment dstack's runner sets.
+symmetric-run: `ray symmetric-run --address HEAD:6379 --min-nodes N -- CMD` on every
+         host, with the same Ray start flags and the same token auth.
+
+CMD writes the wall-clock time it starts into a directory every host sees. t0 is taken
+just before the nodes' processes are spawned; the result is t_cmd - t0. A light poller
+on the head host records when the GCS port opens, the dashboard answers, each node turns
+ALIVE and the job changes state, which splits the time. Each node's launcher (node.py,
+or symmetric-run's python) is sampled for its peak RSS (VmHWM). Every run ends with a
+reboot of the hosts (their whole PID namespaces are killed), so nothing carries over.
+Runs alternate ours, symmetric-run, ours, ... Results: benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import testbed as tbmod  # noqa: E402
+
+BIN = Path(sys.executable).parent
+TOKEN = secrets.token_hex(16)  # this benchmark's cluster token: in environments only, never printed
+RAY_FLAGS = ["--num-cpus", "1", "--object-store-memory", "80000000"]  # what the task renders for ours
+NAME = "startup-bench"
+KINDS = ("ours", "symmetric-run")
+
+
+# --------------------------------------------------------------------------- the job
+
+def job_command(started: Path) -> list[str]:
+    """The job both sides run: record the wall-clock time it starts, in a shared dir."""
+    return ["python3", "-c", f"import time; open({str(started)!r}, 'w').write(repr(time.time()))"]
+
+
+@dataclass
+class Start:
+    """What to start on each host, prepared before t0."""
+    commands: list[str]                 # one bash command per rank
+    envs: list[dict[str, str]]          # its exact environment per rank
+    launcher: str                       # a string in the launcher process's argv (for its RSS)
+    poll_jobs: bool                     # whether the head submits a Ray job
+    beacon_port: int | None = None      # the head agent's ready beacon
+
+
+# --------------------------------------------------------------------------- ours
+
+def render_ours(checkout: Path, run_dir: Path, nodes: int, started: Path) -> dict:
+    """Render the task through the public CLI of the checkout measured; return the dstack config."""
+    task = {"name": NAME, "nodes": nodes, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+            "job": {"recipe": "command", "submit": "head", "working_dir": None,
+                    "args": {"entrypoint": job_command(started)}}}
+    (run_dir / "task.yaml").write_text(yaml.safe_dump(task))
+    out = run_dir / "rendered"
+    subprocess.run([str(BIN / "rlhf-tasks"), "render", str(run_dir / "task.yaml"), "--provider", "dstack",
+                    "-o", str(out / f"{NAME}.dstack.yml")], env=dict(os.environ, PYTHONPATH=str(checkout)),
+                   check=True, capture_output=True, text=True)
+    if (out / "rlhf-tasks" / "node.py").read_bytes() != (checkout / "rlhf_tasks" / "node.py").read_bytes():
+        raise SystemExit(f"the rendered node.py is not {checkout}'s: check PYTHONPATH and the install")
+    return yaml.safe_load((out / f"{NAME}.dstack.yml").read_text()) | {"_dir": out}
+
+
+def place(tb, rank: int, config: dict) -> None:
+    """Put the rendered `files` where dstack would upload them; /opt is the host's own tmpfs."""
+    script = ["mountpoint -q /opt || mount -t tmpfs tmpfs /opt"]
+    for pair in config["files"]:
+        local, remote = pair.split(":")
+        script += [f"mkdir -p {shlex.quote(str(Path(remote).parent))}",
+                   f"cp {shlex.quote(str(config['_dir'] / local))} {shlex.quote(remote)}"]
+    tb.sh(rank, " && ".join(script))
+
+
+def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str]) -> dict[str, str]:
+    """What dstack's runner sets, plus the config's `env` (bare names filled at apply time)."""
+    local = {"RAY_AUTH_TOKEN": TOKEN}
+    env = {}
+    for entry in rendered_env:
+        key, sep, value = entry.partition("=")
+        env[key] = value if sep else local[key]
+    ips = [h.ip for h in tb.hosts[:nodes]]
+    return tb.env(**env, DSTACK_NODE_RANK=str(rank), DSTACK_MASTER_NODE_IP=ips[0], DSTACK_NODES_IPS="\n".join(ips),
+                  DSTACK_NODES_NUM=str(nodes), DSTACK_GPUS_PER_NODE="0", DSTACK_GPUS_NUM="0",
+                  DSTACK_RUN_NAME=NAME + "-run")
+
+
+def prepare_ours(tb, nodes: int, run_dir: Path, started: Path, checkout: Path) -> Start:
+    config = render_ours(checkout, run_dir, nodes, started)
+    plan = json.loads((config["_dir"] / "rlhf-tasks" / f"{NAME}.plan.json").read_text())
+    for rank in range(nodes):
+        place(tb, rank, config)
+    command = " && ".join(config["commands"])
+    return Start([command] * nodes, [dstack_env(tb, r, nodes, config.get("env", [])) for r in range(nodes)],
+                 launcher="node.py", poll_jobs=True, beacon_port=plan["ray"]["ready_port"])
+
+
+# --------------------------------------------------------------------------- symmetric-run
+
+def own_pid_namespace_guard() -> str:
+    """Shell that refuses to go on unless it runs inside a host of its own PID namespace, whose
+    /proc is that namespace's: symmetric-run ends with `ray stop`, which kills every Ray
+    process it can see."""
+    outer = os.readlink("/proc/self/ns/pid")
+    return ('me=$(readlink /proc/self/ns/pid); '
+            f'if [ "$me" = {shlex.quote(outer)} ] || [ "$(readlink /proc/1/ns/pid)" != "$me" ]; then '
+            'echo "refusing: not inside a host with its own PID namespace and /proc" >&2; exit 97; fi; ')
+
+
+def prepare_symmetric(tb, nodes: int, started: Path) -> Start:
+    argv = ["ray", "symmetric-run", "--address", f"{tb.hosts[0].ip}:6379", "--min-nodes", str(nodes),
+            *RAY_FLAGS, "--", *job_command(started)]
+    command = own_pid_namespace_guard() + "exec " + shlex.join(argv)
+    # the same token auth as ours; a longer deadline only avoids failures on a busy machine
+    env = tb.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, RAY_SYMMETRIC_RUN_CLUSTER_WAIT_TIMEOUT="180")
+    return Start([command] * nodes, [env] * nodes, launcher="symmetric-run", poll_jobs=False)
+
+
+# --------------------------------------------------------------------------- the poller (head host)
+
+# Standard library only; runs inside the head host so the head's 127.0.0.1 dashboard is
+# reachable. Writes one JSON line per change it sees; exits when the command has started.
+POLLER = r'''
+import json, os, socket, sys, time, urllib.error, urllib.request
+spec = json.loads(sys.argv[1])
+token = os.environ.get("RAY_AUTH_TOKEN")
+headers = {"Authorization": "Bearer " + token} if token else {}
+out = open(spec["out"], "a")
+
+def note(event, **fields):
+    fields.update(t=time.time(), event=event)
+    out.write(json.dumps(fields) + "\n")
+    out.flush()
+
+def get(path, as_json=True, auth=True):
+    request = urllib.request.Request(spec["dashboard"] + path, headers=headers if auth else {})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as r:
+            body = r.read()
+            return r.status, json.loads(body) if as_json else body
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except (OSError, ValueError):
+        return None, None
+
+def tcp(port, want=None):
+    try:
+        with socket.create_connection((spec["head"], port), timeout=1) as s:
+            return want is None or s.recv(16).startswith(want)
+    except OSError:
+        return False
+
+note("ready")
+gcs = dashboard = beacon = False
+alive, job_status = {}, None
+deadline = time.time() + spec["timeout"]
+while time.time() < deadline and not os.path.exists(spec["started"]):
+    if not gcs and tcp(spec["gcs_port"]):
+        gcs = True
+        note("gcs_open")
+    if gcs and not dashboard and get("/api/gcs_healthz", as_json=False)[0] == 200:
+        dashboard = True
+        note("dashboard_up")
+        note("no_token", status=get("/api/v0/nodes?limit=1", auth=False)[0])  # is token auth enforced?
+    if spec["beacon_port"] and not beacon and tcp(spec["beacon_port"], b"ready"):
+        beacon = True
+        note("beacon")
+    if dashboard and len(alive) < spec["nodes"]:
+        status, body = get("/api/v0/nodes?limit=100&detail=true&filter_keys=state&filter_predicates=%3D"
+                           "&filter_values=ALIVE")
+        nodes = body["data"]["result"]["result"] if status == 200 else []
+        for node in nodes:
+            if node["node_ip"] not in alive:
+                alive[node["node_ip"]] = True
+                note("alive", ip=node["node_ip"], head=node.get("is_head_node"), start_time_ms=node.get("start_time_ms"))
+    if spec["poll_jobs"] and len(alive) >= spec["nodes"]:
+        status, jobs = get("/api/jobs/")
+        for job in jobs if status == 200 else []:
+            if job.get("type") == "SUBMISSION" and job.get("status") != job_status:
+                job_status = job["status"]
+                note("job", status=job_status, start_time_ms=job.get("start_time"))
+    time.sleep(spec["interval"])
+note("done")
+'''
+
+
+def start_poller(tb, nodes: int, start: Start, run_dir: Path, started: Path) -> Path:
+    """Start the poller on the head host and return its output file once it is polling."""
+    out = run_dir / "poller.jsonl"
+    script = run_dir.parent / "poller.py"
+    script.write_text(POLLER.lstrip())
+    spec = {"out": str(out), "started": str(started), "head": tb.hosts[0].ip, "gcs_port": 6379,
+            "dashboard": "http://127.0.0.1:8265", "nodes": nodes, "beacon_port": start.beacon_port,
+            "poll_jobs": start.poll_jobs, "interval": 0.1, "timeout": 600}
+    tb.run(0, [sys.executable, "-I", "-S", str(script), json.dumps(spec)], env=tb.env(RAY_AUTH_TOKEN=TOKEN),
+           name="poller")
+    tbmod.poll(lambda: out.exists() and out.read_text().startswith("{"), 30, "the poller to start", 0.02)
+    return out
+
+
+# --------------------------------------------------------------------------- peak RSS of the launchers
+
+class RssSampler:
+    """VmHWM (peak RSS) of each host's launcher process, read from /proc until it exits."""
+
+    def __init__(self, tb, nodes: int, needle: str):
+        self.tb, self.nodes, self.needle = tb, nodes, needle
+        self.pids: dict[int, int] = {}
+        self.peak_kib: dict[int, int] = {}
+
+    def _find(self, rank: int) -> int | None:
+        for pid in self.tb.processes(rank):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            # the python process itself, not the bash or nsenter that started it
+            words = [a.decode(errors="replace") for a in argv[:3]]
+            if "python" in Path(words[0]).name and any(self.needle in w for w in words[1:]):
+                return pid
+        return None
+
+    def sample(self) -> None:
+        for rank in range(self.nodes):
+            pid = self.pids.get(rank) or self._find(rank)
+            if pid is None:
+                continue
+            self.pids[rank] = pid
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue  # it exited: its last sample stands
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    self.peak_kib[rank] = max(self.peak_kib.get(rank, 0), int(line.split()[1]))
+
+
+# --------------------------------------------------------------------------- one run
+
+@dataclass
+class Run:
+    kind: str
+    nodes: int
+    seconds: float                                          # t_cmd - t0
+    marks: dict[str, float] = field(default_factory=dict)   # event -> seconds after t0
+    peak_rss_mib: dict[int, float] = field(default_factory=dict)
+    no_token_status: int | None = None                      # HTTP status of a request without the token
+
+
+def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: float) -> Run:
+    run_dir.mkdir(parents=True)
+    started = run_dir / "started"
+    start = (prepare_ours(tb, nodes, run_dir, started, checkout) if kind == "ours"
+             else prepare_symmetric(tb, nodes, started))
+    poller = start_poller(tb, nodes, start, run_dir, started)
+    rss = RssSampler(tb, nodes, start.launcher)
+    t0 = time.time()
+    procs = [tb.run(rank, start.commands[rank], env=start.envs[rank], name=f"{kind}-node{rank}")
+             for rank in range(nodes)]
+    head = procs[0]
+
+    def command_started():
+        rss.sample()
+        if not head.running() and not started.exists():
+            raise RuntimeError(f"{kind}: the head exited ({head.returncode}) before the command ran:\n"
+                               + head.output[-3000:])
+        return started.exists() and started.read_text()
+    t_cmd = float(tbmod.poll(command_started, timeout, f"{kind}: the command to start", 0.1))
+
+    def head_done():  # keep sampling: the head agent follows the job and stops Ray before it exits
+        rss.sample()
+        return not head.running()
+    try:
+        tbmod.poll(head_done, 90, f"{kind}: the head to exit", 0.2)
+    except TimeoutError:
+        print(f"  ({kind}: the head did not exit within 90 s after the command; its RSS is sampled up to now)")
+    rss.sample()
+    run = Run(kind, nodes, t_cmd - t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
+    run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
+    run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
+                                if e["event"] == "no_token"), None)
+    if kind == "ours":
+        run.marks |= agent_marks(head.output, run.marks)
+    return run
+
+
+def marks(poller: Path, t0: float, nodes: int) -> dict[str, float]:
+    """The poller's events as seconds after t0 (Ray's own timestamps where it has them)."""
+    out = {}
+    workers = []
+    for line in poller.read_text().splitlines():
+        event = json.loads(line)
+        t = event["t"] - t0
+        if event["event"] in ("gcs_open", "dashboard_up", "beacon"):
+            out[{"gcs_open": "head GCS port open", "dashboard_up": "head dashboard healthy",
+                 "beacon": "head ready beacon (ours)"}[event["event"]]] = t
+        elif event["event"] == "alive" and not event["head"]:
+            workers.append((t, event["start_time_ms"] / 1000 - t0))
+        elif event["event"] == "job" and event.get("start_time_ms"):  # RUNNING comes ~ with the command
+            out.setdefault("job submitted (Ray's time)", event["start_time_ms"] / 1000 - t0)
+    if workers:
+        out["first worker ALIVE (seen)"] = min(w[0] for w in workers)
+    if len(workers) == nodes - 1:
+        out[f"all {nodes} nodes ALIVE (Ray's time)"] = max(w[1] for w in workers)
+        out[f"all {nodes} nodes ALIVE (seen)"] = max(w[0] for w in workers)
+    return out
+
+
+def agent_marks(head_log: str, seen: dict[str, float]) -> dict[str, float]:
+    """When the head agent decided the cluster was ready. Its log says how long after it began
+    starting Ray; the poller saw the beacon it opens right before "Ray head up in X s"."""
+    up = re.search(r"Ray head up in ([\d.]+)s", head_log)
+    ready = re.search(r"cluster ready: .*\(([\d.]+)s after the head started\)", head_log)
+    if not (up and ready and "head ready beacon (ours)" in seen):
+        return {}
+    began = seen["head ready beacon (ours)"] - float(up.group(1))
+    return {"head agent: cluster ready (its log)": began + float(ready.group(1))}
+
+
+def reset(tb, nodes: int) -> None:
+    """Tear down completely: kill each host's whole PID namespace and boot it again (fresh /tmp, /opt)."""
+    for rank in range(nodes):
+        tb.reboot(rank)
+
+
+# --------------------------------------------------------------------------- report
+
+MARK_ORDER = ["head GCS port open", "head dashboard healthy", "head ready beacon (ours)", "first worker ALIVE (seen)",
+              "all {n} nodes ALIVE (Ray's time)", "all {n} nodes ALIVE (seen)", "head agent: cluster ready (its log)",
+              "job submitted (Ray's time)",
+              "command started"]
+
+
+def report(runs: list[Run], nodes: int) -> str:
+    by_kind = {k: [r for r in runs if r.kind == k and r.nodes == nodes] for k in KINDS}
+    lines = [f"#### {nodes} hosts", "", "| round | ours | symmetric-run |", "|---|---|---|"]
+    for i in range(max(len(v) for v in by_kind.values())):
+        cells = [f"{by_kind[k][i].seconds:.1f} s" if i < len(by_kind[k]) else "failed" for k in KINDS]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    medians = {k: statistics.median(r.seconds for r in v) if v else None for k, v in by_kind.items()}
+    ratio = (f"{medians['ours'] / medians['symmetric-run']:.2f}"
+             if medians["ours"] and medians["symmetric-run"] else "-")
+    lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in KINDS) + " |",
+              f"| ratio ours / symmetric-run | {ratio} | |", "",
+              "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
+              "| mark | ours | symmetric-run |", "|---|---|---|"]
+    previous = {k: 0.0 for k in KINDS}
+    for mark in MARK_ORDER:
+        mark = mark.format(n=nodes)
+        cells = []
+        for k in KINDS:
+            values = [r.marks[mark] for r in by_kind[k] if mark in r.marks]
+            if not values:
+                cells.append("-")
+                continue
+            median = statistics.median(values)
+            cells.append(f"{median:.1f} ({median - previous[k]:+.1f})")
+            previous[k] = median
+        if any(c != "-" for c in cells):
+            lines.append(f"| {mark} | " + " | ".join(cells) + " |")
+    lines += ["", "Peak RSS of each node's launcher process (VmHWM, MiB, max over rounds):", "",
+              "| launcher | head | workers (max) |", "|---|---|---|"]
+    for kind, label in zip(KINDS, ("ours: node.py", "symmetric-run (python)")):
+        head = [r.peak_rss_mib[0] for r in by_kind[kind] if 0 in r.peak_rss_mib]
+        workers = [mib for r in by_kind[kind] for rank, mib in r.peak_rss_mib.items() if rank]
+        lines.append(f"| {label} | {max(head):.1f} | {max(workers):.1f} |" if head and workers else f"| {label} | - | - |")
+    refused = {k: sorted({str(r.no_token_status) for r in v}) for k, v in by_kind.items()}
+    lines += ["", "Token auth: HTTP status of a State API request without the token, per run: "
+              + "; ".join(f"{k} {', '.join(refused[k])}" for k in KINDS) + " (401/403: enforced)."]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nodes", default="3,5", help="host counts, comma-separated")
+    parser.add_argument("--checkout", type=Path, default=ROOT, help="the rlhf-tasks checkout to measure")
+    parser.add_argument("--timeout", type=float, default=240, help="per run, until the command starts")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, rendered files)")
+    args = parser.parse_args()
+    reason = tbmod.require_root()
+    if reason:
+        raise SystemExit(reason)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally, testbed close) on SIGTERM too
+    checkout = args.checkout.resolve()
+    workdir = Path(tempfile.mkdtemp(prefix="startup-bench-"))
+    runs: list[Run] = []
+    failed = False
+    began = time.monotonic()
+    try:
+        for nodes in [int(n) for n in args.nodes.split(",")]:
+            with tbmod.Testbed(nodes, workdir / f"testbed{nodes}", shared=[workdir]) as tb:
+                for round_ in range(1, args.rounds + 1):
+                    for kind in KINDS:
+                        run_dir = workdir / f"{nodes}hosts" / f"round{round_}-{kind}"
+                        try:
+                            runs.append(run_once(tb, kind, nodes, run_dir, checkout, args.timeout))
+                            print(f"{nodes} hosts, round {round_}, {kind}: {runs[-1].seconds:.1f} s", flush=True)
+                        except (RuntimeError, TimeoutError, tbmod.TestbedError, subprocess.CalledProcessError) as exc:
+                            failed = True
+                            print(f"{nodes} hosts, round {round_}, {kind}: FAILED: {exc}", flush=True)
+                        reset(tb, nodes)
+    except KeyboardInterrupt:
+        print("interrupted: the hosts and their processes are torn down")
+        return 130
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps([r.__dict__ for r in runs], indent=1))
+        if args.keep or failed:
+            print(f"work dir kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nchecked out: {checkout}; {args.rounds} rounds; took {time.monotonic() - began:.0f} s\n")
+    for nodes in sorted({r.nodes for r in runs}):
+        print(report(runs, nodes))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
