@@ -11,3 +11,8 @@ class StepFailed(Exception):
     def __init__(self, step: str, message: str):
         super().__init__(f"{step}: {message}")
         self.step = step
+
+
+class HeadLost(StepFailed):
+    """The cluster's head is gone (its process, or the run that holds it): the cluster has
+    ended, and a relaunch (`launch --retry`) may bring the task back."""

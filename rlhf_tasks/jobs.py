@@ -91,7 +91,8 @@ class Jobs:
         return self.client.list_jobs()
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
-               final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None) -> str:
+               final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None,
+               watch: Callable[[str], None] | None = None) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
         When the dashboard goes away (a head that submitted the job exits as soon as it
@@ -100,7 +101,7 @@ class Jobs:
         Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
         follower = JobFollower(self, submission_id, out)
         try:
-            return follower.run(timeout_s)
+            return follower.run(timeout_s, watch)
         except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
             final = final_status(follower.shown)
             if final is None:

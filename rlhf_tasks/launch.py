@@ -8,9 +8,9 @@ import os
 import time
 from pathlib import Path
 
-from .errors import StepFailed
+from .errors import HeadLost, StepFailed
 from .node import (AgentError, alive_nodes, auth_headers, cluster_check, head_address, http_check, http_request,
-                   is_submission_of, parse_result, submission_id, wait_for)
+                   is_submission_of, next_submission_id, parse_result, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
@@ -53,11 +53,13 @@ def _watching(cluster: Cluster, tail: LogTail, check):
     """A wait_for check that also echoes node logs and notices a dead head."""
     def wrapped():
         tail.pump()
+        for message in cluster.tend():
+            say(message)
         if not cluster.head_alive():
             tail.pump()
             where = "its log is above" if cluster.logs_dir else "last lines:\n" + "\n".join(
                 cluster.head_log().splitlines()[-20:])
-            raise StepFailed("bringing up the cluster", f"the head's process exited ({where})")
+            raise HeadLost("bringing up the cluster", f"the head's process exited ({where})")
         return check()
     return wrapped
 
@@ -106,11 +108,68 @@ def final_status_from_head(cluster: Cluster, shown: int, timeout_s: float = 60) 
     return job["status"], f"[... {missing - len(tail)} characters of the job's log are only in the head's log]\n" + tail
 
 
+def head_result(cluster: Cluster, sid: str, timeout_s: float = 30) -> dict | None:
+    """The head agent's result line about job `sid` (its attempts and their causes), once it
+    has printed it; None when it does not within the deadline (a provider whose head log
+    does not reach us)."""
+    def check():
+        result = parse_result(cluster.head_log()) or {}
+        if ((result.get("job") or {}).get("submission_id")) == sid or not cluster.head_alive():
+            return True, result or None
+        return False, "the head has not reported the job's end yet"
+    try:
+        return wait_for("the head's report on the job", check, timeout_s, interval=0.2, report=say)
+    except AgentError:
+        return None
+
+
+def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail) -> tuple[str, str]:
+    """Follow a job through the restarts the head makes (`-r1`, `-r2`, ...): its final
+    status and last submission id. The head has given up when its result line names the
+    attempt that just ended, or when it is gone."""
+    def tend(status):
+        for message in cluster.tend():
+            say(message)
+
+    while True:
+        try:
+            status = jobs.follow(sid, plan.job.timeout_s, watch=tend,
+                                 final_status=lambda shown: final_status_from_head(cluster, shown))
+        except StepFailed as exc:
+            if not cluster.head_alive():
+                raise HeadLost(f"following job {sid}", f"the head is gone ({exc})") from None
+            raise
+        if status == "SUCCEEDED" or plan.job.submit != "head" or not plan.job.max_restarts:
+            return status, sid
+        following = sid
+        after = next_submission_id(sid)
+
+        def restarted():
+            tail.pump()
+            tend(status)
+            if jobs.status(after) is not None:
+                return True, after
+            said = (parse_result(cluster.head_log()) or {}).get("job") or {}
+            if said.get("submission_id") == following or not cluster.head_alive():
+                return True, None
+            return False, f"job {following} ended {status}; the head has not restarted it yet"
+        say(f"job {sid} ended {status}; waiting to see whether the head restarts it")
+        sid = wait_for(f"the head to restart job {sid}", restarted, plan.wait.nodes_s + 300, interval=0.5, report=say)
+        if sid is None:
+            return status, following
+        say(f"following job {sid}, the head's restart of {following} (Ctrl-C stops following, not the job)")
+
+
 def summarise(plan: Plan, submission_id: str, status: str, started: float, artifacts: str | None,
-              node_ids: set[str] = frozenset()) -> None:
+              node_ids: set[str] = frozenset(), head_result: dict | None = None) -> None:
     """What this run did: only the metrics rows its own nodes wrote (a resumed run's file
-    also holds the rows of the runs before it, on other clusters)."""
+    also holds the rows of the runs before it, on other clusters), and the restarts."""
     lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
+    attempts = ((head_result or {}).get("job") or {}).get("attempts") or []
+    if len(attempts) > 1:
+        lines.append(f"attempts: {len(attempts)} (" + "; ".join(
+            f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")
+            for a in attempts) + ")")
     metrics_path = (plan.job.summary or {}).get("metrics")
     if metrics_path and Path(metrics_path).exists():
         rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
@@ -134,6 +193,21 @@ def summarise(plan: Plan, submission_id: str, status: str, started: float, artif
 
 
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+    """Launch the task, and relaunch it whole when its head is lost, as often as the
+    provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint."""
+    relaunches = provider.relaunches()
+    for attempt in range(relaunches + 1):
+        try:
+            return launch_once(task, provider, keep)
+        except HeadLost as exc:
+            if attempt == relaunches:
+                raise
+            say(f"the head is lost ({exc}); relaunching {task.name}, {attempt + 1} of {relaunches}: "
+                f"it resumes from the checkpoint")
+    raise AssertionError("unreachable")
+
+
+def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     from . import state
     from .jobs import Jobs
 
@@ -170,9 +244,10 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
         state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
         tail.pump()
         say(f"following job {sid} (Ctrl-C stops following, not the job)")
-        status = jobs.follow(sid, plan.job.timeout_s, final_status=lambda shown: final_status_from_head(cluster, shown))
+        status, sid = follow_attempts(jobs, cluster, plan, sid, tail)
         state.update(plan.name, job={"submission_id": sid, "status": status})
-        summarise(plan, sid, status, started, cluster.logs_dir, node_ids)
+        summarise(plan, sid, status, started, cluster.logs_dir, node_ids,
+                  head_result(cluster, sid) if plan.job.submit == "head" else None)
         if keep:
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
                 f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")

@@ -391,6 +391,12 @@ def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
     return "%s-r%d" % (sid, attempt) if attempt else sid
 
 
+def next_submission_id(sid: str) -> str:
+    """The id of the restart after `sid` (`<task>-<cluster>-r<k+1>`)."""
+    match = re.match(r"^(.*)-r(\d+)$", sid)
+    return "%s-r%d" % (match.group(1), int(match.group(2)) + 1) if match else sid + "-r1"
+
+
 def is_submission_of(name: str, sid: str) -> bool:
     return sid.startswith(name + "-")
 
@@ -447,6 +453,7 @@ class JobFollower(object):
         self.jobs, self.sid, self.out = jobs, sid, out or sys.stdout
         self.shown = 0
         self.log_text = ""
+        self.last_growth = time.monotonic()  # when the log last grew (for stall detection)
 
     def run(self, timeout_s: Optional[float] = None, watch: Optional[Callable[[str], None]] = None) -> str:
         """The job's final status. `watch(status)` runs on every poll and may raise to
@@ -459,6 +466,7 @@ class JobFollower(object):
                 self.out.write(text[self.shown:])
                 self.out.flush()
                 self.shown, self.log_text, delay = len(text), text, 0.5
+                self.last_growth = time.monotonic()
             if status in TERMINAL_JOB_STATES:
                 return status
             if timeout_s and time.monotonic() - started > timeout_s:
@@ -755,8 +763,39 @@ class Node(object):
     def stop_all(self) -> None:
         for child in reversed(self.services):
             child.stop()
-        if self.ray is not None:  # a worker's raylet would drain for 30 s for a head that is gone
-            self.ray.stop(grace=15.0 if self.info.rank == 0 else 5.0)
+        if self.ray is not None:  # the node is going away: no need to let a raylet drain
+            self.ray.stop(grace=5.0)
+
+
+#: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
+FAST_FAILURE_S = 120.0
+
+
+class Restart(Exception):
+    """The running job must be stopped and submitted again: why, and whether it looks like a
+    bug in the job (the same `fingerprint` twice) rather than a fault of the cluster."""
+
+    def __init__(self, reason: str, bug: bool = False, fingerprint: Optional[str] = None):
+        Exception.__init__(self, reason)
+        self.reason, self.bug, self.fingerprint = reason, bug, fingerprint
+
+
+def checkpoint_mark(directory: Optional[str], limit: int = 20000) -> Optional[float]:
+    """The newest modification time under the checkpoint directory: changes when a new
+    checkpoint is written (bounded walk: a huge tree is not scanned to its end)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    newest, seen = os.path.getmtime(directory), 0
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            seen += 1
+            try:
+                newest = max(newest, os.path.getmtime(os.path.join(root, name)))
+            except OSError:
+                pass
+            if seen >= limit:
+                return newest
+    return newest
 
 
 class HeadFlow(object):
@@ -777,9 +816,12 @@ class HeadFlow(object):
         with node.step("ray head"):
             node.start_ray(head=True)
             gcs = (self.info.node_addr, plan["ray"]["port"])
-            wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180)
+            # Local probes of a few ms each: poll flat and fast, every tenth of a second counts here.
+            wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180,
+                     interval=0.1, max_interval=0.2)
             wait_for("the Ray dashboard at %s" % node.dashboard,
-                     node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180)
+                     node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180,
+                     interval=0.1, max_interval=0.2)
         self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])
         where = "" if node.dashboard.startswith("http://127.0.0.1") and self.info.node_addr.startswith("127.") \
             else " (reach it through the provider's port forward)" if "127.0.0.1" in node.dashboard else ""
@@ -791,7 +833,7 @@ class HeadFlow(object):
                             node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
                                                          (plan["ray"].get("num_cpus") or 0) * nodes,
                                                          (plan["ray"].get("num_gpus") or 0) * nodes)),
-                            plan["wait"]["nodes_s"], interval=0.5, max_interval=2.0)
+                            plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
         log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
         if plan["job"]["submit"] == "head":
             return self.submit_and_follow()
@@ -800,32 +842,150 @@ class HeadFlow(object):
         return self.supervise()
 
     def submit_and_follow(self) -> int:
+        """Submit the job and follow it; when it fails, stalls or loses a node, stop it, wait
+        until every node is back, and resubmit it (it resumes from the latest checkpoint),
+        up to `job.max_restarts` times."""
         node, job = self.node, self.plan["job"]
-        sid = submission_id(self.plan["name"], self.info.cluster_id or self.plan.get("cluster_id") or self.info.head)
-        self.job = {"submission_id": sid, "status": None}
+        key = self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
         jobs = DashboardJobs(node.dashboard, node.token)
-        with node.step("submit"):
+        self.expected_ips = sorted(n["node_ip"] for n in alive_nodes(node.dashboard, node.token))
+        max_restarts = job.get("max_restarts", 0)
+        attempts = []  # type: List[dict]
+        self.job = {"submission_id": None, "status": None, "attempts": attempts}
+        attempt = 0
+        while True:
+            sid = submission_id(self.plan["name"], key, attempt)
+            self.job["submission_id"] = sid
+            mark = checkpoint_mark(self.plan.get("checkpoint_dir"))
+            status, cause, seconds = self.run_attempt(jobs, sid, attempt)
+            self.job["status"] = status
+            attempts.append({"submission_id": sid, "status": status, "cause": cause and cause.reason,
+                             "seconds": round(seconds, 1)})
+            if cause is None:
+                break
+            last = "%s (job %s)" % (cause.reason, sid)
+            if attempt >= max_restarts:
+                self.stop_job(jobs, sid)
+                self.finish()
+                raise AgentError("running job %s" % sid, "%s; no restarts left (job.max_restarts is %d)"
+                                 % (cause.reason, max_restarts))
+            if cause.bug and len(attempts) >= 2 and attempts[-2].get("fingerprint") == cause.fingerprint \
+                    and seconds < FAST_FAILURE_S and checkpoint_mark(self.plan.get("checkpoint_dir")) == mark:
+                self.finish()
+                raise AgentError("running job %s" % sid, "it failed the same way twice in a row within %.0fs, with no "
+                                 "new checkpoint between: a bug, not a fault, so it is not restarted (last: %s)"
+                                 % (FAST_FAILURE_S, last))
+            attempts[-1]["fingerprint"] = cause.fingerprint if seconds < FAST_FAILURE_S else None
+            attempt += 1
+            log("restarting the job, attempt %d of %d: %s" % (attempt, max_restarts, last))
+            with node.step("restart %d" % attempt):
+                self.stop_job(jobs, sid)
+                self.wait_for_every_node()
+        self.finish()
+        if status != "SUCCEEDED":
+            raise AgentError("running job %s" % sid, "it ended %s" % status)
+        return 0
+
+    def run_attempt(self, jobs: DashboardJobs, sid: str, attempt: int) -> Tuple[Optional[str], Optional[Restart], float]:
+        """Submit (once) and follow one attempt: its final status (None when it was
+        interrupted), why it must be restarted (None when it must not), and how long it ran."""
+        node, job = self.node, self.plan["job"]
+        with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
             if jobs.status(sid) is not None:
                 log("job %s was already submitted to this cluster; following it" % sid)
             else:
                 self.submit(jobs, sid)
         log("following job %s" % sid)
-        self.follower = JobFollower(jobs, sid)
-        started = time.monotonic()
+        self.follower = follower = JobFollower(jobs, sid)
+        started = checked = time.monotonic()
 
         def watch(status):
+            nonlocal checked
             if not node.ray.alive():
                 raise AgentError("running job %s" % sid, "the Ray head exited while the job was %s" % status)
-        with node.step("job"):
-            status = self.follower.run(job.get("timeout_s"), watch)
-        self.job["status"] = status
-        log("job %s %s after %.1fs" % (sid, status, time.monotonic() - started))
+            now = time.monotonic()
+            stall = job.get("stall_timeout_s")
+            if stall and now - follower.last_growth > stall:
+                raise Restart("its log has not grown for %.0fs (job.stall_timeout)" % stall)
+            if now - checked >= 2.0:
+                checked = now
+                missing = self.missing_nodes()
+                if missing:
+                    raise Restart("node %s left the cluster" % ", ".join(missing))
+
+        try:
+            with node.step("job" if attempt == 0 else "job attempt %d" % attempt):
+                status = follower.run(job.get("timeout_s"), watch)
+        except Restart as restart:
+            return None, restart, time.monotonic() - started
+        seconds = time.monotonic() - started
+        log("job %s %s after %.1fs" % (sid, status, seconds))
+        if status != "FAILED":  # SUCCEEDED, or STOPPED by someone: nothing to restart
+            return status, None, seconds
+        missing = self.lost_after_failure()
+        if missing:
+            return status, Restart("node %s left the cluster and the job FAILED" % ", ".join(missing)), seconds
+        last_line = ([line for line in follower.log_text.splitlines() if line.strip()] or [""])[-1]
+        return status, Restart("the job FAILED", bug=True, fingerprint=last_line[-300:]), seconds
+
+    def missing_nodes(self, replaced: bool = False) -> List[str]:
+        """Addresses of the nodes the cluster had when the job started that are not ALIVE now
+        (with `replaced`, also those ALIVE twice: a new machine joined before Ray noticed the old
+        one's death)."""
+        try:
+            alive = [n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token)]
+        except OSError:
+            return []
+        missing = list(self.expected_ips)
+        for ip in alive:
+            if ip in missing:
+                missing.remove(ip)
+        twice = sorted({ip for ip in alive if alive.count(ip) > 1}) if replaced else []
+        return missing + [ip for ip in twice if ip not in missing]
+
+    def lost_after_failure(self) -> List[str]:
+        """After a failure, the nodes that were lost, if any: Ray marks a dead node only after
+        its health checks fail, so poll for that a little (`wait.node_loss`) before blaming
+        the job itself."""
+        grace_s = self.plan["wait"].get("node_loss_s", 40.0)
+        try:
+            return wait_for("Ray to notice a lost node", lambda: (lambda m: (bool(m), m))(self.missing_nodes(True)),
+                            grace_s, interval=0.5, max_interval=1.0, progress_every=grace_s + 1)
+        except AgentError:
+            return []
+
+    def stop_job(self, jobs: DashboardJobs, sid: str) -> None:
+        if jobs.status(sid) in TERMINAL_JOB_STATES:
+            return
+        log("stopping job %s" % sid)
+        jobs.stop(sid)
+        wait_for("job %s to stop" % sid, lambda: (lambda s: (s in TERMINAL_JOB_STATES, s))(jobs.status(sid)), 120)
+
+    def wait_for_every_node(self) -> None:
+        """Every node the job started with ALIVE again, and no more (a lost node's stale entry gone)."""
+        expected = self.expected_ips
+
+        def check():
+            try:
+                alive = sorted(n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token))
+            except OSError as exc:
+                return False, str(exc)
+            if alive == expected:
+                return True, "%d/%d nodes alive" % (len(alive), len(expected))
+            missing = [ip for ip in expected if ip not in alive] or ["none; %d nodes alive, %d expected"
+                                                                     % (len(alive), len(expected))]
+            return False, "missing: %s" % ", ".join(missing)
+        have = wait_for("every node to be ALIVE again", self.node.ray_alive(check), self.plan["wait"]["nodes_s"],
+                        interval=0.5, max_interval=2.0)
+        log("cluster ready again: %s" % have)
+
+    def finish(self) -> None:
+        """The job is over: say so in a result line now (the launcher reads it), and keep the
+        cluster up when the plan says so."""
         if self.plan.get("keep_cluster"):
+            print(result_line({"exit_code": None, "rank": 0, "job": self.job}), flush=True)
             log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
             self.supervise()
-        if status != "SUCCEEDED":
-            raise AgentError("running job %s" % sid, "it ended %s" % status)
-        return 0
 
     def submit(self, jobs: DashboardJobs, sid: str) -> None:
         job = self.plan["job"]

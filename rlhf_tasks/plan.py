@@ -120,6 +120,7 @@ class RayPlan(StrictModel):
 class WaitPlan(StrictModel):
     head_s: float
     nodes_s: float
+    node_loss_s: float = 40.0
 
 
 class JobPlan(StrictModel):
@@ -131,6 +132,8 @@ class JobPlan(StrictModel):
     excludes: list[str]
     timeout_s: float | None
     summary: dict | None
+    max_restarts: int = 0
+    stall_timeout_s: float | None = None
 
 
 class Plan(StrictModel):
@@ -228,7 +231,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         prepare=out.prepare + list(task.prepare),
         services=services,
         ray=ray,
-        wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes),
+        wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes, node_loss_s=task.wait.node_loss),
         checkpoint_dir=checkpoint_dir,
         job=JobPlan(
             recipe=job.recipe,
@@ -239,6 +242,8 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
             excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
             timeout_s=job.timeout,
             summary=out.summary,
+            max_restarts=job.max_restarts,
+            stall_timeout_s=job.stall_timeout,
         ),
         placement=task.placement,
         resources=task.resources,

@@ -84,6 +84,8 @@ class Checkpoints(StrictModel):
 class Wait(StrictModel):
     head: Duration = Field(1800.0, description="how long workers wait for the head (it runs setup and prepare first)")
     nodes: Duration = Field(1200.0, description="how long the head waits for every node to join")
+    node_loss: Duration = Field(40.0, description="after a failed job, how long the head looks for a node Ray has "
+                                "not yet declared dead, before it blames the job itself")
 
 
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}

@@ -188,3 +188,67 @@ def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
     assert run.returncode == 1, run.stdout + run.stderr
     assert "failed: running job failing-" in run.stderr and "ended FAILED" in run.stderr
     assert "stopped local cluster failing" in run.stdout  # torn down after a failure too
+
+
+def _lose_node(rlhf_home: Path, name: str, rank: int) -> None:
+    """Kill one local node as a machine is lost: its agent, its Ray and its services, at once."""
+    import os
+    import signal
+
+    record = json.loads((rlhf_home / "clusters" / name / "cluster.json").read_text())
+    groups = [record["pids"][rank]]
+    for pgid_file in (Path(record["temp_dir"]) / "rlhf-tasks").glob(f"{name}-node{rank}-*.pgid"):
+        groups.append(int(pgid_file.read_text()))
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _loss_task(tmp_path: Path, steps: int) -> Path:
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["name"] = "loss"
+    task["job"]["args"].update(steps=steps, save_every=20)
+    path = tmp_path / "loss.yaml"
+    path.write_text(yaml.safe_dump(task))
+    return path
+
+
+def _launch_until_step(tmp_path, cli_env, rlhf_home, args, step):
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", *args], cwd=tmp_path, env=cli_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path = rlhf_home / "runs" / "loss" / "checkpoints" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (path.exists() and metrics(path) and metrics(path)[-1]["step"] >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    return proc, path
+
+
+def test_a_lost_worker_is_replaced_and_the_head_restarts_the_job(tmp_path, cli_env, rlhf_home):
+    steps = 1500  # long enough (about 30 ms a step) that the node is lost mid-job on a fast machine
+    proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home, [str(_loss_task(tmp_path, steps))], 45)
+    _lose_node(rlhf_home, "loss", 2)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-6000:]
+    assert "the node agent of rank 2 died; started it again" in out  # the local provider replaced the machine
+    assert "restarting the job, attempt 1 of 2" in out and "127.0.1.3" in out
+    assert "attempts: 2 (" in out and "-r1 SUCCEEDED" in out  # the summary lists the attempts
+    assert [r["step"] for r in metrics(path)] == list(range(1, steps + 1))  # none lost, none twice
+
+
+def test_a_lost_head_relaunches_the_task_which_resumes(tmp_path, cli_env, rlhf_home):
+    steps = 1500
+    proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home,
+                                    [str(_loss_task(tmp_path, steps)), "--retry", "1"], 45)
+    _lose_node(rlhf_home, "loss", 0)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-6000:]
+    assert "the head is lost" in out and "relaunching loss, 1 of 1" in out
+    rows = metrics(path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert any(r.get("resumed_from", 0) >= 40 for r in rows)  # the new cluster resumed from the checkpoint
+    assert no_leftovers(json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"])

@@ -33,6 +33,9 @@ class Cluster:
     logs_dir: str | None = None
     #: Set when the provider followed the job to its end itself (a managed job): its exit code.
     finished: int | None = None
+    #: Called while the launcher waits: replaces what the provider replaces (a dead node's
+    #: agent, on the local provider) and says what it did.
+    tend: Callable[[], list[str]] = lambda: []
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,11 @@ class Provider:
         if unknown:
             raise BadInput(f"--provider {self.name}: unknown options {sorted(unknown)}")
         self.chosen = {option.dest: options.get(option.dest) for option in self.options}
+
+    def relaunches(self) -> int:
+        """How often `launch` relaunches the whole task when its head is lost (the provider's
+        own relaunch, like dstack's `retry`, happens outside and needs none)."""
+        return 0
 
     def default_checkpoint_dir(self, task: Task) -> str:
         """Where checkpoints go when the task names no path."""

@@ -25,7 +25,7 @@ from .. import state
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Provider, write_files
+from .base import Cluster, Option, Provider, write_files
 
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 #: The local provider's environment contract: the launcher sets these per node.
@@ -89,6 +89,11 @@ class LocalProvider(Provider):
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
+    options = (Option("--retry", "relaunch the whole task up to N times when the head is lost; it resumes from "
+                      "the checkpoint", {"type": int, "default": 0, "metavar": "N"}),)
+
+    def relaunches(self) -> int:
+        return self.chosen["retry"] or 0
 
     def run_dir(self, name: str) -> Path:
         return state.run_dir(name)
@@ -119,22 +124,40 @@ class LocalProvider(Provider):
         lines = ["#!/usr/bin/env bash",
                  "# What `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
                  f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
-                 "# per cluster). Writes the agents' PIDs to pids, one per line, head first.",
+                 "# per cluster). Usage: start-nodes.sh [RANK ...] (default: every node); appends",
+                 "# 'RANK PID' lines to pids. The launcher runs it again for one rank to replace a node",
+                 "# agent that died, as a cloud provider replaces a machine.",
                  "set -euo pipefail",
                  f"mkdir -p {shlex.quote(str(logs))} {shlex.quote(plan.ray.temp_dir + '/tmp')}",
-                 f": > {shlex.quote(str(pids))}"]
+                 "start_node() {",
+                 '  case "$1" in']
         for rank in range(plan.nodes):
             node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(0), NODE_ADDR: node_address(rank),
                         "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
             argv = ["setsid", sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)]
-            lines.append(" ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
-                         + f" > {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null &")
-            lines.append(f"echo $! >> {shlex.quote(str(pids))}")
+            lines.append(f"    {rank}) " + " ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
+                         + f" >> {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null & ;;")
+        lines += ['    *) echo "no node of rank $1" >&2; exit 2 ;;', "  esac",
+                  f'  echo "$1 $!" >> {shlex.quote(str(pids))}', "}",
+                  f'[ $# -gt 0 ] || set -- {" ".join(str(r) for r in range(plan.nodes))}',
+                  'for rank in "$@"; do start_node "$rank"; done']
         return {"start-nodes.sh": "\n".join(lines) + "\n", "plan.json": plan.to_json()}
 
     def _running(self, name: str) -> list[int]:
         record = state.load(name) or {}
         return [pid for pid in record.get("pids", []) if _alive(pid)]
+
+    def _start(self, run_dir: Path, env: dict[str, str], ranks: list[int]) -> dict[int, int]:
+        """Run the rendered start-nodes.sh for these ranks; rank -> agent PID."""
+        out = subprocess.run(["bash", str(run_dir / "start-nodes.sh"), *map(str, ranks)], env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise StepFailed("starting the node agents", out.stderr.strip() or f"exit code {out.returncode}")
+        started = {}
+        for line in (run_dir / "pids").read_text().splitlines():
+            rank, pid = map(int, line.split())
+            started[rank] = pid  # the last line of a rank is its current agent
+        return started
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         name = plan.name
@@ -144,8 +167,8 @@ class LocalProvider(Provider):
                            f"`rlhf-tasks down {name}` first")
         run_dir = self.run_dir(name)
         logs = run_dir / "nodes"
-        for old in logs.glob("*.log"):
-            old.unlink()
+        for old in [*logs.glob("*.log"), run_dir / "pids"]:
+            old.unlink(missing_ok=True)
         write_files(run_dir, self.render(plan))
         token = state.new_token(name) if plan.token_env else None
         env = dict(os.environ)
@@ -153,17 +176,25 @@ class LocalProvider(Provider):
         env.update(secrets)
         if token:
             env[TOKEN_ENV] = token
-        out = subprocess.run(["bash", str(run_dir / "start-nodes.sh")], env=env, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise StepFailed("starting the node agents", out.stderr.strip() or f"exit code {out.returncode}")
-        pids = [int(line) for line in (run_dir / "pids").read_text().split()]
-        head = pids[0]
+        agents = self._start(run_dir, env, list(range(plan.nodes)))
         dashboard = f"http://127.0.0.1:{plan.ray.dashboard_port}"
-        state.save(name, {"provider": self.name, "cluster_id": plan.cluster_id, "pids": pids,
-                          "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir)})
+        record = {"provider": self.name, "cluster_id": plan.cluster_id, "pids": [agents[r] for r in sorted(agents)],
+                  "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir)}
+        state.save(name, record)
+
+        def tend() -> list[str]:
+            """Replace a worker's node agent that died (the head's loss ends the cluster)."""
+            dead = [rank for rank, pid in agents.items() if rank > 0 and not _alive(pid)]
+            if not dead:
+                return []
+            agents.update(self._start(run_dir, env, dead))
+            state.update(name, pids=[agents[r] for r in sorted(agents)])
+            return [f"the node agent of rank {rank} died; started it again (pid {agents[rank]}), as a cloud "
+                    f"provider replaces a machine" for rank in dead]
+
         return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
-                       head_alive=lambda: _alive(head), logs_dir=str(logs),
-                       head_log=lambda: (logs / "node-0.log").read_text(errors="replace"))
+                       head_alive=lambda: _alive(agents[0]), logs_dir=str(logs),
+                       head_log=lambda: (logs / "node-0.log").read_text(errors="replace"), tend=tend)
 
     def down(self, name: str) -> str:
         """Stop the cluster now: its Ray and services first, without letting raylets drain

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from pydantic import Field
+
 from ..errors import BadInput
 from ..models import Duration, Service, StrictModel, parse_duration, require_absolute  # noqa: F401  (recipes use them)
 
@@ -46,6 +48,10 @@ class JobBase(StrictModel):
     working_dir: str | None = "."
     excludes: list[str] = []
     timeout: Duration | None = None
+    max_restarts: int = Field(2, ge=0, description="how often the head resubmits the job after a lost node, a "
+                              "failure or a stall (it resumes from the latest checkpoint)")
+    stall_timeout: Duration | None = Field(None, description="restart the job when its log has not grown for this "
+                                           "long (e.g. 20m); off by default")
 
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError
