@@ -48,7 +48,9 @@ def _fitting_provider(task) -> tuple[str, list[str], dict[str, str]]:
 def cmd_check(args) -> int:
     task = _task(args.task)
     name, fits, refusals = (args.provider, [args.provider], {}) if args.provider else _fitting_provider(task)
-    plan = _provider(name).plan(task)
+    provider = _provider(name)
+    plan = provider.plan(task)
+    _warn_shared_storage(provider, plan)
     if args.json:
         print(plan.to_json(), end="")
         return 0
@@ -75,10 +77,18 @@ def cmd_check(args) -> int:
     return 0
 
 
+def _warn_shared_storage(provider, plan) -> None:
+    warning = provider.shared_storage_warning(plan)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def cmd_render(args) -> int:
     task = _task(args.task)
     provider = _provider(args.provider)
-    files = provider.render(provider.plan(task))
+    plan = provider.plan(task)
+    _warn_shared_storage(provider, plan)
+    files = provider.render(plan)
     if not args.output:
         main_name, *others = files
         sys.stdout.write(files[main_name])

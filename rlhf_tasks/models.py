@@ -5,6 +5,7 @@ errors, so recipes and spec can both use it."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -22,6 +23,16 @@ class StrictModel(BaseModel):
     """Unknown fields are errors: a typo must never be silently ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def did_you_mean(word: str, choices, listing: str = "choose one of") -> str:
+    """'(did you mean steps?)' for a near miss, else '(choose one of: a, b, c)'."""
+    choices = list(choices)
+    word = str(word)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.7)
+    starting = [c for c in choices if word and c.startswith(word)]
+    close = close or (starting if len(starting) == 1 else [])
+    return f"(did you mean {close[0]}?)" if close else f"({listing}: {', '.join(choices)})"
 
 
 def parse_duration(value: str | int | float) -> float:

@@ -161,7 +161,11 @@ class Plan(StrictModel):
     placement: Placement
     resources: Resources
     image: str | None
-    checkpoint_volume: str | None
+    resume: bool = False                 # the job resumes from checkpoint_dir (checkpoints.resume: auto)
+    #: This provider's entry of checkpoints.shared (its own check() validated it); None: a directory on each node.
+    checkpoint_shared: dict[str, Any] | None = None
+    #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.
+    modules: list[str] = []
 
     @model_validator(mode="after")
     def _version(self):
@@ -227,7 +231,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         env={**out.env, **task.env},
         secrets=list(task.secrets),
         token_env=TOKEN_ENV if task.ray.auth == "token" else None,
-        setup=list(task.setup),
+        setup=list(task.setup) + out.setup,
         prepare=out.prepare + list(task.prepare),
         services=services,
         ray=ray,
@@ -248,5 +252,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         placement=task.placement,
         resources=task.resources,
         image=task.image,
-        checkpoint_volume=task.checkpoints.volume,
+        resume=task.checkpoints.resume == "auto",
+        checkpoint_shared=task.checkpoints.shared.get(provider),
+        modules=out.modules,
     )

@@ -7,13 +7,14 @@ the task file, and is raised as BadInput (exit 2) before anything is launched.
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import BadInput
-from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, require_absolute
+from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, did_you_mean, require_absolute
 from .recipes import JOB_MODELS
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -73,12 +74,34 @@ class RayConfig(StrictModel):
 
 
 class Checkpoints(StrictModel):
-    path: str | None = Field(None, description="absolute, shared by all nodes; the provider picks one when omitted")
+    path: str | None = Field(None, description="absolute; the provider picks one when omitted")
     resume: Literal["auto", "never"] = "auto"
-    volume: str | None = Field(None, description="a network volume to mount at path, where the provider has them")
+    shared: dict[str, dict[str, Any]] = Field({}, description=(
+        "storage mounted at path that every node (and a later run) sees, per provider: "
+        "dstack: {volume: NAME} or {host_path: /PATH} (a directory every fleet host mounts, e.g. NFS); "
+        "sky: {bucket: s3://BUCKET/PREFIX} or {volume: NAME}; runpod: {network_volume: ID}. "
+        "Each provider checks its own entry; without one, path is a directory on each node"))
 
     _absolute = field_validator("path")(classmethod(lambda cls, v: require_absolute(
         v, "relative paths resolve inside Ray's working_dir copy")))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict) and "volume" in data:
+            raise ValueError(f"volume has moved: write shared: {{dstack: {{volume: {data['volume']}}}}}")
+        return data
+
+    @field_validator("shared")
+    @classmethod
+    def _providers(cls, value):
+        from .providers import names  # registered providers, read when a task names one
+
+        known = names()
+        for key in value:
+            if key not in known:
+                raise ValueError(f"{key!r} is not a provider {did_you_mean(key, known)}")
+        return value
 
 
 class Wait(StrictModel):
@@ -178,6 +201,68 @@ def _field_path(loc: tuple) -> str:
     return path or "(top level)"
 
 
+def _unwrap(tp: Any) -> list:
+    """The types a value of `tp` may be: Optional, unions and Annotated taken apart."""
+    if get_origin(tp) is Annotated:
+        return _unwrap(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType):
+        return [t for arg in get_args(tp) for t in _unwrap(arg) if t is not type(None)]
+    return [tp]
+
+
+def _is_member(model: type[BaseModel], tag: Any) -> bool:
+    """Whether a union tag in an error location (a recipe's name; `http` or `tcp` for
+    readiness checks) picks this member of the union."""
+    recipe = model.model_fields.get("recipe")
+    return tag in get_args(recipe.annotation) if recipe else tag in model.model_fields
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model whose fields live at `loc`, walking fields, union tags, lists and mappings."""
+    candidates: list = [Task]
+    for part in loc:
+        models = [t for t in candidates if isinstance(t, type) and issubclass(t, BaseModel)]
+        if len(models) > 1:  # a union: the next part is the tag that picks the member
+            candidates = [m for m in models if _is_member(m, part)][:1]
+        elif models and isinstance(part, str):
+            field = next((f for name, f in models[0].model_fields.items() if part in (name, f.alias)), None)
+            candidates = _unwrap(field.annotation) if field else []
+        else:  # list[X] (an index) or dict[str, X] (a key): X
+            containers = [t for t in candidates if get_origin(t) in (list, dict)]
+            candidates = _unwrap(get_args(containers[0])[-1]) if containers else []
+    models = [t for t in candidates if isinstance(t, type) and issubclass(t, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def _yaml_scalar(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else str(value)
+
+
+def _message(err: dict) -> tuple[str, str]:
+    """(field path, message) for one pydantic error, in the task file's terms."""
+    loc, kind, msg = err["loc"], err["type"], err["msg"].removeprefix("Value error, ")
+    path = _field_path(loc)
+    if kind == "union_tag_invalid" and loc[-1:] == ("job",):
+        tag = err["ctx"]["tag"]
+        return "job.recipe", f"unknown recipe {tag!r} {did_you_mean(tag, sorted(_RECIPES))}"
+    if kind == "union_tag_not_found" and loc[-1:] == ("job",):
+        return "job.recipe", f"missing {did_you_mean('', sorted(_RECIPES))}"
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        if model is not None:
+            names = [f.alias or name for name, f in model.model_fields.items()]
+            if len(loc) >= 3 and loc[-2] == "args" and loc[-3] in _RECIPES:
+                return path, f"unknown argument of the {loc[-3]} recipe {did_you_mean(loc[-1], names, 'its arguments')}"
+            return path, f"unknown field {did_you_mean(loc[-1], names, 'fields here')}"
+    if kind == "string_type" and isinstance(err.get("input"), (bool, int, float)):
+        value = err["input"]
+        what = "a boolean" if isinstance(value, bool) else "a number"
+        return path, f"{_yaml_scalar(value)} is {what}; write it as \"{_yaml_scalar(value)}\""
+    if kind == "string_type" and err.get("input") is None:
+        return path, 'no value; write one in quotes (e.g. "")'
+    return path, msg
+
+
 def parse_task(data: Any, source: str = "<task>") -> Task:
     """Validate a task mapping; BadInput lists every problem with its field path."""
     if not isinstance(data, dict):
@@ -187,10 +272,7 @@ def parse_task(data: Any, source: str = "<task>") -> Task:
         task._source = source
         return task
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {_field_path(err['loc'])}: {msg}")
+        lines = ["  %s: %s" % _message(err) for err in exc.errors()]
         raise BadInput(f"{source}: invalid task\n" + "\n".join(dict.fromkeys(lines))) from None
 
 

@@ -126,3 +126,11 @@ def test_summary_says_what_this_run_did(tmp_path, capsys):
     assert "over steps 3..3, resumed after step 2 (world size 3, 3 nodes took part)" in out
     summarise(plan, "t-2", "SUCCEEDED", 0.0, None, {"p", "q", "r"})
     assert "trained nothing: the checkpoint was already at step 3" in capsys.readouterr().out
+
+
+def test_check_and_render_warn_when_a_multi_node_resume_has_no_shared_storage(tmp_path, capsys):
+    task = str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml")
+    assert main(["check", task, "--provider", "dstack"]) == 0
+    assert capsys.readouterr().err.startswith("warning: checkpoints /checkpoints/verl-ppo-gsm8k is a directory on each")
+    assert main(["render", task, "--provider", "sky", "-o", str(tmp_path / "x.sky.yaml")]) == 0
+    assert "add checkpoints.shared.sky" in capsys.readouterr().err

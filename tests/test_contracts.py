@@ -16,6 +16,8 @@ import testbed as tbmod
 from rlhf_tasks import providers
 from rlhf_tasks.spec import parse_task
 
+from conftest import ROOT
+
 testbed2 = tbmod.make_testbed_fixture(2)
 testbed3 = tbmod.make_testbed_fixture(3)
 
@@ -135,6 +137,40 @@ def test_dstack_client_submission_through_a_forwarded_port(testbed2, tmp_path):
     assert submit.wait(240) == 0, submit.output[-4000:]
     assert "CONTRACT alive nodes 2" in submit.output and "SUCCEEDED" in submit.output
     assert procs[0].running() and procs[1].running()  # a client-mode cluster stays up until `down`
+
+
+def test_the_rendered_demo_runs_on_hosts_that_have_only_what_it_ships(testbed3, tmp_path):
+    """tasks/tiny-grpo.yaml rendered for dstack, its `commands` run as they stand on three
+    hosts with dstack's environment. The hosts' python finds ray and torch but not the demo:
+    the checkout its editable install points at is hidden on every host, so the job can only
+    run from the copy shipped under /opt/rlhf-tasks/lib."""
+    tb = testbed3
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["checkpoints"]["path"] = "/opt/checkpoints/tiny-grpo"  # a directory on each host, as instance_path gives
+    task["job"]["args"].update(steps=10, save_every=5, num_prompts=200)
+    files = render("dstack", task, tmp_path / "rendered")
+    config = yaml.safe_load(files["tiny-grpo.dstack.yml"])
+    mounts = {m.split(":")[1]: tmp_path / "rendered" / m.split(":")[0] for m in config["files"]}
+    assert any(destination.startswith("/opt/rlhf-tasks/lib/rlhf_tasks/demo/") for destination in mounts)
+    where = "python3 -c 'import os, rlhf_tasks.demo as d; print(os.path.dirname(d.__file__))'"
+    checkout = tb.sh(0, where, cwd="/").strip().splitlines()[-1]
+    for rank in range(3):
+        place(tb, rank, mounts)
+        tb.sh(rank, f"mount -t tmpfs tmpfs {shlex.quote(checkout)}", cwd="/")  # this host's mounts only
+        hidden = tb.run(rank, "python3 -c 'import rlhf_tasks.demo.train'", cwd="/", background=False)
+        assert hidden.returncode != 0 and "No module named 'rlhf_tasks.demo.train'" in hidden.output, hidden.output
+    procs = [tb.run(rank, " && ".join(config["commands"]), env=dstack_env(tb, rank, 3, config["env"]), cwd="/",
+                    name=f"demo-node{rank}") for rank in range(3)]
+    head = procs[0]
+    assert head.wait(600) == 0, head.output[-4000:]
+    out = head.output
+    assert "wrote 200 prompts to /opt/checkpoints/tiny-grpo/data/prompts.jsonl" in out, out[-4000:]
+    assert "service reward ready" in out and "training on 3 node(s)" in out and "done: steps 1..10" in out
+    assert "SUCCEEDED" in out and "Collecting" not in out  # ray, torch and numpy were there: nothing installed
+    assert TOKEN not in out
+    for worker in procs[1:]:
+        assert worker.wait(120) == 0, worker.output[-3000:]
+    assert tb.sh(0, "ls /opt/checkpoints/tiny-grpo").split().count("step_000010.pt") == 1
 
 
 def test_skypilot_setup_then_run_on_every_host(testbed2, tmp_path):

@@ -26,8 +26,9 @@ def rendered(provider_name: str, task_path: Path) -> dict[str, str]:
 
 
 def golden_files(provider_name: str, task_path: Path) -> dict[str, str]:
-    """What providers/<name>/ keeps for a task: everything but the verbatim node agent."""
-    return {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith("node.py")}
+    """What providers/<name>/ keeps for a task: everything but the verbatim sources shipped
+    (the node agent, and the demo's code under rlhf-tasks/lib/)."""
+    return {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith(".py")}
 
 
 def refresh() -> None:
@@ -146,7 +147,9 @@ FULL = {
     "name": "everything", "nodes": 4, "image": "verlai/verl:latest",
     "resources": {"gpus": "H100:8", "cpus": 64, "memory": "512GB", "shm_size": "128GB", "disk": "1TB"},
     "env": {"NCCL_DEBUG": "INFO"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"], "setup": ["pip install -e ."],
-    "ray": {"dashboard_public": True}, "checkpoints": {"path": "/mnt/ckpt", "volume": "ckpt-vol"},
+    "ray": {"dashboard_public": True},
+    "checkpoints": {"path": "/mnt/ckpt",
+                    "shared": {"dstack": {"volume": "ckpt-vol"}, "sky": {"bucket": "s3://ckpt-bucket/run"}}},
     "placement": {"spot": "auto", "retry": True, "max_duration": "72h", "fleets": ["gpu-fleet"],
                   "backends": ["aws", "gcp"], "regions": ["us-east-1"]},
     "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}},
@@ -182,3 +185,124 @@ def test_every_placement_option_passes_skypilot(tmp_path, monkeypatch):
     resources = list(task.resources)
     assert task.num_nodes == 4 and all(r.use_spot for r in resources)
     assert config["resources"]["ports"] == [8265] and config["resources"]["image_id"] == "docker:verlai/verl:latest"
+
+
+# --- shared checkpoints and shared memory ---------------------------------------------------
+
+def shared_task(shared: dict | None = None, nodes: int = 2, **extra) -> dict:
+    checkpoints = {"path": "/ckpt/run", **({"shared": shared} if shared is not None else {})}
+    return {"name": "shared", "nodes": nodes, "checkpoints": checkpoints,
+            "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}, **extra}
+
+
+def render_task(provider_name: str, data: dict) -> tuple[providers.Provider, object, dict[str, str]]:
+    from rlhf_tasks.spec import parse_task
+
+    provider = providers.get(provider_name)
+    plan = provider.plan(parse_task(data, "shared.yaml"))
+    return provider, plan, provider.render(plan)
+
+
+@pytest.mark.parametrize("shared,volume", [
+    ({"volume": "ckpt-vol"}, {"name": "ckpt-vol", "path": "/ckpt/run"}),
+    ({"host_path": "/mnt/nfs/run"}, {"instance_path": "/mnt/nfs/run", "path": "/ckpt/run"}),
+])
+def test_dstack_mounts_the_shared_checkpoint_storage(shared, volume):
+    parse = _dstack_parser()
+    provider, plan, files = render_task("dstack", shared_task({"dstack": shared}))
+    config = yaml.safe_load(files["shared.dstack.yml"])
+    assert config["volumes"] == [volume]
+    parse(config)
+    assert provider.shared_storage_warning(plan) is None
+
+
+@pytest.mark.parametrize("shared,key,value", [
+    ({"bucket": "s3://ckpt-bucket/run"}, "file_mounts", {"source": "s3://ckpt-bucket/run", "mode": "MOUNT_CACHED"}),
+    ({"bucket": "gs://ckpt-bucket", "mode": "MOUNT"}, "file_mounts", {"source": "gs://ckpt-bucket", "mode": "MOUNT"}),
+    ({"volume": "ckpt-vol"}, "volumes", "ckpt-vol"),
+])
+def test_skypilot_mounts_the_shared_checkpoint_storage(shared, key, value, tmp_path, monkeypatch):
+    sky, common_utils, schemas = _sky()
+    provider, plan, files = render_task("sky", shared_task({"sky": shared}))
+    config = yaml.safe_load(files["shared.sky.yaml"])
+    assert config[key]["/ckpt/run"] == value
+    assert "mkdir -p /ckpt/run" not in config["setup"]  # the mount point is the storage
+    common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+    monkeypatch.chdir(tmp_path)
+    sky.Task.from_yaml_config(copy.deepcopy(config))
+    assert provider.shared_storage_warning(plan) is None
+
+
+@pytest.mark.parametrize("provider_name,hint", [
+    ("dstack", "add checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"),
+    ("sky", "add checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}"),
+])
+def test_a_multi_node_resume_from_per_node_directories_is_warned(provider_name, hint):
+    provider, plan, files = render_task(provider_name, shared_task())
+    warning = provider.shared_storage_warning(plan)
+    assert warning.startswith("checkpoints /ckpt/run is a directory on each ") and hint in warning, warning
+    other = {"dstack": {"sky": {"volume": "v"}}, "sky": {"dstack": {"volume": "v"}}}[provider_name]
+    assert provider.shared_storage_warning(render_task(provider_name, shared_task(other))[1]) == warning
+    for quiet in (shared_task(nodes=1), {**shared_task(), "checkpoints": {"path": "/ckpt/run", "resume": "never"}}):
+        assert provider.shared_storage_warning(render_task(provider_name, quiet)[1]) is None
+    tiny = providers.get(provider_name)  # the demo as it stands: 3 nodes, resume auto, the provider's directory
+    assert tiny.shared_storage_warning(tiny.plan(load_task(ROOT / "tasks" / "tiny-grpo.yaml")))
+
+
+def test_skypilot_gives_shm_size_to_the_container_or_says_why_not(tmp_path, monkeypatch):
+    sky, common_utils, schemas = _sky()
+    _, _, files = render_task("sky", shared_task(image="verlai/verl:latest", resources={"shm_size": "64GiB"}))
+    config = yaml.safe_load(files["shared.sky.yaml"])
+    assert config["config"] == {"docker": {"run_options": [f"--shm-size={64 * 2**30}b"]}}
+    common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+    monkeypatch.chdir(tmp_path)
+    task = sky.Task.from_yaml_config(copy.deepcopy(config))
+    assert all(r.cluster_config_overrides == config["config"] for r in task.resources)
+
+    _, _, files = render_task("sky", shared_task(resources={"shm_size": "64GiB"}))
+    text = files["shared.sky.yaml"]
+    assert "config" not in yaml.safe_load(text)
+    assert "# resources.shm_size 64GiB is not applied: without an image SkyPilot runs on the VM" in text
+
+
+# --- the demo's code travels with the agent ---------------------------------------------------
+
+def test_the_demo_requirements_are_pyprojects_demo_extra():
+    import tomllib
+
+    from rlhf_tasks.recipes.tiny_grpo import REQUIREMENTS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert REQUIREMENTS == extras["demo"]
+
+
+@pytest.mark.parametrize("provider_name", ["dstack", "sky"])
+def test_the_demo_ships_its_code_and_imports_only_the_shipped_copy(provider_name, tmp_path):
+    import subprocess
+    import sys
+
+    files = rendered(provider_name, ROOT / "tasks" / "tiny-grpo.yaml")
+    lib = {name for name in files if name.startswith("rlhf-tasks/lib/")}
+    assert {"rlhf-tasks/lib/rlhf_tasks/__init__.py", "rlhf-tasks/lib/rlhf_tasks/demo/train.py"} <= lib
+    main = yaml.safe_load(files[next(iter(files))])
+    if provider_name == "dstack":
+        assert {f"{name}:/opt/{name}" for name in lib} <= set(main["files"])
+        command = main["commands"][-1]
+    else:
+        assert main["file_mounts"]["/opt/rlhf-tasks"] == "rlhf-tasks"  # the whole directory, lib/ included
+        command = main["run"]
+    assert command.startswith("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} "
+                              "python3 /opt/rlhf-tasks/node.py")
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    # From a directory outside the checkout, with only the shipped lib/ on the path: every
+    # rlhf_tasks module the demo imports comes from there (this venv's own install is a fallback only).
+    probe = ("import sys, rlhf_tasks.demo.prepare, rlhf_tasks.demo.reward_server, rlhf_tasks.demo.train; "
+             "print('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('rlhf_tasks')))")
+    lib_dir = tmp_path / "rlhf-tasks" / "lib"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(lib_dir)}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.split()
+    assert len(loaded) == 5 and all(path.startswith(f"{lib_dir}/") for path in loaded), loaded

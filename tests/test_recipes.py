@@ -119,6 +119,48 @@ CASES = [
 ]
 
 
+#: The task fields each failing case names first (the arguments in its arithmetic).
+FIELDS = {
+    "no-gpus": "resources.gpus",
+    "actor-gpus-needed": "job.args.actor_gpus, job.args.colocate",
+    "whole-nodes": "job.args.actor_gpus",
+    "actor-ref-colocated": "job.args.ref_gpus, job.args.actor_gpus, job.args.colocate",
+    "critic-reward-colocated": "job.args.reward_gpus, job.args.critic_gpus, job.args.colocate",
+    "colocate-all-same-gpus": "job.args.critic_gpus, job.args.actor_gpus, job.args.colocate",
+    "engines-fill-actor": "job.args.vllm_engines, job.args.vllm_tensor_parallel_size, job.args.actor_gpus",
+    "tp-divides-node": "job.args.vllm_tensor_parallel_size",
+    "total-gpus": "job.args.actor_gpus, job.args.ref_gpus, job.args.critic_gpus, job.args.reward_gpus, "
+                  "job.args.vllm_engines, job.args.vllm_tensor_parallel_size",
+    "room-for-vllm": "job.args.actor_gpus, job.args.critic_gpus, job.args.vllm_engines",
+    "group-needs-samples": "job.args.n_samples_per_prompt, job.args.estimator",
+    "sleep-needs-colocate-all": "job.args.sleep, job.args.colocate",
+    "packing-needs-vllm": "job.args.packing_samples, job.args.vllm_engines",
+    "micro-batches-per-actor": "job.args.n_samples_per_prompt, job.args.rollout_batch_size, "
+                               "job.args.micro_rollout_batch_size, job.args.actor_gpus",
+    "legacy-rollout-divisible": "job.args.rollout_batch_size, job.args.actor_gpus",
+    "legacy-zero3-needs-vllm": "job.args.zero_stage, job.args.vllm_engines",
+    "legacy-actor-engines-divide": "job.args.vllm_engines, job.args.actor_gpus",
+    "legacy-actor-critic-divide": "job.args.critic_gpus, job.args.actor_gpus",
+    "openrlhf-checkpoints": "checkpoints.path",
+    "openrlhf-m-whole-nodes": "job.args.actor_gpus",
+    "openrlhf-m-legacy-divisible": "job.args.rollout_batch_size, job.args.actor_gpus",
+    "verl-gpus": "resources.gpus",
+    "verl-checkpoints": "checkpoints.path",
+    "verl-batch-divisible": "job.args.train_batch_size, job.args.rollout_n",
+    "verl-mini-batch": "job.args.ppo_mini_batch_size, job.args.train_batch_size",
+    "verl-mini-batch-divisible": "job.args.ppo_mini_batch_size, job.args.rollout_n",
+    "verl-tp-divides-node": "job.args.rollout_tensor_parallel_size",
+    "verl-grpo-needs-n": "job.args.rollout_n, job.args.estimator",
+    "verl-owned-override": "job.args.extra_overrides",
+    "verl-data": "job.args.dataset, job.args.train_files, job.args.val_files",
+    "search-r1-resume": "checkpoints.resume",
+    "search-r1-grpo-needs-n": "job.args.n_agent, job.args.estimator",
+    "search-r1-batch-divisible": "job.args.train_batch_size, job.args.n_agent",
+    "search-r1-split-per-gpu": "job.args.critic_micro_batch_size",
+    "search-r1-tp-divides-node": "job.args.rollout_tensor_parallel_size",
+}
+
+
 def build_case(recipe: str, config: dict):
     shape = {k: v for k, v in config.items() if k in SHAPE_KEYS}
     args = {k: v for k, v in config.items() if k not in SHAPE_KEYS}
@@ -127,12 +169,27 @@ def build_case(recipe: str, config: dict):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_allocation_check_passes_then_fails_with_the_arithmetic(case):
-    _, recipe, passing, change, message = case
+    case_id, recipe, passing, change, message = case
     assert build_case(recipe, passing).entrypoint[0] == "python3"
     with pytest.raises(BadInput) as info:
         build_case(recipe, {**passing, **change})
     text = str(info.value)
-    assert text.startswith("infeasible allocation:") and message in text and "\n  suggestion: " in text, text
+    assert text.startswith(f"{FIELDS[case_id]}: infeasible allocation:"), text
+    assert message in text and "\n  suggestion: " in text, text
+    # Every argument named exists in the recipe (OpenRLHF-M is built on openrlhf-ppo's checks).
+    args_model = MODELS[recipe].model_fields["args"].annotation
+    named = [f.removeprefix("job.args.") for f in FIELDS[case_id].split(", ") if f.startswith("job.args.")]
+    assert set(named) <= set(args_model.model_fields), named
+
+
+def test_infeasible_allocation_names_the_task_file_and_the_argument(tmp_path, capsys, rlhf_home):
+    bad = tmp_path / "verl.yaml"
+    bad.write_text(TASKS["verl-ppo-gsm8k"].read_text().replace("rollout_tensor_parallel_size: 2",
+                                                                "rollout_tensor_parallel_size: 3"))
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{bad}: job.args.rollout_tensor_parallel_size: infeasible allocation: rollout tensor parallel size 3 "
+            "does not divide 8 GPUs per node") in err, err
 
 
 def test_infeasible_task_exits_2_before_anything(tmp_path, capsys, rlhf_home):

@@ -86,3 +86,23 @@ def test_schema_is_exported_and_describes_recipes(capsys):
     text = json.dumps(schema)
     assert "tiny-grpo" in text and "additionalProperties" in text
     assert set(schema["required"]) == {"name", "nodes", "job"}
+
+
+def test_unquoted_scalars_where_text_belongs_say_how_to_quote_them():
+    data = {"name": "x", "nodes": 1, "env": {"DEBUG": True, "RATIO": 0.5, "EMPTY": None},
+            "services": [{"name": "a", "command": "c", "env": {"PORT": 8000}}],
+            "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    with pytest.raises(BadInput) as info:
+        parse_task(data, "t.yaml")
+    lines = str(info.value).splitlines()[1:]
+    assert lines == ['  env.DEBUG: true is a boolean; write it as "true"',
+                     '  env.RATIO: 0.5 is a number; write it as "0.5"',
+                     '  env.EMPTY: no value; write one in quotes (e.g. "")',
+                     '  services[0].env.PORT: 8000 is a number; write it as "8000"'], lines
+
+
+def test_a_missing_recipe_lists_the_recipes():
+    with pytest.raises(BadInput) as info:
+        parse_task({"name": "x", "nodes": 1, "job": {"args": {}}}, "t.yaml")
+    assert "  job.recipe: missing (choose one of: command, openrlhf-m-grpo, openrlhf-ppo, search-r1, tiny-grpo, " \
+           "verl-ppo)" in str(info.value)

@@ -83,6 +83,11 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    def shared_storage_warning(self, plan: Plan) -> str | None:
+        """Why a multi-node task's checkpoints would be seen by one node only here, if so
+        (the CLI prints it at `check` and `render`); pure."""
+        return None
+
     def plan(self, task: Task) -> Plan:
         """The plan this provider's nodes run."""
         try:

@@ -5,19 +5,43 @@ DSTACK_MASTER_NODE_IP and DSTACK_NODES_NUM; the node agent reads them. Only job 
 ports are forwarded by `dstack apply`, which is the head: its dashboard port is the
 one port we expose. Secrets and the Ray token are listed as bare names, which the
 dstack CLI fills from the local environment at apply time.
+
+Checkpoints go to a directory on each host (`instance_path`) unless the task names shared
+storage in `checkpoints.shared.dstack`: a network volume, or a host directory the user
+declares shared (an NFS mount on every fleet host).
 """
 
 from __future__ import annotations
 
 import subprocess
 
+from pydantic import Field, field_validator, model_validator
+
 from .. import state
 from ..errors import StepFailed
+from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
+from ..spec import Task
 from .base import Cluster, Provider, require_cli
-from .shipping import agent_command, dump_yaml, node_path, shipped_files
+from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
+
+
+class DstackShared(StrictModel):
+    """`checkpoints.shared.dstack`: storage every node mounts at checkpoints.path."""
+
+    volume: str | None = Field(None, description="a dstack network volume that every node can mount at once")
+    host_path: str | None = Field(None, description="a directory on every fleet host that is the same storage "
+                                  "on all of them (e.g. an NFS mount): you declare it shared")
+
+    _absolute = field_validator("host_path")(classmethod(lambda cls, v: require_absolute(v, "it is a host path")))
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.volume is None) == (self.host_path is None):
+            raise ValueError("give exactly one of volume: NAME or host_path: /PATH")
+        return self
 
 
 class DstackProvider(Provider):
@@ -30,6 +54,18 @@ class DstackProvider(Provider):
         cluster_id=env("DSTACK_RUN_NAME"),
         gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
     )
+
+    def check(self, task: Task) -> None:
+        shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name)
+
+    def shared_storage_warning(self, plan: Plan) -> str | None:
+        """A line for `check` and `render` when a multi-node run resumes from per-host directories."""
+        if plan.nodes < 2 or not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+            return None
+        return (f"checkpoints {plan.checkpoint_dir} is a directory on each dstack host (instance_path): "
+                f"the {plan.nodes} nodes do not share it, and a resumed run may land on other hosts; add "
+                f"checkpoints.shared.dstack: {{volume: NAME}} or {{host_path: /PATH}} (a directory every fleet "
+                f"host mounts, e.g. NFS)")
 
     def task_config(self, plan: Plan, files: dict[str, str]) -> dict:
         res, placement = plan.resources, plan.placement
@@ -53,8 +89,11 @@ class DstackProvider(Provider):
         config["resources"] = resources
         ckpt = plan.checkpoint_dir
         if ckpt:
-            volume = plan.checkpoint_volume
-            config["volumes"] = [{"name": volume, "path": ckpt} if volume else {"instance_path": ckpt, "path": ckpt}]
+            shared = shared_entry(DstackShared, plan.checkpoint_shared, self.name)
+            if shared and shared.volume:
+                config["volumes"] = [{"name": shared.volume, "path": ckpt}]
+            else:
+                config["volumes"] = [{"instance_path": shared.host_path if shared else ckpt, "path": ckpt}]
         config["startup_order"] = "master-first"
         config["stop_criteria"] = "master-done"
         config["spot_policy"] = SPOT[placement.spot]

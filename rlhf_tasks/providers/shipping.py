@@ -1,18 +1,24 @@
 """What every remote provider ships to its nodes: the node agent and the plan, under
-one directory on the node, and the command line that starts the agent there."""
+one directory on the node, the packages of rlhf_tasks the recipe's commands import (the
+demo's code) below it, and the command line that starts the agent there."""
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
+from ..errors import BadInput
 from ..plan import Plan
 
 #: Beside the rendered file on the user's machine, and on every node.
 LOCAL_DIR = "rlhf-tasks"
 NODE_DIR = "/opt/rlhf-tasks"
+#: Where shipped packages go (on PYTHONPATH of the agent and everything it starts).
+LIB = "lib"
 
 
 def agent_source() -> str:
@@ -20,18 +26,62 @@ def agent_source() -> str:
     return (Path(__file__).resolve().parent.parent / "node.py").read_text()
 
 
+def module_files(modules: list[str]) -> dict[str, str]:
+    """Path below lib/ -> source, for each package (with the __init__ of its parents), so
+    `import rlhf_tasks.demo.train` works on a node that has lib/ on its path and nothing else."""
+    files: dict[str, str] = {}
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"cannot ship {module}: not found")
+        top = Path(importlib.util.find_spec(module.split(".")[0]).origin).parent  # e.g. .../rlhf_tasks
+        root = top.parent
+        parents = module.split(".")[:-1]
+        sources = [top.joinpath(*parents[1:i + 1], "__init__.py") for i in range(len(parents))]
+        if spec.submodule_search_locations:  # a package: every module in it
+            package = Path(spec.origin).parent
+            sources += sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+        else:
+            sources.append(Path(spec.origin))
+        for source in sources:
+            files[source.relative_to(root).as_posix()] = source.read_text()
+    return files
+
+
 def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    return {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source()}
+    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source()}
+    files.update({f"{LOCAL_DIR}/{LIB}/{path}": text for path, text in module_files(plan.modules).items()})
+    return files
 
 
 def node_path(local: str) -> str:
-    return f"{NODE_DIR}/{Path(local).name}"
+    """Where a shipped file lands on the node: `rlhf-tasks/lib/x/y.py` -> `/opt/rlhf-tasks/lib/x/y.py`."""
+    prefix = f"{LOCAL_DIR}/"
+    return f"{NODE_DIR}/{local[len(prefix):] if local.startswith(prefix) else Path(local).name}"
 
 
 def agent_command(plan: Plan) -> str:
-    return shlex.join(["python3", f"{NODE_DIR}/node.py", "--plan", node_path(f"{plan.name}.plan.json"),
-                       "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
+    """The agent's command line. With shipped packages, their directory goes first on
+    PYTHONPATH (kept from the image otherwise): the agent, Ray and the job inherit it."""
+    command = shlex.join(["python3", f"{NODE_DIR}/node.py", "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
+                          "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
+    if plan.modules:
+        command = f"PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
+    return command
+
+
+def shared_entry(model: type[BaseModel], entry: dict | None, provider: str):
+    """A provider's `checkpoints.shared` entry read with that provider's model (None when the
+    task has none); BadInput naming the field, e.g. `checkpoints.shared.sky.bucket`."""
+    if entry is None:
+        return None
+    try:
+        return model.model_validate(entry)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in ("checkpoints", "shared", provider, *err["loc"]))
+        raise BadInput(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 class _Dumper(yaml.SafeDumper):

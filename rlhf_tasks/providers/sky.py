@@ -6,20 +6,30 @@ SkyPilot runs its own Ray on every node (GCS 6380, dashboard 8266, dashboard age
 task's setup commands; `run` starts the node agent, which reads SKYPILOT_NODE_RANK,
 SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES. Secrets and the Ray token are `secrets:` with
 null values, filled by `sky launch --secret NAME` from the local environment.
+
+Checkpoints go to a directory on each node unless the task names shared storage in
+`checkpoints.shared.sky`: a bucket mounted at the path, or a SkyPilot volume. The
+shared-memory size reaches the container as `docker run --shm-size` when the task has an
+image; a VM without one keeps its own /dev/shm (the rendered file says so).
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from .. import state
 from ..errors import BadInput, StepFailed
-from ..models import size_bytes
+from ..models import StrictModel, size_bytes
 from ..node import probe_tcp
 from ..plan import Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Option, Provider, require_cli
-from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shipped_files
+from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
 RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
@@ -27,6 +37,32 @@ RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 
 AGENT_LISTEN_PORT = 52366
 #: Where `sky` starts its local API server by default.
 API_SERVER_PORT = 46580
+
+
+class SkyShared(StrictModel):
+    """`checkpoints.shared.sky`: storage every node mounts at checkpoints.path."""
+
+    bucket: str | None = Field(None, description="an existing bucket (s3://BUCKET/PREFIX, gs://, r2://...) "
+                               "mounted there")
+    mode: Literal["MOUNT_CACHED", "MOUNT"] = Field(
+        "MOUNT_CACHED", description="MOUNT_CACHED: writes go to a local cache and upload in the background (any "
+        "write pattern); MOUNT: written through to the bucket (no appends or random writes)")
+    volume: str | None = Field(None, description="a SkyPilot volume (sky volumes apply) several nodes can mount")
+
+    @field_validator("bucket")
+    @classmethod
+    def _url(cls, value):
+        if value is not None and not re.match(r"^[a-z0-9]+://[^/\s]+(/\S*)?$", value):
+            raise ValueError(f"{value!r} is not a bucket URL (s3://BUCKET/PREFIX, gs://BUCKET, r2://BUCKET...)")
+        return value
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.bucket is None) == (self.volume is None):
+            raise ValueError("give exactly one of bucket: URL or volume: NAME")
+        if self.volume is not None and "mode" in self.model_fields_set:
+            raise ValueError("mode is for a bucket")
+        return self
 
 
 class SkyProvider(Provider):
@@ -49,9 +85,18 @@ class SkyProvider(Provider):
             if port in RESERVED_PORTS:
                 raise BadInput(f"ray.{field}: {port} is used by {RESERVED_PORTS[port]} on every SkyPilot node; "
                                f"choose another")
+        shared_entry(SkyShared, task.checkpoints.shared.get(self.name), self.name)
         if self.chosen["managed"] and task.job.submit != "head":
             raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
                            "since SkyPilot relaunches the whole task on recovery")
+
+    def shared_storage_warning(self, plan: Plan) -> str | None:
+        """A line for `check` and `render` when a multi-node run resumes from per-node directories."""
+        if plan.nodes < 2 or not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+            return None
+        return (f"checkpoints {plan.checkpoint_dir} is a directory on each SkyPilot node: the "
+                f"{plan.nodes} nodes do not share it, and a relaunched cluster starts without it; add "
+                f"checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}} or {{volume: NAME}}")
 
     def task_config(self, plan: Plan) -> dict:
         res, placement = plan.resources, plan.placement
@@ -84,8 +129,17 @@ class SkyProvider(Provider):
             config["secrets"] = {name: None for name in secrets}
         config["file_mounts"] = {NODE_DIR: LOCAL_DIR}
         setup = ["set -e"] + list(plan.setup)
-        if plan.checkpoint_dir:
-            setup.append(f"mkdir -p {plan.checkpoint_dir}")
+        shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
+        if plan.checkpoint_dir and shared and shared.bucket:
+            config["file_mounts"][plan.checkpoint_dir] = {"source": shared.bucket, "mode": shared.mode}
+        elif plan.checkpoint_dir and shared:
+            config["volumes"] = {plan.checkpoint_dir: shared.volume}
+        elif plan.checkpoint_dir:  # SkyPilot's VMs run as a user that needs sudo outside its home
+            ckpt = shlex.quote(plan.checkpoint_dir)
+            setup.append(f"mkdir -p {ckpt} 2>/dev/null || "
+                         f"{{ sudo mkdir -p {ckpt} && sudo chown \"$(id -u):$(id -g)\" {ckpt}; }}")
+        if res.shm_size and plan.image:  # SkyPilot's own --shm-size guess is skipped when one is given
+            config["config"] = {"docker": {"run_options": [f"--shm-size={size_bytes(res.shm_size)}b"]}}
         config["setup"] = "\n".join(setup) + "\n"
         config["run"] = agent_command(plan) + "\n"
         return config
@@ -95,6 +149,10 @@ class SkyProvider(Provider):
         header = (f"# Rendered by rlhf-tasks for SkyPilot. From this directory:\n"
                   f"#   sky launch -c {plan.name} {plan.name}.sky.yaml {names}\n"
                   f"# or as a managed job: sky jobs launch {plan.name}.sky.yaml {names}\n")
+        if plan.resources.shm_size and not plan.image:
+            header += (f"# resources.shm_size {plan.resources.shm_size} is not applied: without an image SkyPilot runs "
+                       f"on the VM, whose /dev/shm SkyPilot does not size (give the task an image to get a container "
+                       f"with --shm-size)\n")
         return {f"{plan.name}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:

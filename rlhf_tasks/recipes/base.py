@@ -33,6 +33,11 @@ class RecipeOutput:
     prepare: list[str] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: Commands for every node before Ray starts, after the task's own setup (installs what is missing).
+    setup: list[str] = field(default_factory=list)
+    #: Packages of rlhf_tasks these commands import on the nodes (`rlhf_tasks.demo`): providers
+    #: that ship the node agent ship them beside it.
+    modules: list[str] = field(default_factory=list)
     excludes: list[str] = field(default_factory=list)
     wandb_args: list[str] = field(default_factory=list)
     summary: dict | None = None
@@ -57,9 +62,26 @@ class JobBase(StrictModel):
         raise NotImplementedError
 
 
-def infeasible(message: str, suggestion: str = "") -> BadInput:
-    """An allocation that cannot work: the arithmetic, and what to change."""
-    text = f"infeasible allocation: {message}"
-    if suggestion:
-        text += f"\n  suggestion: {suggestion}"
-    return BadInput(text)
+class Infeasible(BadInput):
+    """An allocation that cannot work: the task fields involved, the arithmetic, and what to change."""
+
+    def __init__(self, message: str, suggestion: str = "", args: tuple[str, ...] = (), fields: tuple[str, ...] = ()):
+        self.message, self.suggestion, self.args_involved, self.fields = message, suggestion, tuple(args), tuple(fields)
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = ", ".join([f"job.args.{name}" for name in self.args_involved] + list(self.fields))
+        text = f"{where + ': ' if where else ''}infeasible allocation: {self.message}"
+        return text + (f"\n  suggestion: {self.suggestion}" if self.suggestion else "")
+
+    def only_args(self, names) -> "Infeasible":
+        """The same error naming only the arguments that exist in `names` (for a recipe built on another's)."""
+        kept = tuple(name for name in self.args_involved if name in names)
+        return Infeasible(self.message, self.suggestion, kept, self.fields)
+
+
+def infeasible(message: str, suggestion: str = "", args: tuple[str, ...] = (),
+               fields: tuple[str, ...] = ()) -> Infeasible:
+    """An allocation that cannot work. `args` are the recipe arguments in its arithmetic (named
+    `job.args.NAME` in the error), `fields` other task fields (`resources.gpus`)."""
+    return Infeasible(message, suggestion, args, fields)

@@ -200,7 +200,7 @@ def _whole_nodes(role: str, gpus: int, per_node: int) -> tuple[int, int]:
     if gpus % per_node:
         raise infeasible(f"{role} needs {gpus} GPUs: more than one node's {per_node} and not whole nodes "
                          f"({gpus} = {gpus // per_node} x {per_node} + {gpus % per_node})",
-                         f"give the {role} at most {per_node} GPUs or a multiple of {per_node}")
+                         f"give the {role} at most {per_node} GPUs or a multiple of {per_node}", args=(f"{role}_gpus",))
     return gpus // per_node, per_node
 
 
@@ -208,11 +208,12 @@ def _allocate(a: OpenRLHFArgs, shape: Shape) -> tuple[dict[str, int], int]:
     """GPUs per role and the vLLM engine count, checked against the cluster."""
     per_node, total = shape.gpus_per_node, shape.nodes * shape.gpus_per_node
     if per_node == 0:
-        raise infeasible("OpenRLHF trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8")
+        raise infeasible("OpenRLHF trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8",
+                         fields=("resources.gpus",))
     actor = a.actor_gpus or (total if a.colocate == "all" else None)
     if actor is None:
         raise infeasible(f"colocate: {a.colocate} needs actor_gpus", "set actor_gpus (and critic_gpus for gae), "
-                         "or colocate: all to give every model all GPUs")
+                         "or colocate: all to give every model all GPUs", args=("actor_gpus", "colocate"))
     roles = {"actor": actor}
     if a.init_kl_coef > 0:
         roles["ref"] = a.ref_gpus or actor
@@ -236,10 +237,11 @@ def _allocate(a: OpenRLHFArgs, shape: Shape) -> tuple[dict[str, int], int]:
         if first in roles and second in roles and roles[first] != roles[second]:
             raise infeasible(f"{first} ({roles[first]} GPUs) and {second} ({roles[second]} GPUs) are colocated, "
                              "so they must have the same GPUs", f"set {second}_gpus to {roles[first]}, "
-                             "or colocate: none")
+                             "or colocate: none", args=(f"{second}_gpus", f"{first}_gpus", "colocate"))
     sharing = {second for first, second in colocated if first in roles}
     groups = {role: gpus for role, gpus in roles.items() if role not in sharing}
     used, label = sum(groups.values()), " + ".join(f"{role} {gpus}" for role, gpus in groups.items())
+    role_args = tuple(f"{role}_gpus" for role in groups)
 
     tp = a.vllm_tensor_parallel_size
     engines = a.vllm_engines
@@ -250,22 +252,26 @@ def _allocate(a: OpenRLHFArgs, shape: Shape) -> tuple[dict[str, int], int]:
         if engines * tp != actor:
             raise infeasible(f"with colocate all the vLLM engines must fill the actor's GPUs exactly: "
                              f"{engines} engines x TP {tp} = {engines * tp} != actor {actor}",
-                             f"set vllm_engines to {max(actor // tp, 1)} and actor_gpus to a multiple of {tp}")
+                             f"set vllm_engines to {max(actor // tp, 1)} and actor_gpus to a multiple of {tp}",
+                             args=("vllm_engines", "vllm_tensor_parallel_size", "actor_gpus"))
     else:
         engines = max(total - used, 0) // tp if engines is None else engines
         if engines == 0 and a.vllm_engines is None:
             raise infeasible(f"no GPUs left for vLLM: {label} = {used} of {shape.nodes} nodes x {per_node} GPUs",
-                             "give the roles fewer GPUs, colocate: all, or vllm_engines: 0 to generate without vLLM")
+                             "give the roles fewer GPUs, colocate: all, or vllm_engines: 0 to generate without vLLM",
+                             args=(*role_args, "vllm_engines"))
         used, label = used + engines * tp, f"{label} + vLLM {engines} x TP {tp}"
     if engines and per_node % tp:
         # get_bundle_indices (openrlhf/trainer/ray/utils.py) hands each engine its bundles node by
         # node: an engine whose TP group does not divide a node straddles two nodes.
         raise infeasible(f"vLLM tensor parallel size {tp} does not divide {per_node} GPUs per node",
-                         f"use a vllm_tensor_parallel_size that divides {per_node}")
+                         f"use a vllm_tensor_parallel_size that divides {per_node}",
+                         args=("vllm_tensor_parallel_size",))
     if used > total:
         raise infeasible(f"the roles need {label} = {used} GPUs but the cluster has "
                          f"{shape.nodes} nodes x {per_node} GPUs = {total}",
-                         "give the roles fewer GPUs, colocate them (colocate: pairs or all), or add nodes")
+                         "give the roles fewer GPUs, colocate them (colocate: pairs or all), or add nodes",
+                         args=(*role_args, *(("vllm_engines", "vllm_tensor_parallel_size") if engines else ())))
     return roles, engines
 
 
@@ -274,13 +280,16 @@ def _check_training(a: OpenRLHFArgs, version: tuple[int, int, int], roles: dict[
     actor = roles["actor"]
     if a.estimator in GROUP_ESTIMATORS and a.n_samples_per_prompt < 2:
         raise infeasible(f"{a.estimator} compares samples of the same prompt but n_samples_per_prompt is "
-                         f"{a.n_samples_per_prompt}", "set n_samples_per_prompt to 2 or more (e.g. 8)")
+                         f"{a.n_samples_per_prompt}", "set n_samples_per_prompt to 2 or more (e.g. 8)",
+                         args=("n_samples_per_prompt", "estimator"))
     if a.sleep and a.colocate != "all":
         # __main__: "Set args.vllm_enable_sleep to False when args.colocate_all_models is disabled."
-        raise infeasible("sleep modes only work when every model shares the GPUs", "set colocate: all, or sleep: false")
+        raise infeasible("sleep modes only work when every model shares the GPUs", "set colocate: all, or sleep: false",
+                         args=("sleep", "colocate"))
     if a.packing_samples and engines == 0:
         raise infeasible("packing_samples needs vLLM engines (\"Only support `--packing_samples` with vLLM.\")",
-                         "set vllm_engines above 0, or packing_samples: false")
+                         "set vllm_engines above 0, or packing_samples: false",
+                         args=("packing_samples", "vllm_engines"))
     # __main__ (0.8.0+): "The number of sample batches must be greater than or equal to the
     # effective number of actor processes."
     batches = a.n_samples_per_prompt * a.rollout_batch_size // a.micro_rollout_batch_size
@@ -288,26 +297,29 @@ def _check_training(a: OpenRLHFArgs, version: tuple[int, int, int], roles: dict[
         raise infeasible(f"n_samples_per_prompt x rollout_batch_size / micro_rollout_batch_size = "
                          f"{a.n_samples_per_prompt} x {a.rollout_batch_size} / {a.micro_rollout_batch_size} = "
                          f"{batches} micro-batches for {actor} actor GPUs", "raise rollout_batch_size or lower "
-                         "micro_rollout_batch_size")
+                         "micro_rollout_batch_size",
+                         args=("n_samples_per_prompt", "rollout_batch_size", "micro_rollout_batch_size", "actor_gpus"))
     if version < (0, 7, 1):
         # _validate_args() of OpenRLHF <= 0.7.0, the base of OpenRLHF-M.
         if a.rollout_batch_size % actor:
             raise infeasible(f"rollout_batch_size {a.rollout_batch_size} is not divisible by the actor's {actor} "
-                             "GPUs", f"use a multiple of {actor}")
+                             "GPUs", f"use a multiple of {actor}", args=("rollout_batch_size", "actor_gpus"))
         if a.zero_stage == 3 and engines == 0:
-            raise infeasible("ZeRO-3 needs vLLM engines in OpenRLHF < 0.7.1", "set vllm_engines, or zero_stage: 2")
+            raise infeasible("ZeRO-3 needs vLLM engines in OpenRLHF < 0.7.1", "set vllm_engines, or zero_stage: 2",
+                             args=("zero_stage", "vllm_engines"))
         if engines and actor % engines and engines % actor:
             raise infeasible(f"the actor's {actor} GPUs and {engines} vLLM engines must divide one another",
-                             f"use a vllm_engines that divides {actor} or is a multiple of it")
+                             f"use a vllm_engines that divides {actor} or is a multiple of it",
+                             args=("vllm_engines", "actor_gpus"))
         if "critic" in roles and actor % roles["critic"]:
             raise infeasible(f"the actor's {actor} GPUs are not divisible by the critic's {roles['critic']}",
-                             f"give the critic a divisor of {actor} GPUs")
+                             f"give the critic a divisor of {actor} GPUs", args=("critic_gpus", "actor_gpus"))
 
 
 def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     """The train_ppo_ray command for this cluster, after every check."""
     if shape.checkpoint_dir is None:
-        raise infeasible("OpenRLHF needs a checkpoint directory", "set checkpoints.path")
+        raise infeasible("OpenRLHF needs a checkpoint directory", "set checkpoints.path", fields=("checkpoints.path",))
     version = parse_version(a.version)
     roles, engines = _allocate(a, shape)
     _check_training(a, version, roles, engines)
@@ -376,7 +388,7 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     clash = sorted({arg.split("=")[0] for arg in a.extra_args} & owned)
     if clash:
         raise infeasible(f"extra_args set {clash}, which the recipe sets from the task",
-                         "use the recipe's arguments (or the task's checkpoints) instead")
+                         "use the recipe's arguments (or the task's checkpoints) instead", args=("extra_args",))
 
     # The key stays in the environment (a secret on every node): OpenRLHF calls wandb.login(key=...)
     # only when wandb has no key yet, so any value turns logging on without writing the key down.

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, require_absolute
+from .base import Infeasible, JobBase, RecipeOutput, Service, Shape, StrictModel, require_absolute
 from .openrlhf import OpenRLHFArgs, openrlhf_command
 
 #: openrlhf/models/remote_rm/math_verifier.py: Flask on 0.0.0.0:5000 (fixed), POST /get_reward only.
@@ -82,7 +82,10 @@ class OpenRLHFMGrpoJob(JobBase):
             init_kl_coef=a.init_kl_coef, use_kl_loss=True, kl_estimator="k3", zero_stage=3,
             normalize_reward=True, save_steps=a.save_steps, save_hf=True, extra_args=a.extra_args,
         )
-        out = openrlhf_command(trainer, shape)
+        try:
+            out = openrlhf_command(trainer, shape)
+        except Infeasible as exc:  # name only the arguments this recipe has (it fixes colocate, vllm_engines...)
+            raise exc.only_args(OpenRLHFMGrpoArgs.model_fields) from None
         data, repo = shlex.quote(data_dir), shlex.quote(a.repo_dir)
         out.prepare = [f"test -f {data}/mathv60k_message.jsonl || python3 {repo}/examples/scripts/downloaders/"
                        f"download_mathv60k.py --root_dir {data}"]

@@ -84,21 +84,23 @@ class SearchR1Job(JobBase):
         a = self.args
         ckpt = shape.checkpoint_dir
         if ckpt is None:
-            raise infeasible("Search-R1 needs a checkpoint directory", "set checkpoints.path")
+            raise infeasible("Search-R1 needs a checkpoint directory", "set checkpoints.path",
+                             fields=("checkpoints.path",))
         if shape.resume:
             raise infeasible("Search-R1's trainer cannot resume: its verl fork has no resume_mode and starts from "
-                             "step 0 on every run", "set checkpoints.resume: never")
+                             "step 0 on every run", "set checkpoints.resume: never", fields=("checkpoints.resume",))
         if shape.gpus_per_node == 0:
-            raise infeasible("Search-R1 trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8")
+            raise infeasible("Search-R1 trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8",
+                             fields=("resources.gpus",))
         gpus = shape.nodes * shape.gpus_per_node
         if a.estimator == "grpo" and a.n_agent < 2:
             raise infeasible(f"grpo compares rollouts of the same prompt but n_agent is {a.n_agent}",
-                             "set n_agent to 2 or more (the guide uses 5)")
+                             "set n_agent to 2 or more (the guide uses 5)", args=("n_agent", "estimator"))
         # verl/trainer/ppo/ray_trainer.py (fork) _balance_batch splits the batch into equal
         # parts per GPU (get_seqlen_balanced_partitions with equal_size=True).
         check_divides(f"train_batch_size x n_agent = {a.train_batch_size} x {a.n_agent}",
                       a.train_batch_size * a.n_agent, gpus, f"use a train_batch_size that makes this a multiple "
-                      f"of {gpus}")
+                      f"of {gpus}", ("train_batch_size", "n_agent"))
         # verl/workers/fsdp_workers.py (fork): these global sizes are divided by the world size
         # (`//=`), so below the GPU count they become 0.
         sizes = {"ppo_mini_batch_size": a.ppo_mini_batch_size, "ppo_micro_batch_size": a.ppo_micro_batch_size,
@@ -108,12 +110,13 @@ class SearchR1Job(JobBase):
         for name, size in sizes.items():
             if size < gpus:
                 raise infeasible(f"{name} {size} is split over {gpus} GPUs: {size} // {gpus} = 0 per GPU",
-                                 f"set {name} to at least {gpus}")
+                                 f"set {name} to at least {gpus}", args=(name,))
         check_tensor_parallel(a.rollout_tensor_parallel_size, shape.gpus_per_node)
         clash = sorted(override_keys(a.extra_overrides) & OWNED)
         if clash:
             raise infeasible(f"extra_overrides set {clash}, which the recipe sets from the task",
-                             "use the task's nodes, resources, checkpoints and secrets instead")
+                             "use the task's nodes, resources, checkpoints and secrets instead",
+                             args=("extra_overrides",))
 
         index_dir = a.index_dir or f"{ckpt}/search-r1/index"
         data_dir = a.data_dir or f"{ckpt}/data/nq_search"

@@ -3,11 +3,22 @@ prepares data, a reward model server runs on the head, one trainer actor per nod
 
 from __future__ import annotations
 
+import shlex
 from typing import Literal
 
 from pydantic import Field
 
 from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
+
+
+#: pyproject.toml's `demo` extra (a test keeps them equal): installed on a node only when missing.
+REQUIREMENTS = ["ray[default]==2.60.0", "torch>=2.3,<=2.13.0", "numpy"]
+#: Their import names, looked up without importing them (importing torch takes seconds).
+IMPORTS = ["ray", "torch", "numpy"]
+_MISSING = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))"
+#: Every node: install the demo's third-party needs unless they are there (idempotent).
+SETUP = (shlex.join(["python3", "-c", _MISSING, *IMPORTS]) + " || "
+         + shlex.join(["python3", "-m", "pip", "install", *REQUIREMENTS]))
 
 
 class TinyGrpoArgs(StrictModel):
@@ -25,14 +36,16 @@ class TinyGrpoJob(JobBase):
     """Toy GRPO on CPU: PyTorch DDP over gloo across all nodes, remote reward server."""
 
     recipe_summary = "tiny GRPO on CPU across all nodes (the demo)"
-    recipe_needs = "torch (CPU) on every node; 1 CPU per node; no GPUs"
+    recipe_needs = ("python3 on every node (setup installs ray, torch and numpy where missing; the demo's code "
+                    "travels with the node agent); 1 CPU per node; no GPUs")
 
     recipe: Literal["tiny-grpo"]
     args: TinyGrpoArgs = TinyGrpoArgs()
 
     def build(self, shape: Shape) -> RecipeOutput:
         if shape.checkpoint_dir is None:
-            raise infeasible("tiny-grpo needs a checkpoint directory", "set checkpoints.path")
+            raise infeasible("tiny-grpo needs a checkpoint directory", "set checkpoints.path",
+                             fields=("checkpoints.path",))
         a = self.args
         ckpt = shape.checkpoint_dir
         data = f"{ckpt}/data"
@@ -60,5 +73,7 @@ class TinyGrpoJob(JobBase):
                 "--lr", str(a.lr),
                 "--seed", str(a.seed),
             ],
+            setup=[SETUP],
+            modules=["rlhf_tasks.demo"],
             summary={"metrics": f"{ckpt}/metrics.jsonl"},
         )

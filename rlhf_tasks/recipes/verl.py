@@ -35,10 +35,10 @@ def override_keys(overrides: list[str]) -> set[str]:
     return {item.split("=")[0].lstrip("+~") for item in overrides}
 
 
-def check_divides(what: str, value: int, gpus: int, suggestion: str) -> None:
+def check_divides(what: str, value: int, gpus: int, suggestion: str, args: tuple[str, ...]) -> None:
     if value % gpus:
         raise infeasible(f"{what} = {value} is not divisible by the cluster's {gpus} GPUs "
-                         f"({value} % {gpus} = {value % gpus})", suggestion)
+                         f"({value} % {gpus} = {value % gpus})", suggestion, args=args)
 
 
 def check_tensor_parallel(tp: int, per_node: int) -> None:
@@ -48,7 +48,8 @@ def check_tensor_parallel(tp: int, per_node: int) -> None:
     # divisible by infer_world_size".
     if tp > per_node or per_node % tp:
         raise infeasible(f"rollout tensor parallel size {tp} does not divide {per_node} GPUs per node",
-                         f"use a rollout_tensor_parallel_size that divides {per_node}")
+                         f"use a rollout_tensor_parallel_size that divides {per_node}",
+                         args=("rollout_tensor_parallel_size",))
 
 
 class VerlPPOArgs(StrictModel):
@@ -105,32 +106,34 @@ class VerlPPOJob(JobBase):
         a = self.args
         ckpt = shape.checkpoint_dir
         if ckpt is None:
-            raise infeasible("verl needs a checkpoint directory", "set checkpoints.path")
+            raise infeasible("verl needs a checkpoint directory", "set checkpoints.path", fields=("checkpoints.path",))
         if shape.gpus_per_node == 0:
-            raise infeasible("verl trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8")
+            raise infeasible("verl trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8",
+                             fields=("resources.gpus",))
         gpus = shape.nodes * shape.gpus_per_node
         if a.estimator in GROUP_ESTIMATORS and a.rollout_n < 2:
             raise infeasible(f"{a.estimator} compares responses to the same prompt but rollout_n is {a.rollout_n}",
-                             "set rollout_n to 2 or more (e.g. 5)")
+                             "set rollout_n to 2 or more (e.g. 5)", args=("rollout_n", "estimator"))
         # verl/utils/config.py validate_config: "real_train_batch_size ... must be divisible by
         # minimal possible batch size" (the GPU count for FSDP).
         check_divides(f"train_batch_size x rollout_n = {a.train_batch_size} x {a.rollout_n}",
                       a.train_batch_size * a.rollout_n, gpus, f"use a train_batch_size that makes this a multiple "
-                      f"of {gpus}")
+                      f"of {gpus}", ("train_batch_size", "rollout_n"))
         # verl/workers/config/actor.py ActorConfig.validate: "train_batch_size must be >= ppo_mini_batch_size".
         if a.train_batch_size < a.ppo_mini_batch_size:
             raise infeasible(f"train_batch_size {a.train_batch_size} < ppo_mini_batch_size {a.ppo_mini_batch_size}",
-                             "lower ppo_mini_batch_size")
+                             "lower ppo_mini_batch_size", args=("ppo_mini_batch_size", "train_batch_size"))
         # verl/workers/engine_workers.py TrainingWorker.train_mini_batch: the mini-batch (times
         # rollout.n) is split evenly over the data-parallel ranks.
         check_divides(f"ppo_mini_batch_size x rollout_n = {a.ppo_mini_batch_size} x {a.rollout_n}",
                       a.ppo_mini_batch_size * a.rollout_n, gpus, f"use a ppo_mini_batch_size that makes this a "
-                      f"multiple of {gpus}")
+                      f"multiple of {gpus}", ("ppo_mini_batch_size", "rollout_n"))
         check_tensor_parallel(a.rollout_tensor_parallel_size, shape.gpus_per_node)
         clash = sorted(override_keys(a.extra_overrides) & OWNED)
         if clash:
             raise infeasible(f"extra_overrides set {clash}, which the recipe sets from the task",
-                             "use the task's nodes, resources, checkpoints and secrets instead")
+                             "use the task's nodes, resources, checkpoints and secrets instead",
+                             args=("extra_overrides",))
 
         prepare = []
         train, val = a.train_files, a.val_files
@@ -145,7 +148,8 @@ class VerlPPOJob(JobBase):
             ]
         if not (train and val):
             raise infeasible("no training data: dataset is null and train_files or val_files is missing",
-                             "set dataset (e.g. gsm8k) or both train_files and val_files")
+                             "set dataset (e.g. gsm8k) or both train_files and val_files",
+                             args=("dataset", "train_files", "val_files"))
 
         kl = a.kl or ("loss" if a.estimator in GROUP_ESTIMATORS else "none")
         overrides = [
