@@ -401,7 +401,11 @@ class TestbedRunner:
             self._overlay(index, f"{cluster.ip}/{cluster.prefix_len}")
         full_env = self.tb.env(**env, RUNPOD_PUBLIC_IP=host.ip)
         argv = container_argv(args, self.entrypoint, self.default_command)
-        proc = self.tb.run(index, argv, env=full_env, name=f"pod-{pod_id}", cwd="/tmp")
+        # its own working directory, as its own container would have (nsenter opens --wd
+        # before entering the host's mounts: a host-private /tmp would be the machine's)
+        workdir = self.tb.dir / "pods" / pod_id
+        workdir.mkdir(parents=True, exist_ok=True)
+        proc = self.tb.run(index, argv, env=full_env, name=f"pod-{pod_id}", cwd=workdir)
         return _HostPod(pod_id, index, proc)
 
     def _overlay(self, index: int, cidr: str) -> None:

@@ -56,16 +56,25 @@ def pod_body(name="rt-pod", **extra):
     return body
 
 
-def log_lines(client, pod_id, prefixes, n):
-    """The first ``n`` container log lines starting with one of ``prefixes`` (the pod may
-    run on: stop reading once they are there)."""
-    found = []
-    for item in client.pod_logs(pod_id, source="container"):
-        if item.line.startswith(prefixes):
-            found.append(item.line)
-            if len(found) == n:
-                return found
-    return found
+def log_lines(client, pod_id, prefixes, n, timeout=90.0):
+    """The first ``n`` container log lines starting with one of ``prefixes``: reading stops
+    once they are there (the pod may run on), when the pod ends, or at the deadline."""
+    stop = threading.Event()
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    found, seen = [], []
+    try:
+        for item in client.pod_logs(pod_id, source="container", stop=stop):
+            seen.append(item.line)
+            if item.line.startswith(prefixes):
+                found.append(item.line)
+                if len(found) == n:
+                    return found
+    finally:
+        timer.cancel()
+    tail = "\n".join(seen[-30:])
+    raise AssertionError(f"pod {pod_id}: {len(found)} of {n} lines starting with {prefixes!r} "
+                         f"{'by the deadline' if stop.is_set() else 'before it ended'}:\n{tail}")
 
 
 def wait_status(client, pod_id, status, timeout=15.0):
@@ -478,6 +487,7 @@ def test_global_networking_pods_reach_each_other_by_internal_name(testbed2):
     serve = ('mkdir -p /tmp/www && echo "$RUNPOD_POD_ID" > /tmp/www/id && cd /tmp/www && '
              'exec python3 -m http.server --bind "$RUNPOD_POD_ID.runpod.internal" 8000')
     fetch = r"""
+set -e
 python3 - <<'EOF'
 import os, time, urllib.request
 url = f"http://{os.environ['HEAD_POD_ID']}.runpod.internal:8000/id"
@@ -529,6 +539,7 @@ def test_instant_cluster_members_talk_over_ens1(testbed2):
     tb = testbed2
     runner = TestbedRunner(tb)
     script = r"""
+set -e
 ip -o -4 addr show dev ens1 | awk '{print "ens1 " $4}'
 python3 - <<'EOF'
 import os, socket, time
