@@ -607,6 +607,9 @@ class RunPodStandIn:
     def close(self) -> None:
         """Stop every pod still running, then the server."""
         self._closing.set()
+        for t in self._threads:
+            if t.name == "standin-driver":  # first: it may be starting a pod right now
+                t.join(60)
         with self._cond:
             self._cond.notify_all()
             handles = [p.handle for p in self.pods.values() if p.handle is not None]
@@ -659,6 +662,19 @@ class RunPodStandIn:
     def _error(self, message: str) -> None:
         with self._cond:
             self.errors.append(message)
+
+    def _injected(self) -> _Answer | None:
+        """The next injected 429 or 5xx, if any."""
+        with self._cond:
+            if self._rate_limited:
+                retry = self._rate_limited.pop(0)
+                window = retry if retry.isdigit() else "60"
+                return _Answer(429, "Too Many Requests", "rate limit exceeded for the minute window",
+                               headers={"Retry-After": retry,
+                                        "RateLimit": f'"minute";r=0;t={window}'})
+            if self._failures:
+                return _Answer(*self._failures.pop(0))
+        return None
 
     # ------------------------------------------------------------ driver
 
@@ -1184,13 +1200,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Answer(404, "Not Found", f"no route for {method} {split.path}")
             template, name, args = found
             self._check_auth()
-            if api._rate_limited:
-                retry = api._rate_limited.pop(0)
-                raise _Answer(429, "Too Many Requests", "rate limit exceeded for the minute window",
-                              headers={"Retry-After": retry,
-                                       "RateLimit": f'"minute";r=0;t={retry if retry.isdigit() else 60}'})
-            if api._failures:
-                raise _Answer(*api._failures.pop(0))
+            fault = api._injected()
+            if fault is not None:
+                raise fault
             ref = api.contract.request_ref(method, template)
             if ref is not None:
                 body = self._body(raw, ref)

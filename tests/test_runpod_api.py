@@ -146,8 +146,7 @@ def test_pod_lifecycle_create_get_list_terminate(standin, client):
     assert pod["ssh"]["direct"]["port"] == 22 and pod["ssh"]["proxy"]["host"] == "ssh.runpod.io"
     assert pod["runtime"]["ports"][0]["private"] == 22
     assert pod["startedAt"] and pod["actions"] == ["stop", "restart", "terminate"]
-    first = next(iter(client.pod_logs(pod_id, source="container")))
-    assert first.line == f"hi there from {pod_id} in EU-RO-1"
+    assert log_lines(client, pod_id, "hi", 1) == [f"hi there from {pod_id} in EU-RO-1"]
 
     other = client.create_pod(pod_body("rt-other"))
     assert [p["id"] for p in client.list_pods("rt-life-")] == [pod_id]
@@ -370,7 +369,8 @@ def test_the_api_key_never_appears_in_any_message(standin, tmp_path):
 
 def test_logs_stream_line_by_line_as_they_appear(standin, client, tmp_path):
     gate = tmp_path / "gate"
-    script = f"echo first; while [ ! -e {gate} ]; do sleep 0.05; done; echo second; exit 3"
+    script = (f"echo first; for i in $(seq 600); do [ -e {gate} ] && break; sleep 0.05; done; "
+              "echo second; exit 3")
     pod_id = client.create_pod(pod_body(args=b64_script_args(script)))["id"]
     got = []
     for item in client.pod_logs(pod_id, source="container"):
@@ -442,8 +442,7 @@ def test_instant_cluster_pods_carry_ranks_and_overlay_ips(standin, client):
 
     for p in pods:
         wait_status(client, p["id"], "RUNNING")
-    line = next(iter(client.pod_logs(pods[1]["id"], source="container"))).line
-    assert line == f"rank=1 of 2 primary={ips[0]}"
+    assert log_lines(client, pods[1]["id"], "rank=", 1) == [f"rank=1 of 2 primary={ips[0]}"]
     env = standin.runner.started[1]["env"]
     assert {k: env[k] for k in ("NODE_RANK", "NODE_ADDR", "PRIMARY_ADDR", "MASTER_ADDR",
                                 "NUM_NODES", "NUM_TRAINERS", "WORLD_SIZE", "PRIMARY_PORT")} == {

@@ -172,7 +172,7 @@ class RunPodClient:
             params["tail"] = tail
         path = f"/pods/{pod_id}/logs"
         shown = self._scrub(path)
-        lines: queue.Queue = queue.Queue(maxsize=10000)
+        lines: queue.Queue = queue.Queue()
         stopped = threading.Event()
         current: list[Any] = [None]  # the open response, so stop can cut its socket
 
