@@ -1,0 +1,474 @@
+"""A small client for RunPod's REST API v2 (https://api.runpod.io/v2; v1 was retired on 2026-11-15).
+
+Bodies and answers are plain dicts in RunPod's own shapes (the OpenAPI document's
+`CreatePodRequest`, `Pod`, `CreateClusterRequest`, `Cluster`, `DataCenter`, `GpuType`):
+the provider builds them, this module only moves them and turns failures into
+:class:`RunPodError` s that carry RunPod's problem+json `title`/`detail`.
+
+Transient failures are retried, bounded by attempts and a total deadline, and every
+wait is reported through ``progress``: 429 waits ``Retry-After``; 5xx and connection
+errors back off exponentially. A POST whose connection broke after it was sent is
+not repeated (it may have created a pod): the error says so.
+
+The API key is only ever put in the ``Authorization`` header. It is kept out of every
+exception, repr and progress message, even when RunPod echoes it back.
+
+``httpx`` is imported when the first request is made, so importing this module
+(and ``rlhf-tasks --help``) stays fast.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, NamedTuple
+
+DEFAULT_URL = "https://api.runpod.io/v2"
+ACTIONS = ("start", "stop", "restart", "terminate")
+
+Progress = Callable[[str], None]
+Pod = dict[str, Any]
+Cluster = dict[str, Any]
+
+
+class RunPodError(Exception):
+    """RunPod refused a request, or could not be reached. ``status`` is None when no
+    HTTP answer came; ``title``/``detail``/``errors`` are RunPod's problem+json fields."""
+
+    def __init__(self, status: int | None, title: str, detail: str, *, method: str = "",
+                 path: str = "", errors: list[str] | tuple[str, ...] = ()):
+        self.status, self.title, self.detail = status, title, detail
+        self.method, self.path, self.errors = method, path, list(errors)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f"RunPod API {self.method} {self.path}".rstrip()
+        code = f"{self.status} " if self.status is not None else ""
+        text = f"{where}: {code}{self.title}: {self.detail}"
+        if self.errors:
+            text += " [" + "; ".join(self.errors) + "]"
+        return text
+
+
+class RunPodAuthError(RunPodError):
+    """401/403: the key is missing, wrong or expired, or lacks access."""
+
+    def _message(self) -> str:
+        if self.status == 403:
+            why = "the RunPod API key lacks access to this resource or action"
+        else:
+            why = "the RunPod API key is missing, wrong or expired (set RUNPOD_API_KEY)"
+        code = f"{self.status} " if self.status is not None else ""
+        return f"RunPod API {self.method} {self.path}: {why} ({code}{self.title}: {self.detail})"
+
+
+class RunPodNotFound(RunPodError):
+    """404: no such pod or cluster (or not visible to this key)."""
+
+
+class RunPodUnavailable(RunPodError):
+    """Retries ran out (429, 5xx, connection errors) or a sent POST lost its answer."""
+
+
+class LogLine(NamedTuple):
+    """One line of a pod's log stream: ``source`` is "container" or "system"."""
+    source: str
+    line: str
+    ts: str
+
+
+_END = object()  # the log stream ended cleanly: the pod ended
+
+
+class RunPodClient:
+    """RunPod REST API v2. ``api_key`` comes from the caller (the CLI reads RUNPOD_API_KEY);
+    ``base_url`` defaults to ``$RUNPOD_API_URL`` or https://api.runpod.io/v2."""
+
+    def __init__(self, api_key: str | None, *, base_url: str | None = None,
+                 progress: Progress | None = None, max_attempts: int = 5,
+                 deadline: float = 300.0, backoff: float = 1.0, max_backoff: float = 30.0,
+                 timeout: float = 30.0):
+        self.base_url = (base_url or os.environ.get("RUNPOD_API_URL") or DEFAULT_URL).rstrip("/")
+        self._key = api_key or ""
+        if not self._key:
+            raise RunPodAuthError(None, "Unauthorized", "no API key given (RUNPOD_API_KEY is empty)")
+        self._progress = progress
+        self.max_attempts = max(1, max_attempts)
+        self.deadline = deadline
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.timeout = timeout
+        self._http = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "RunPodClient":
+        """Key from RUNPOD_API_KEY, URL from RUNPOD_API_URL."""
+        return cls(os.environ.get("RUNPOD_API_KEY"), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"RunPodClient({self.base_url!r})"
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def __enter__(self) -> "RunPodClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ pods
+
+    def create_pod(self, body: dict[str, Any]) -> Pod:
+        """POST /pods (CreatePodRequest) -> the new Pod, status PROVISIONING."""
+        return self._json("POST", "/pods", body=body, ok=(200, 201))
+
+    def get_pod(self, pod_id: str) -> Pod:
+        """GET /pods/{id}. A terminated pod answers status TERMINATED, or RunPodNotFound."""
+        return self._json("GET", f"/pods/{pod_id}")
+
+    def list_pods(self, name_prefix: str | None = None, *,
+                  include_cluster_pods: bool = False) -> list[Pod]:
+        """GET /pods, filtered here by name prefix (the API has no name filter).
+        Cluster members are left out unless ``include_cluster_pods``."""
+        params = {"includeClusterPods": "true"} if include_cluster_pods else None
+        pods = self._json("GET", "/pods", params=params)["pods"]
+        if name_prefix is not None:
+            pods = [p for p in pods if p.get("name", "").startswith(name_prefix)]
+        return pods
+
+    def pod_action(self, pod_id: str, action: str) -> Pod | None:
+        """POST /pods/{id}/action: start|stop|restart return the Pod; terminate returns None."""
+        if action not in ACTIONS:
+            raise ValueError(f"pod action must be one of {', '.join(ACTIONS)}, not {action!r}")
+        resp = self._request("POST", f"/pods/{pod_id}/action", body={"action": action},
+                             ok=(200, 204))
+        return None if resp.status_code == 204 or not resp.content else self._decode(resp)
+
+    def delete_pod(self, pod_id: str, *, missing_ok: bool = True) -> bool:
+        """DELETE /pods/{id}. False when it was already gone (and ``missing_ok``)."""
+        return self._delete(f"/pods/{pod_id}", missing_ok)
+
+    def pod_logs(self, pod_id: str, *, source: str | None = None, tail: int | None = None,
+                 stop: threading.Event | None = None) -> Iterator[LogLine]:
+        """Follow GET /pods/{id}/logs (Server-Sent Events) line by line.
+
+        Ends when RunPod closes the stream (the pod ended), when ``stop`` is set (from
+        any thread), or when the caller stops iterating. A dropped stream is resumed
+        from the last event id (``Last-Event-ID``), so no line is lost or repeated.
+        """
+        params: dict[str, Any] = {}
+        if source is not None:
+            params["source"] = source
+        if tail is not None:
+            params["tail"] = tail
+        path = f"/pods/{pod_id}/logs"
+        shown = self._scrub(path)
+        lines: queue.Queue = queue.Queue()
+        stopped = threading.Event()
+        current: list[Any] = [None]  # the open response, so stop can cut its socket
+
+        def read() -> None:
+            last_id = None
+            drops = 0
+            try:
+                while not stopped.is_set():
+                    headers = {"Accept": "text/event-stream"}
+                    if last_id is not None:
+                        headers["Last-Event-ID"] = last_id
+                    resp = self._request("GET", path, params=params, headers=headers, stream=True)
+                    current[0] = resp
+                    try:
+                        for event_id, data in _sse_events(resp.iter_lines()):
+                            if event_id is not None:
+                                last_id = event_id
+                            item = self._log_line(data, shown)
+                            if item is not None:
+                                lines.put(item)
+                                drops = 0
+                        lines.put(_END)
+                        return
+                    except Exception as exc:  # noqa: BLE001 - decide below: resume or give up
+                        if stopped.is_set():
+                            return
+                        import httpx
+
+                        if not isinstance(exc, httpx.TransportError):
+                            raise
+                        drops += 1
+                        if drops >= self.max_attempts:
+                            raise RunPodUnavailable(
+                                None, "Log stream lost", self._scrub(
+                                    f"{type(exc).__name__}: {exc} ({drops} times)"),
+                                method="GET", path=shown) from None
+                        wait = self._backoff(drops)
+                        self._say(f"RunPod: log stream {path} dropped "
+                                  f"({type(exc).__name__}); resuming in {wait:.1f}s")
+                        stopped.wait(wait)
+                    finally:
+                        resp.close()
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                lines.put(exc)
+
+        reader = threading.Thread(target=read, name=f"runpod-logs-{pod_id}", daemon=True)
+        reader.start()
+        try:
+            while True:
+                if stop is not None and stop.is_set():
+                    return
+                try:
+                    item = lines.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stopped.set()
+            _cut(current[0])
+
+    # -------------------------------------------------------------- clusters
+
+    def create_cluster(self, body: dict[str, Any]) -> Cluster:
+        """POST /clusters (CreateClusterRequest) -> the new Cluster."""
+        return self._json("POST", "/clusters", body=body, ok=(200, 201))
+
+    def get_cluster(self, cluster_id: str) -> Cluster:
+        return self._json("GET", f"/clusters/{cluster_id}")
+
+    def list_clusters(self) -> list[Cluster]:
+        return self._json("GET", "/clusters")["clusters"]
+
+    def cluster_pods(self, cluster_id: str) -> list[Pod]:
+        """GET /clusters/{id}/pods: full Pods, each with ``cluster: {id, rank, ip}``."""
+        return self._json("GET", f"/clusters/{cluster_id}/pods")["pods"]
+
+    def delete_cluster(self, cluster_id: str, *, missing_ok: bool = True) -> bool:
+        """DELETE /clusters/{id} (terminates every member pod)."""
+        return self._delete(f"/clusters/{cluster_id}", missing_ok)
+
+    # --------------------------------------------------------------- catalog
+
+    def datacenters(self, *, global_network: bool | None = None,
+                    gpu_availability: bool = False) -> list[dict[str, Any]]:
+        """GET /catalog/datacenters; ``global_network`` filters on the globalNetwork flag."""
+        params: dict[str, Any] = {}
+        if global_network is not None:
+            params["globalNetwork"] = "true" if global_network else "false"
+        if gpu_availability:
+            params["include"] = "GPU_AVAILABILITY"
+        return self._json("GET", "/catalog/datacenters", params=params)["dataCenters"]
+
+    def gpu_types(self, *, availability: bool = False, product: str = "POD",
+                  count: int | None = None, cloud: str | None = None) -> list[dict[str, Any]]:
+        """GET /catalog/gpus: prices and maxCount per cloud; with ``availability``, current
+        stock for ``product`` (POD or CLUSTER), ``count`` GPUs, on ``cloud``."""
+        params: dict[str, Any] = {}
+        if availability:
+            params.update(include="AVAILABILITY", product=product)
+            if count is not None:
+                params["count"] = count
+            if cloud is not None:
+                params["cloud"] = cloud
+        return self._json("GET", "/catalog/gpus", params=params)["gpus"]
+
+    # -------------------------------------------------------------- plumbing
+
+    def _client(self):
+        with self._lock:
+            if self._http is None:
+                import httpx
+
+                self._http = httpx.Client(
+                    timeout=httpx.Timeout(self.timeout, connect=min(10.0, self.timeout)),
+                    headers={"Accept": "application/json", "User-Agent": "rlhf-tasks"})
+            return self._http
+
+    def _json(self, method: str, path: str, *, body: Any = None,
+              params: dict[str, Any] | None = None, ok: tuple[int, ...] = (200,)) -> Any:
+        return self._decode(self._request(method, path, body=body, params=params, ok=ok))
+
+    def _delete(self, path: str, missing_ok: bool) -> bool:
+        try:
+            self._request("DELETE", path, ok=(200, 202, 204))
+        except RunPodNotFound:
+            if not missing_ok:
+                raise
+            return False
+        return True
+
+    def _decode(self, resp) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            path = self._scrub(str(resp.request.url)[len(self.base_url):])
+            raise RunPodError(resp.status_code, "Unreadable answer",
+                              self._scrub(f"expected JSON, got: {resp.text[:200]!r}"),
+                              method=resp.request.method, path=path) from None
+
+    def _request(self, method: str, path: str, *, body: Any = None,
+                 params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                 ok: tuple[int, ...] = (200,), stream: bool = False):
+        """Send with retries; return the response (status in ``ok``) or raise RunPodError."""
+        import httpx
+
+        client = self._client()
+        url = self.base_url + path
+        path = self._scrub(path)  # for messages (a caller could pass anything as an id)
+        hdrs = dict(headers or {})
+        hdrs["Authorization"] = f"Bearer {self._key}"
+        start = time.monotonic()
+        last: RunPodError | None = None
+        attempt = 0
+        for attempt in range(1, self.max_attempts + 1):
+            request = client.build_request(method, url, json=body,
+                                           params=params, headers=hdrs)
+            try:
+                resp = client.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                sent = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                what = self._scrub(f"{type(exc).__name__}: {exc}")
+                if method == "POST" and sent:
+                    raise RunPodUnavailable(
+                        None, "No answer", f"{what}; the request was sent and may have been "
+                        "applied: list before retrying", method=method, path=path) from None
+                last = RunPodUnavailable(None, "Unreachable", f"could not reach {self.base_url} "
+                                         f"({what})", method=method, path=path)
+                wait, why = self._backoff(attempt), "backing off"
+            else:
+                if resp.status_code in ok:
+                    return resp
+                if stream:
+                    resp.read()
+                last = self._error(resp, method, path)
+                if resp.status_code == 429 or resp.status_code >= 500:
+                    after = _retry_after(resp.headers.get("Retry-After"))
+                    if after is not None:
+                        wait, why = after, "Retry-After"
+                    else:
+                        wait, why = self._backoff(attempt), "backing off"
+                    resp.close()
+                else:
+                    resp.close()
+                    raise last
+            if attempt == self.max_attempts:
+                break
+            elapsed = time.monotonic() - start
+            if elapsed + wait > self.deadline:
+                raise self._gave_up(last, attempt, elapsed,
+                                    f"the next wait ({wait:.1f}s, {why}) would pass the "
+                                    f"{self.deadline:.0f}s deadline")
+            code = f"{last.status} {last.title}" if last.status is not None else last.title
+            self._say(f"RunPod: {method} {path}: {code}; retrying in {wait:.1f}s ({why}), "
+                      f"attempt {attempt + 1} of {self.max_attempts}")
+            time.sleep(wait)
+        raise self._gave_up(last, attempt, time.monotonic() - start,
+                            f"gave up after {attempt} attempts")
+
+    def _gave_up(self, last: RunPodError | None, attempts: int, elapsed: float,
+                 why: str) -> RunPodError:
+        assert last is not None
+        return RunPodUnavailable(last.status, last.title,
+                                 f"{last.detail} ({why}, {elapsed:.1f}s)", method=last.method,
+                                 path=last.path, errors=last.errors)
+
+    def _error(self, resp, method: str, path: str) -> RunPodError:
+        """RunPod's problem+json as an exception (any other body is summarised)."""
+        status = resp.status_code
+        title, detail, errors = resp.reason_phrase or "Error", "", []
+        try:
+            problem = resp.json()
+        except ValueError:
+            problem = None
+        if isinstance(problem, dict):
+            title = str(problem.get("title") or title)
+            detail = str(problem.get("detail") or "")
+            errors = [str(e) for e in problem.get("errors") or []]
+        else:
+            detail = resp.text[:300].strip()
+        title, detail = self._scrub(title), self._scrub(detail or "(no detail)")
+        errors = [self._scrub(e) for e in errors]
+        cls = (RunPodAuthError if status in (401, 403) else RunPodNotFound if status == 404
+               else RunPodError)
+        return cls(status, title, detail, method=method, path=path, errors=errors)
+
+    def _log_line(self, data: str, path: str) -> LogLine | None:
+        try:
+            event = json.loads(data)
+            return LogLine(str(event["source"]), str(event["line"]), str(event["ts"]))
+        except (ValueError, KeyError, TypeError):
+            self._say(self._scrub(f"RunPod: {path}: skipped an unreadable log event: {data[:200]!r}"))
+            return None
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(self._scrub(message))
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After as seconds: an integer, or an HTTP date (RFC 9110)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:
+    """(id, data) per Server-Sent Event (WHATWG: data lines joined, comments skipped)."""
+    data: list[str] = []
+    event_id = None
+    for line in lines:
+        if line == "":
+            if data:
+                yield event_id, "\n".join(data)
+            data, event_id = [], None
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if field == "data":
+            data.append(value)
+        elif field == "id":
+            event_id = value
+    if data:
+        yield event_id, "\n".join(data)
+
+
+def _cut(resp) -> None:
+    """Unblock a reader stuck in recv() on ``resp`` (closing alone does not), then close it."""
+    if resp is None:
+        return
+    try:
+        sock = resp.extensions["network_stream"].get_extra_info("socket")
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+    except Exception:  # noqa: BLE001 - best effort: the stream may be gone already
+        pass
+    try:
+        resp.close()
+    except Exception:  # noqa: BLE001
+        pass

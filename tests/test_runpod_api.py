@@ -1,0 +1,592 @@
+"""The RunPod REST API v2 boundary: our client (rlhf_tasks/providers/runpod/api.py) against
+the local stand-in (tests/runpod_standin.py), which checks every request and every answer
+against RunPod's own OpenAPI document. Fast tests run pods as local processes; the last
+two run them on testbed hosts (root): Global Networking by name, Instant Cluster on ens1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from email.utils import formatdate
+
+import pytest
+
+import testbed as tbmod
+from runpod_standin import (A40, H100, MI300X, Contract, ProcessRunner, RunPodStandIn,
+                            TestbedRunner, b64_script_args)
+from testbed import poll
+
+from rlhf_tasks.providers.runpod.api import (LogLine, RunPodAuthError, RunPodClient,
+                                             RunPodError, RunPodNotFound, RunPodUnavailable,
+                                             _retry_after, _sse_events)
+
+KEY = "rpa_TESTKEY_7f3c9e1d5b2a4c6e8f0a"  # distinctive: searched for in every message
+testbed2 = tbmod.make_testbed_fixture(2)
+
+
+@pytest.fixture
+def standin(tmp_path):
+    runner = ProcessRunner(tmp_path / "pods")
+    api = RunPodStandIn(runner, api_key=KEY).start()
+    yield api
+    api.close()
+    runner.close()
+    assert api.errors == [], "the stand-in broke RunPod's contract or crashed"
+
+
+@pytest.fixture
+def progress():
+    return []
+
+
+@pytest.fixture
+def client(standin, progress):
+    c = RunPodClient(KEY, base_url=standin.url, progress=progress.append, backoff=0.02,
+                     max_backoff=0.1)
+    yield c
+    c.close()
+
+
+def pod_body(name="rt-pod", **extra):
+    body = {"name": name, "image": "runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04",
+            "gpu": {"id": H100, "count": 2}, "cloud": "SECURE", "ports": ["22/tcp"],
+            "env": {"PYTHONUNBUFFERED": "1"}}
+    body.update(extra)
+    return body
+
+
+def log_lines(client, pod_id, prefixes, n, timeout=90.0):
+    """The first ``n`` container log lines starting with one of ``prefixes``: reading stops
+    once they are there (the pod may run on), when the pod ends, or at the deadline."""
+    stop = threading.Event()
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    found, seen = [], []
+    try:
+        for item in client.pod_logs(pod_id, source="container", stop=stop):
+            seen.append(item.line)
+            if item.line.startswith(prefixes):
+                found.append(item.line)
+                if len(found) == n:
+                    return found
+    finally:
+        timer.cancel()
+    tail = "\n".join(seen[-30:])
+    raise AssertionError(f"pod {pod_id}: {len(found)} of {n} lines starting with {prefixes!r} "
+                         f"{'by the deadline' if stop.is_set() else 'before it ended'}:\n{tail}")
+
+
+def wait_status(client, pod_id, status, timeout=15.0):
+    return poll(lambda: (p := client.get_pod(pod_id))["status"] == status and p, timeout,
+                f"pod {pod_id} {status}", 0.05)
+
+
+# ------------------------------------------------------------------ the contract itself
+
+
+def test_contract_validator_accepts_runpods_examples_and_refuses_drift():
+    """The validator is real: RunPod's own documented examples pass, a changed one fails."""
+    contract = Contract()
+    checked = 0
+    for template, item in contract.doc["paths"].items():
+        for method, op in item.items():
+            if not isinstance(op, dict):
+                continue
+            for status in op.get("responses", {}):
+                resp = contract.response(method, template, int(status) if status.isdigit() else 0)
+                for content in (resp.get("content") or {}).values():
+                    for example in (content.get("examples") or {}).values():
+                        if "$ref" in content["schema"]:
+                            assert contract.errors(content["schema"]["$ref"], example["value"]) == []
+                            checked += 1
+    assert checked > 100
+    pod = contract.doc["paths"]["/v2/pods/{id}"]["get"]["responses"]["200"]["content"][
+        "application/json"]["examples"]["pod"]["value"]
+    assert contract.errors("Pod", dict(pod, status="BOOTING"))[0].startswith("$.status:")
+    assert "$: 'globalNetworking' is a required property" in contract.errors(
+        "Pod", {k: v for k, v in pod.items() if k != "globalNetworking"})
+    assert contract.errors("Pod", dict(pod, podType="GPU"), strict=True)  # undocumented field
+    assert contract.errors("Pod", dict(pod, podType="GPU")) == []  # (RunPod's schema is open)
+
+
+def test_standin_refuses_to_send_an_answer_that_breaks_the_contract(standin, monkeypatch):
+    """Its own drift is loud: a 500 naming the broken field, and a recorded error."""
+    real = standin._pod_json
+    monkeypatch.setattr(standin, "_pod_json", lambda pod: dict(real(pod), status="BOOTING",
+                                                                   machineId="m-1"))
+    client = RunPodClient(KEY, base_url=standin.url, max_attempts=1)
+    with pytest.raises(RunPodError) as info:
+        client.create_pod(pod_body())
+    assert info.value.status == 500 and "$.status: 'BOOTING' is not one of" in info.value.detail
+    assert "'machineId' was unexpected" in info.value.detail
+    assert len(standin.errors) == 1 and "POST /v2/pods -> 201" in standin.errors[0]
+    standin.errors.clear()
+
+
+# ------------------------------------------------------------------ pods
+
+
+def test_pod_lifecycle_create_get_list_terminate(standin, client):
+    created = client.create_pod(pod_body(
+        "rt-life-0", globalNetworking=True, dataCenterIds=["CA-MTL-1", "EU-RO-1"],
+        env={"PYTHONUNBUFFERED": "1", "GREETING": "hi there"},
+        args="bash -c 'echo \"$GREETING from $RUNPOD_POD_ID in $RUNPOD_DC_ID\"; exec sleep 600'"))
+    pod_id = created["id"]
+    assert created["status"] == "PROVISIONING"
+    assert created["dataCenterId"] == "EU-RO-1"  # CA-MTL-1 has no Global Networking
+    assert created["cost"] == pytest.approx(2 * 2.69)  # catalog price x GPU count
+    assert created["globalNetworking"] == {"enabled": False}  # no address yet
+    assert created["ssh"]["direct"] is None
+
+    pod = wait_status(client, pod_id, "RUNNING")
+    assert pod["globalNetworking"]["enabled"] is True
+    assert pod["globalNetworking"]["internalDns"] == f"{pod_id}.runpod.internal"
+    assert pod["globalNetworking"]["ip"]
+    assert pod["ssh"]["direct"]["port"] == 22 and pod["ssh"]["proxy"]["host"] == "ssh.runpod.io"
+    assert pod["runtime"]["ports"][0]["private"] == 22
+    assert pod["startedAt"] and pod["actions"] == ["stop", "restart", "terminate"]
+    assert log_lines(client, pod_id, "hi", 1) == [f"hi there from {pod_id} in EU-RO-1"]
+
+    other = client.create_pod(pod_body("rt-other"))
+    assert [p["id"] for p in client.list_pods("rt-life-")] == [pod_id]
+    assert {p["id"] for p in client.list_pods()} == {pod_id, other["id"]}
+
+    assert client.pod_action(pod_id, "terminate") is None
+    gone = client.get_pod(pod_id)
+    assert gone["status"] == "TERMINATED" and gone["cost"] == 0.0
+    assert [p["id"] for p in client.list_pods()] == [other["id"]]
+    process = standin.runner.pods[0].popen
+    assert process.poll() is not None  # the container is really gone
+    assert client.delete_pod(pod_id) is False  # already gone: fine for clean-up
+    assert client.delete_pod(other["id"]) is True
+    assert client.list_pods() == []
+
+
+def test_stop_start_restart(standin, client):
+    pod_id = client.create_pod(pod_body())["id"]
+    wait_status(client, pod_id, "RUNNING")
+    stopped = client.pod_action(pod_id, "stop")
+    assert stopped["status"] == "EXITED" and stopped["cost"] == 0.0
+    with pytest.raises(RunPodError) as info:
+        client.pod_action(pod_id, "restart")
+    assert info.value.status == 409 and "EXITED" in info.value.detail
+    assert client.pod_action(pod_id, "start")["status"] == "PROVISIONING"
+    wait_status(client, pod_id, "RUNNING")
+    assert len(standin.runner.started) == 2
+    assert client.pod_action(pod_id, "restart")["status"] == "PROVISIONING"
+    wait_status(client, pod_id, "RUNNING")
+    assert len(standin.runner.started) == 3
+
+
+def test_invalid_body_is_refused_by_runpods_own_schema(standin, client):
+    with pytest.raises(RunPodError) as info:
+        client.create_pod(pod_body(gpuTypeId=H100))  # a v1 field: not in CreatePodRequest
+    err = info.value
+    assert err.status == 422 and err.title == "Unprocessable Entity"
+    assert any(e.startswith("$: ") and "'gpuTypeId' was unexpected" in e for e in err.errors)
+    assert "gpuTypeId" in str(err)
+
+    with pytest.raises(RunPodError) as info:
+        client.create_pod(pod_body(gpu={"id": H100, "count": 0}, ports="22/tcp"))
+    assert "$.gpu.count: 0 is less than the minimum of 1" in info.value.errors
+    assert "$.ports: '22/tcp' is not of type 'array'" in info.value.errors
+
+    with pytest.raises(RunPodError) as info:
+        client.create_pod({"name": "no-image", "gpu": {"id": H100}})
+    assert "$: 'image' is a required property" in info.value.errors  # the if/then rule
+
+    with pytest.raises(RunPodError) as info:
+        client.create_pod(pod_body(env={f"V{i}": "x" for i in range(51)}))
+    assert info.value.status == 400 and "50" in info.value.detail
+    assert standin.pods == {} and standin.runner.started == []
+
+
+def test_rules_beyond_the_schema_are_400s_with_runpods_detail(standin, client):
+    cases = [
+        (pod_body(gpu={"id": MI300X, "count": 1}, globalNetworking=True), "NVIDIA"),
+        (pod_body(globalNetworking=True, cloud="COMMUNITY"), "Secure Cloud"),
+        (pod_body(gpu={"id": H100, "count": 9}), "at most 8"),
+        (pod_body(gpu={"id": A40, "count": 1}, dataCenterIds=["US-KS-2"]), "no capacity"),
+        (pod_body(gpu={"id": "NVIDIA B300", "count": 1}), "does not exist"),
+    ]
+    for body, words in cases:
+        with pytest.raises(RunPodError) as info:
+            client.create_pod(body)
+        assert info.value.status == 400 and words in info.value.detail, info.value
+
+
+def test_nth_create_fails_with_the_chosen_problem(standin, client):
+    standin.fail_create(2, 409, "Conflict", "no capacity for 2x H100 in EU-RO-1")
+    client.create_pod(pod_body("rt-a"))
+    with pytest.raises(RunPodError) as info:
+        client.create_pod(pod_body("rt-b"))
+    err = info.value
+    assert (err.status, err.title, err.detail) == (409, "Conflict",
+                                                   "no capacity for 2x H100 in EU-RO-1")
+    assert str(err) == ("RunPod API POST /pods: 409 Conflict: no capacity for 2x H100 in EU-RO-1")
+    client.create_pod(pod_body("rt-c"))
+    assert [p["name"] for p in client.list_pods()] == ["rt-a", "rt-c"]
+
+
+# ------------------------------------------------------------------ retries and errors
+
+
+def test_429_waits_retry_after_then_retries(standin, client, progress):
+    standin.rate_limit(1, retry_after=1)
+    start = time.monotonic()
+    assert client.list_pods() == []
+    waited = time.monotonic() - start
+    assert waited >= 1.0
+    assert progress == ["RunPod: GET /pods: 429 Too Many Requests; retrying in 1.0s "
+                        "(Retry-After), attempt 2 of 5"]
+    assert [r.status for r in standin.requests] == [429, 200]
+
+
+def test_retry_after_as_seconds_or_http_date():
+    assert _retry_after("3") == 3.0
+    assert 58 <= _retry_after(formatdate(time.time() + 60, usegmt=True)) <= 60
+    assert _retry_after(formatdate(time.time() - 60, usegmt=True)) == 0.0
+    assert _retry_after("soon") is None and _retry_after(None) is None
+
+
+def test_5xx_is_retried_with_backoff_then_succeeds(standin, client, progress):
+    standin.fail_requests(2, 503)
+    pod = client.create_pod(pod_body())
+    assert pod["status"] == "PROVISIONING"
+    assert [r.status for r in standin.requests] == [503, 503, 201]
+    assert [m.split(";")[0] for m in progress] == ["RunPod: POST /pods: 503 Service Unavailable"] * 2
+    assert progress[1].endswith("(backing off), attempt 3 of 5")
+
+
+def test_retries_are_bounded_and_end_in_a_clear_error(standin, progress):
+    client = RunPodClient(KEY, base_url=standin.url, progress=progress.append, max_attempts=3,
+                          backoff=0.01)
+    standin.fail_requests(10, 502, "Bad Gateway", "upstream connect error")
+    with pytest.raises(RunPodUnavailable) as info:
+        client.get_pod("abc")
+    err = info.value
+    assert err.status == 502 and len(standin.requests) == 3 and len(progress) == 2
+    assert str(err).startswith("RunPod API GET /pods/abc: 502 Bad Gateway: upstream connect "
+                               "error (gave up after 3 attempts, ")
+
+    standin.clear_faults()
+    standin.rate_limit(1, retry_after=3600)
+    deadline_client = RunPodClient(KEY, base_url=standin.url, deadline=60)
+    start = time.monotonic()
+    with pytest.raises(RunPodUnavailable) as info:
+        deadline_client.list_pods()
+    assert time.monotonic() - start < 5  # did not sit out an hour
+    assert "the next wait (3600.0s, Retry-After) would pass the 60s deadline" in str(info.value)
+
+
+def test_connection_errors_are_retried_then_reported(progress):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = RunPodClient(KEY, base_url=f"http://127.0.0.1:{port}/v2", progress=progress.append,
+                          max_attempts=3, backoff=0.01)
+    with pytest.raises(RunPodUnavailable) as info:
+        client.datacenters()
+    assert info.value.status is None and "ConnectError" in str(info.value)
+    assert "gave up after 3 attempts" in str(info.value) and len(progress) == 2
+
+
+def test_401_and_403_say_what_is_wrong_with_the_key(standin):
+    with pytest.raises(RunPodAuthError) as info:
+        RunPodClient("rpa_wrong", base_url=standin.url).list_pods()
+    assert info.value.status == 401
+    assert "RunPod API key is missing, wrong or expired (set RUNPOD_API_KEY)" in str(info.value)
+    assert "invalid bearer token" in str(info.value)
+
+    with pytest.raises(RunPodAuthError) as info:
+        RunPodClient("", base_url=standin.url)
+    assert "RUNPOD_API_KEY is empty" in str(info.value)
+    assert standin.requests[-1].status == 401  # nothing sent without a key
+
+    standin.auth_failure = 403
+    with pytest.raises(RunPodAuthError) as info:
+        RunPodClient(KEY, base_url=standin.url).create_pod(pod_body())
+    assert info.value.status == 403 and "lacks access" in str(info.value)
+    standin.auth_failure = 401
+    with pytest.raises(RunPodAuthError) as info:
+        RunPodClient(KEY, base_url=standin.url).get_pod("x")
+    assert info.value.status == 401 and len(standin.requests) == 3  # never retried
+
+
+def test_404_is_its_own_error(standin, client):
+    with pytest.raises(RunPodNotFound) as info:
+        client.get_pod("nosuchpod")
+    assert "pod nosuchpod not found" in str(info.value)
+    assert client.delete_cluster("nosuchcluster") is False
+
+
+def test_the_api_key_never_appears_in_any_message(standin, tmp_path):
+    """Every failure path, with RunPod even echoing the key back in its detail."""
+    seen: list[str] = []
+    make = lambda **kw: RunPodClient(KEY, base_url=standin.url, progress=seen.append,  # noqa: E731
+                                     backoff=0.01, **kw)
+    failures = []
+
+    def fail(fn):
+        with pytest.raises(RunPodError) as info:
+            fn()
+        failures.append(info.value)
+
+    c = make(max_attempts=2)
+    standin.fail_create(1, 400, "Bad Request", f"bad key {KEY} in request")  # an echo
+    fail(lambda: c.create_pod(pod_body()))
+    fail(lambda: c.create_pod(pod_body(bogus=KEY)))
+    fail(lambda: c.create_pod(pod_body(name=KEY, gpu={"id": KEY, "count": 1})))
+    standin.rate_limit(2, retry_after=0)
+    fail(lambda: c.list_pods())
+    standin.fail_requests(2, 500, "Internal Server Error", f"token {KEY} rejected upstream")
+    fail(lambda: c.get_pod("x"))
+    standin.auth_failure = 401
+    fail(lambda: c.get_cluster("x"))
+    standin.auth_failure = 403
+    fail(lambda: c.list_clusters())
+    standin.auth_failure = None
+    fail(lambda: c.get_pod(KEY))
+    dead = RunPodClient(KEY, base_url="http://127.0.0.1:9/v2", progress=seen.append,
+                        max_attempts=2, backoff=0.01)
+    fail(lambda: dead.gpu_types())
+
+    texts = seen + [repr(c), repr(dead)]
+    for exc in failures:
+        texts += [str(exc), repr(exc), repr(exc.args), exc.title, exc.detail, *exc.errors,
+                  repr(exc.__cause__), repr(exc.__context__)]
+    assert len(failures) == 9 and len(seen) >= 3
+    leaks = [t for t in texts if KEY in t]
+    assert leaks == []
+    assert any("***" in t for t in texts)  # the echo was there, and scrubbed
+
+
+# ------------------------------------------------------------------ logs
+
+
+def test_logs_stream_line_by_line_as_they_appear(standin, client, tmp_path):
+    gate = tmp_path / "gate"
+    script = (f"echo first; for i in $(seq 600); do [ -e {gate} ] && break; sleep 0.05; done; "
+              "echo second; exit 3")
+    pod_id = client.create_pod(pod_body(args=b64_script_args(script)))["id"]
+    got = []
+    for item in client.pod_logs(pod_id, source="container"):
+        assert isinstance(item, LogLine) and item.source == "container"
+        got.append(item.line)
+        if item.line == "first":
+            assert client.get_pod(pod_id)["status"] == "RUNNING"  # streamed, not replayed
+            gate.touch()
+    assert got == ["first", "second"]  # and the stream ended with the pod
+    assert client.get_pod(pod_id)["status"] == "EXITED"
+    assert standin.pod(pod_id).exit_code == 3
+
+    # both sources, replayed with tail; the pod's lifecycle is in the system lines
+    lines = list(client.pod_logs(pod_id))
+    assert [(l.source, l.line) for l in lines if l.source == "container"] == [
+        ("container", "first"), ("container", "second")]
+    assert ("system", "container exited with code 3") in [(l.source, l.line) for l in lines]
+    assert [l.line for l in client.pod_logs(pod_id, source="container", tail=1)] == ["second"]
+
+
+def test_log_stream_stops_on_request_and_resumes_after_a_drop(standin, client, progress):
+    pod_id = client.create_pod(pod_body(args="bash -c 'echo up; exec sleep 600'"))["id"]
+    stop = threading.Event()
+    got = []
+
+    def follow():
+        for item in client.pod_logs(pod_id, source="container", stop=stop):
+            got.append(item.line)
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    poll(lambda: got == ["up"], 10, "first log line", 0.02)
+    stop.set()
+    reader.join(5)
+    assert not reader.is_alive()
+
+    # a stream that breaks is resumed from the last event id: nothing lost, nothing twice
+    script = "for i in 1 2 3 4 5; do echo line $i; done; exit 0"
+    pod_id = client.create_pod(pod_body("rt-drop", args=b64_script_args(script)))["id"]
+    wait_status(client, pod_id, "EXITED")
+    standin.drop_log_stream_after = 2
+    lines = [item.line for item in client.pod_logs(pod_id, source="container")]
+    assert lines == [f"line {i}" for i in range(1, 6)]
+    assert any("dropped (RemoteProtocolError)" in m for m in progress)
+    assert [r.path for r in standin.requests].count(f"/v2/pods/{pod_id}/logs") == 2
+
+    # SSE by hand: comments skipped, multi-line data joined, ids kept
+    events = list(_sse_events(iter([": hi", "id: 1", "data: a", "data: b", "", "data: c"])))
+    assert events == [("1", "a\nb"), (None, "c")]
+
+
+# ------------------------------------------------------------------ clusters and catalog
+
+
+def test_instant_cluster_pods_carry_ranks_and_overlay_ips(standin, client):
+    body = {"name": "rt-cluster", "type": "TRAINING", "image": "runpod/pytorch:latest",
+            "compute": {"gpuTypeId": H100, "gpuCountPerPod": 8, "podCount": 2},
+            "dataCenterIds": ["EU-RO-1"], "ports": ["22/tcp"], "env": {"PYTHONUNBUFFERED": "1"},
+            "args": "bash -c 'echo rank=$NODE_RANK of $NUM_NODES primary=$PRIMARY_ADDR; exec sleep 600'"}
+    cluster = client.create_cluster(body)
+    assert cluster["compute"] == body["compute"] and cluster["dataCenterId"] == "EU-RO-1"
+    assert cluster["pods"]["total"] == 2
+    pods = client.cluster_pods(cluster["id"])
+    assert [p["cluster"]["rank"] for p in pods] == [0, 1]
+    ips = [p["cluster"]["ip"] for p in pods]
+    assert ips[0] != ips[1] and all(ip.startswith("10.78.") for ip in ips)
+    assert all(p["cost"] == pytest.approx(8 * 2.69) for p in pods)
+    assert cluster["primary"]["podId"] == pods[0]["id"]
+
+    for p in pods:
+        wait_status(client, p["id"], "RUNNING")
+    assert log_lines(client, pods[1]["id"], "rank=", 1) == [f"rank=1 of 2 primary={ips[0]}"]
+    env = standin.runner.started[1]["env"]
+    assert {k: env[k] for k in ("NODE_RANK", "NODE_ADDR", "PRIMARY_ADDR", "MASTER_ADDR",
+                                "NUM_NODES", "NUM_TRAINERS", "WORLD_SIZE", "PRIMARY_PORT")} == {
+        "NODE_RANK": "1", "NODE_ADDR": ips[1], "PRIMARY_ADDR": ips[0], "MASTER_ADDR": ips[0],
+        "NUM_NODES": "2", "NUM_TRAINERS": "8", "WORLD_SIZE": "16", "PRIMARY_PORT": "29500"}
+    assert client.get_cluster(cluster["id"])["pods"]["byStatus"] == {"RUNNING": 2}
+
+    assert client.list_pods() == []  # members are left out by default
+    assert len(client.list_pods(include_cluster_pods=True)) == 2
+    with pytest.raises(RunPodError) as info:
+        client.delete_pod(pods[0]["id"])
+    assert info.value.status == 409
+
+    assert client.delete_cluster(cluster["id"]) is True
+    assert {client.get_pod(p["id"])["status"] for p in pods} == {"TERMINATED"}
+    with pytest.raises(RunPodNotFound):
+        client.get_cluster(cluster["id"])
+    assert all(p.popen.poll() is not None for p in standin.runner.pods)
+
+
+def test_catalog(client):
+    assert [d["id"] for d in client.datacenters(global_network=True)] == ["EU-RO-1", "US-KS-2"]
+    assert [d["id"] for d in client.datacenters(global_network=False)] == ["CA-MTL-1"]
+    dc = client.datacenters(gpu_availability=True)[0]
+    assert {g["id"]: g["availability"] for g in dc["gpuAvailability"]}[H100] == "HIGH"
+    gpus = {g["id"]: g for g in client.gpu_types()}
+    assert gpus[H100]["price"] == {"secure": 2.69, "community": 1.99}
+    assert gpus[H100]["maxCount"]["secure"] == 8 and "availability" not in gpus[H100]
+    stock = {g["id"]: g for g in client.gpu_types(availability=True, count=2)}
+    assert stock[H100]["availability"] == "HIGH"
+    assert [d["id"] for d in stock[A40]["dataCenters"]] == ["EU-RO-1", "CA-MTL-1"]
+    assert client.gpu_types(availability=True, count=9)[0]["availability"] == "NONE"
+
+
+# ------------------------------------------------------------------ on testbed hosts (root)
+
+
+def test_global_networking_pods_reach_each_other_by_internal_name(testbed2):
+    tb = testbed2
+    runner = TestbedRunner(tb)
+    serve = ('mkdir -p /tmp/www && echo "$RUNPOD_POD_ID" > /tmp/www/id && cd /tmp/www && '
+             'exec python3 -m http.server --bind "$RUNPOD_POD_ID.runpod.internal" 8000')
+    fetch = r"""
+set -e
+python3 - <<'EOF'
+import os, time, urllib.request
+url = f"http://{os.environ['HEAD_POD_ID']}.runpod.internal:8000/id"
+deadline = time.time() + 60
+while True:
+    try:
+        body = urllib.request.urlopen(url, timeout=2).read().decode().strip()
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.1)
+print(f"reached {url}: {body}", flush=True)
+EOF
+exec sleep infinity
+"""
+    with RunPodStandIn(runner, api_key=KEY) as api:
+        client = RunPodClient(KEY, base_url=api.url)
+        head = client.create_pod(pod_body("rt-gn-0", globalNetworking=True,
+                                          args=b64_script_args(serve)))
+        worker = client.create_pod(pod_body(
+            "rt-gn-1", globalNetworking=True, args=b64_script_args(fetch),
+            env={"PYTHONUNBUFFERED": "1", "HEAD_POD_ID": head["id"]}))
+        assert log_lines(client, worker["id"], "reached", 1) == [
+            f"reached http://{head['id']}.runpod.internal:8000/id: {head['id']}"]
+        pods = [wait_status(client, p["id"], "RUNNING") for p in (head, worker)]
+        hosts = [tb.hosts[api.pod(p["id"]).handle.index] for p in pods]
+        assert hosts[0] is not hosts[1]
+        for pod, host in zip(pods, hosts):
+            assert pod["globalNetworking"] == {"enabled": True, "ip": host.ip,
+                                               "internalDns": f"{pod['id']}.runpod.internal"}
+        serving = log_lines(client, head["id"], "Serving HTTP", 1)
+        assert serving[0].startswith(f"Serving HTTP on {hosts[0].ip} port 8000")  # its own address
+
+        for pod in pods:
+            client.pod_action(pod["id"], "terminate")
+        assert runner.busy == {} and tb.processes(hosts[0]) == []
+        assert {client.get_pod(p["id"])["status"] for p in pods} == {"TERMINATED"}
+        assert api.errors == []
+
+
+def _link_bytes(tb, host, dev):
+    out = tbmod._ip("-n", host.netns, "-s", "-j", "link", "show", dev).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+
+def test_instant_cluster_members_talk_over_ens1(testbed2):
+    tb = testbed2
+    runner = TestbedRunner(tb)
+    script = r"""
+set -e
+ip -o -4 addr show dev ens1 | awk '{print "ens1 " $4}'
+python3 - <<'EOF'
+import os, socket, time
+rank, addr = int(os.environ["NODE_RANK"]), os.environ["NODE_ADDR"]
+primary, port = os.environ["PRIMARY_ADDR"], int(os.environ["PRIMARY_PORT"])
+size = 4 << 20
+if rank == 0:
+    server = socket.create_server((addr, port))
+    conn, peer = server.accept()
+    got = 0
+    while got < size:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        got += len(chunk)
+    conn.sendall(b"ok")
+    print(f"rank0 received {got} bytes from {peer[0]}", flush=True)
+else:
+    deadline = time.time() + 60
+    while True:
+        try:
+            conn = socket.create_connection((primary, port), timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+    conn.sendall(b"x" * size)
+    print(f"rank1 got {conn.recv(2).decode()} from {primary}", flush=True)
+EOF
+exec sleep infinity
+"""
+    with RunPodStandIn(runner, api_key=KEY) as api:
+        client = RunPodClient(KEY, base_url=api.url)
+        cluster = client.create_cluster({
+            "name": "rt-ic", "type": "TRAINING", "image": "runpod/pytorch:latest",
+            "compute": {"gpuTypeId": H100, "gpuCountPerPod": 8, "podCount": 2},
+            "env": {"PYTHONUNBUFFERED": "1"}, "args": b64_script_args(script)})
+        pods = client.cluster_pods(cluster["id"])
+        ips = [p["cluster"]["ip"] for p in pods]
+        lines = [log_lines(client, p["id"], ("ens1", "rank"), 2) for p in pods]
+        assert lines[0] == [f"ens1 {ips[0]}/24", f"rank0 received {4 << 20} bytes from {ips[1]}"]
+        assert lines[1] == [f"ens1 {ips[1]}/24", f"rank1 got ok from {ips[0]}"]
+        hosts = [tb.hosts[api.pod(p["id"]).handle.index] for p in pods]
+        rx_ens1, _ = _link_bytes(tb, hosts[0], "ens1")
+        rx_eth0, _ = _link_bytes(tb, hosts[0], "eth0")
+        assert rx_ens1 >= 4 << 20 > rx_eth0  # the data came over ens1, not eth0
+        assert [wait_status(client, p["id"], "RUNNING")["status"] for p in pods] == ["RUNNING"] * 2
+        client.delete_cluster(cluster["id"])
+        assert runner.busy == {}
+        assert api.errors == []
