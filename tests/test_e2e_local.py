@@ -235,7 +235,10 @@ def test_a_lost_worker_is_replaced_and_the_head_restarts_the_job(tmp_path, cli_e
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, out[-6000:]
     assert "the node agent of rank 2 died; started it again" in out  # the local provider replaced the machine
-    assert "restarting the job, attempt 1 of 2" in out and "127.0.1.3" in out
+    from rlhf_tasks.providers.local import node_address
+
+    cluster_id = json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"]
+    assert "restarting the job, attempt 1 of 2" in out and node_address(cluster_id, 2) in out  # which node
     assert "attempts: 2 (" in out and "-r1 SUCCEEDED" in out  # the summary lists the attempts
     assert [r["step"] for r in metrics(path)] == list(range(1, steps + 1))  # none lost, none twice
 

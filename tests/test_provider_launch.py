@@ -169,3 +169,12 @@ def test_local_plan_keeps_object_stores_small_and_ports_apart():
     sized = parse_task({"name": "t", "nodes": 3, "ray": {"object_store_memory": "1GB"},
                         "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
     assert LocalProvider().plan(sized).ray.object_store_memory == 10**9
+
+
+def test_each_local_cluster_has_its_own_loopback_addresses():
+    """Two local clusters never share an address, so a service's fixed port cannot clash."""
+    from rlhf_tasks.providers.local import node_address
+
+    assert node_address("00ab12cd", 0) == "127.1.171.1" and node_address("00ab12cd", 2) == "127.1.171.3"
+    heads = {node_address(f"{i:02x}{j:02x}0000", 0) for i in range(0, 256, 7) for j in range(0, 256, 5)}
+    assert len(heads) > 1500 and not any(h.startswith("127.0.") for h in heads)  # never 127.0.0.1's /24

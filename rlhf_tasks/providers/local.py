@@ -1,9 +1,11 @@
 """local: N nodes on this one machine, the default provider and the demo.
 
 Each node is a node-agent process running the very same code path as on a rented
-machine, with its own loopback address (127.0.1.1, 127.0.1.2, ...: Ray rewrites
-127.0.0.1 to the machine's public address, but not the rest of 127/8), its own
-dashboard agent port, and a small object store. Ports are picked free when the plan
+machine, with its own loopback address (127.A.B.1 for the head, 127.A.B.2, ...: Ray
+rewrites 127.0.0.1 to the machine's public address, but not the rest of 127/8), its own
+dashboard agent port, and a small object store. Each cluster has its own 127.A.B.0/24,
+taken from its id, so two local clusters never share an address (a service's fixed port,
+like the demo's reward server, would clash). Ray's ports are picked free when the plan
 is made, so a local cluster never collides with another Ray on the machine, and the
 `start-nodes.sh` that `render` prints is the very script `apply` runs. `down` stops
 exactly the processes it started, by process group.
@@ -32,8 +34,10 @@ LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 RANK, NODES, HEAD, NODE_ADDR = "RLHF_TASKS_NODE_RANK", "RLHF_TASKS_NUM_NODES", "RLHF_TASKS_HEAD_ADDR", "RLHF_TASKS_NODE_ADDR"
 
 
-def node_address(rank: int) -> str:
-    return f"127.0.1.{rank + 1}"
+def node_address(cluster_id: str, rank: int) -> str:
+    """This cluster's loopback address for a rank: 127.A.B.(rank+1), A and B from the id."""
+    a, b = int(cluster_id[0:2], 16) % 254 + 1, int(cluster_id[2:4], 16)
+    return f"127.{a}.{b}.{rank + 1}"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -132,7 +136,8 @@ class LocalProvider(Provider):
                  "start_node() {",
                  '  case "$1" in']
         for rank in range(plan.nodes):
-            node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(0), NODE_ADDR: node_address(rank),
+            node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(plan.cluster_id, 0),
+                        NODE_ADDR: node_address(plan.cluster_id, rank),
                         "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
             argv = ["setsid", sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)]
             lines.append(f"    {rank}) " + " ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
