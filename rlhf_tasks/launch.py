@@ -124,6 +124,24 @@ def summarise(plan: Plan, submission_id: str, status: str, started: float, artif
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
 
 
+def follow_every_node(cluster: Cluster, plan: Plan, tail: LogTail, started: float) -> int:
+    """job.mode every_node (no Ray, no dashboard): echo the node agents' output until the
+    head's agent has ended; its result line holds the job's exit code."""
+    say("every node runs the job's command (no Ray); following the node agents")
+    wait_for("the head agent to finish", lambda: (tail.pump() or not cluster.head_alive(), "the job is running"),
+             (plan.job.timeout_s or 7 * 86400) + plan.wait.head_s, interval=0.2, max_interval=1.0,
+             progress_every=300, report=say)
+    tail.pump()
+    result = parse_result(cluster.head_log()) or {}
+    job = result.get("job") or {}
+    code = job.get("exit_code", result.get("exit_code", 1))
+    summarise(plan, f"{plan.name}-{cluster.cluster_id}", job.get("status") or "FAILED", started, cluster.logs_dir)
+    if code != 0:
+        raise StepFailed("running the job", f"exit code {code}"
+                         + (f" ({result['error']})" if result.get("error") else " (the head's log is above)"))
+    return 0
+
+
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     from .jobs import Jobs
 
@@ -137,6 +155,8 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     tail = LogTail(cluster.logs_dir)
     interrupted = False
     try:
+        if plan.job.mode == "every_node":
+            return follow_every_node(cluster, plan, tail, started)
         have = wait_cluster(cluster, plan, tail)
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
         jobs = Jobs(cluster.dashboard, cluster.token)
