@@ -12,6 +12,11 @@ only interprets those rules. Then:
   worker:        wait for the head's ready beacon, `ray start --address`, start the
                  every-node services, supervise the raylet until the head goes away.
 
+In `job.mode: every_node` (torchrun and the like) there is no Ray: every node runs the
+job's command itself, with {rank}, {nodes} and {head_addr} filled in, once the head has
+prepared and its beacon answers, and exits with that command's code. What the agent
+starts runs in sessions of its own and dies with the agent, even by SIGKILL.
+
 Every step prints one timestamped line; the agent ends with one structured result
 line (`RLHF_TASKS_RESULT {json}`) that the launcher reads. Secrets are passed by
 variable name and never printed. No fixed sleeps: every wait polls its condition

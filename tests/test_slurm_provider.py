@@ -13,8 +13,8 @@ import json
 import os
 import re
 import shlex
-import signal
-import time
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ import yaml
 
 import slurm_testbed as stmod
 import testbed as tbmod
-from conftest import ROOT
+from conftest import ROOT, need
 
 slurm = stmod.make_slurm_fixture(3)
 
@@ -216,6 +216,111 @@ def test_torchrun_recipe_runs_a_gloo_program_on_two_nodes(slurm, tmp_path):
     no_strays(slurm)
 
 
+# ------------------------------------------------------------------ the podman variant
+
+PODMAN_CONF = """[containers]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+# On each host's private /tmp: every node its own image store, as on a real cluster.
+PODMAN_STORAGE = """[storage]
+driver = "vfs"
+graphroot = "/tmp/podman-rlhf/storage"
+runroot = "/tmp/podman-rlhf/run"
+"""
+THIN_IMAGE = "localhost/rlhf-thin:test"
+
+
+@pytest.fixture
+def podman_image(slurm, tmp_path) -> dict[str, str]:
+    """An image imported on every host from a local root filesystem (no registry): empty but
+    for /etc/passwd; the machine's /usr, Python and this checkout are mounted into it by the
+    task (placement.slurm.mounts), its PATH puts the venv's python3 first. Returns the
+    environment podman needs here (what a site's /etc/containers holds): runc, not crun
+    (crun refuses this machine's hybrid cgroups), and rlimits no higher than the machine's
+    (no CAP_SYS_RESOURCE here)."""
+    for tool in ("podman", "runc", "catatonit"):
+        need(shutil.which(tool) is not None or os.path.exists(f"/usr/libexec/podman/{tool}"),
+             "podman, runc and catatonit (apt-get install podman runc catatonit)")
+    import resource
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
+    (tmp_path / "containers.conf").write_text(PODMAN_CONF.format(nofile=nofile, nproc=nproc))
+    (tmp_path / "storage.conf").write_text(PODMAN_STORAGE)
+    env = {"CONTAINERS_CONF": str(tmp_path / "containers.conf"),
+           "CONTAINERS_STORAGE_CONF": str(tmp_path / "storage.conf")}
+    rootfs = tmp_path / "rootfs"
+    for sub in ("usr", "etc", "tmp", "proc", "dev", "sys", "root", "run", "var/tmp"):
+        (rootfs / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        (rootfs / link).symlink_to(f"usr/{link}")
+    (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (rootfs / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
+    (rootfs / "tmp").chmod(0o1777)
+    tarball = tmp_path / "rootfs.tar"
+    slurm.testbed.sh(0, f"tar -C {shlex.quote(str(rootfs))} -cf {shlex.quote(str(tarball))} .")
+    path = f"{tbmod.BIN_DIR}:/usr/local/bin:/usr/bin:/bin"
+    for h in slurm.testbed.hosts:
+        slurm.testbed.sh(h.index, f"podman import --change ENV=PATH={path} {shlex.quote(str(tarball))} {THIN_IMAGE}",
+                         env=slurm.env(**env))
+    return env
+
+
+def podman_task(tmp_path: Path, steps: int) -> Path:
+    """tiny-grpo on 2 nodes in the thin image, with podman; setup records the container's PID 1."""
+    task = tiny_grpo(tmp_path, steps=steps)
+    spec = yaml.safe_load(task.read_text())
+    here = sorted({str(ROOT), sys.prefix, sys.base_prefix})
+    spec.update(nodes=2, image=THIN_IMAGE)
+    spec["env"]["PYTHONPATH"] = str(ROOT)
+    # setup runs where the agent runs: PID 1 there is podman's init, not the host's
+    spec["setup"] = [f"tr '\\0' ' ' < /proc/1/cmdline > {tmp_path}/ckpt/pid1-node$SLURM_NODEID"]
+    spec["placement"] = {"slurm": {"container": "podman", "mounts": ["/usr:/usr:ro", *(f"{p}:{p}:ro" for p in here)]}}
+    task.write_text(yaml.safe_dump(spec))
+    return task
+
+
+def no_containers(slurm, env: dict[str, str]) -> None:
+    for h in slurm.testbed.hosts:  # --rm, even when the job was cancelled
+        assert not slurm.testbed.sh(h.index, "podman ps -aq", env=slurm.env(**env)).strip(), h.name
+
+
+def test_the_podman_variant_runs_the_agents_in_containers(slurm, tmp_path, podman_image):
+    task = podman_task(tmp_path, steps=10)
+    home = tmp_path / "home"
+    run = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, timeout=600, **podman_image)
+    out = run.output
+    assert run.returncode == 0, out[-6000:]
+    job = job_id_in(out)
+    assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
+    assert f"job tiny-grpo-{job}: SUCCEEDED" in out and "reward " in out
+    script = (tmp_path / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
+    assert "podman run --rm --init" in script
+    run_dir = tmp_path / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}"
+    for n in range(2):
+        assert "node %d of 2" % n in (run_dir / f"node{n}.out").read_text()
+        assert (tmp_path / "ckpt" / f"pid1-node{n}").read_text().startswith("/run/podman-init -- python3 ")
+    no_strays(slurm)  # podman, conmon and the containers' processes are gone too
+    no_containers(slurm, podman_image)
+
+
+def test_down_stops_the_podman_containers(slurm, tmp_path, podman_image):
+    home = tmp_path / "home"
+    launch = cli(slurm, ["launch", str(podman_task(tmp_path, steps=100000)), "--provider", "slurm"], tmp_path, home,
+                 background=True, **podman_image)
+    tbmod.poll(lambda: re.search(r"step \d+/100000 ", launch.output) or not launch.running(), 300,
+               "the training to report a step")
+    assert launch.running(), launch.output[-6000:]
+    down = cli(slurm, ["down", "tiny-grpo"], tmp_path, home, timeout=300, **podman_image)
+    assert down.returncode == 0, down.output
+    assert launch.wait(120) == 1
+    no_strays(slurm)
+    no_containers(slurm, podman_image)
+
+
 # A cluster whose Slurm tracks a task by its process group only (proctrack/pgid): the
 # agent's children (Ray, services, each in a session of its own) are invisible to it, so
 # only the agent's own clean-up, and the kernel killing its children with it, stop them.
@@ -238,3 +343,4 @@ def test_down_leaves_no_process_where_slurm_sees_only_the_agents(slurm_pgid, tmp
     assert slurm_pgid.job_state(job).state == "CANCELLED"
     assert launch.wait(120) == 1
     no_strays(slurm_pgid)
+

@@ -111,6 +111,12 @@ def exit_code_of(info: dict[str, str]) -> int | None:
     return int(code.split(":")[0]) if code[:1].isdigit() else None
 
 
+def exit_text(info: dict[str, str]) -> str:
+    """Slurm's ExitCode (code:signal) in words."""
+    code, _, signal = info.get("ExitCode", "?").partition(":")
+    return f"exit code {code}" + (f" (signal {signal})" if signal not in ("", "0") else "")
+
+
 class FileTail:
     """Echo the complete lines a growing file gets (a node's output on the shared filesystem),
     but the agent's result line: the launcher sums it up instead."""
@@ -321,12 +327,12 @@ class SlurmProvider(Provider):
         if job.get("status"):
             summarise(plan, job.get("submission_id") or submission_id(plan.name, job_id), job["status"], started,
                       str(run_dir))
-        say(f"Slurm job {job_id} {slurm_state} with exit code {code}")
+        say(f"Slurm job {job_id} {slurm_state} with {exit_text(info)}")
         if slurm_state == "COMPLETED" and code == 0:
             return 0
         why = (f"; the head agent: {result['error']}" if result and result.get("error")
                else "" if result else f"; the head agent left no result (see {head_out})")
-        raise StepFailed(f"Slurm job {job_id}", f"it ended {slurm_state} with exit code {code}{why}")
+        raise StepFailed(f"Slurm job {job_id}", f"it ended {slurm_state} with {exit_text(info)}{why}")
 
     def status(self, name: str) -> str | None:
         record = state.load(name)
@@ -338,7 +344,7 @@ class SlurmProvider(Provider):
             return f"Slurm job {job_id}: unknown to Slurm (finished long ago?)"
         reason = f" ({info['Reason']})" if info.get("Reason") not in (None, "", "None") else ""
         lines = [f"Slurm job {job_id}: {info.get('JobState')}{reason}, nodes {info.get('NodeList') or '-'}, "
-                 f"run time {info.get('RunTime', '-')} of {info.get('TimeLimit', '-')}, exit code {info.get('ExitCode', '-')}"]
+                 f"run time {info.get('RunTime', '-')} of {info.get('TimeLimit', '-')}, {exit_text(info)}"]
         head_out = run_dir_of(Path(record["directory"]), job_id) / "node0.out"
         result = parse_result(head_out.read_text(errors="replace")) if head_out.exists() else None
         if result is not None:
