@@ -5,6 +5,10 @@ reaches slurmctld and the shared filesystem, not the compute nodes' ports).
 There is no slurmdbd here, so `sacct` cannot answer: Slurm's own record of a finished
 job comes from `scontrol show job` (and the jobcomp file), which is what the provider
 reads too (sacct is its fallback where accounting exists).
+
+Of the ways to run an image, podman runs here for real (an image imported from a local
+root filesystem); pyxis (not packaged by Debian) and docker (no daemon on this machine)
+are checked as rendered text only (tests/test_slurm_render.py).
 """
 
 from __future__ import annotations
@@ -235,10 +239,10 @@ THIN_IMAGE = "localhost/rlhf-thin:test"
 
 
 @pytest.fixture
-def podman_image(slurm, tmp_path) -> dict[str, str]:
+def podman_image(slurm, tmp_path):
     """An image imported on every host from a local root filesystem (no registry): empty but
     for /etc/passwd; the machine's /usr, Python and this checkout are mounted into it by the
-    task (placement.slurm.mounts), its PATH puts the venv's python3 first. Returns the
+    task (placement.slurm.mounts), its PATH puts the venv's python3 first. Yields the
     environment podman needs here (what a site's /etc/containers holds): runc, not crun
     (crun refuses this machine's hybrid cgroups), and rlimits no higher than the machine's
     (no CAP_SYS_RESOURCE here)."""
@@ -266,7 +270,15 @@ def podman_image(slurm, tmp_path) -> dict[str, str]:
     for h in slurm.testbed.hosts:
         slurm.testbed.sh(h.index, f"podman import --change ENV=PATH={path} {shlex.quote(str(tarball))} {THIN_IMAGE}",
                          env=slurm.env(**env))
-    return env
+    before = set(Path("/sys/fs/cgroup").glob("*/libpod_parent"))
+    yield env
+    # podman (cgroupfs) leaves its empty parent cgroups on the machine: remove those it made
+    for parent in set(Path("/sys/fs/cgroup").glob("*/libpod_parent")) - before:
+        for cgroup in sorted((p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [parent]:
+            try:
+                cgroup.rmdir()
+            except OSError:
+                pass  # still in use
 
 
 def podman_task(tmp_path: Path, steps: int) -> Path:
