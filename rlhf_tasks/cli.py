@@ -174,6 +174,14 @@ def cmd_submit(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from . import state
+
+    record = state.load(args.job) if not (args.address or args.cluster) else None
+    if record and record.get("provider"):  # a cluster's name: its provider may have its own view
+        text = _provider(record["provider"]).status(args.job)
+        if text is not None:
+            print(text)
+            return 0
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(f"JOB: no job {args.job} on this cluster")
@@ -322,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", required=True, help="e.g. http://localhost:8265")
     p.add_argument("--provider", default="local", help="provider whose plan to use (paths, checkpoint dir)")
     p.add_argument("--follow", action="store_true")
-    for name, func, help_text in (("status", cmd_status, "a job's status"), ("logs", cmd_logs, "a job's logs"),
+    for name, func, help_text in (("status", cmd_status, "a job's status (or a cluster's, by its name, where the "
+                                                         "provider follows it: slurm)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
         p.add_argument("job", metavar="JOB")

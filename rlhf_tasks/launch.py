@@ -192,6 +192,24 @@ def summarise(plan: Plan, submission_id: str, status: str, started: float, artif
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
 
 
+def follow_every_node(cluster: Cluster, plan: Plan, tail: LogTail, started: float) -> int:
+    """job.mode every_node (no Ray, no dashboard): echo the node agents' output until the
+    head's agent has ended; its result line holds the job's exit code."""
+    say("every node runs the job's command (no Ray); following the node agents")
+    wait_for("the head agent to finish", lambda: (tail.pump() or not cluster.head_alive(), "the job is running"),
+             (plan.job.timeout_s or 7 * 86400) + plan.wait.head_s, interval=0.2, max_interval=1.0,
+             progress_every=300, report=say)
+    tail.pump()
+    result = parse_result(cluster.head_log()) or {}
+    job = result.get("job") or {}
+    code = job.get("exit_code", result.get("exit_code", 1))
+    summarise(plan, f"{plan.name}-{cluster.cluster_id}", job.get("status") or "FAILED", started, cluster.logs_dir)
+    if code != 0:
+        raise StepFailed("running the job", f"exit code {code}"
+                         + (f" ({result['error']})" if result.get("error") else " (the head's log is above)"))
+    return 0
+
+
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     """Launch the task, and relaunch it whole when its head is lost, as often as the
     provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint."""
@@ -225,6 +243,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         if cluster.finished is not None:  # the provider ran the job to its end itself (a managed job)
             return cluster.finished
         tail = LogTail(cluster.logs_dir)
+        if plan.job.mode == "every_node":
+            job_started = True
+            return follow_every_node(cluster, plan, tail, started)
         have = wait_cluster(cluster, plan, tail)
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
         node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}

@@ -12,6 +12,11 @@ only interprets those rules. Then:
   worker:        wait for the head's ready beacon, `ray start --address`, start the
                  every-node services, supervise the raylet until the head goes away.
 
+In `job.mode: every_node` (torchrun and the like) there is no Ray: every node runs the
+job's command itself, with {rank}, {nodes} and {head_addr} filled in, once the head has
+prepared and its beacon answers, and exits with that command's code. What the agent
+starts runs in sessions of its own and dies with the agent, even by SIGKILL.
+
 Every step prints one timestamped line; the agent ends with one structured result
 line (`RLHF_TASKS_RESULT {json}`) that the launcher reads. Secrets are passed by
 variable name and never printed. No fixed sleeps: every wait polls its condition
@@ -40,7 +45,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 #: The plan format this agent reads; the launcher writes the same number.
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 RESULT_PREFIX = "RLHF_TASKS_RESULT "
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 JOB_LOG_TAIL_CHARS = 64 * 1024  # how much of the job's log the result line repeats
@@ -72,9 +77,9 @@ class NodeInfo(object):
     """This node's place in the cluster."""
 
     def __init__(self, rank: int, nodes: int, head: Optional[str], node_addr: Optional[str] = None,
-                 cluster_id: Optional[str] = None, gpus: Optional[int] = None):
+                 cluster_id: Optional[str] = None, gpus: Optional[int] = None, peer: Optional[str] = None):
         self.rank, self.nodes, self.head, self.node_addr = rank, nodes, head, node_addr
-        self.cluster_id, self.gpus = cluster_id, gpus
+        self.cluster_id, self.gpus, self.peer = cluster_id, gpus, peer
 
     def __repr__(self) -> str:
         return "NodeInfo(%r)" % self.__dict__
@@ -147,7 +152,8 @@ def read_contract(contract: dict, env: Dict[str, str], run: Callable = subproces
         raise AgentError("reading the provider's environment", "rank %d is outside 0..%d" % (rank, nodes - 1), code=2)
     optional = {}
     for key, what in (("head", "the head's address"), ("node_addr", "this node's address"),
-                      ("cluster_id", "the cluster id"), ("gpus_per_node", "GPUs per node")):
+                      ("cluster_id", "the cluster id"), ("gpus_per_node", "GPUs per node"),
+                      ("peer", "another node's name")):
         try:
             optional[key] = read_rule(contract.get(key), env, what, rank=rank, run=run)
         except AgentError:
@@ -156,7 +162,7 @@ def read_contract(contract: dict, env: Dict[str, str], run: Callable = subproces
             optional[key] = None
     gpus = optional["gpus_per_node"]
     return NodeInfo(rank, nodes, optional["head"], optional["node_addr"], optional["cluster_id"],
-                    int(gpus) if gpus and gpus.isdigit() else None)
+                    int(gpus) if gpus and gpus.isdigit() else None, optional["peer"])
 
 
 def resolve_ipv4(name: str) -> str:
@@ -174,13 +180,26 @@ def resolve_ipv4(name: str) -> str:
 
 
 def locate(info: NodeInfo) -> NodeInfo:
-    """Resolve the head's and this node's addresses to IPv4 addresses."""
+    """Resolve the head's and this node's addresses to IPv4 addresses.
+
+    The head never keeps a loopback address in a multi-node cluster: some hosts map
+    their own name to 127.0.1.1 only, which no other node can reach. Then the head
+    takes its address on the route to another node (the contract's `peer`)."""
     if info.rank == 0:
         if info.node_addr is None and info.head is None:
             raise AgentError("reading the provider's environment",
                              "the contract gives neither the head's address nor this node's", code=2)
-        info.node_addr = resolve_ipv4(info.node_addr or info.head)
-        info.head = resolve_ipv4(info.head) if info.head else info.node_addr
+        own = resolve_ipv4(info.node_addr or info.head)
+        if own.startswith("127.") and info.nodes > 1 and info.peer:
+            routed = source_address(resolve_ipv4(info.peer))
+            log("%s resolves only to %s here; using %s, this node's address on the route to %s"
+                % (info.node_addr or info.head, own, routed, info.peer))
+            info.node_addr = info.head = routed
+            return info
+        info.node_addr = own
+        info.head = resolve_ipv4(info.head) if info.head else own
+        if info.head.startswith("127.") and not own.startswith("127."):
+            info.head = own  # this node is the head
     else:
         info.head = resolve_ipv4(info.head)
         info.node_addr = resolve_ipv4(info.node_addr) if info.node_addr else source_address(info.head)
@@ -596,16 +615,42 @@ def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
 # Processes this agent starts: each in its own session, stopped by process group.
 # ======================================================================================
 
+_LIBC = []  # type: list
+
+
+def _die_with_agent() -> None:
+    """preexec_fn: the kernel kills this child when the agent dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG). A child in a session of its own is invisible to a scheduler that
+    tracks processes by ancestry once the agent is gone; `ray start --block` then takes
+    its own processes with it (Ray's kernel fate sharing)."""
+    if _LIBC and _LIBC[0] is not None:
+        _LIBC[0].prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _load_libc() -> None:
+    """Load libc before forking (an import in the child could deadlock)."""
+    if not _LIBC:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            _LIBC.append(libc if sys.platform.startswith("linux") and hasattr(libc, "prctl") else None)
+        except (OSError, ImportError):
+            _LIBC.append(None)
+
+
 class Child(object):
     """A process in its own session whose group id is recorded in `pgid_file`, so a
-    restarted agent stops exactly its own stale Ray, never anyone else's."""
+    restarted agent stops exactly its own stale Ray, never anyone else's; it dies with
+    the agent."""
 
     def __init__(self, name: str, argv, env: Dict[str, str], log_path: Optional[str] = None,
                  pgid_file: Optional[str] = None, shell: bool = False):
         self.name, self.pgid_file, self.log_path = name, pgid_file, log_path
         out = open(log_path, "ab") if log_path else None
+        _load_libc()
         self.proc = subprocess.Popen(argv, env=env, shell=shell, executable="/bin/bash" if shell and os.path.exists("/bin/bash") else None,
-                                     stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                                     stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                     preexec_fn=_die_with_agent)
         if out:
             out.close()
         if pgid_file:
@@ -677,6 +722,7 @@ class Node(object):
         self.plan, self.info, self.env, self.state_dir, self.log_dir = plan, info, env, state_dir, log_dir
         self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
         self.ray = None  # type: Optional[Child]
+        self.job = None  # type: Optional[Child]  (job.mode every_node: this node's command)
         self.services = []  # type: List[Child]
         self.steps = []  # type: List[dict]
         host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
@@ -761,6 +807,8 @@ class Node(object):
         log("service %s ready after %.1fs" % (service["name"], time.monotonic() - started))
 
     def stop_all(self) -> None:
+        if self.job is not None:
+            self.job.stop(grace=10.0)
         for child in reversed(self.services):
             child.stop()
         if self.ray is not None:  # the node is going away: no need to let a raylet drain
@@ -1074,6 +1122,66 @@ class WorkerFlow(object):
         pass
 
 
+class EveryNodeFlow(object):
+    """job.mode every_node (torchrun and the like): no Ray. Every node runs the job's
+    command itself once the head is ready (prepare done, its services answering, the ready
+    beacon open) and ends with that command's exit code."""
+
+    def __init__(self, node: Node):
+        self.node, self.plan, self.info = node, node.plan, node.info
+        self.beacon = None  # type: Optional[ReadyBeacon]
+        self.job = {}  # type: dict
+
+    def run(self) -> int:
+        node, plan, info = self.node, self.plan, self.info
+        if info.rank == 0:
+            if plan["prepare"]:
+                node.run_commands("prepare", plan["prepare"])
+            node.start_services(("head", "every_node"))
+            self.beacon = ReadyBeacon(info.node_addr, plan["ray"]["ready_port"])
+        else:
+            beacon = (info.head, plan["ray"]["ready_port"])
+            with node.step("head"):
+                started = time.monotonic()
+                wait_for("the head at %s:%s" % beacon, reachable(probe_ready, *beacon), plan["wait"]["head_s"],
+                         interval=0.2, max_interval=0.5)
+                log("head ready after %.1fs" % (time.monotonic() - started))
+            node.start_services(("every_node",))
+        argv = every_node_argv(plan["job"], info)
+        log("running the job on node %d: %s" % (info.rank, " ".join(shlex.quote(a) for a in argv)))
+        started = time.monotonic()
+        with node.step("job"):
+            node.job = Child("job", argv, node.env)  # its output is this agent's
+            code = self.wait(node.job, plan["job"].get("timeout_s"))
+        code = code if code >= 0 else 128 - code  # killed by a signal
+        self.job = {"status": "SUCCEEDED" if code == 0 else "FAILED", "exit_code": code}
+        log("the job's command ended with exit code %d after %.1fs" % (code, time.monotonic() - started))
+        if code != 0:
+            raise AgentError("running the job on node %d" % info.rank, "exit code %d" % code, code=code)
+        return 0
+
+    @staticmethod
+    def wait(child: Child, timeout_s: Optional[float]) -> int:
+        try:
+            return child.proc.wait(timeout=timeout_s or None)
+        except subprocess.TimeoutExpired:
+            child.stop(grace=10.0)
+            raise AgentError("running the job", "still running after the job timeout of %.0fs; stopped it" % timeout_s)
+
+    def result(self) -> dict:
+        return {"job": self.job or None}
+
+    def stop(self) -> None:
+        if self.beacon is not None:
+            self.beacon.close()
+
+
+def every_node_argv(job: dict, info: NodeInfo) -> List[str]:
+    """The job's command on this node: {rank}, {nodes}, {head_addr} and {node_addr} filled in."""
+    values = {"rank": str(info.rank), "nodes": str(info.nodes), "head_addr": info.head, "node_addr": info.node_addr}
+    return [re.sub(r"\{(rank|nodes|head_addr|node_addr)\}", lambda m: values[m.group(1)], arg) for arg in job["entrypoint"]]
+
+
 # ======================================================================================
 # Entry point.
 # ======================================================================================
@@ -1121,7 +1229,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         node = Node(plan, info, env, state_dir, log_dir)
         if plan["setup"] and not args.skip_setup:
             node.run_commands("setup", plan["setup"])
-        flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)
+        if plan["job"].get("mode") == "every_node":
+            flow = EveryNodeFlow(node)
+        else:
+            flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)
         result["exit_code"] = flow.run()
     except AgentError as exc:
         log("ERROR: %s" % exc)

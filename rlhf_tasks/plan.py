@@ -10,6 +10,7 @@ provider, and a provider added from outside works on the nodes unchanged."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import model_validator
@@ -80,7 +81,9 @@ def value(text: str) -> Rule:
 class Contract(StrictModel):
     """Where a node finds its place in the cluster. `head` may be left out for providers
     where only workers are told the head (the head then uses its own address); a node
-    whose own address is not given uses the one on its route to the head."""
+    whose own address is not given uses the one on its route to the head. `peer` names
+    another node: a head whose own name resolves only to loopback (127.0.1.1 on some
+    hosts) takes its address on the route to that node instead."""
 
     rank: Rule
     nodes: Rule
@@ -88,6 +91,7 @@ class Contract(StrictModel):
     node_addr: Rule | None = None
     cluster_id: Rule | None = None
     gpus_per_node: Rule | None = None
+    peer: Rule | None = None
 
 
 #: Network presets every provider offers: the collective libraries' variables.
@@ -98,6 +102,40 @@ GENERIC_NETWORKS: dict[str, dict[str, str]] = {
     "ethernet": {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1"},
     "infiniband": {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "0"},
 }
+
+
+#: AMD Instinct GPUs (MI300X, MI250, MI355X, ...): their nodes get the ROCm preset.
+AMD_GPU = re.compile(r"^(?:amd[-_]?)?(?:instinct[-_]?)?mi\d{2,3}[a-z]?(?:[-_].*)?$", re.IGNORECASE)
+#: RCCL/HIP settings of verl's AMD Slurm script (docs/amd_tutorial) that hold on any
+#: cluster; the cluster-specific ones (NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_CROSS_NIC)
+#: belong in the task's env.
+ROCM_ENV = {
+    "RCCL_MSCCL_ENABLE": "0",            # AMD: avoids a data mismatch of past RCCL releases
+    "TORCH_NCCL_HIGH_PRIORITY": "1",
+    "GPU_MAX_HW_QUEUES": "2",
+    "HSA_NO_SCRATCH_RECLAIM": "1",
+    "NCCL_CHECKS_DISABLE": "1",
+    "NCCL_PROTO": "Simple",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+}
+
+
+def gpu_vendor(gpu_name: str | None) -> Literal["amd", "nvidia"] | None:
+    """Whose GPUs the task asks for (None: no GPUs, or a bare count)."""
+    if not gpu_name:
+        return None
+    return "amd" if AMD_GPU.match(gpu_name) else "nvidia"
+
+
+def accelerator_env(gpu_name: str | None, gpus_per_node: int) -> dict[str, str]:
+    """The ROCm preset for AMD GPUs: HIP_VISIBLE_DEVICES for the node's GPUs (Ray 2.60
+    refuses a node where only ROCR_VISIBLE_DEVICES is set, as Slurm sets it for AMD
+    GPUs; HIP's indices count within ROCR's selection, which is left to the scheduler)
+    and the RCCL settings above. Nothing for NVIDIA: the scheduler's
+    CUDA_VISIBLE_DEVICES stands."""
+    if gpu_vendor(gpu_name) != "amd" or gpus_per_node < 1:
+        return {}
+    return {"HIP_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus_per_node)), **ROCM_ENV}
 
 
 # ------------------------------------------------------------------ the plan
@@ -125,6 +163,8 @@ class WaitPlan(StrictModel):
 
 class JobPlan(StrictModel):
     recipe: str
+    #: ray: submitted to Ray; every_node: no Ray, every node runs the entrypoint (torchrun)
+    mode: Literal["ray", "every_node"] = "ray"
     submit: Literal["head", "client"]
     entrypoint: list[str]
     wandb_args: list[str]
@@ -201,6 +241,10 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     if len(set(names)) != len(names):
         raise BadInput(f"services: a service name is also used by the {task.job.recipe} recipe: {names}")
 
+    if out.mode == "every_node" and task.job.submit == "client":
+        raise BadInput(f"job.submit: the {task.job.recipe} recipe runs its command on every node without Ray, "
+                       f"so there is nothing to submit from a client; use submit: head")
+
     presets = {**GENERIC_NETWORKS, **networks}
     if task.network not in presets:
         raise BadInput(f"network: {task.network!r} is not a network of the {provider} provider "
@@ -228,9 +272,9 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         contract=contract,
         network=task.network,
         network_env=presets[task.network],
-        env={**out.env, **task.env},
+        env={**accelerator_env(task.resources.gpu_name, task.resources.gpus_per_node), **out.env, **task.env},
         secrets=list(task.secrets),
-        token_env=TOKEN_ENV if task.ray.auth == "token" else None,
+        token_env=TOKEN_ENV if task.ray.auth == "token" and out.mode == "ray" else None,
         setup=list(task.setup) + out.setup,
         prepare=out.prepare + list(task.prepare),
         services=services,
@@ -239,10 +283,11 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         checkpoint_dir=checkpoint_dir,
         job=JobPlan(
             recipe=job.recipe,
+            mode=out.mode,
             submit=job.submit,
             entrypoint=out.entrypoint,
             wandb_args=out.wandb_args,
-            working_dir=job.working_dir,
+            working_dir=job.working_dir if out.mode == "ray" else None,
             excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
             timeout_s=job.timeout,
             summary=out.summary,

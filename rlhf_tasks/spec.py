@@ -114,6 +114,40 @@ class Wait(StrictModel):
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
 
 
+_SBATCH_VALUE = re.compile(r"^[^\s'\"\\#]+$")
+_MOUNT = re.compile(r"^/[^:,\s]*:/[^:,\s]*(?::(?:ro|rw))?$")
+
+
+class SlurmPlacement(StrictModel):
+    """Slurm's own placement options (sbatch) and how a task's image runs there."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = Field(None, description="node features, e.g. a100&ib")
+    reservation: str | None = None
+    gres: str | None = Field(None, description="--gres instead of --gpus-per-node, in the site's GPU type names "
+                                               "(e.g. gpu:h100:8)")
+    container: Literal["pyxis", "docker", "podman"] = Field(
+        "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
+    mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
+
+    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres")
+    @classmethod
+    def _one_word(cls, value):
+        if value is not None and not _SBATCH_VALUE.match(value):
+            raise ValueError(f"{value!r}: one word, no spaces, quotes, backslashes or #")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, value):
+        for mount in value:
+            if not _MOUNT.match(mount):
+                raise ValueError(f"{mount!r} is not SRC:DST[:ro] with absolute paths (no commas)")
+        return value
+
+
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
@@ -123,6 +157,7 @@ class Placement(StrictModel):
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
+    slurm: SlurmPlacement = SlurmPlacement()
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]

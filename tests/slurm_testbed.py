@@ -13,8 +13,8 @@ spool, logs, job completion records, job output) lives under ``dir``; daemons
 and clients find the config through ``SLURM_CONF``.  Nothing touches
 ``/etc/slurm``, ``/etc/munge`` or ``/var``.
 
-Process tracking is ``proctrack/linuxproc`` with ``task/none``: no systemd and
-no per-host cgroup tree here.  Unlike cgroups on a real cluster, a process
+Process tracking is ``proctrack/linuxproc`` with ``task/none`` (``proctrack=``
+picks another, e.g. ``proctrack/pgid``): no systemd and no per-host cgroup tree here.  Unlike cgroups on a real cluster, a process
 that daemonizes away from its step (reparented to the host's init) escapes
 ``scancel``; a step's ordinary children do not.
 
@@ -99,6 +99,7 @@ class SlurmCluster:
 
     def __init__(self, testbed: "tbmod.Testbed", dir: str | os.PathLike | None = None, *,
                  controller: int = 0, real_memory_mb: int = 1024,
+                 proctrack: str = "proctrack/linuxproc",
                  boot_timeout: float = 60):
         reason = slurm_missing()
         if reason:
@@ -115,6 +116,7 @@ class SlurmCluster:
             raise tbmod.TestbedError(f"munge socket path too long: {self.munge_socket}")
         self.cpus = os.cpu_count() or 1  # every host shares the machine's cores
         self.real_memory_mb = real_memory_mb
+        self.proctrack = proctrack  # proctrack/pgid: Slurm signals a task's process group only
         self.munged: tbmod.Proc | None = None
         self.slurmctld: tbmod.Proc | None = None
         self.slurmd: dict[str, tbmod.Proc] = {}
@@ -161,7 +163,7 @@ class SlurmCluster:
             f"SlurmdLogFile={d}/log/slurmd-%n.log",
             f"PlugStackConfig={d}/plugstack.conf",
             # no systemd, no per-host cgroup tree: track steps by process ancestry
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            f"ProctrackType={self.proctrack}", "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/filetxt", f"JobCompLoc={self.jobcomp}",

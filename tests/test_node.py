@@ -327,3 +327,57 @@ def test_a_silent_port_is_not_a_ready_beacon():
         assert reason is not None and "beacon" in reason
     finally:
         server.close()
+
+
+def every_node_run(tmp_path, entrypoint: list[str]) -> tuple[list[str], dict]:
+    """A one-node plan in job.mode every_node (no Ray) and the agent's command line and env."""
+    plan = plan_for(nodes=1)
+    plan["job"].update(mode="every_node", entrypoint=entrypoint)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    env = dict(os.environ, RLHF_TASKS_NODE_RANK="0", RLHF_TASKS_NUM_NODES="1", RLHF_TASKS_HEAD_ADDR="127.0.0.1",
+               RLHF_TASKS_NODE_ADDR="127.0.0.1", RAY_AUTH_TOKEN="t", PYTHONPATH=str(ROOT))
+    return [sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path), "--state-dir", str(tmp_path / "state")], env
+
+
+def test_every_node_mode_runs_the_command_itself_and_exits_with_its_code(tmp_path):
+    argv, env = every_node_run(tmp_path, [sys.executable, "-c",
+                                          "import sys; print('rank {rank} of {nodes}, head {head_addr}'); sys.exit(7)"])
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "rank 0 of 1, head 127.0.0.1" in out.stdout and "ray start" not in out.stdout
+    result = node.parse_result(out.stdout)
+    assert result["exit_code"] == 7 and result["job"] == {"status": "FAILED", "exit_code": 7}
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_what_the_agent_started_dies_with_it_even_by_sigkill(tmp_path):
+    """The agent's children run in sessions of their own, which a scheduler that tracks a
+    task by ancestry or process group loses once the agent is gone (an OOM kill, SIGKILL
+    after KillWait): the kernel kills them with it."""
+    argv, env = every_node_run(tmp_path, [sys.executable, "-c",
+                                          "import os, time; print('job pid', os.getpid(), flush=True); time.sleep(600)"])
+    agent = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    job_pid = None
+    try:
+        line = ""
+        while not line.startswith("job pid"):
+            line = agent.stdout.readline()
+            assert line, "the agent ended before its job started"
+        job_pid = int(line.split()[-1])
+        assert os.getpgid(job_pid) == job_pid != os.getpgid(agent.pid)  # a session of its own
+        agent.kill()
+        agent.wait(10)
+        wait_for("the job's process to die with the agent", lambda: (not _running(job_pid), job_pid), 10,
+                 interval=0.05)
+    finally:
+        agent.kill()
+        if job_pid and _running(job_pid):  # the failure case: do not leave it behind
+            os.kill(job_pid, 9)

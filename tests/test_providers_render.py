@@ -1,9 +1,10 @@
 """dstack and SkyPilot: what we render passes the providers' own parsers, for every task
-in tasks/, and the golden copies under providers/ are current."""
+in tasks/, and the golden copies under providers/ (dstack, SkyPilot, Slurm) are current."""
 
 from __future__ import annotations
 
 import copy
+import re
 import os
 from pathlib import Path
 
@@ -16,7 +17,11 @@ from rlhf_tasks.spec import load_task
 from conftest import ROOT, need
 
 TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
-GOLDEN = {"dstack": ROOT / "providers" / "dstack", "sky": ROOT / "providers" / "skypilot"}
+GOLDEN = {"dstack": ROOT / "providers" / "dstack", "sky": ROOT / "providers" / "skypilot",
+          "slurm": ROOT / "providers" / "slurm"}
+#: Slurm also keeps these tasks rendered with the other ways of running an image.
+SLURM_VARIANTS = {"verl-ppo-gsm8k-mi300x.yaml": ("docker", "pyxis"), "openrlhf-dpo-llama3-8b.yaml": ("docker", "podman")}
+AGENT_LEFT_OUT = "# (here the script holds a shipped file verbatim: the node agent or a module; left out of this copy)"
 REFRESH = "python tests/test_providers_render.py  (or: make golden)"
 
 
@@ -28,7 +33,27 @@ def rendered(provider_name: str, task_path: Path) -> dict[str, str]:
 def golden_files(provider_name: str, task_path: Path) -> dict[str, str]:
     """What providers/<name>/ keeps for a task: everything but the verbatim sources shipped
     (the node agent, and the demo's code under rlhf-tasks/lib/)."""
-    return {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith(".py")}
+    files = {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith(".py")}
+    if provider_name != "slurm":
+        return files
+    from rlhf_tasks.spec import parse_task
+
+    for container in SLURM_VARIANTS.get(task_path.name, ()):
+        data = yaml.safe_load(task_path.read_text())
+        data.setdefault("placement", {}).setdefault("slurm", {})["container"] = container
+        provider = providers.get("slurm")
+        for name, text in provider.render(provider.plan(parse_task(data))).items():
+            files[name.replace(".sbatch", f".{container}.sbatch")] = text
+    return {name: without_agent(text) for name, text in files.items()}
+
+
+def without_agent(script: str) -> str:
+    """A Slurm script with its embedded node agent left out (the golden copies stay readable
+    and do not change with every change to the agent)."""
+    for delimiter in ("RLHF_TASKS_NODE_PY", "RLHF_TASKS_MODULE_PY"):  # the agent, and shipped modules
+        script = re.sub(rf"<<'{delimiter}'\n.*?\n{delimiter}\n", f"<<'{delimiter}'\n{AGENT_LEFT_OUT}\n{delimiter}\n",
+                        script, flags=re.S)
+    return script
 
 
 def refresh() -> None:
@@ -92,7 +117,8 @@ def test_skypilot_accepts_every_task(task_path, tmp_path, monkeypatch):
     sky_task = sky.Task.from_yaml_config(copy.deepcopy(config))  # it consumes the dict
     sky_task.expand_and_validate_file_mounts()
     assert sky_task.num_nodes == task.nodes
-    assert set(config.get("secrets", {})) == set(task.secrets) | ({"RAY_AUTH_TOKEN"} if task.ray.auth == "token" else set())
+    token_env = providers.get("sky").plan(task).token_env  # no Ray (torchrun): no token
+    assert set(config.get("secrets", {})) == set(task.secrets) | ({token_env} if token_env else set())
     assert all(v is None for v in config.get("secrets", {}).values())
 
 
@@ -115,7 +141,7 @@ def test_our_ray_never_takes_skypilots_ports(provider_name):
         assert not ours & {6380, 8266, 52365}, (task_path, ours)
 
 
-@pytest.mark.parametrize("provider_name", ["dstack", "sky"])
+@pytest.mark.parametrize("provider_name", ["dstack", "sky", "slurm"])
 def test_rendered_files_hold_no_secret_values(provider_name, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret-value")
@@ -124,7 +150,7 @@ def test_rendered_files_hold_no_secret_values(provider_name, monkeypatch):
             assert "wandb-secret-value" not in text and "ray-secret-value" not in text
 
 
-@pytest.mark.parametrize("provider_name", ["dstack", "sky"])
+@pytest.mark.parametrize("provider_name", ["dstack", "sky", "slurm"])
 def test_golden_files_are_current(provider_name):
     directory = GOLDEN[provider_name]
     expected = {}

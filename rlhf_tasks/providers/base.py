@@ -116,6 +116,11 @@ class Provider:
         if fresh:
             state.forget(name)
 
+    def status(self, name: str) -> str | None:
+        """The provider's own view of a cluster launched from here (for `rlhf-tasks status
+        NAME`), or None when the Ray Jobs API through the dashboard is the view."""
+        return None
+
     def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
         make the cluster's token, and the CLI's environment (secrets and token by value)."""

@@ -9,10 +9,12 @@ from .openrlhf import OpenRLHFPPOJob
 from .openrlhf_m import OpenRLHFMGrpoJob
 from .search_r1 import SearchR1Job
 from .tiny_grpo import TinyGrpoJob
+from .torchrun import TorchrunJob
 from .verl import VerlPPOJob
 
 #: Every recipe's job model; the task spec's `job` is a union discriminated by `recipe`.
-JOB_MODELS: tuple[type[JobBase], ...] = (TinyGrpoJob, CommandJob, OpenRLHFPPOJob, OpenRLHFMGrpoJob, VerlPPOJob, SearchR1Job)
+JOB_MODELS: tuple[type[JobBase], ...] = (TinyGrpoJob, CommandJob, OpenRLHFPPOJob, OpenRLHFMGrpoJob, VerlPPOJob, SearchR1Job,
+                                         TorchrunJob)
 
 
 def recipe_name(model: type[JobBase]) -> str:

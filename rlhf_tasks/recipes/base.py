@@ -30,6 +30,9 @@ class RecipeOutput:
     submission. `wandb_args` are appended only when WANDB_API_KEY is provided."""
 
     entrypoint: list[str]
+    #: "ray": submitted to the Ray cluster once it is up; "every_node": no Ray, every node
+    #: runs the entrypoint itself, with {rank}, {nodes}, {head_addr} and {node_addr} filled in.
+    mode: str = "ray"
     prepare: list[str] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)

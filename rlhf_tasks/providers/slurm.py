@@ -1,0 +1,407 @@
+"""Slurm: one self-contained batch script, submitted with `sbatch`.
+
+The script carries the node agent and its plan (heredocs it writes to a directory of
+the job beside its output, on the shared filesystem), and runs one step,
+`srun --nodes=N --ntasks=N --ntasks-per-node=1 --kill-on-bad-exit=1`, with the agent on
+every node: rank from SLURM_NODEID, the head the first host of `scontrol show hostnames
+"$SLURM_JOB_NODELIST"` resolved to its IPv4 address (never 127.0.1.1: the agent then
+takes its address on the route to the second host). The head agent submits the job
+when the cluster is ready and exits with its result; the workers leave when the head
+goes away; the script exits with the step's code, so Slurm's record of the job is the
+job's. No sleeps: the agents wait for conditions. Secrets and the Ray token reach the
+job from the submitting environment (`--export=ALL`), never through the script.
+
+An `image` runs with pyxis (`srun --container-image`, the default) or, as verl's AMD
+script does, with `docker run`/`podman run` on every node (`placement.slurm.container`).
+Inside a container there is no `scontrol`, so the script expands the host list once
+(RLHF_TASKS_HOSTS) and the contract reads it from there.
+
+`launch` submits with `sbatch --parsable`, shows the job while Slurm keeps it PENDING
+(with Slurm's reason), then echoes the head agent's output (`rlhf-tasks-<id>/node0.out`:
+its steps and the Ray job's log) and ends with the head's result line and Slurm's exit
+code; the launcher never needs to reach the cluster's dashboard. `status` asks Slurm for
+the job and, through a second step beside the first (`srun --overlap`), Ray for the job;
+`down` is `scancel`, waiting until every step is gone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from .. import state
+from ..errors import BadInput, StepFailed
+from ..launch import say, summarise
+from ..models import size_bytes
+from ..node import RESULT_PREFIX, parse_result, submission_id, wait_for
+from ..plan import Contract, Plan, command, env, gpu_vendor
+from ..spec import Task
+from .base import Cluster, Provider
+from .shipping import agent_source, module_files
+
+HOSTS_ENV = "RLHF_TASKS_HOSTS"
+NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+AGENT_EOF, PLAN_EOF = "RLHF_TASKS_NODE_PY", "RLHF_TASKS_PLAN_JSON"
+#: The Slurm variables a container needs to be given by name (docker/podman start clean).
+CONTRACT_VARS = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", HOSTS_ENV)
+#: The GPUs Slurm gave the job, by vendor: passed on, since the container sees every device.
+GPU_SELECTION_VAR = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
+
+
+def run_dir_of(directory: Path, job_id: str) -> Path:
+    """Where the script puts the agent, the plan and each node's output."""
+    return directory / f"rlhf-tasks-{job_id}"
+
+
+def _cli(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise BadInput(f"--provider slurm: the `{name}` command is not on PATH; run rlhf-tasks on a Slurm login node")
+    return path
+
+
+def _slurm_time(seconds: float) -> str:
+    """Seconds -> D-HH:MM:SS (Slurm counts minutes: rounded up)."""
+    minutes = math.ceil(seconds / 60)
+    return f"{minutes // 1440}-{minutes // 60 % 24:02d}:{minutes % 60:02d}:00"
+
+
+def _mebibytes(size: str) -> str:
+    return f"{math.ceil(size_bytes(size) / 2**20)}M"
+
+
+def _heredoc(path: str, text: str, delimiter: str) -> list[str]:
+    """`cat > path` with a quoted heredoc: the text is written byte for byte, nothing expanded."""
+    if delimiter in text.splitlines():
+        raise ValueError(f"the heredoc delimiter {delimiter} occurs in the text it delimits")
+    return [f"cat > {path} <<'{delimiter}'", *text.rstrip("\n").split("\n"), delimiter]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """Slurm's record of a job: `scontrol show job` while slurmctld keeps it (MinJobAge),
+    else sacct (where there is an accounting database); {} when neither knows it."""
+    out = subprocess.run([_cli("scontrol"), "-o", "show", "job", str(job_id)], capture_output=True, text=True)
+    if out.returncode == 0 and f"JobId={job_id} " in out.stdout:
+        fields = {}
+        for word in out.stdout.split():
+            key, sep, value = word.partition("=")
+            if sep and key not in fields:
+                fields[key] = value
+        return fields
+    sacct = shutil.which("sacct")
+    if sacct:
+        out = subprocess.run([sacct, "-j", str(job_id), "-X", "-n", "-P", "-o", "State,ExitCode,Reason,NodeList"],
+                             capture_output=True, text=True)
+        line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+        if line:
+            state_, code, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
+            return {"JobState": state_.split()[0], "ExitCode": code, "Reason": reason, "NodeList": nodes}
+    return {}
+
+
+def exit_code_of(info: dict[str, str]) -> int | None:
+    code = info.get("ExitCode", "")
+    return int(code.split(":")[0]) if code[:1].isdigit() else None
+
+
+def exit_text(info: dict[str, str]) -> str:
+    """Slurm's ExitCode (code:signal) in words."""
+    code, _, signal = info.get("ExitCode", "?").partition(":")
+    return f"exit code {code}" + (f" (signal {signal})" if signal not in ("", "0") else "")
+
+
+class FileTail:
+    """Echo the complete lines a growing file gets (a node's output on the shared filesystem),
+    but the agent's result line: the launcher sums it up instead."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        if complete:
+            text = complete.decode("utf-8", "replace")
+            shown = [line for line in text.splitlines(keepends=True) if not line.startswith(RESULT_PREFIX)]
+            print("".join(shown), end="", flush=True)
+            self.offset += len(complete)
+
+
+class SlurmProvider(Provider):
+    name = "slurm"
+    contract = Contract(
+        rank=env("SLURM_NODEID"),
+        nodes=env("SLURM_JOB_NUM_NODES"),
+        head=command(NODELIST, item=0),
+        peer=command(NODELIST, item=1),
+        cluster_id=env("SLURM_JOB_ID"),
+        gpus_per_node=env("SLURM_GPUS_ON_NODE", default="0"),
+    )
+    #: In a container: the host list the script expanded (no scontrol in the image).
+    container_contract = contract.model_copy(update={"head": env(HOSTS_ENV, item=0), "peer": env(HOSTS_ENV, item=1)})
+
+    def check(self, task: Task) -> None:
+        slurm = task.placement.slurm
+        if not task.image and slurm.container != "pyxis":
+            raise BadInput(f"placement.slurm.container: {slurm.container} runs the task's image; the task has no image")
+        if not task.image and slurm.mounts:
+            raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
+
+    def plan(self, task: Task) -> Plan:
+        plan = super().plan(task)
+        return plan.replace(contract=self.container_contract) if plan.image else plan
+
+    # ------------------------------------------------------------------ render
+
+    def sbatch_options(self, plan: Plan) -> list[str]:
+        res, slurm = plan.resources, plan.placement.slurm
+        options = [f"--job-name={plan.name}", f"--nodes={plan.nodes}", "--ntasks-per-node=1"]
+        if res.cpus:
+            options.append(f"--cpus-per-task={res.cpus}")
+        if slurm.gres:
+            options.append(f"--gres={slurm.gres}")
+        elif plan.gpus_per_node:
+            options.append(f"--gpus-per-node={plan.gpus_per_node}")
+        if res.memory:
+            options.append(f"--mem={_mebibytes(res.memory)}")
+        options.append("--exclusive")  # Ray's fixed ports and the GPUs are the job's alone
+        limit = plan.placement.max_duration or (
+            plan.job.timeout_s + plan.wait.head_s + plan.wait.nodes_s if plan.job.timeout_s else None)
+        if limit:
+            options.append(f"--time={_slurm_time(limit)}")
+        options += ["--output=%x-%j.out", "--export=ALL", "--requeue" if plan.placement.retry else "--no-requeue"]
+        for key in ("partition", "account", "qos", "constraint", "reservation"):
+            if getattr(slurm, key):
+                options.append(f"--{key}={getattr(slurm, key)}")
+        return options
+
+    def container_lines(self, plan: Plan) -> list[list[str]]:
+        """Shell words (quoted), a line of them per option, that run the agent in the image."""
+        slurm, q = plan.placement.slurm, shlex.quote
+        mounts = ['"$run_dir":"$run_dir"'] + ([q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")]
+                                             if plan.checkpoint_dir else []) + [q(m) for m in slurm.mounts]
+        if slurm.container == "pyxis":
+            return [[f"--container-image={q(plan.image)}"], ["--container-mounts=" + ",".join(mounts)],
+                    ['--container-workdir="$run_dir"']]
+        engine = slurm.container
+        lines = [[engine, "run", "--rm", "--init", f'--name={q(plan.name)}-"$SLURM_JOB_ID"'],
+                 ["--network=host", "--ipc=host"]]
+        if plan.resources.shm_size:
+            lines[-1].append(f"--shm-size={_mebibytes(plan.resources.shm_size).lower()}")
+        vendor = gpu_vendor(plan.resources.gpu_name) if plan.gpus_per_node else None
+        if vendor == "amd":
+            lines.append(["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"])
+        elif vendor == "nvidia":
+            lines.append(["--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all"])
+        if plan.network == "infiniband":
+            lines.append(["--device=/dev/infiniband", "--ulimit=memlock=-1:-1"])
+        names = [*CONTRACT_VARS, *([GPU_SELECTION_VAR[vendor]] if vendor else []), *plan.secrets,
+                 *([plan.token_env] if plan.token_env else []), *plan.env]
+        lines += [[f"--env={name}"] for name in dict.fromkeys(names)]
+        lines += [[f"--volume={mount}"] for mount in mounts]
+        lines += [['--workdir="$run_dir"'], [q(plan.image)]]
+        return lines
+
+    def script(self, plan: Plan) -> str:
+        q = shlex.quote
+        names = plan.secrets + ([plan.token_env] if plan.token_env else [])
+        token_hint = f"export {plan.token_env}=$(rlhf-tasks token {plan.name}); " if plan.token_env else ""
+        lines = [
+            "#!/bin/bash",
+            "# Rendered by rlhf-tasks for Slurm. Submit it with:",
+            f"#   {token_hint}sbatch {plan.name}.sbatch",
+            f"# or submit and follow it: rlhf-tasks launch TASK --provider slurm",
+            f"# From the submitting environment (--export=ALL), never written here: {', '.join(names) or 'nothing'}",
+            "# Output: <name>-<job id>.out (this script), rlhf-tasks-<job id>/node<N>.out (the node agents)",
+            *(f"#SBATCH {option}" for option in self.sbatch_options(plan)),
+            "set -euo pipefail",
+            "",
+            "# The node agent and its plan, beside the job's output (a filesystem every node sees).",
+            'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
+            'mkdir -p "$run_dir/logs"',
+            *_heredoc('"$run_dir/node.py"', agent_source(), AGENT_EOF),
+            *_heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
+        ]
+        modules = module_files(plan.modules)
+        if modules:  # the code a recipe needs on the nodes (the demo's), first on PYTHONPATH
+            lines.append("# Code the recipe needs on the nodes, first on PYTHONPATH.")
+            for path, text in modules.items():
+                lines.append(f'mkdir -p "$run_dir/lib/{Path(path).parent}"')
+                lines += _heredoc(f'"$run_dir/lib/{path}"', text, "RLHF_TASKS_MODULE_PY")
+            lines.append('export PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}"')
+        if plan.checkpoint_dir:
+            lines.append(f"mkdir -p {q(plan.checkpoint_dir)}")
+        if plan.image:
+            lines += ["", "# No scontrol inside the image: the host list, expanded once here.",
+                      f'{HOSTS_ENV}=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
+                      f"export {HOSTS_ENV}"]
+            if plan.placement.slurm.container != "pyxis" and plan.env:
+                lines += ["# The task's env, passed into the container by name.",
+                          *(f"export {key}={q(value)}" for key, value in plan.env.items())]
+        srun = [["srun", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
+                 "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
+        if plan.image:  # pyxis options, or the docker/podman command the agent runs in
+            srun += self.container_lines(plan)
+        srun.append(["python3", '"$run_dir/node.py"', "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
+        lines += [
+            "",
+            'echo "rlhf-tasks: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; the agents write $run_dir/node<N>.out"',
+            "# One step, one agent per node: the head submits the job and exits with its result.",
+            "status=0",
+            " \\\n    ".join(" ".join(words) for words in srun) + " || status=$?",
+            'echo "rlhf-tasks: the node agents ended with exit code $status"',
+            'exit "$status"',
+        ]
+        return "\n".join(lines) + "\n"
+
+    def render(self, plan: Plan) -> dict[str, str]:
+        return {f"{plan.name}.sbatch": self.script(plan)}
+
+    # ------------------------------------------------------------------ apply, status, down
+
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
+        """sbatch, then follow the job to its end from here (Cluster.finished)."""
+        if plan.job.mode == "ray" and plan.job.submit == "client":
+            raise BadInput("job.submit: `launch --provider slurm` follows the job the head submits; for a client "
+                           "submission render the script, sbatch it, and forward the head's dashboard port (ssh -L)")
+        sbatch = _cli("sbatch")
+        for name in ("scontrol", "scancel"):
+            _cli(name)
+        started = time.monotonic()
+        directory, token, env = self.stage(plan, secrets)
+        out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise StepFailed("sbatch", out.stderr.strip() or out.stdout.strip() or f"exit code {out.returncode}")
+        job_id = out.stdout.strip().splitlines()[-1].split(";")[0]
+        state.save(plan.name, {"provider": self.name, "cluster_id": job_id, "job_id": job_id,
+                               "directory": str(directory), "mode": plan.job.mode, "image": plan.image,
+                               "dashboard_port": plan.ray.dashboard_port})
+        say(f"submitted Slurm job {job_id} ({directory / (plan.name + '.sbatch')})")
+        code = self.follow(plan, job_id, directory, started)
+        return Cluster(name=plan.name, cluster_id=job_id, dashboard="", token=token, head_alive=lambda: False,
+                       finished=code)
+
+    def follow(self, plan: Plan, job_id: str, directory: Path, started: float) -> int:
+        """Show the job's state (and Slurm's reason while it waits), echo the head agent's
+        output, and end with its result: 0, or StepFailed naming Slurm's state and exit code."""
+        run_dir = run_dir_of(directory, job_id)
+        head_out = run_dir / "node0.out"
+        tails = [FileTail(directory / f"{plan.name}-{job_id}.out"), FileTail(head_out)]
+        shown, unknown_since, delay = None, None, 0.2
+        try:
+            while True:
+                info = job_info(job_id)
+                now = time.monotonic()
+                if not info:  # not yet visible, or forgotten without accounting
+                    unknown_since = unknown_since or now
+                    if now - unknown_since > 60:
+                        raise StepFailed(f"following Slurm job {job_id}", "Slurm does not know the job any more")
+                else:
+                    unknown_since = None
+                    current = (info.get("JobState"), info.get("Reason"))
+                    if current != shown:
+                        reason = f" ({current[1]})" if current[1] and current[1] != "None" else ""
+                        say(f"Slurm job {job_id}: {current[0]}{reason}"
+                             + (f" on {info['NodeList']}" if current[0] == "RUNNING" and info.get("NodeList") else ""))
+                        shown = current
+                for tail in tails:
+                    tail.pump()
+                if info.get("JobState") in FINAL_STATES:
+                    break
+                time.sleep(delay)  # polling Slurm's record of the job
+                delay = min(delay * 1.5, 2.0)
+        except KeyboardInterrupt:
+            say(f"the Slurm job keeps running; stop it with: rlhf-tasks down {plan.name}")
+            return 130
+        for tail in tails:
+            tail.pump()
+        slurm_state, code = info.get("JobState"), exit_code_of(info)
+        result = parse_result(head_out.read_text(errors="replace")) if head_out.exists() else None
+        job = (result or {}).get("job") or {}
+        if job.get("status"):
+            summarise(plan, job.get("submission_id") or submission_id(plan.name, job_id), job["status"], started,
+                      str(run_dir))
+        say(f"Slurm job {job_id} {slurm_state} with {exit_text(info)}")
+        if slurm_state == "COMPLETED" and code == 0:
+            return 0
+        why = (f"; the head agent: {result['error']}" if result and result.get("error")
+               else "" if result else f"; the head agent left no result (see {head_out})")
+        raise StepFailed(f"Slurm job {job_id}", f"it ended {slurm_state} with {exit_text(info)}{why}")
+
+    def status(self, name: str) -> str | None:
+        record = state.load(name)
+        if not record or record.get("provider") != self.name:
+            return None
+        job_id = record["job_id"]
+        info = job_info(job_id)
+        if not info:
+            return f"Slurm job {job_id}: unknown to Slurm (finished long ago?)"
+        reason = f" ({info['Reason']})" if info.get("Reason") not in (None, "", "None") else ""
+        lines = [f"Slurm job {job_id}: {info.get('JobState')}{reason}, nodes {info.get('NodeList') or '-'}, "
+                 f"run time {info.get('RunTime', '-')} of {info.get('TimeLimit', '-')}, {exit_text(info)}"]
+        head_out = run_dir_of(Path(record["directory"]), job_id) / "node0.out"
+        result = parse_result(head_out.read_text(errors="replace")) if head_out.exists() else None
+        if result is not None:
+            job = result.get("job") or {}
+            lines.append(f"job {job.get('submission_id') or '-'}: {job.get('status') or 'not run'} "
+                         f"(the head agent ended with exit code {result.get('exit_code')})")
+        elif info.get("JobState") == "RUNNING" and record.get("mode") == "ray" and not record.get("image"):
+            lines.append(self._ray_jobs(name, job_id, info, record.get("dashboard_port", 8265)))
+        else:
+            lines.append(f"job: see the head agent's output, {head_out}")
+        return "\n".join(lines)
+
+    def _ray_jobs(self, name: str, job_id: str, info: dict, port: int) -> str:
+        """Ray's view of the jobs, asked on the head through a second step beside the agents'."""
+        hosts = subprocess.run([_cli("scontrol"), "show", "hostnames", info.get("NodeList", "")],
+                               capture_output=True, text=True).stdout.split()
+        if not hosts:
+            return "Ray jobs: the head node is not known yet"
+        query = ("import json, os, sys, urllib.request\n"
+                 "token = os.environ.get('RAY_AUTH_TOKEN')\n"
+                 "request = urllib.request.Request('http://127.0.0.1:%s/api/jobs/' % sys.argv[1],"
+                 " headers={'Authorization': 'Bearer ' + token} if token else {})\n"
+                 "for job in json.load(urllib.request.urlopen(request, timeout=10)):\n"
+                 "    print('job %s: %s' % (job.get('submission_id'), job.get('status')))\n")
+        token = state.token(name)
+        env = {**os.environ, **({"RAY_AUTH_TOKEN": token} if token else {})}
+        argv = [_cli("srun"), f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={hosts[0]}",
+                "python3", "-c", query, str(port)]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            return f"Ray jobs: no answer from the head ({hosts[0]}) within 60s"
+        if out.returncode != 0:
+            return f"Ray jobs: not reachable yet on {hosts[0]} ({(out.stderr.strip().splitlines() or ['?'])[-1]})"
+        return out.stdout.strip() or "Ray jobs: none submitted yet"
+
+    def down(self, name: str) -> str:
+        record = state.load(name)
+        if not record or not record.get("job_id"):
+            return f"no Slurm job named {name} is known here"
+        job_id = record["job_id"]
+        subprocess.run([_cli("scancel"), job_id], capture_output=True, text=True)
+        squeue = _cli("squeue")
+
+        def gone() -> tuple[bool, object]:
+            steps = subprocess.run([squeue, "-h", "-s", "-j", job_id], capture_output=True, text=True).stdout.strip()
+            job_state = job_info(job_id).get("JobState")
+            done = not steps and (job_state is None or job_state in FINAL_STATES)
+            return done, f"job {job_state}, steps: {steps.replace(chr(10), '; ') or 'none'}"
+
+        wait_for(f"Slurm job {job_id} and its steps to end", gone, 300, interval=0.2, max_interval=1.0, report=say)
+        state.forget(name)
+        return f"cancelled Slurm job {job_id}; its steps are gone"

@@ -1,0 +1,358 @@
+"""`--provider slurm` on a real Slurm (tests/slurm_testbed.py: slurmctld, one slurmd per
+namespace host). `rlhf-tasks launch` runs on the testbed's "laptop" (a login node: it
+reaches slurmctld and the shared filesystem, not the compute nodes' ports).
+
+There is no slurmdbd here, so `sacct` cannot answer: Slurm's own record of a finished
+job comes from `scontrol show job` (and the jobcomp file), which is what the provider
+reads too (sacct is its fallback where accounting exists).
+
+Of the ways to run an image, podman runs here for real (an image imported from a local
+root filesystem); pyxis (not packaged by Debian) and docker (no daemon on this machine)
+are checked as rendered text only (tests/test_slurm_render.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import slurm_testbed as stmod
+import testbed as tbmod
+from conftest import ROOT, need
+
+slurm = stmod.make_slurm_fixture(3)
+
+#: Processes a compute host keeps between jobs: the Slurm daemons (and the fixture's probes).
+IDLE = {"slurmd", "slurmctld", "munged", "sinfo", "scontrol", "squeue"}
+
+
+def launcher_env(slurm, home: Path, **extra) -> dict[str, str]:
+    """The login node's environment: Slurm's config, this checkout first on the path."""
+    return slurm.env(PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(home), PYTHONUNBUFFERED="1", **extra)
+
+
+def cli(slurm, args: list[str], cwd: Path, home: Path, background=False, timeout=600, **env):
+    return slurm.run(["rlhf-tasks", *args], "laptop", env=launcher_env(slurm, home, **env), cwd=cwd,
+                     background=background, timeout=timeout, name=args[0])
+
+
+def tiny_grpo(tmp_path: Path, steps: int) -> Path:
+    """tasks/tiny-grpo.yaml with fewer steps and its checkpoints on the shared filesystem."""
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["job"]["args"].update(steps=steps, save_every=10)
+    task["checkpoints"]["path"] = str(tmp_path / "ckpt")
+    path = tmp_path / "tiny-grpo.yaml"
+    path.write_text(yaml.safe_dump(task))
+    return path
+
+
+def job_id_in(output: str) -> int:
+    return int(re.search(r"submitted Slurm job (\d+)", output).group(1))
+
+
+def strays(slurm) -> dict[str, list[str]]:
+    """{host: command lines} of processes beyond the idle Slurm daemons (agents, Ray, jobs)."""
+    found = {}
+    for h in slurm.testbed.hosts:
+        left = []
+        for pid, cmd in slurm.host_processes(h.index):
+            try:
+                exe = os.path.basename(os.readlink(f"/proc/{pid}/exe")).removesuffix("-wlm")
+            except OSError:
+                continue
+            if exe not in IDLE:
+                left.append(cmd[:120])
+        if left:
+            found[h.name] = left
+    return found
+
+
+def no_strays(slurm, timeout: float = 60) -> None:
+    last = {}
+
+    def clean():
+        last.clear()
+        last.update(strays(slurm))
+        return not last
+    try:
+        tbmod.poll(clean, timeout, "every host back to its Slurm daemons", 0.5)
+    except TimeoutError:
+        raise AssertionError(f"processes left on the hosts: {last}") from None
+
+
+@pytest.fixture
+def head_name_on_loopback(slurm, tmp_path):
+    """node0 resolves its own name to 127.0.1.1 only, as some Debian hosts do (the other
+    hosts still resolve it to its address): a mount in node0's namespace, undone after."""
+    hosts = (slurm.testbed.hosts_file.read_text().replace(f"{slurm.testbed.hosts[0].ip}\tnode0\n", "")
+             + "127.0.1.1\tnode0\n")
+    private = tmp_path / "hosts-node0"
+    private.write_text(hosts)
+    slurm.testbed.sh(0, f"mount --bind {shlex.quote(str(private))} /etc/hosts")
+    try:
+        assert slurm.testbed.sh(0, "getent ahostsv4 node0").split()[0] == "127.0.1.1"
+        assert slurm.testbed.sh(1, "getent ahostsv4 node0").split()[0] == slurm.testbed.hosts[0].ip
+        yield
+    finally:
+        slurm.testbed.sh(0, "umount /etc/hosts")
+
+
+def test_tiny_grpo_succeeds_and_the_reward_rises(slurm, tmp_path, head_name_on_loopback):
+    task = tiny_grpo(tmp_path, steps=20)
+    home = tmp_path / "home"
+    run = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, timeout=600)
+    out = run.output
+    assert run.returncode == 0, out[-6000:]
+    job = job_id_in(out)
+    # Slurm's record of the job (no sacct here: scontrol / the jobcomp record)
+    assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
+
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    start, end = rows[0]["mean_reward"], rows[-1]["mean_reward"]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert end > start and f"reward {start:.2f} -> {end:.2f}" in out, (start, end)
+    assert rows[-1]["world_size"] == 3 and len(set(rows[-1]["node_ids"])) == 3
+    assert f"Slurm job {job}: PENDING" in out or f"Slurm job {job}: RUNNING" in out
+    assert f"job tiny-grpo-{job}: SUCCEEDED" in out and f"Slurm job {job} COMPLETED with exit code 0" in out
+
+    # the head never took 127.0.1.1, although its own name resolves to it on node0
+    head_out = (tmp_path / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}" / "node0.out").read_text()
+    assert f"using {slurm.testbed.hosts[0].ip}, this node's address on the route to node1" in head_out
+    assert f"node 0 of 3, address {slurm.testbed.hosts[0].ip}, head {slurm.testbed.hosts[0].ip}" in head_out
+
+    token = (home / "clusters" / "tiny-grpo" / "token").read_text()
+    script = (tmp_path / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.out"))
+    assert token not in script and token not in out and token not in logs
+    no_strays(slurm)
+
+
+def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp_path):
+    blocker = tmp_path / "blocker.sh"
+    blocker.write_text("#!/bin/bash\nsrun --nodes=3 --ntasks=3 sleep 601\n")
+    blocking = slurm.sbatch(blocker, "--nodes=3", "--exclusive")
+    task = tmp_path / "fail.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "fail", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "3m"},
+        "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
+    home = tmp_path / "home"
+    try:
+        slurm.wait_running(blocking)
+        launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
+        tbmod.poll(lambda: re.search(r"Slurm job \d+: PENDING \((Resources|Priority)\)", launch.output), 60,
+                   "the launcher to show the job PENDING with Slurm's reason")
+    finally:
+        slurm.scancel(blocking)
+    assert launch.wait(600) == 1, launch.output[-6000:]
+    out = launch.output
+    job = job_id_in(out)
+    assert slurm.job_state(job) == ("FAILED", 1), slurm.job_info(job)
+    assert f"job fail-{job}: FAILED" in out and f"Slurm job {job} FAILED with exit code 1" in out
+    assert "failed: Slurm job" in out and "it ended FAILED" in out
+    no_strays(slurm)
+
+
+def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_path):
+    task = tiny_grpo(tmp_path, steps=100000)
+    home = tmp_path / "home"
+    launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
+    tbmod.poll(lambda: "submitted Slurm job" in launch.output, 60, "the launcher to submit")
+    job = job_id_in(launch.output)
+    tbmod.poll(lambda: re.search(r"step \d+/100000 ", launch.output) or not launch.running(), 300,
+               "the training to report a step")
+    assert launch.running(), launch.output[-6000:]
+
+    status = cli(slurm, ["status", "tiny-grpo"], tmp_path, home, timeout=120)
+    assert status.returncode == 0, status.output
+    assert f"Slurm job {job}: RUNNING" in status.output
+    assert f"job tiny-grpo-{job}: RUNNING" in status.output, status.output
+
+    down = cli(slurm, ["down", "tiny-grpo"], tmp_path, home, timeout=300)
+    assert down.returncode == 0 and f"cancelled Slurm job {job}; its steps are gone" in down.output, down.output
+    assert slurm.job_state(job).state == "CANCELLED"
+    assert launch.wait(120) == 1, launch.output[-4000:]
+    assert f"Slurm job {job} CANCELLED" in launch.output
+    no_strays(slurm)  # raylets, GCS, dashboard, reward server, trainer, agents: all gone
+
+
+GLOO_PROGRAM = """
+import os, socket, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+print(f"GLOO rank {rank} of {world} on {socket.gethostname()} node {os.environ['GROUP_RANK']}: sum {value.item():g}",
+      flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_recipe_runs_a_gloo_program_on_two_nodes(slurm, tmp_path):
+    program = tmp_path / "allreduce.py"
+    program.write_text(GLOO_PROGRAM)
+    task = tmp_path / "gloo.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "gloo", "nodes": 2, "resources": {"cpus": 1}, "wait": {"head": "2m"},
+        "job": {"recipe": "torchrun", "timeout": "5m",
+                "args": {"script": str(program), "nproc_per_node": 2, "port": 29517}}}))
+    home = tmp_path / "home"
+    run = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, timeout=300)
+    out = run.output
+    assert run.returncode == 0, out[-6000:]
+    job = job_id_in(out)
+    assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
+    run_dir = tmp_path / "runs" / "gloo" / "slurm" / f"rlhf-tasks-{job}"
+    lines = "".join((run_dir / f"node{n}.out").read_text() for n in range(2))
+    ranks = sorted(re.findall(r"GLOO rank (\d) of 4 on (node\d) node (\d): sum 10", lines))
+    assert ranks == [("0", "node0", "0"), ("1", "node0", "0"), ("2", "node1", "1"), ("3", "node1", "1")], lines
+    assert "ray start" not in lines  # no Ray at all
+    assert f"Slurm job {job} COMPLETED with exit code 0" in out
+    no_strays(slurm)
+
+
+# ------------------------------------------------------------------ the podman variant
+
+PODMAN_CONF = """[containers]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+# On each host's private /tmp: every node its own image store, as on a real cluster.
+PODMAN_STORAGE = """[storage]
+driver = "vfs"
+graphroot = "/tmp/podman-rlhf/storage"
+runroot = "/tmp/podman-rlhf/run"
+"""
+THIN_IMAGE = "localhost/rlhf-thin:test"
+
+
+@pytest.fixture
+def podman_image(slurm, tmp_path):
+    """An image imported on every host from a local root filesystem (no registry): empty but
+    for /etc/passwd; the machine's /usr, Python and this checkout are mounted into it by the
+    task (placement.slurm.mounts), its PATH puts the venv's python3 first. Yields the
+    environment podman needs here (what a site's /etc/containers holds): runc, not crun
+    (crun refuses this machine's hybrid cgroups), and rlimits no higher than the machine's
+    (no CAP_SYS_RESOURCE here)."""
+    for tool in ("podman", "runc", "catatonit"):
+        need(shutil.which(tool) is not None or os.path.exists(f"/usr/libexec/podman/{tool}"),
+             "podman, runc and catatonit (apt-get install podman runc catatonit)")
+    import resource
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
+    (tmp_path / "containers.conf").write_text(PODMAN_CONF.format(nofile=nofile, nproc=nproc))
+    (tmp_path / "storage.conf").write_text(PODMAN_STORAGE)
+    env = {"CONTAINERS_CONF": str(tmp_path / "containers.conf"),
+           "CONTAINERS_STORAGE_CONF": str(tmp_path / "storage.conf")}
+    rootfs = tmp_path / "rootfs"
+    for sub in ("usr", "etc", "tmp", "proc", "dev", "sys", "root", "run", "var/tmp"):
+        (rootfs / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        (rootfs / link).symlink_to(f"usr/{link}")
+    (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (rootfs / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
+    (rootfs / "tmp").chmod(0o1777)
+    tarball = tmp_path / "rootfs.tar"
+    slurm.testbed.sh(0, f"tar -C {shlex.quote(str(rootfs))} -cf {shlex.quote(str(tarball))} .")
+    path = f"{tbmod.BIN_DIR}:/usr/local/bin:/usr/bin:/bin"
+    for h in slurm.testbed.hosts:
+        slurm.testbed.sh(h.index, f"podman import --change ENV=PATH={path} {shlex.quote(str(tarball))} {THIN_IMAGE}",
+                         env=slurm.env(**env))
+    before = set(Path("/sys/fs/cgroup").glob("*/libpod_parent"))
+    yield env
+    # podman (cgroupfs) leaves its empty parent cgroups on the machine: remove those it made
+    for parent in set(Path("/sys/fs/cgroup").glob("*/libpod_parent")) - before:
+        for cgroup in sorted((p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [parent]:
+            try:
+                cgroup.rmdir()
+            except OSError:
+                pass  # still in use
+
+
+def podman_task(tmp_path: Path, steps: int) -> Path:
+    """tiny-grpo on 2 nodes in the thin image, with podman; setup records the container's PID 1."""
+    task = tiny_grpo(tmp_path, steps=steps)
+    spec = yaml.safe_load(task.read_text())
+    here = sorted({str(ROOT), sys.prefix, sys.base_prefix})
+    spec.update(nodes=2, image=THIN_IMAGE)
+    spec["env"]["PYTHONPATH"] = str(ROOT)
+    # setup runs where the agent runs: PID 1 there is podman's init, not the host's
+    spec["setup"] = [f"tr '\\0' ' ' < /proc/1/cmdline > {tmp_path}/ckpt/pid1-node$SLURM_NODEID"]
+    spec["placement"] = {"slurm": {"container": "podman", "mounts": ["/usr:/usr:ro", *(f"{p}:{p}:ro" for p in here)]}}
+    task.write_text(yaml.safe_dump(spec))
+    return task
+
+
+def no_containers(slurm, env: dict[str, str]) -> None:
+    for h in slurm.testbed.hosts:  # --rm, even when the job was cancelled
+        assert not slurm.testbed.sh(h.index, "podman ps -aq", env=slurm.env(**env)).strip(), h.name
+
+
+def test_the_podman_variant_runs_the_agents_in_containers(slurm, tmp_path, podman_image):
+    task = podman_task(tmp_path, steps=10)
+    home = tmp_path / "home"
+    run = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, timeout=600, **podman_image)
+    out = run.output
+    assert run.returncode == 0, out[-6000:]
+    job = job_id_in(out)
+    assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
+    assert f"job tiny-grpo-{job}: SUCCEEDED" in out and "reward " in out
+    script = (tmp_path / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
+    assert "podman run --rm --init" in script
+    run_dir = tmp_path / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}"
+    for n in range(2):
+        assert "node %d of 2" % n in (run_dir / f"node{n}.out").read_text()
+        assert (tmp_path / "ckpt" / f"pid1-node{n}").read_text().startswith("/run/podman-init -- python3 ")
+    no_strays(slurm)  # podman, conmon and the containers' processes are gone too
+    no_containers(slurm, podman_image)
+
+
+def test_down_stops_the_podman_containers(slurm, tmp_path, podman_image):
+    home = tmp_path / "home"
+    launch = cli(slurm, ["launch", str(podman_task(tmp_path, steps=100000)), "--provider", "slurm"], tmp_path, home,
+                 background=True, **podman_image)
+    tbmod.poll(lambda: re.search(r"step \d+/100000 ", launch.output) or not launch.running(), 300,
+               "the training to report a step")
+    assert launch.running(), launch.output[-6000:]
+    down = cli(slurm, ["down", "tiny-grpo"], tmp_path, home, timeout=300, **podman_image)
+    assert down.returncode == 0, down.output
+    assert launch.wait(120) == 1
+    no_strays(slurm)
+    no_containers(slurm, podman_image)
+
+
+# A cluster whose Slurm tracks a task by its process group only (proctrack/pgid): the
+# agent's children (Ray, services, each in a session of its own) are invisible to it, so
+# only the agent's own clean-up, and the kernel killing its children with it, stop them.
+slurm_pgid = stmod.make_slurm_fixture(2, proctrack="proctrack/pgid")
+
+
+def test_down_leaves_no_process_where_slurm_sees_only_the_agents(slurm_pgid, tmp_path):
+    task = tiny_grpo(tmp_path, steps=100000)
+    spec = yaml.safe_load(task.read_text())
+    spec["nodes"] = 2
+    task.write_text(yaml.safe_dump(spec))
+    home = tmp_path / "home"
+    launch = cli(slurm_pgid, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
+    tbmod.poll(lambda: re.search(r"step \d+/100000 ", launch.output) or not launch.running(), 300,
+               "the training to report a step")
+    assert launch.running(), launch.output[-6000:]
+    job = job_id_in(launch.output)
+    down = cli(slurm_pgid, ["down", "tiny-grpo"], tmp_path, home, timeout=300)
+    assert down.returncode == 0, down.output
+    assert slurm_pgid.job_state(job).state == "CANCELLED"
+    assert launch.wait(120) == 1
+    no_strays(slurm_pgid)
+

@@ -1,0 +1,220 @@
+"""The Slurm provider's batch script, without a cluster: what `rlhf-tasks render --provider
+slurm` writes passes `bash -n` and shellcheck, carries the agent and the plan, takes its
+#SBATCH lines from the task, runs an image with pyxis, docker or podman as documented,
+and never holds a secret. (tests/test_slurm_provider.py runs it on a real Slurm.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_tasks import providers
+from rlhf_tasks.errors import BadInput
+from rlhf_tasks.node import PLAN_VERSION
+from rlhf_tasks.plan import ROCM_ENV, gpu_vendor
+from rlhf_tasks.providers.shipping import agent_source
+from rlhf_tasks.spec import parse_task
+
+from conftest import ROOT, need
+
+TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
+IMAGE_TASK = ROOT / "tasks" / "verl-ppo-gsm8k.yaml"
+
+FULL = {
+    "name": "full", "nodes": 4, "resources": {"gpus": "H100:8", "cpus": 64, "memory": "512GiB", "shm_size": "64GiB"},
+    "env": {"NCCL_DEBUG": "INFO", "QUOTED": "it's $HOME; `x`"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"],
+    "checkpoints": {"path": "/shared/ckpt"}, "wait": {"head": "10m", "nodes": "5m"},
+    "placement": {"retry": True, "slurm": {"partition": "gpu", "account": "proj-42", "qos": "high",
+                                           "constraint": "h100&ib", "reservation": "rlhf"}},
+    "job": {"recipe": "command", "timeout": "2h", "args": {"entrypoint": "python3 train.py"}},
+}
+
+
+def task_data(path: Path, **slurm) -> dict:
+    data = yaml.safe_load(path.read_text())
+    if slurm:
+        data.setdefault("placement", {}).setdefault("slurm", {}).update(slurm)
+    return data
+
+
+def render(data: dict) -> str:
+    provider = providers.get("slurm")
+    (script,) = provider.render(provider.plan(parse_task(data))).values()
+    return script
+
+
+def sbatch_options(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def heredoc(script: str, delimiter: str) -> str:
+    match = re.search(rf"<<'{delimiter}'\n(.*?)\n{delimiter}\n", script, re.S)
+    return match.group(1) + "\n"
+
+
+def srun_step(script: str) -> str:
+    """The srun command line, continuations joined."""
+    return script[script.index("\nsrun "):script.index("|| status=$?")].replace("\\\n", " ")
+
+
+SCRIPTS = [(path.stem, task_data(path)) for path in TASKS] + [
+    (f"{IMAGE_TASK.stem}-{container}", task_data(IMAGE_TASK, container=container))
+    for container in ("pyxis", "docker", "podman")] + [("full", FULL)]
+
+
+@pytest.mark.parametrize("name,data", SCRIPTS, ids=[s[0] for s in SCRIPTS])
+def test_every_script_passes_bash_n_and_shellcheck(name, data, tmp_path):
+    need(shutil.which("shellcheck") is not None, "shellcheck (apt-get install shellcheck)")
+    path = tmp_path / f"{name}.sbatch"
+    path.write_text(render(data))
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    lint = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(path)], capture_output=True, text=True)
+    assert lint.returncode == 0 and not lint.stdout, lint.stdout
+
+
+def test_sbatch_lines_come_from_the_task():
+    assert sbatch_options(render(FULL)) == [
+        "--job-name=full", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64", "--gpus-per-node=8",
+        "--mem=524288M", "--exclusive", "--time=0-02:15:00",  # the job's 2h + the waits for head (10m) and nodes (5m)
+        "--output=%x-%j.out", "--export=ALL", "--requeue",
+        "--partition=gpu", "--account=proj-42", "--qos=high", "--constraint=h100&ib", "--reservation=rlhf"]
+    gres = {**FULL, "placement": {"max_duration": "3d", "slurm": {"gres": "gpu:h100:8"}}}
+    options = sbatch_options(render(gres))
+    assert "--gres=gpu:h100:8" in options and not any(o.startswith("--gpus-per-node") for o in options)
+    assert "--time=3-00:00:00" in options and "--no-requeue" in options
+
+
+def test_one_srun_step_runs_the_agent_on_every_node():
+    script = render(FULL)
+    step = srun_step(script)
+    assert step.split()[:7] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                "--whole", '--output="$run_dir/node%n.out"']
+    assert 'python3 "$run_dir/node.py" --plan "$run_dir/plan.json"' in step
+    assert script.count("\nsrun ") == 1 and "sleep" not in script.replace(agent_source(), "")
+    assert script.rstrip().endswith('exit "$status"')  # the job's exit code is the script's
+
+
+def test_the_script_carries_the_agent_and_its_plan():
+    script = render(FULL)
+    assert heredoc(script, "RLHF_TASKS_NODE_PY") == agent_source()
+    plan = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))
+    assert plan["version"] == PLAN_VERSION and plan["provider"] == "slurm"
+    assert plan["contract"]["head"]["command"] == ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
+    assert plan["contract"]["head"]["item"] == 0 and plan["contract"]["peer"]["item"] == 1
+    assert plan["contract"]["rank"]["env"] == "SLURM_NODEID"
+    assert plan["env"]["QUOTED"] == "it's $HOME; `x`"  # data, not shell: the heredoc is quoted
+
+
+def test_secrets_travel_by_name_only(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret-value")
+    for data in (FULL, task_data(IMAGE_TASK, container="docker")):
+        script = render(data)
+        assert "secret-value" not in script
+        assert "never written here: WANDB_API_KEY, HF_TOKEN, RAY_AUTH_TOKEN" in script
+    docker = srun_step(render(task_data(IMAGE_TASK, container="docker")))
+    for name in ("WANDB_API_KEY", "HF_TOKEN", "RAY_AUTH_TOKEN", "SLURM_NODEID", "RLHF_TASKS_HOSTS"):
+        assert f"--env={name} " in docker + " "
+
+
+def test_pyxis_runs_the_image_with_the_agents_and_checkpoint_dirs_mounted():
+    data = task_data(IMAGE_TASK, mounts=["/data:/data:ro"])
+    script = render(data)
+    step = srun_step(script)
+    assert "--container-image=verlai/verl:vllm017.latest" in step
+    assert ('--container-mounts="$run_dir":"$run_dir",/checkpoints/verl-ppo-gsm8k:/checkpoints/verl-ppo-gsm8k,'
+            "/data:/data:ro") in step
+    assert '--container-workdir="$run_dir"' in step
+    # no scontrol in the image: the script expands the host list, the contract reads it
+    assert 'RLHF_TASKS_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)' in script
+    contract = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))["contract"]
+    assert contract["head"] == {**contract["head"], "env": "RLHF_TASKS_HOSTS", "item": 0}
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
+    script = render(task_data(ROOT / "tasks" / "verl-ppo-gsm8k-mi300x.yaml", container=engine))
+    step = srun_step(script)
+    words = step.split()
+    run = words.index(engine)
+    assert words[run:run + 4] == [engine, "run", "--rm", "--init"]
+    for option in ("--network=host", "--ipc=host", "--shm-size=122071m", "--device=/dev/kfd", "--device=/dev/dri",
+                   "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
+                   "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
+                   '--workdir="$run_dir"'):
+        assert option in words, option
+    assert "--env=CUDA_VISIBLE_DEVICES" not in words
+    assert words[words.index('--workdir="$run_dir"') + 1:][:3] == [
+        "rlsys/verl:verl-0.4.1_ubuntu-22.04_rocm6.3.4-numa-patch_vllm0.8.5_sglang0.4.6.post4", "python3",
+        '"$run_dir/node.py"']
+    # the task's env is exported for the container to take by name
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_8,mlx5_9" in script
+    nvidia = srun_step(render(task_data(IMAGE_TASK, container=engine)))
+    assert ("--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all") in nvidia.split()
+    assert "--env=CUDA_VISIBLE_DEVICES" in nvidia.split() and "/dev/kfd" not in nvidia
+
+
+def test_amd_gpus_get_the_rocm_preset():
+    assert [gpu_vendor(n) for n in ("MI300X", "mi250", "MI355X", "AMD-Instinct-MI300X-OAM", "H100", "A100-80GB", None)] == [
+        "amd", "amd", "amd", "amd", "nvidia", "nvidia", None]
+    provider = providers.get("slurm")
+    amd = provider.plan(parse_task({**FULL, "resources": {"gpus": "MI300X:8"}}))
+    assert amd.env["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert {k: amd.env[k] for k in ROCM_ENV} == ROCM_ENV and amd.env["NCCL_DEBUG"] == "INFO"
+    assert "ROCR_VISIBLE_DEVICES" not in amd.env  # the scheduler's choice of GPUs stands
+    overridden = provider.plan(parse_task({**FULL, "resources": {"gpus": "MI250:4"}, "env": {"NCCL_PROTO": "LL"}}))
+    assert overridden.env["NCCL_PROTO"] == "LL" and overridden.env["HIP_VISIBLE_DEVICES"] == "0,1,2,3"
+    nvidia = provider.plan(parse_task(FULL))
+    assert not set(nvidia.env) & ({"HIP_VISIBLE_DEVICES"} | set(ROCM_ENV))
+    infiniband = provider.plan(parse_task({**FULL, "network": "infiniband"}))
+    assert infiniband.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}",
+                                      "NCCL_IB_DISABLE": "0"}  # HCA names stay the task's
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"placement": {"slurm": {"container": "docker"}}}, "placement.slurm.container"),
+    ({"placement": {"slurm": {"mounts": ["/data:/data"]}}}, "placement.slurm.mounts"),
+    ({"image": "x", "placement": {"slurm": {"mounts": ["data:/data"]}}}, "placement.slurm.mounts"),
+    ({"placement": {"slurm": {"partition": "gpu\n#SBATCH --uid=0"}}}, "placement.slurm.partition"),
+    ({"placement": {"slurm": {"container": "singularity"}}}, "placement.slurm.container"),
+    ({"job": {"recipe": "torchrun", "submit": "client", "args": {"module": "m"}}}, "job.submit"),
+    ({"job": {"recipe": "torchrun", "args": {"module": "m", "script": "/s.py"}}}, "job.args"),
+])
+def test_bad_slurm_inputs_name_their_field(change, field):
+    data = {"name": "bad", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}, **change}
+    provider = providers.get("slurm")
+    with pytest.raises(BadInput, match=re.escape(field)):
+        provider.plan(parse_task(data))
+
+
+def test_launch_refuses_a_client_submission_before_submitting(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    provider = providers.get("slurm")
+    plan = provider.plan(parse_task({**FULL, "job": {**FULL["job"], "submit": "client"}}))
+    assert "--provider slurm" in render({**FULL, "job": {**FULL["job"], "submit": "client"}})  # renders fine
+    with pytest.raises(BadInput, match="job.submit"):
+        provider.apply(plan, {})
+    assert not (tmp_path / "runs").exists()  # nothing staged, nothing submitted
+
+
+def test_torchrun_runs_on_every_node_without_ray():
+    provider = providers.get("slurm")
+    plan = provider.plan(parse_task({
+        "name": "dpo", "nodes": 2, "resources": {"gpus": "H100:8"},
+        "job": {"recipe": "torchrun", "args": {"module": "openrlhf.cli.train_dpo", "args": ["--beta", "0.1"]}}}))
+    assert plan.job.mode == "every_node" and plan.token_env is None and plan.job.working_dir is None
+    assert plan.job.entrypoint == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "{rank}",
+                                   "--rdzv-endpoint", "{head_addr}:29500", "-m", "openrlhf.cli.train_dpo",
+                                   "--beta", "0.1"]
+    script = render({"name": "dpo", "nodes": 2, "job": {"recipe": "torchrun", "args": {"script": "/x.py"}}})
+    assert "never written here: nothing" in script  # no Ray: no token
+    with pytest.raises(BadInput, match="nproc_per_node 16 is more than the 8 GPUs"):
+        provider.plan(parse_task({"name": "dpo", "nodes": 2, "resources": {"gpus": "H100:8"},
+                                  "job": {"recipe": "torchrun", "args": {"module": "m", "nproc_per_node": 16}}}))
