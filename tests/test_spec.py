@@ -105,4 +105,4 @@ def test_a_missing_recipe_lists_the_recipes():
     with pytest.raises(BadInput) as info:
         parse_task({"name": "x", "nodes": 1, "job": {"args": {}}}, "t.yaml")
     assert "  job.recipe: missing (choose one of: command, openrlhf-m-grpo, openrlhf-ppo, search-r1, tiny-grpo, " \
-           "verl-ppo)" in str(info.value)
+           "torchrun, verl-ppo)" in str(info.value)
