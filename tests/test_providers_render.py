@@ -26,8 +26,9 @@ def rendered(provider_name: str, task_path: Path) -> dict[str, str]:
 
 
 def golden_files(provider_name: str, task_path: Path) -> dict[str, str]:
-    """What providers/<name>/ keeps for a task: everything but the verbatim node agent."""
-    return {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith("node.py")}
+    """What providers/<name>/ keeps for a task: everything but the verbatim node agent and its preflight."""
+    return {name: text for name, text in rendered(provider_name, task_path).items()
+            if not name.endswith(("node.py", "preflight.py"))}
 
 
 def refresh() -> None:

@@ -15,14 +15,16 @@ LOCAL_DIR = "rlhf-tasks"
 NODE_DIR = "/opt/rlhf-tasks"
 
 
-def agent_source() -> str:
-    """The node agent, shipped verbatim: one standard-library file."""
-    return (Path(__file__).resolve().parent.parent / "node.py").read_text()
+def agent_source(name: str = "node.py") -> str:
+    """The node agent (node.py) or its preflight (preflight.py, run beside it as a Ray job),
+    shipped verbatim: rlhf-tasks itself is not installed on the nodes."""
+    return (Path(__file__).resolve().parent.parent / name).read_text()
 
 
 def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    return {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source()}
+    return {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source(),
+            f"{LOCAL_DIR}/preflight.py": agent_source("preflight.py")}
 
 
 def node_path(local: str) -> str:
