@@ -523,23 +523,33 @@ class Preflight(object):
 
         ray.init(log_to_driver=False)
         self.run_step("nodes", self.step_nodes)
-        self.run_step("versions", self.step_versions)
-        self.run_step("interfaces", self.step_interfaces)
-        self.run_step("torch", self.step_torch)
-        if len(self.nodes) > 1:
-            self.run_step("pairs", self.step_pairs)
-            if all(n.get("torch") for n in self.nodes):
-                self.run_step("gloo", lambda: self.step_allreduce("gloo"))
-            if self.gpu_nodes():
-                self.run_step("nccl", lambda: self.step_allreduce("nccl"))
-        else:
-            self.notes.append("one node: there is no network between nodes to check")
-        self.bandwidth_verdict()
-        if self.args.checks:
+        network_error = None
+        try:
+            self.run_step("versions", self.step_versions)
+            self.run_step("interfaces", self.step_interfaces)
+            self.run_step("torch", self.step_torch)
+            if len(self.nodes) > 1:
+                self.run_step("pairs", self.step_pairs)
+                if all(n.get("torch") for n in self.nodes):
+                    self.run_step("gloo", lambda: self.step_allreduce("gloo"))
+                if self.gpu_nodes():
+                    self.run_step("nccl", lambda: self.step_allreduce("nccl"))
+            else:
+                self.notes.append("one node: there is no network between nodes to check")
+            self.bandwidth_verdict()
+        except Failed as exc:
+            network_error = exc
+        if self.args.checks:  # doctor's checks do not need the network ones: run them anyway
             checks = json.loads(self.args.checks)
-            self.run_step("services", lambda: self.step_services(checks.get("services") or []))
-            self.run_step("checkpoints", lambda: self.step_checkpoints(checks.get("checkpoint_dir")))
-            self.run_step("disk", lambda: self.step_disk(checks))
+            for name, step in (("services", lambda: self.step_services(checks.get("services") or [])),
+                               ("checkpoints", lambda: self.step_checkpoints(checks.get("checkpoint_dir"))),
+                               ("disk", lambda: self.step_disk(checks))):
+                try:
+                    self.run_step(name, step)
+                except Failed as exc:
+                    self.checks.append({"check": name, "ok": False, "detail": str(exc), "fix": None})
+        if network_error is not None:
+            raise network_error
 
     def step_nodes(self) -> None:
         import ray
