@@ -670,11 +670,14 @@ class Preflight(object):
             " (this node's Ray address %s is on %s)" % (node["address"], hint) if hint else ""))
 
     def step_torch(self) -> None:
-        infos = self.gather("torch", [a.torch_info.remote(STEP_CAPS["torch"] - 5) for a in self.actors],
-                            list(range(len(self.nodes))), self.step_deadline("torch"))
+        deadline = self.step_deadline("torch")
+        wait = max(1.0, deadline - time.time() - 2)  # each node says itself that its import is stuck
+        infos = self.gather("torch", [a.torch_info.remote(wait) for a in self.actors], list(range(len(self.nodes))),
+                            deadline)
+        errors = ["%s: %s" % (node["label"], info["error"]) for node, info in zip(self.nodes, infos) if info.get("error")]
+        if errors:
+            raise Failed("torch", "; ".join(errors))
         for node, info in zip(self.nodes, infos):
-            if info.get("error"):
-                raise Failed("torch", "%s: %s" % (node["label"], info["error"]))
             node.update({k: info.get(k) for k in ("torch", "cuda", "rocm", "nccl", "cuda_devices")})
             node["torch_why"] = info.get("why")
         have = [n for n in self.nodes if n["torch"]]
