@@ -18,6 +18,7 @@ Results: benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,7 +72,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-preflight-"))
     rows = {True: [], False: []}
     with tbmod.Testbed(3, base / "testbed", shared=[base]) as tb:
-        for index in range(args.rounds):
+        for index in range(args.rounds):  # the hosts' logs stay under `base` until the end
             for enabled in ((False, True) if index % 2 == 0 else (True, False)):
                 directory = base / f"r{index}-{'on' if enabled else 'off'}"
                 directory.mkdir()
@@ -91,6 +92,7 @@ def main() -> None:
     added = (statistics.median(r["ready_running"] for r in rows[True])
              - statistics.median(r["ready_running"] for r in rows[False]))
     print(f"\npreflight adds {added:.1f} s to cluster ready -> job running (median of {args.rounds})")
+    shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
