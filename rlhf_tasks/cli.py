@@ -276,6 +276,12 @@ def cmd_token(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from .doctor import doctor
+
+    return doctor(args.target, args.address, args.provider, args.timeout)
+
+
 def cmd_recipes(args) -> int:
     from .recipes import catalogue
 
@@ -354,6 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
             "rendered file by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)")
     p.add_argument("target", metavar="TASK.yaml|NAME")
     p.add_argument("--new", action="store_true", help="make a new token (a new cluster)")
+    p = add("doctor", cmd_doctor, "check a running cluster: token, nodes, versions, interfaces, bandwidth, services, "
+            "the shared checkpoint dir, disk and /dev/shm (exit 0 when all pass)")
+    p.add_argument("target", metavar="TASK.yaml|NAME")
+    p.add_argument("--address", help="the dashboard, e.g. a forwarded http://localhost:8265 (default: the one "
+                   "recorded when the cluster was launched from here)")
+    p.add_argument("--provider", help="with a task file: the provider whose plan to expect (default: the recorded "
+                   "one, else local)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline for the checks on the cluster "
+                   "(default: the task's preflight.timeout)")
     add("recipes", cmd_recipes, "list the recipes and what each needs")
     add("schema", cmd_schema, "print the task file's JSON Schema")
     parser.set_defaults(launch_parser=launch_parser)

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 from .errors import HeadLost, StepFailed
-from .node import (AgentError, alive_nodes, auth_headers, cluster_check, head_address, http_check, http_request,
-                   is_submission_of, next_submission_id, parse_result, submission_id, wait_for)
+from .node import (TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check, head_address,
+                   http_check, http_request, is_submission_of, next_submission_id, parse_result,
+                   preflight_submission_id, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
@@ -59,6 +60,10 @@ def _watching(cluster: Cluster, tail: LogTail, check):
             tail.pump()
             where = "its log is above" if cluster.logs_dir else "last lines:\n" + "\n".join(
                 cluster.head_log().splitlines()[-20:])
+            said = parse_result(cluster.head_log()) or {}
+            if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
+                error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
+                raise StepFailed(said["failed_step"], f"{error} ({where})")
             raise HeadLost("bringing up the cluster", f"the head's process exited ({where})")
         return check()
     return wrapped
@@ -71,6 +76,29 @@ def wait_cluster(cluster: Cluster, plan: Plan, tail: LogTail) -> str:
     check = cluster_check(cluster.dashboard, cluster.token, plan.nodes)
     return wait_for(f"{plan.nodes} nodes", _watching(cluster, tail, check), plan.wait.nodes_s, interval=0.5,
                     report=say)
+
+
+def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
+    """For `submit: client`: submit only once the head's preflight has passed (its Ray job
+    ends SUCCEEDED); the head prints the table and the reasons."""
+    sid = preflight_submission_id(cluster.cluster_id)
+    jobs_url = f"{cluster.dashboard}/api/jobs/"
+
+    def check():
+        try:
+            status, body = http_request(jobs_url, headers=auth_headers(cluster.token))
+        except OSError as exc:
+            return False, str(exc)
+        ours = [job for job in (json.loads(body) if status == 200 else [])
+                if (job.get("submission_id") or "").startswith(sid)]
+        state = ours[-1]["status"] if ours else "not submitted yet"
+        return state in TERMINAL_JOB_STATES, state
+
+    status = wait_for("the head's preflight", _watching(cluster, tail, check), plan.preflight.timeout_s + 120,
+                      report=say)
+    tail.pump()
+    if status != "SUCCEEDED":
+        raise StepFailed("preflight", f"it ended {status}: the head's log says why (the job was not submitted)")
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
@@ -251,6 +279,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
         jobs = Jobs(cluster.dashboard, cluster.token)
         if plan.job.submit == "client":
+            if plan.preflight.enabled:
+                wait_preflight(cluster, plan, tail)
             sid = submission_id(plan.name, cluster.cluster_id)
             head = head_address(cluster.dashboard, cluster.token)
             if jobs.submit(plan, sid, head, {**os.environ, **secrets}):

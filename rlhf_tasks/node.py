@@ -565,7 +565,9 @@ def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
 def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]:
     """The environment for Ray and the services on this node."""
     env = dict(base)
-    env.update(network_env(plan["network_env"], info))
+    # The preset fills what the node's environment leaves unset (an image or a machine that
+    # sets NCCL_SOCKET_IFNAME knows its network); the task's env wins over both.
+    env.update({k: v for k, v in network_env(plan["network_env"], info).items() if not base.get(k)})
     env.update(plan.get("env", {}))
     env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
                 "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
@@ -883,6 +885,9 @@ class HeadFlow(object):
                                                          (plan["ray"].get("num_gpus") or 0) * nodes)),
                             plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
         log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
+        if plan["preflight"]["enabled"]:
+            with node.step("preflight"):
+                HeadPreflight(node).run()
         if plan["job"]["submit"] == "head":
             return self.submit_and_follow()
         log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`"
@@ -1183,6 +1188,133 @@ def every_node_argv(job: dict, info: NodeInfo) -> List[str]:
 
 
 # ======================================================================================
+# Preflight: before the job, prove the nodes can talk (preflight.py, shipped beside this file).
+# ======================================================================================
+
+PREFLIGHT_PREFIX = "RLHF_TASKS_PREFLIGHT "
+PREFLIGHT_GRACE_S = 15.0  # beyond the checks' own deadline: for the Ray job to start and end
+
+
+def preflight_script() -> str:
+    """preflight.py beside this agent (rlhf_tasks/ locally, /opt/rlhf-tasks/ on a node)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "preflight.py")
+
+
+def preflight_submission_id(cluster_key: str) -> str:
+    """`preflight_<cluster>`: never taken for a job's own id, since task names have no underscore."""
+    return "preflight_" + re.sub(r"[^A-Za-z0-9_-]+", "-", cluster_key).strip("-")
+
+
+def preflight_argv(settings: dict, nodes: int, script: str, deadline: Optional[float] = None,
+                   timeout: Optional[float] = None, checks: Optional[dict] = None) -> List[str]:
+    """The preflight job's command line: an absolute `deadline` from the head (the job runs
+    on its clock), or a `timeout` from elsewhere (clocks may differ)."""
+    limit = ["--deadline", "%.1f" % deadline] if deadline is not None else ["--timeout", "%.1f" % (timeout or 120)]
+    argv = ["python3", script, "--nodes", str(nodes)] + limit + [
+        "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
+    if settings.get("model"):
+        argv += ["--model", settings["model"]]
+    if settings.get("weight_bytes"):
+        argv += ["--weight-bytes", str(settings["weight_bytes"])]
+    if checks:
+        argv += ["--checks", json.dumps(checks)]
+    return argv
+
+
+def parse_preflight(text: str) -> Optional[dict]:
+    """The preflight job's result line in its log, or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(PREFLIGHT_PREFIX):
+            try:
+                return json.loads(line[len(PREFLIGHT_PREFIX):])
+            except ValueError:
+                return None
+    return None
+
+
+def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
+    """Echo the preflight job's progress lines until it ends and return its result; at the
+    deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
+    shown, status, text, delay = 0, None, "", 0.3
+    while True:
+        try:
+            status, text = jobs.status(sid), jobs.logs(sid)
+        except OSError as exc:
+            status = "unknown (%s)" % exc
+        complete = text[:text.rfind("\n") + 1]
+        lines = complete.splitlines()
+        for line in lines[shown:]:
+            if line.startswith("preflight: "):
+                report(line)
+        shown = max(shown, len(lines))
+        result = parse_preflight(complete)
+        if result is not None:  # its last word: no need to wait for Ray to mark the job ended
+            return result
+        if status in TERMINAL_JOB_STATES:
+            break
+        if time.time() > deadline + PREFLIGHT_GRACE_S:
+            jobs.stop(sid)
+            steps = [line for line in lines if line.startswith("preflight: ")]
+            raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
+                             "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
+        time.sleep(delay)
+        delay = min(delay * 1.2, 0.5)
+    result = parse_preflight(text)
+    if result is None:
+        raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"
+                         % (status, "\n".join(text.splitlines()[-20:])))
+    return result
+
+
+def preflight_report(result: dict, report: Callable[[str], None]) -> None:
+    """The table, then warnings and notes, as the head (and `rlhf-tasks doctor`) print them."""
+    verdict = "passed" if result["passed"] else "FAILED (%s)" % result["failed_step"]
+    report("preflight %s in %.1fs: %d nodes" % (verdict, result["seconds"], len(result["nodes"])))
+    print("\n".join(result["table"]), flush=True)
+    for note in result["notes"]:
+        report("preflight: " + note)
+    for warning in result["warnings"]:
+        report("preflight WARNING: " + warning)
+    for failure in result["failures"]:
+        report("preflight FAILED (%s): %s" % (failure["step"], failure["message"]))
+
+
+class HeadPreflight(object):
+    """The head's preflight: run preflight.py as a Ray job of its own across every node,
+    print its table, keep its JSON beside the node logs, and fail (naming the step) before
+    the job is submitted when a check failed. Low bandwidth is a warning."""
+
+    def __init__(self, node: "Node"):
+        self.node = node
+        info = node.info
+        self.sid = preflight_submission_id(info.cluster_id or node.plan.get("cluster_id") or info.head)
+
+    def run(self) -> dict:
+        node, settings = self.node, self.node.plan["preflight"]
+        script = preflight_script()
+        if not os.path.exists(script):
+            raise AgentError("preflight", "%s is missing beside the agent: ship it with node.py (render again), "
+                             "or set `preflight: off`" % script, code=2)
+        jobs = DashboardJobs(node.dashboard, node.token)
+        sid = self.sid if jobs.status(self.sid) is None else "%s-%d" % (self.sid, int(time.time()))
+        deadline = time.time() + settings["timeout_s"]
+        log("preflight: checking %d nodes (versions, interfaces, a Gloo all_reduce, every pair's bandwidth) as Ray "
+            "job %s; deadline %.0fs" % (node.plan["nodes"], sid, settings["timeout_s"]))
+        jobs.submit(sid, preflight_argv(settings, node.plan["nodes"], script, deadline=deadline))
+        result = follow_preflight(jobs, sid, deadline, log)
+        path = os.path.join(node.log_dir, "preflight.json")
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=2, sort_keys=True)
+        preflight_report(result, log)
+        if not result["passed"]:
+            failure = result["failures"][0]
+            raise AgentError("preflight (%s)" % failure["step"], "%s; the job was not submitted (details: %s)"
+                             % (failure["message"], path))
+        log("preflight: the result is in %s" % path)
+        return result
+
+
+# ======================================================================================
 # Entry point.
 # ======================================================================================
 
@@ -1221,7 +1353,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
         env = node_env(plan, info, os.environ)
         net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
-        log("network preset %s: %s" % (plan["network"], " ".join("%s=%s" % kv for kv in net.items()) or "none"))
+        log("network preset %s: %s" % (plan["network"], " ".join(
+            "%s=%s%s" % (k, v, " (from the node's environment)" if os.environ.get(k) and k not in plan["env"] else "")
+            for k, v in net.items()) or "none"))
         state_dir = args.state_dir or os.path.join(plan["ray"].get("temp_dir") or "/tmp", "rlhf-tasks")
         log_dir = args.log_dir or state_dir
         for directory in (state_dir, log_dir):

@@ -161,6 +161,32 @@ class WaitPlan(StrictModel):
     node_loss_s: float = 40.0
 
 
+class PreflightPlan(StrictModel):
+    """What the head checks before it submits the job (see rlhf_tasks/preflight.py)."""
+
+    enabled: bool
+    timeout_s: float
+    min_bandwidth_bits: float
+    model: str | None = None             # the job's model, to say what a slow link means for weight sync
+    weight_bytes: int | None = None      # one bf16 copy of its weights, from the size in its name (7B: 14 GB)
+
+
+#: The model a recipe trains, by the argument the recipes use for it.
+MODEL_ARGS = ("pretrain", "model")
+_PARAMS = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
+
+
+def model_weights(job_args: Any) -> tuple[str | None, int | None]:
+    """(model name, bytes of one bf16 copy) from the job's model argument, when its name
+    says its size (`Qwen2.5-7B-Instruct`: 7e9 parameters, 14 GB); a heuristic for messages."""
+    for key in MODEL_ARGS:
+        name = getattr(job_args, key, None)
+        if isinstance(name, str) and name:
+            sizes = _PARAMS.findall(name.rsplit("/", 1)[-1])
+            return name, int(float(sizes[-1]) * 1e9 * 2) if sizes else None
+    return None, None
+
+
 class JobPlan(StrictModel):
     recipe: str
     #: ray: submitted to Ray; every_node: no Ray, every node runs the entrypoint (torchrun)
@@ -196,6 +222,7 @@ class Plan(StrictModel):
     ray: RayPlan
     wait: WaitPlan
     checkpoint_dir: str | None
+    preflight: PreflightPlan
     job: JobPlan
     # What the provider needs to place the nodes (render reads these; the agent does not).
     placement: Placement
@@ -264,6 +291,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         num_gpus=task.resources.gpus_per_node if task.resources.gpus else None,
     ).model_copy(update=ray_overrides or {})
     job = task.job
+    model, weight_bytes = model_weights(getattr(job, "args", None))
     return Plan(
         name=task.name,
         provider=provider,
@@ -281,6 +309,9 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         ray=ray,
         wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes, node_loss_s=task.wait.node_loss),
         checkpoint_dir=checkpoint_dir,
+        preflight=PreflightPlan(enabled=task.preflight.enabled, timeout_s=task.preflight.timeout,
+                                min_bandwidth_bits=task.preflight.min_bandwidth_bits, model=model,
+                                weight_bytes=weight_bytes),
         job=JobPlan(
             recipe=job.recipe,
             mode=out.mode,

@@ -11,7 +11,8 @@ import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from .errors import BadInput
 from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, did_you_mean, require_absolute
@@ -111,6 +112,60 @@ class Wait(StrictModel):
                                 "not yet declared dead, before it blames the job itself")
 
 
+_BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(bit|bps|B/s)\s*$", re.IGNORECASE)
+_BANDWIDTH_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def bandwidth_bits(value: str | int | float) -> float:
+    """'1Gbit', '100Mbit', '200Mbps', '1GB/s' or a number of bits per second -> bits per second."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        bits = float(value)
+    else:
+        match = _BANDWIDTH.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a bandwidth (use e.g. 1Gbit, 100Mbit, 200Mbps, 1GB/s)")
+        bits = float(match.group(1)) * _BANDWIDTH_SCALE[match.group(2).lower()]
+        bits *= 8 if match.group(3).lower() == "b/s" and match.group(3)[0] == "B" else 1
+    if bits <= 0:
+        raise ValueError("a bandwidth must be positive")
+    return bits
+
+
+def _bandwidth_text(value: Any) -> Any:
+    bandwidth_bits(value)  # validates; kept as written
+    return value
+
+
+class Preflight(StrictModel):
+    """The checks the head runs across every node once they are ALIVE and before the job
+    is submitted: versions, the collective network interface of each node, a Gloo
+    all_reduce (NCCL too where there are GPUs) and the bandwidth of every pair of nodes."""
+
+    enabled: bool = Field(True, description="false (or `preflight: off`) skips the checks")
+    timeout: Duration = Field(120.0, description="deadline for all of preflight; a node that does not answer "
+                              "by then is named and the job is not submitted")
+    min_bandwidth: Annotated[str, BeforeValidator(_bandwidth_text)] = Field(
+        "1Gbit", description="below this (per pair of nodes, and the all_reduce's bus bandwidth) "
+        "preflight warns; it never fails on bandwidth")
+
+    @property
+    def min_bandwidth_bits(self) -> float:
+        return bandwidth_bits(self.min_bandwidth)
+
+
+def _preflight_shorthand(value: Any) -> Any:
+    """`preflight: off` / `on` (YAML reads them as booleans) stand for {enabled: false/true}."""
+    if isinstance(value, bool):
+        return {"enabled": value}
+    if isinstance(value, str) and value.lower() in ("on", "off", "true", "false"):
+        return {"enabled": value.lower() in ("on", "true")}
+    return value
+
+
+PreflightField = Annotated[Preflight, BeforeValidator(_preflight_shorthand), WithJsonSchema({"anyOf": [
+    {"type": "boolean"}, {"enum": ["on", "off"]}, Preflight.model_json_schema()]})]
+
+
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
 
 
@@ -181,6 +236,7 @@ class Task(StrictModel):
     checkpoints: Checkpoints = Checkpoints()
     wait: Wait = Wait()
     placement: Placement = Placement()
+    preflight: PreflightField = Preflight()
     job: Job
 
     @property

@@ -101,7 +101,9 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
                 assert exc.code in (401, 403)
         authed = urllib.request.Request(record["dashboard"] + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
         jobs = json.loads(urllib.request.urlopen(authed, timeout=10).read())
-        assert [j["submission_id"] for j in jobs] == [f"auth-{record['cluster_id']}"]
+        # The job, and the head's preflight before it (a Ray job of its own).
+        assert sorted(j["submission_id"] for j in jobs) == [f"auth-{record['cluster_id']}",
+                                                            f"preflight_{record['cluster_id']}"]
 
         # --keep keeps the cluster after a head-submitted job: our CLI and Ray's own work on it until `down`.
         sid = f"auth-{record['cluster_id']}"
@@ -123,7 +125,7 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
                                 record["dashboard"]], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                                timeout=60)
         assert again.returncode == 0 and "already on this cluster" in again.stdout, again.stdout + again.stderr
-        assert len(json.loads(urllib.request.urlopen(authed, timeout=10).read())) == 1
+        assert len(json.loads(urllib.request.urlopen(authed, timeout=10).read())) == 2  # still the job and preflight
 
         logs = "".join(p.read_text() for p in (rlhf_home / "runs" / "auth" / "nodes").glob("*.log"))
         assert token not in out and token not in logs

@@ -50,7 +50,7 @@ def golden_files(provider_name: str, task_path: Path) -> dict[str, str]:
 def without_agent(script: str) -> str:
     """A Slurm script with its embedded node agent left out (the golden copies stay readable
     and do not change with every change to the agent)."""
-    for delimiter in ("RLHF_TASKS_NODE_PY", "RLHF_TASKS_MODULE_PY"):  # the agent, and shipped modules
+    for delimiter in ("RLHF_TASKS_NODE_PY", "RLHF_TASKS_PREFLIGHT_PY", "RLHF_TASKS_MODULE_PY"):
         script = re.sub(rf"<<'{delimiter}'\n.*?\n{delimiter}\n", f"<<'{delimiter}'\n{AGENT_LEFT_OUT}\n{delimiter}\n",
                         script, flags=re.S)
     return script

@@ -21,9 +21,10 @@ NODE_DIR = "/opt/rlhf-tasks"
 LIB = "lib"
 
 
-def agent_source() -> str:
-    """The node agent, shipped verbatim: one standard-library file."""
-    return (Path(__file__).resolve().parent.parent / "node.py").read_text()
+def agent_source(name: str = "node.py") -> str:
+    """The node agent (node.py) or its preflight (preflight.py, run beside it as a Ray job),
+    shipped verbatim: rlhf-tasks itself is not installed on the nodes."""
+    return (Path(__file__).resolve().parent.parent / name).read_text()
 
 
 def module_files(modules: list[str]) -> dict[str, str]:
@@ -50,7 +51,8 @@ def module_files(modules: list[str]) -> dict[str, str]:
 
 def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source()}
+    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source(),
+             f"{LOCAL_DIR}/preflight.py": agent_source("preflight.py")}
     files.update({f"{LOCAL_DIR}/{LIB}/{path}": text for path, text in module_files(plan.modules).items()})
     return files
 

@@ -48,7 +48,7 @@ HOSTS_ENV = "RLHF_TASKS_HOSTS"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
-AGENT_EOF, PLAN_EOF = "RLHF_TASKS_NODE_PY", "RLHF_TASKS_PLAN_JSON"
+AGENT_EOF, PREFLIGHT_EOF, PLAN_EOF = "RLHF_TASKS_NODE_PY", "RLHF_TASKS_PREFLIGHT_PY", "RLHF_TASKS_PLAN_JSON"
 #: The Slurm variables a container needs to be given by name (docker/podman start clean).
 CONTRACT_VARS = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", HOSTS_ENV)
 #: The GPUs Slurm gave the job, by vendor: passed on, since the container sees every device.
@@ -232,6 +232,7 @@ class SlurmProvider(Provider):
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
             *_heredoc('"$run_dir/node.py"', agent_source(), AGENT_EOF),
+            *_heredoc('"$run_dir/preflight.py"', agent_source("preflight.py"), PREFLIGHT_EOF),
             *_heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
         ]
         modules = module_files(plan.modules)

@@ -1,0 +1,1003 @@
+"""Preflight: prove the nodes can talk before the job starts.
+
+Runs as a Ray job of its own on the head (`python3 preflight.py --nodes N ...`), submitted
+by the head agent once every node is ALIVE and before the job, or by `rlhf-tasks doctor`
+on a running cluster. One actor is pinned to each node; it runs in a Ray worker there, so
+it sees the environment the job's tasks will get on that node (the node agent sets
+GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME before `ray start`). Steps, each against a
+deadline that names the nodes that did not answer:
+
+  nodes       every expected node ALIVE and answering, with its versions (Python, Ray)
+  interfaces  the interface and address Gloo (and NCCL) will use on each node; every node
+              connects to every other node's address from its own, as the libraries do
+  torch       torch on every node, with CUDA/ROCm and NCCL where present
+  pairs       TCP streams between every pair of nodes over those addresses, in rounds of
+              disjoint pairs: the bandwidth of each direction, and the slowest pair
+  gloo        torch.distributed all_reduce with Gloo on CPU tensors, 1 MiB .. 64 MiB,
+              the bus bandwidth per size (without torch: the TCP figures, and it says so)
+  nccl        the same with NCCL on one GPU per node, where every node has GPUs
+  doctor      (`--checks`) each service's readiness, the checkpoint directory shared and
+              writable, free disk and /dev/shm
+
+Prints `preflight: ...` progress lines and ends with one `RLHF_TASKS_PREFLIGHT {json}`
+line: failures (the step, the nodes, what to do), warnings (bandwidth below the task's
+threshold, with what it means for the weight sync), notes, and the table. Exit 0 when no
+check failed, 1 otherwise.
+
+Needs the standard library, ray, and torch where present; Python >= 3.8. Shipped beside
+node.py: rlhf-tasks itself is not installed on the nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import struct
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List, Optional
+
+RESULT_PREFIX = "RLHF_TASKS_PREFLIGHT "
+MiB = 1 << 20
+SIZES = (MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+SIZE_BUDGET_S = 1.0        # the all_reduce stops growing once a size would take longer than this
+PAIR_BUDGET_S = 0.3        # each direction of each pair streams for about this long
+PAIR_MAX_BYTES = 64 * MiB
+#: The longest each step may take (less when the overall deadline is nearer).
+STEP_CAPS = {"nodes": 60.0, "interfaces": 15.0, "torch": 90.0, "pairs": 30.0, "gloo": 60.0, "nccl": 90.0,
+             "services": 30.0, "checkpoints": 20.0, "disk": 10.0}
+
+
+def say(message: str) -> None:
+    print("preflight: " + message, flush=True)
+
+
+class Failed(Exception):
+    """A check failed and the later steps need it: stop here."""
+
+    def __init__(self, step: str, message: str):
+        Exception.__init__(self, message)
+        self.step = step
+
+
+def rate(bits: Optional[float]) -> str:
+    if bits is None:
+        return "-"
+    if bits >= 1e9:
+        return "%.1f Gbit/s" % (bits / 1e9)
+    return "%.0f Mbit/s" % (bits / 1e6) if bits >= 1e7 else "%.2f Mbit/s" % (bits / 1e6)
+
+
+def size_text(size: float) -> str:
+    return "%d MiB" % (size // MiB) if size >= MiB else "%d KiB" % (size // 1024)
+
+
+# ======================================================================================
+# Interfaces (Linux ioctl; no iproute2 needed).
+# ======================================================================================
+
+def iface_address(name: str) -> Optional[str]:
+    """The IPv4 address of a local interface, or None."""
+    import fcntl
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(raw[20:24])
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def interface_names() -> List[str]:
+    return [name for _, name in socket.if_nameindex()]
+
+
+def interface_of(ip: str) -> Optional[str]:
+    for name in interface_names():
+        if iface_address(name) == ip:
+            return name
+    return None
+
+
+def collective_endpoint(variable: str, env: Dict[str, str], default_address: Optional[str]) -> dict:
+    """The interface and address a collective library picks on this node from `variable`
+    (GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME): a comma-separated list whose first entry
+    counts here; NCCL also takes a prefix, `=exact` and `^excluded`. Unset, Gloo uses the
+    address of the hostname (`default_address`)."""
+    value = env.get(variable) or None
+    out = {"variable": variable, "value": value, "iface": None, "address": None, "problem": None}
+    if value is None:
+        out["address"] = default_address
+        return out
+    first = value.split(",")[0].strip()
+    if first.startswith("^"):  # which interfaces remain is the library's choice: not checked here
+        out["iface"] = value
+        return out
+    exact = first.startswith("=") or variable.startswith("GLOO")
+    name = first.lstrip("=")
+    names = interface_names()
+    candidates = [name] if name in names else [] if exact else [n for n in names if n.startswith(name)]
+    picked = next((n for n in candidates if iface_address(n)), None)
+    if picked is None:
+        out["iface"] = name
+        out["problem"] = ("%s=%s: %s on this node (it has: %s)" % (
+            variable, value, "no such interface" if not candidates else "the interface has no IPv4 address",
+            ", ".join(names)))
+        return out
+    out["iface"], out["address"] = picked, iface_address(picked)
+    return out
+
+
+# ======================================================================================
+# Small stdlib clients the actors use.
+# ======================================================================================
+
+def _connect(source: Optional[str], address: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection from `source` (this node's collective address), as Gloo and NCCL make them."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        if source:
+            sock.bind((source, 0))
+        sock.connect((address, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _recv_exact(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise OSError("the connection closed early")
+        data += chunk
+    return data
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, socket.timeout):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _http_ok(url: str, method: str, body) -> Optional[str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return None if response.status < 400 else "HTTP %d" % response.status
+    except urllib.error.HTTPError as exc:
+        return "HTTP %d from %s %s" % (exc.code, method, url)
+    except (urllib.error.URLError, OSError) as exc:
+        return "no answer from %s %s (%s)" % (method, url, _why(getattr(exc, "reason", exc)))
+
+
+# ======================================================================================
+# The actor pinned to each node.
+# ======================================================================================
+
+class NodeProbe(object):
+    """Runs in a Ray worker on one node: sees the environment the job's tasks get there."""
+
+    def __init__(self):
+        self.token = "%s-%s" % (socket.gethostname(), os.getpid())
+        self.torch = None
+        self.torch_error = None
+        self._torch_import = threading.Thread(target=self._import_torch, daemon=True)
+        self._torch_import.start()  # overlaps the interface checks (importing torch takes seconds)
+
+    def _import_torch(self) -> None:
+        try:
+            import torch
+            self.torch = torch
+        except Exception as exc:  # not installed, or broken: either way no torch here
+            self.torch_error = "%s: %s" % (type(exc).__name__, exc)
+
+    def info(self) -> dict:
+        import ray
+
+        env = os.environ
+        hostname = socket.gethostname()
+        try:
+            host_address = socket.gethostbyname(hostname)
+        except OSError:
+            host_address = None
+        address = ray.util.get_node_ip_address()
+        return {"hostname": hostname, "address": address, "token": self.token,
+                "rank": env.get("RLHF_TASKS_NODE_RANK"), "node_addr": env.get("RLHF_TASKS_NODE_ADDR"),
+                "head_addr": env.get("RLHF_TASKS_HEAD_ADDR"),
+                "python": platform.python_version(), "ray": ray.__version__,
+                "gloo_if": collective_endpoint("GLOO_SOCKET_IFNAME", env, host_address),
+                "nccl_if": collective_endpoint("NCCL_SOCKET_IFNAME", env, None),
+                "iface_of_address": interface_of(address)}
+
+    # ---------------------------------------------------------------- TCP: reach and streams
+
+    def listen(self, addresses: List[str]) -> Dict[str, int]:
+        """Listen on each address (port picked free); answers reach probes and streams."""
+        ports = {}
+        for address in addresses:
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind((address, 0))
+            server.listen(64)
+            threading.Thread(target=self._serve, args=(server,), daemon=True).start()
+            ports[address] = server.getsockname()[1]
+        return ports
+
+    def _serve(self, server: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(120)
+            kind = conn.recv(1)
+            if kind == b"R":
+                conn.sendall(self.token.encode() + b"\n")
+            elif kind == b"S":
+                buffer, received = bytearray(MiB), 0
+                while True:
+                    count = conn.recv_into(buffer)
+                    if not count:
+                        break
+                    received += count
+                conn.sendall(struct.pack("!Q", received))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def reach(self, targets: List[list], timeout: float) -> Dict[str, Optional[str]]:
+        """For each [key, address, port, token, source]: None when address:port, connected to
+        from this node's `source` address, answers with that token; else why not."""
+        results = {}  # type: Dict[str, Optional[str]]
+
+        def one(key, address, port, token, source):
+            try:
+                sock = _connect(source, address, port, timeout)
+            except Exception as exc:
+                results[key] = "connecting from %s to %s:%s failed (%s)" % (source or "this node", address, port, _why(exc))
+                return
+            try:
+                sock.sendall(b"R")
+                answer = b""
+                while not answer.endswith(b"\n"):
+                    chunk = sock.recv(256)
+                    if not chunk:
+                        break
+                    answer += chunk
+                results[key] = None if answer.strip().decode(errors="replace") == token else (
+                    "%s:%s answered, but it is not the preflight of that node (something else listens there)"
+                    % (address, port))
+            except Exception as exc:
+                results[key] = "no answer from %s:%s (%s)" % (address, port, _why(exc))
+            finally:
+                sock.close()
+
+        threads = [threading.Thread(target=one, args=tuple(target), daemon=True) for target in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout + 2)
+        return {t[0]: results.get(t[0], "no answer within %.0fs" % timeout) for t in targets}
+
+    def stream(self, source: Optional[str], address: str, port: int, budget_s: float, max_bytes: int,
+               timeout: float) -> dict:
+        """Send for about `budget_s` (at most `max_bytes`); bits per second as the receiver counted them."""
+        try:
+            chunk = bytes(MiB)
+            sock = _connect(source, address, port, timeout)
+            try:
+                sock.sendall(b"S")
+                start, sent = time.perf_counter(), 0
+                while sent < max_bytes and time.perf_counter() - start < budget_s:
+                    sock.sendall(chunk)
+                    sent += len(chunk)
+                sock.shutdown(socket.SHUT_WR)
+                received = struct.unpack("!Q", _recv_exact(sock, 8))[0]
+                seconds = time.perf_counter() - start
+            finally:
+                sock.close()
+            return {"bytes": received, "seconds": seconds, "bits_per_s": received * 8 / max(seconds, 1e-9)}
+        except Exception as exc:
+            return {"error": "streaming to %s:%s: %s" % (address, port, _why(exc))}
+
+    # ---------------------------------------------------------------- torch
+
+    def torch_info(self, timeout: float) -> dict:
+        self._torch_import.join(timeout)
+        if self._torch_import.is_alive():
+            return {"error": "importing torch took longer than %.0fs" % timeout}
+        torch = self.torch
+        if torch is None:
+            return {"torch": None, "why": self.torch_error}
+        out = {"torch": torch.__version__, "cuda": torch.version.cuda, "rocm": getattr(torch.version, "hip", None),
+               "nccl": None, "cuda_devices": 0}
+        try:
+            version = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+        except Exception:
+            pass
+        try:
+            out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:
+            pass
+        return out
+
+    def free_port(self) -> int:
+        sock = socket.socket()
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        return port
+
+    def allreduce(self, backend: str, master: str, port: int, rank: int, world: int, sizes: List[int],
+                  budget_s: float, timeout: float) -> dict:
+        """Bus bandwidth per size of a torch.distributed all_reduce. Every decision (more
+        iterations, a larger size) uses values all-reduced with MAX, so every rank takes it."""
+        try:
+            import datetime
+
+            import torch
+            import torch.distributed as dist
+
+            dist.init_process_group(backend, init_method="tcp://%s:%d" % (master, port), rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+            device = "cpu"
+            if backend == "nccl":
+                torch.cuda.set_device(0)
+                device = "cuda"
+
+            def timed(tensor):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                return time.perf_counter() - start
+
+            def slowest(seconds):
+                value = torch.tensor([seconds], dtype=torch.float64, device=device)
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+                return float(value.item())
+
+            timed(torch.ones(256, device=device))  # connections up
+            results = []
+            for size in sizes:
+                tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+                first = slowest(timed(tensor))
+                times = [first]
+                if first * 3 <= budget_s:
+                    times += [timed(tensor), timed(tensor)]
+                seconds = slowest(sorted(times)[len(times) // 2])
+                results.append({"bytes": size, "seconds": seconds,
+                                "bus_bits_per_s": size * 8 * 2 * (world - 1) / world / max(seconds, 1e-9)})
+                del tensor
+                if seconds * 4 > budget_s:  # the next size is 4x larger
+                    break
+            dist.destroy_process_group()
+            return {"sizes": results}
+        except Exception as exc:
+            return {"error": "%s: %s" % (type(exc).__name__, exc)}
+
+    # ---------------------------------------------------------------- doctor checks
+
+    def service_ready(self, service: dict) -> Optional[str]:
+        env = os.environ
+
+        def fill(text):
+            return (text.replace("{node_addr}", env.get("RLHF_TASKS_NODE_ADDR", ""))
+                    .replace("{head_addr}", env.get("RLHF_TASKS_HEAD_ADDR", "")))
+        ready = service.get("ready") or {}
+        if ready.get("http"):
+            return _http_ok(fill(ready["http"]), ready.get("method", "GET"), ready.get("json"))
+        if ready.get("tcp"):
+            host = fill(ready.get("host", "{node_addr}"))
+            try:
+                _connect(None, host, int(ready["tcp"]), 5).close()
+                return None
+            except Exception as exc:
+                return "no connection to %s:%s (%s)" % (host, ready["tcp"], _why(exc))
+        return None
+
+    def write_marker(self, directory: str, name: str) -> Optional[str]:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, name), "w") as handle:
+                handle.write(name)
+            return None
+        except OSError as exc:
+            return "cannot write in %s (%s)" % (directory, _why(exc))
+
+    def list_markers(self, directory: str) -> List[str]:
+        try:
+            return sorted(os.listdir(directory))
+        except OSError:
+            return []
+
+    def remove_marker(self, directory: str, name: str) -> None:
+        for remove, path in ((os.remove, os.path.join(directory, name)), (os.rmdir, directory)):
+            try:
+                remove(path)
+            except OSError:
+                pass
+
+    def disk(self, directory: Optional[str]) -> dict:
+        out = {"free_bytes": None, "shm_bytes": None, "path": None}
+        path = directory or "/"
+        while path and not os.path.exists(path):
+            path = os.path.dirname(path)
+        try:
+            stat = os.statvfs(path or "/")
+            out["free_bytes"], out["path"] = stat.f_bavail * stat.f_frsize, path or "/"
+        except OSError:
+            pass
+        try:
+            stat = os.statvfs("/dev/shm")
+            out["shm_bytes"] = stat.f_blocks * stat.f_frsize
+        except OSError:
+            pass
+        return out
+
+
+# ======================================================================================
+# The driver (on the head): one step after another, each against its deadline.
+# ======================================================================================
+
+class Preflight(object):
+    def __init__(self, args):
+        self.args = args
+        self.started = time.time()
+        self.deadline = args.deadline or self.started + args.timeout
+        self.nodes = []       # type: List[dict]   one per node, head first, then by the agent's rank
+        self.actors = []      # type: list
+        self.failures = []    # type: List[dict]
+        self.warnings = []    # type: List[str]
+        self.notes = []       # type: List[str]
+        self.steps = []       # type: List[dict]
+        self.checks = []      # type: List[dict]   doctor: {"check", "ok", "detail"}
+        self.pairs = []       # type: List[dict]
+        self.collectives = {}  # type: Dict[str, dict]
+
+    # ---------------------------------------------------------------- helpers
+
+    def step_deadline(self, step: str) -> float:
+        return min(self.deadline, time.time() + STEP_CAPS[step])
+
+    def label(self, index: int) -> str:
+        node = self.nodes[index]
+        return node["label"]
+
+    def gather(self, step: str, refs: list, who: List[int], deadline: float) -> list:
+        """The results of one remote call per node; Failed naming the nodes that did not answer."""
+        import ray
+
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.time()))
+        if pending:
+            missing = [self.label(who[i]) for i, ref in enumerate(refs) if ref in pending]
+            raise Failed(step, "no answer from %s by the step's deadline (%.0fs into preflight)"
+                         % (", ".join(missing), time.time() - self.started))
+        out = []
+        for index, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except Exception as exc:
+                raise Failed(step, "%s failed: %s" % (self.label(who[index]), str(exc).strip().splitlines()[-1]))
+        return out
+
+    def fail(self, step: str, message: str) -> None:
+        self.failures.append({"step": step, "message": message})
+
+    def run_step(self, name: str, func) -> None:
+        started = time.time()
+        say("%s ..." % name)
+        try:
+            func()
+        finally:
+            self.steps.append({"step": name, "seconds": round(time.time() - started, 2)})
+
+    # ---------------------------------------------------------------- the steps
+
+    def run(self) -> None:
+        import ray
+
+        ray.init(log_to_driver=False)
+        self.run_step("nodes", self.step_nodes)
+        network_error = None
+        try:
+            self.run_step("versions", self.step_versions)
+            self.run_step("interfaces", self.step_interfaces)
+            self.run_step("torch", self.step_torch)
+            if len(self.nodes) > 1:
+                self.run_step("pairs", self.step_pairs)
+                if all(n.get("torch") for n in self.nodes):
+                    self.run_step("gloo", lambda: self.step_allreduce("gloo"))
+                if self.gpu_nodes():
+                    self.run_step("nccl", lambda: self.step_allreduce("nccl"))
+            else:
+                self.notes.append("one node: there is no network between nodes to check")
+            self.bandwidth_verdict()
+        except Failed as exc:
+            network_error = exc
+        if self.args.checks:  # doctor's checks do not need the network ones: run them anyway
+            checks = json.loads(self.args.checks)
+            for name, step in (("services", lambda: self.step_services(checks.get("services") or [])),
+                               ("checkpoints", lambda: self.step_checkpoints(checks.get("checkpoint_dir"))),
+                               ("disk", lambda: self.step_disk(checks))):
+                try:
+                    self.run_step(name, step)
+                except Failed as exc:
+                    self.checks.append({"check": name, "ok": False, "detail": str(exc), "fix": None})
+        if network_error is not None:
+            raise network_error
+
+    def step_nodes(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if len(alive) < self.args.nodes:
+            raise Failed("nodes", "%d of %d nodes are alive (%s)" % (
+                len(alive), self.args.nodes, ", ".join(n["NodeManagerAddress"] for n in alive)))
+        probe = ray.remote(num_cpus=0, max_concurrency=8)(NodeProbe)
+        self.nodes = [{"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
+                       "head": "node:__internal_head__" in n.get("Resources", {}),
+                       "gpus": int(n.get("Resources", {}).get("GPU", 0))} for n in alive]
+        self.actors = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote()
+                       for n in self.nodes]
+        infos = self.gather("nodes", [a.info.remote() for a in self.actors], list(range(len(self.nodes))),
+                            self.step_deadline("nodes"))
+        for node, info in zip(self.nodes, infos):
+            node.update(info)
+        order = sorted(range(len(self.nodes)), key=lambda i: (not self.nodes[i]["head"], _rank(self.nodes[i]),
+                                                              self.nodes[i]["address"]))
+        self.nodes = [self.nodes[i] for i in order]
+        self.actors = [self.actors[i] for i in order]
+        unique = len({n["hostname"] for n in self.nodes}) == len(self.nodes)
+        for node in self.nodes:
+            name = node["hostname"] if unique else node["address"]
+            node["name"] = name
+            node["label"] = "%s (%s)" % (name, node["address"]) if name != node["address"] else name
+        say("%d nodes answered: %s" % (len(self.nodes), ", ".join(n["label"] for n in self.nodes)))
+
+    def step_versions(self) -> None:
+        for key, what, why in (("python", "Python", "Ray needs the same Python (major.minor) on every node"),
+                               ("ray", "Ray", "Ray needs the same version on every node")):
+            groups = self.groups(key, lambda v: ".".join(v.split(".")[:2]) if key == "python" else v)
+            if len(groups) > 1:
+                raise Failed("versions", "%s differs: %s. %s: use one image (or one environment) everywhere"
+                             % (what, "; ".join("%s on %s" % kv for kv in groups.items()), why))
+
+    def groups(self, key: str, normal=lambda v: v) -> Dict[str, str]:
+        """version -> the nodes that have it (when nodes differ, after `normal`)."""
+        by = {}  # type: Dict[str, List[str]]
+        for node in self.nodes:
+            value = node.get(key)
+            by.setdefault(normal(value) if value else "none", []).append(node["label"])
+        return {value: ", ".join(labels) for value, labels in by.items()}
+
+    def step_interfaces(self) -> None:
+        problems = ["%s: %s" % (n["label"], n["gloo_if"]["problem"]) for n in self.nodes if n["gloo_if"]["problem"]]
+        if self.gpu_nodes():
+            problems += ["%s: %s" % (n["label"], n["nccl_if"]["problem"]) for n in self.nodes if n["nccl_if"]["problem"]]
+        if problems:
+            raise Failed("interfaces", "; ".join(problems) + ". Fix the task's network preset or env")
+        if len(self.nodes) < 2:
+            return
+        deadline = self.step_deadline("interfaces")
+        kinds = ["gloo_if"] + (["nccl_if"] if self.gpu_nodes() else [])
+        addresses = [sorted({n[k]["address"] for k in kinds if n[k]["address"]}) for n in self.nodes]
+        ports = self.gather("interfaces", [a.listen.remote(addrs) for a, addrs in zip(self.actors, addresses)],
+                            list(range(len(self.nodes))), deadline)
+        calls = []
+        for i, actor in enumerate(self.actors):
+            targets = []
+            for j, other in enumerate(self.nodes):
+                for kind in kinds:
+                    address = other[kind]["address"]
+                    if j != i and address:
+                        targets.append(["%s|%d" % (kind, j), address, ports[j][address], other["token"],
+                                        self.nodes[i][kind]["address"]])
+            calls.append(actor.reach.remote(targets, max(1.0, min(5.0, deadline - time.time() - 1))))
+        results = self.gather("interfaces", calls, list(range(len(self.nodes))), deadline)
+        failed = {}  # type: Dict[tuple, str]   (from, to, kind) -> why `from` could not reach `to`
+        for i, answers in enumerate(results):
+            for key, reason in answers.items():
+                if reason:
+                    kind, j = key.split("|")
+                    failed[(i, int(j), kind)] = reason
+        for index in self.culprits(failed):
+            self.fail("interfaces", self.unreachable(index, failed))
+        if self.failures:
+            raise Failed("interfaces", self.failures[0]["message"])
+        say("interfaces: every node reaches every other node's %s address"
+            % " and ".join("NCCL" if k == "nccl_if" else "Gloo" for k in kinds))
+
+    def culprits(self, failed: Dict[tuple, str]) -> List[int]:
+        """The fewest nodes that explain the failed connections: a node whose collective
+        address nobody reaches usually cannot reach anyone either (it binds that address), so
+        take the node in most failures first; on a tie, one whose interface is loopback or is
+        not the one that carries its Ray address."""
+        def suspicious(index):
+            endpoint, node = self.nodes[index]["gloo_if"], self.nodes[index]
+            return int((endpoint["address"] or "").startswith("127.") and not node["address"].startswith("127.")
+                       or endpoint["iface"] != node.get("iface_of_address"))
+
+        blamed, remaining = [], dict(failed)
+        while remaining:
+            involved = sorted({i for key in remaining for i in key[:2]})
+            culprit = max(involved, key=lambda k: (sum(1 for key in remaining if k in key[:2]), suspicious(k)))
+            blamed.append(culprit)
+            remaining = {key: why for key, why in remaining.items() if culprit not in key[:2]}
+        return blamed
+
+    def unreachable(self, index: int, failed: Dict[tuple, str]) -> str:
+        node = self.nodes[index]
+        kinds = sorted({kind for (_, j, kind) in failed if j == index}) or ["gloo_if"]
+        endpoint = node[kinds[-1]]  # NCCL's when only NCCL's address fails
+        setting = ("%s=%s" % (endpoint["variable"], endpoint["value"]) if endpoint["value"]
+                   else "%s unset (the hostname's address)" % endpoint["variable"])
+        inbound = [(self.label(i), why) for (i, j, _), why in sorted(failed.items()) if j == index]
+        outbound = [(self.label(j), why) for (i, j, _), why in sorted(failed.items()) if i == index]
+        parts = []
+        if inbound:
+            parts.append("%s cannot reach it (%s)" % (", ".join(sorted({w for w, _ in inbound})), inbound[0][1]))
+        if outbound:
+            parts.append("it cannot reach %s (%s)" % (", ".join(sorted({w for w, _ in outbound})), outbound[0][1]))
+        hint = node.get("iface_of_address")
+        return ("%s: %s gives interface %s, address %s: %s. Use an interface the nodes share%s" % (
+            node["label"], setting, endpoint["iface"] or "?", endpoint["address"], "; ".join(parts),
+            " (this node's Ray address %s is on %s)" % (node["address"], hint) if hint else ""))
+
+    def step_torch(self) -> None:
+        deadline = self.step_deadline("torch")
+        wait = max(1.0, deadline - time.time() - 2)  # each node says itself that its import is stuck
+        infos = self.gather("torch", [a.torch_info.remote(wait) for a in self.actors], list(range(len(self.nodes))),
+                            deadline)
+        errors = ["%s: %s" % (node["label"], info["error"]) for node, info in zip(self.nodes, infos) if info.get("error")]
+        if errors:
+            raise Failed("torch", "; ".join(errors))
+        for node, info in zip(self.nodes, infos):
+            node.update({k: info.get(k) for k in ("torch", "cuda", "rocm", "nccl", "cuda_devices")})
+            node["torch_why"] = info.get("why")
+        have = [n for n in self.nodes if n["torch"]]
+        if not have:
+            self.notes.append("torch is not installed on the nodes: checked the network with TCP streams between "
+                              "every pair of nodes instead of a Gloo all_reduce")
+            return
+        if len(have) < len(self.nodes):
+            raise Failed("versions", "torch is on %s but not on %s (%s): a torch job cannot run its collectives "
+                         "across them; install the same torch everywhere" % (
+                             ", ".join(n["label"] for n in have),
+                             ", ".join(n["label"] for n in self.nodes if not n["torch"]),
+                             next(n["torch_why"] for n in self.nodes if not n["torch"])))
+        for key, what, normal in (("torch", "torch", lambda v: ".".join(v.split("+")[0].split(".")[:2])),
+                                  ("nccl", "NCCL", lambda v: ".".join(v.split(".")[:2]))):
+            groups = self.groups(key, normal)
+            if len(groups) > 1:
+                raise Failed("versions", "%s differs: %s; collectives between different versions can fail or hang: "
+                             "use one image everywhere" % (what, "; ".join("%s on %s" % kv for kv in groups.items())))
+        for key, what in (("cuda", "CUDA"), ("rocm", "ROCm")):
+            groups = self.groups(key)
+            if len(groups) > 1:
+                self.warnings.append("%s differs between nodes: %s" % (
+                    what, "; ".join("%s on %s" % kv for kv in groups.items())))
+
+    def gpu_nodes(self) -> bool:
+        return bool(self.nodes) and all(n["gpus"] > 0 for n in self.nodes)
+
+    def step_pairs(self) -> None:
+        deadline = self.step_deadline("pairs")
+        ports = self.gather("pairs", [a.listen.remote([n["gloo_if"]["address"]]) for a, n in zip(self.actors, self.nodes)],
+                            list(range(len(self.nodes))), deadline)
+        for pairs in rounds(len(self.nodes)):
+            calls, who, directions = [], [], []
+            for a, b in pairs:
+                for src, dst in ((a, b), (b, a)):
+                    address = self.nodes[dst]["gloo_if"]["address"]
+                    calls.append(self.actors[src].stream.remote(
+                        self.nodes[src]["gloo_if"]["address"], address, ports[dst][address], PAIR_BUDGET_S, PAIR_MAX_BYTES,
+                        max(1.0, deadline - time.time())))
+                    who.append(src)
+                    directions.append((src, dst))
+            for (src, dst), result in zip(directions, self.gather("pairs", calls, who, deadline)):
+                if result.get("error"):
+                    raise Failed("pairs", "%s -> %s: %s" % (self.label(src), self.label(dst), result["error"]))
+                self.pairs.append({"src": self.nodes[src]["name"], "dst": self.nodes[dst]["name"],
+                                   "src_index": src, "dst_index": dst, "bits_per_s": result["bits_per_s"],
+                                   "bytes": result["bytes"], "seconds": round(result["seconds"], 3)})
+        slowest = min(self.pairs, key=lambda p: p["bits_per_s"])
+        say("pairs: slowest %s -> %s at %s" % (slowest["src"], slowest["dst"], rate(slowest["bits_per_s"])))
+
+    def step_allreduce(self, backend: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        deadline = self.step_deadline(backend)
+        actors = self.actors
+        if backend == "nccl":
+            if ray.available_resources().get("GPU", 0) < len(self.nodes):
+                self.notes.append("NCCL not checked: no free GPU on every node (a job is using them)")
+                return
+            probe = ray.remote(num_cpus=0, num_gpus=1)(NodeProbe)
+            actors = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote()
+                      for n in self.nodes]
+            self.gather("nccl", [a.torch_info.remote(STEP_CAPS["torch"] - 5) for a in actors],
+                        list(range(len(self.nodes))), deadline)
+        master = self.nodes[0]["address"]
+        port = self.gather(backend, [actors[0].free_port.remote()], [0], deadline)[0]
+        world = len(self.nodes)
+        calls = [actor.allreduce.remote(backend, master, port, rank, world, list(SIZES), SIZE_BUDGET_S,
+                                        max(1.0, deadline - time.time() - 1)) for rank, actor in enumerate(actors)]
+        results = self.gather(backend, calls, list(range(world)), deadline)
+        errors = ["%s: %s" % (self.label(i), r["error"]) for i, r in enumerate(results) if r.get("error")]
+        if errors:
+            raise Failed(backend, "torch.distributed all_reduce with %s failed: %s" % (
+                "Gloo" if backend == "gloo" else "NCCL", "; ".join(errors)))
+        self.collectives[backend] = {"nodes": world, "sizes": results[0]["sizes"]}
+        say("%s all_reduce: %s" % (backend, ", ".join("%s %s" % (size_text(s["bytes"]), rate(s["bus_bits_per_s"]))
+                                                       for s in results[0]["sizes"])))
+
+    def bandwidth_verdict(self) -> None:
+        """Bandwidth below the task's threshold is a warning (never a failure), with what it
+        means for the weight sync."""
+        threshold = self.args.min_bandwidth_bits
+        slow_pairs = [p for p in self.pairs if p["bits_per_s"] < threshold]
+        if slow_pairs:
+            culprits = []
+            for index, node in enumerate(self.nodes):
+                out = [p for p in self.pairs if p["src_index"] == index]
+                into = [p for p in self.pairs if p["dst_index"] == index]
+                if out and all(p["bits_per_s"] < threshold for p in out):
+                    culprits.append("%s sends to the other nodes at %s" % (node["label"], rate(max(p["bits_per_s"] for p in out))))
+                elif into and all(p["bits_per_s"] < threshold for p in into):
+                    culprits.append("%s receives from the other nodes at %s" % (
+                        node["label"], rate(max(p["bits_per_s"] for p in into))))
+            slowest = min(slow_pairs, key=lambda p: p["bits_per_s"])
+            where = "; ".join(culprits) if culprits else ", ".join(
+                "%s -> %s %s" % (p["src"], p["dst"], rate(p["bits_per_s"])) for p in slow_pairs)
+            self.warnings.append("low bandwidth: %s, below the %s the task expects (preflight.min_bandwidth). %s" % (
+                where, rate(threshold), self.weight_sync(slowest["bits_per_s"])))
+        for backend, result in self.collectives.items():
+            best = max(s["bus_bits_per_s"] for s in result["sizes"])
+            if best < threshold:
+                self.warnings.append("low bandwidth: the %s all_reduce across %d nodes reached %s of bus bandwidth, "
+                                     "below the %s the task expects" % (
+                                         "Gloo" if backend == "gloo" else "NCCL", result["nodes"], rate(best),
+                                         rate(threshold)))
+
+    def weight_sync(self, bits: float) -> str:
+        model, weight_bytes = self.args.model, self.args.weight_bytes
+        if weight_bytes:
+            return ("For the weight sync this means: one bf16 copy of %s (~%.0f GB) takes ~%s to cross this link, "
+                    "at every sync from the trainer to rollout engines on other nodes. Put the nodes on one fast "
+                    "network (a cluster placement, InfiniBand), or keep the engines on the trainer's nodes" % (
+                        model, weight_bytes / 1e9, duration(weight_bytes * 8 / bits)))
+        return ("For the weight sync this means: every GB of weights the trainer sends to rollout engines on "
+                "other nodes takes ~%s over this link (a 7B model in bf16 is ~14 GB: ~%s)" % (
+                    duration(8e9 / bits), duration(14e9 * 8 / bits)))
+
+    def step_services(self, services: List[dict]) -> None:
+        calls, who, names = [], [], []
+        for service in services:
+            if not service.get("ready"):
+                continue
+            places = [0] if service["where"] == "head" else range(len(self.nodes))
+            for index in places:
+                calls.append(self.actors[index].service_ready.remote(service))
+                who.append(index)
+                names.append(service["name"])
+        results = self.gather("services", calls, who, self.step_deadline("services")) if calls else []
+        for name, index, reason in zip(names, who, results):
+            self.checks.append({"check": "service %s on %s" % (name, self.label(index)), "ok": reason is None,
+                                "detail": reason or "ready",
+                                "fix": None if reason is None else "see the service's log on that node "
+                                "(service-%s-node*.log in the agent's log dir)" % name})
+
+    def step_checkpoints(self, directory: Optional[str]) -> None:
+        if not directory:
+            self.checks.append({"check": "checkpoint directory", "ok": True, "detail": "the task names none"})
+            return
+        deadline = self.step_deadline("checkpoints")
+        every = list(range(len(self.nodes)))
+        probe_dir = os.path.join(directory, ".rlhf-tasks-doctor-%d" % int(self.started))
+        names = ["%d-%s" % (i, n["token"]) for i, n in enumerate(self.nodes)]
+        errors = self.gather("checkpoints", [a.write_marker.remote(probe_dir, name) for a, name in zip(self.actors, names)],
+                             every, deadline)
+        seen = self.gather("checkpoints", [a.list_markers.remote(probe_dir) for a in self.actors], every, deadline)
+        self.gather("checkpoints", [a.remove_marker.remote(probe_dir, name) for a, name in zip(self.actors, names)],
+                    every, deadline)
+        for index, error in enumerate(errors):
+            if error:
+                self.checks.append({"check": "checkpoint directory on %s" % self.label(index), "ok": False,
+                                    "detail": error, "fix": "make %s writable for the job's user on every node" % directory})
+        views = {}  # type: Dict[tuple, List[int]]
+        for index, files in enumerate(seen):
+            views.setdefault(tuple(f for f in files if f in names), []).append(index)
+        shared = max(views.items(), key=lambda kv: len(kv[1]))
+        for view, members in views.items():
+            if view == shared[0] and len(members) > 1:
+                continue
+            others = [i for i in every if i not in members]
+            if not others:
+                continue
+            self.checks.append({"check": "checkpoint directory shared", "ok": False,
+                                "detail": "%s does not share %s with %s: a file written there is not seen on the "
+                                "other nodes, and theirs not there" % (
+                                    ", ".join(self.label(i) for i in members), directory,
+                                    ", ".join(self.label(i) for i in others)),
+                                "fix": "mount the same shared volume at %s on every node (a private or local mount "
+                                "hides the others' checkpoints, and a resumed run loses them)" % directory})
+        if not any(c["check"].startswith("checkpoint") and not c["ok"] for c in self.checks):
+            self.checks.append({"check": "checkpoint directory", "ok": True,
+                                "detail": "%s is writable on every node and shared by all %d" % (directory, len(self.nodes))})
+
+    def step_disk(self, checks: dict) -> None:
+        results = self.gather("disk", [a.disk.remote(checks.get("checkpoint_dir")) for a in self.actors],
+                              list(range(len(self.nodes))), self.step_deadline("disk"))
+        need_free, shm = checks.get("min_free_bytes") or 0, checks.get("shm_bytes")
+        for index, (node, disk) in enumerate(zip(self.nodes, results)):
+            node["free_bytes"], node["shm_bytes"] = disk["free_bytes"], disk["shm_bytes"]
+            if disk["free_bytes"] is not None:
+                ok = disk["free_bytes"] >= need_free
+                self.checks.append({"check": "free disk on %s" % node["label"], "ok": ok,
+                                    "detail": "%.1f GB free at %s%s" % (disk["free_bytes"] / 1e9, disk["path"],
+                                                                         "" if ok else ", need %.1f GB" % (need_free / 1e9)),
+                                    "fix": None if ok else "free space at %s or give the nodes larger disks "
+                                    "(resources.disk)" % disk["path"]})
+            if shm:
+                ok = (disk["shm_bytes"] or 0) >= shm * 0.99
+                self.checks.append({"check": "/dev/shm on %s" % node["label"], "ok": ok,
+                                    "detail": "%s, the task asks for %.1f GB" % (
+                                        "%.1f GB" % (disk["shm_bytes"] / 1e9) if disk["shm_bytes"] else "missing",
+                                        shm / 1e9),
+                                    "fix": None if ok else "give the container a larger /dev/shm (resources.shm_size; "
+                                    "docker --shm-size): NCCL and vLLM fail or crawl without it"})
+
+    # ---------------------------------------------------------------- the result
+
+    def result(self, error: Optional[Failed]) -> dict:
+        for check in self.checks:
+            if not check["ok"]:
+                self.fail("doctor", "%s: %s. %s" % (check["check"], check["detail"], check.get("fix") or ""))
+        if error is not None and not any(f["message"] == str(error) for f in self.failures):
+            self.failures.append({"step": error.step, "message": str(error)})
+        nodes = [{k: n.get(k) for k in ("name", "label", "hostname", "address", "rank", "head", "python", "ray",
+                                         "torch", "torch_why", "cuda", "rocm", "nccl", "gpus", "gloo_if", "nccl_if",
+                                         "free_bytes", "shm_bytes")} for n in self.nodes]
+        passed = not self.failures
+        result = {"passed": passed, "failed_step": None if passed else self.failures[0]["step"],
+                  "failures": self.failures, "warnings": self.warnings, "notes": self.notes, "checks": self.checks,
+                  "nodes": nodes, "collectives": self.collectives, "pairs": self.pairs,
+                  "slowest_pair": min(self.pairs, key=lambda p: p["bits_per_s"]) if self.pairs else None,
+                  "steps": self.steps, "seconds": round(time.time() - self.started, 2)}
+        result["table"] = table(result)
+        return result
+
+    def stop(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+
+
+def _rank(node: dict) -> int:
+    try:
+        return int(node.get("rank"))
+    except (TypeError, ValueError):
+        return 1 << 30
+
+
+def rounds(count: int) -> List[List[tuple]]:
+    """Rounds of disjoint pairs that together cover every pair once (the circle method)."""
+    ids = list(range(count)) + ([None] if count % 2 else [])  # type: list
+    size, out = len(ids), []
+    for _ in range(size - 1):
+        pairs = [(ids[i], ids[size - 1 - i]) for i in range(size // 2)]
+        out.append([p for p in pairs if None not in p])
+        ids = [ids[0], ids[-1]] + ids[1:-1]
+    return out
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return "%.0f s" % seconds
+    if seconds < 5400:
+        return "%.0f min" % (seconds / 60)
+    return "%.1f h" % (seconds / 3600)
+
+
+def table(result: dict) -> List[str]:
+    """The result as the lines the head prints (nodes, interfaces, addresses, versions, bandwidth)."""
+    nodes = result["nodes"]
+    sends = {}  # type: Dict[str, float]
+    for pair in result["pairs"]:
+        sends[pair["src"]] = min(sends.get(pair["src"], pair["bits_per_s"]), pair["bits_per_s"])
+    gpus = any(n.get("gpus") for n in nodes)
+
+    def endpoint(e):
+        if not e:
+            return "-"
+        name = e.get("iface") or ("(unset)" if not e.get("value") else "?")
+        return "%s %s" % (name, e.get("address") or "")
+
+    header = ["rank", "node", "address", "gloo interface"] + (["nccl interface"] if gpus else []) + [
+        "python", "ray", "torch"] + (["cuda", "nccl", "gpus"] if gpus else []) + ["slowest send"]
+    rows = [header]
+    for n in nodes:
+        row = [str(n.get("rank") if n.get("rank") is not None else "-"), (n.get("name") or "?") + (" (head)" if n.get("head") else ""),
+               n.get("address") or "-", endpoint(n.get("gloo_if"))]
+        row += [endpoint(n.get("nccl_if"))] if gpus else []
+        row += [n.get("python") or "-", n.get("ray") or "-", n.get("torch") or ("none" if n.get("torch_why") else "-")]
+        row += [n.get("cuda") or n.get("rocm") or "-", n.get("nccl") or "-", str(n.get("gpus") or 0)] if gpus else []
+        row += [rate(sends.get(n.get("name")))]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for backend, coll in sorted(result["collectives"].items()):
+        lines.append("  %s all_reduce across %d nodes, bus bandwidth: %s" % (
+            "Gloo" if backend == "gloo" else "NCCL", coll["nodes"],
+            ", ".join("%s %s" % (size_text(s["bytes"]), rate(s["bus_bits_per_s"])) for s in coll["sizes"])))
+    slowest = result.get("slowest_pair")
+    if slowest:
+        fastest = max(result["pairs"], key=lambda p: p["bits_per_s"])
+        lines.append("  pairs (TCP over the Gloo addresses, %d directions): slowest %s -> %s %s, fastest %s -> %s %s" % (
+            len(result["pairs"]), slowest["src"], slowest["dst"], rate(slowest["bits_per_s"]),
+            fastest["src"], fastest["dst"], rate(fastest["bits_per_s"])))
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="preflight.py", description="rlhf-tasks preflight (runs as a Ray job)")
+    parser.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for all of preflight")
+    parser.add_argument("--deadline", type=float, default=None, help="absolute (epoch seconds); wins over --timeout")
+    parser.add_argument("--min-bandwidth-bits", type=float, default=1e9)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--weight-bytes", type=float, default=None)
+    parser.add_argument("--checks", default=None, help="doctor's checks (JSON): services, checkpoint_dir, shm_bytes")
+    args = parser.parse_args(argv)
+    preflight = Preflight(args)
+    error = None
+    try:
+        preflight.run()
+    except Failed as exc:
+        error = exc
+    except Exception as exc:  # a bug or Ray trouble: still one result line, naming it
+        error = Failed("preflight", "%s: %s" % (type(exc).__name__, exc))
+    result = preflight.result(error)
+    if error is not None:
+        say("failed in step %s (the result below says why)" % error.step)
+    print(RESULT_PREFIX + json.dumps(result, sort_keys=True), flush=True)  # the head acts on it at once
+    try:
+        preflight.stop()
+    except Exception:
+        pass
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Preflight and `rlhf-tasks doctor`: the head proves the nodes can talk before the job
+starts (versions, the collective interface and its address on every node, a Gloo
+all_reduce, every pair's bandwidth), and doctor checks a running cluster on demand.
+
+On the namespace testbed (root, CI) the clusters run what we render for dstack with dstack's
+environment, on three hosts that share one testbed: a healthy run, a host whose Gloo
+interface cannot reach the others, a throttled host, nodes without torch, and a host whose
+checkpoint directory is a private mount. On the local provider (no root): the launcher
+shows the table before the job starts, and doctor passes on the running cluster."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import testbed as tbmod
+from conftest import ROOT, need
+from rlhf_tasks import node, preflight, providers
+from rlhf_tasks.node import NodeInfo, node_env
+from rlhf_tasks.spec import parse_task
+from test_contracts import TOKEN, contract_task, dstack_env, place, render
+
+testbed3 = tbmod.make_testbed_fixture(3, scope="module")
+RATE = re.compile(r"\d+(\.\d+)? [GM]bit/s")
+
+
+def task_with(**fields) -> dict:
+    return {"name": "t", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}, **fields}
+
+
+# ------------------------------------------------------------------ the task, the plan, the shipped file
+
+
+def test_preflight_is_on_by_default_and_off_in_one_word():
+    assert parse_task(task_with()).preflight.enabled
+    off = parse_task(task_with(preflight=yaml.safe_load("off")))  # YAML reads `off` as false
+    assert not off.preflight.enabled
+    settings = parse_task(task_with(preflight={"timeout": "45s", "min_bandwidth": "200Mbit"})).preflight
+    assert (settings.timeout, settings.min_bandwidth_bits) == (45.0, 200e6)
+    assert parse_task(task_with(preflight={"min_bandwidth": "1GB/s"})).preflight.min_bandwidth_bits == 8e9
+
+
+def test_a_bad_bandwidth_names_its_field():
+    from rlhf_tasks.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"preflight\.min_bandwidth: 'fast' is not a bandwidth"):
+        parse_task(task_with(preflight={"min_bandwidth": "fast"}))
+
+
+def test_the_plan_carries_preflight_and_the_model_size_for_its_messages():
+    plan = providers.get("dstack").plan(parse_task({
+        "name": "v", "nodes": 2, "resources": {"gpus": "H100:8"},
+        "job": {"recipe": "verl-ppo", "args": {"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": "gsm8k"}}}))
+    assert plan.preflight.enabled and plan.preflight.model == "Qwen/Qwen2.5-7B-Instruct"
+    assert plan.preflight.weight_bytes == 14 * 10**9  # one bf16 copy
+    files = providers.get("dstack").render(plan)
+    assert files["rlhf-tasks/preflight.py"] == (ROOT / "rlhf_tasks" / "preflight.py").read_text()
+    config = yaml.safe_load(files["v.dstack.yml"])
+    assert "rlhf-tasks/preflight.py:/opt/rlhf-tasks/preflight.py" in config["files"]
+
+
+def test_preflight_is_stdlib_ray_and_torch_only_names_no_provider_and_parses_as_python_38():
+    source = (ROOT / "rlhf_tasks" / "preflight.py").read_text()
+    tree = ast.parse(source, feature_version=(3, 8))
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported - set(sys.stdlib_module_names) == {"ray", "torch"}
+    for word in ("dstack", "skypilot", "slurm", "runpod", "rlhf_tasks"):
+        assert word not in source.lower().replace("rlhf_tasks_", ""), word
+
+
+def test_rounds_cover_every_pair_once_with_disjoint_pairs():
+    for count in range(2, 9):
+        rounds = preflight.rounds(count)
+        pairs = [frozenset(p) for r in rounds for p in r]
+        assert len(pairs) == len(set(pairs)) == count * (count - 1) // 2
+        for r in rounds:
+            members = [n for p in r for n in p]
+            assert len(members) == len(set(members))
+        assert len(rounds) <= count
+
+
+def test_collective_endpoint_reads_the_variable_as_the_libraries_do():
+    lo = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "lo"}, None)
+    assert (lo["iface"], lo["address"], lo["problem"]) == ("lo", "127.0.0.1", None)
+    missing = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "eth9"}, None)
+    assert missing["address"] is None and "no such interface" in missing["problem"] and "lo" in missing["problem"]
+    unset = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {}, "10.0.0.5")
+    assert (unset["iface"], unset["address"]) == (None, "10.0.0.5")  # Gloo then uses the hostname's address
+    prefix = preflight.collective_endpoint("NCCL_SOCKET_IFNAME", {"NCCL_SOCKET_IFNAME": "l"}, None)
+    assert prefix["iface"] == "lo"  # NCCL takes a prefix
+
+
+def test_the_nodes_environment_wins_over_the_preset_and_the_task_env_over_both():
+    plan = json.loads(providers.get("dstack").plan(parse_task(task_with())).to_json())
+    info = NodeInfo(1, 2, "127.0.0.1", "127.0.0.1")
+    base = {"RAY_AUTH_TOKEN": "t"}
+    assert node_env(plan, info, base)["GLOO_SOCKET_IFNAME"] == "lo"  # the preset: the interface of the address
+    assert node_env(plan, info, {**base, "GLOO_SOCKET_IFNAME": "eth7"})["GLOO_SOCKET_IFNAME"] == "eth7"
+    plan["env"] = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert node_env(plan, info, {**base, "GLOO_SOCKET_IFNAME": "eth7"})["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_preflight_ids_never_look_like_a_jobs_own():
+    sid = node.preflight_submission_id("abc123")
+    assert sid == "preflight_abc123" and not node.is_submission_of("preflight", sid)
+
+
+# ------------------------------------------------------------------ on the namespace testbed
+
+
+@pytest.fixture
+def tb(testbed3):
+    """The module's three hosts, with nothing of the previous test left running on them."""
+    yield testbed3
+    for host in range(3):
+        testbed3.kill(host)
+
+
+def start(tb, tmp_path: Path, task: dict, host_env: dict | None = None) -> list:
+    """What dstack runs on each host (as in test_contracts), with extra environment per host."""
+    files = render("dstack", task, tmp_path / "rendered")
+    config = yaml.safe_load(files[f"{task['name']}.dstack.yml"])
+    mounts = {m.split(":")[1]: tmp_path / "rendered" / m.split(":")[0] for m in config["files"]}
+    procs = []
+    for rank in range(task["nodes"]):
+        place(tb, rank, mounts)
+        env = {**dstack_env(tb, rank, task["nodes"], config["env"]), **(host_env or {}).get(rank, {})}
+        procs.append(tb.run(rank, " && ".join(config["commands"]), env=env, name=f"preflight-node{rank}"))
+    return procs
+
+
+def head_mode(tmp_path: Path, nodes: int = 3, **preflight_settings) -> dict:
+    task = contract_task(tmp_path, nodes, "head", service=False)
+    task["preflight"] = {"timeout": "90s", "min_bandwidth": "200Mbit", **preflight_settings}
+    return task
+
+
+def test_preflight_passes_on_a_healthy_cluster_and_prints_the_table_before_the_job(tb, tmp_path):
+    procs = start(tb, tmp_path, head_mode(tmp_path))
+    assert procs[0].wait(300) == 0, procs[0].output[-5000:]
+    out = procs[0].output
+    assert "preflight passed" in out and "CONTRACT alive nodes 3" in out and "preflight WARNING" not in out
+    for host in tb.hosts:  # one row per node: its name, address, Gloo interface with its address, versions
+        row = next(line for line in out.splitlines() if re.match(rf"\s+\d\s+{host.name}\b", line))
+        assert f"eth0 {host.ip}" in row and "2.60.0" in row and RATE.search(row), row
+    allreduce = next(line for line in out.splitlines() if "Gloo all_reduce across 3 nodes" in line)
+    assert "64 MiB" in allreduce or "16 MiB" in allreduce, allreduce
+    assert out.index("preflight passed") < out.index("submitting job")
+    saved = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))  # beside the job's logs
+    assert saved["passed"] and len(saved["nodes"]) == 3 and len(saved["pairs"]) == 6
+    assert saved["collectives"]["gloo"]["sizes"][0]["bus_bits_per_s"] > 0
+    steps = {s["step"]: s["seconds"] for s in node.parse_result(out)["steps"]}
+    assert steps["preflight"] < 90
+
+
+def test_a_host_whose_gloo_interface_cannot_reach_the_others_fails_preflight_and_no_job_runs(tb, tmp_path):
+    procs = start(tb, tmp_path, head_mode(tmp_path, timeout="60s"), {2: {"GLOO_SOCKET_IFNAME": "lo"}})
+    assert procs[0].wait(300) == 1, procs[0].output[-5000:]
+    out = procs[0].output
+    failure = next(line for line in out.splitlines() if "preflight FAILED (interfaces): " in line)
+    assert "node2 (10.77.0.12)" in failure and "GLOO_SOCKET_IFNAME=lo" in failure and "127.0.0.1" in failure
+    assert "node0 (10.77.0.10)" in failure and "(this node's Ray address 10.77.0.12 is on eth0)" in failure
+    assert "GLOO_SOCKET_IFNAME=lo (from the node's environment)" in procs[2].output
+    assert "submitting job" not in out and "CONTRACT alive nodes" not in out
+    result = node.parse_result(out)
+    assert result["exit_code"] == 1 and result["failed_step"] == "preflight (interfaces)"
+    assert "the job was not submitted" in result["error"]
+    assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + node.PREFLIGHT_GRACE_S
+
+
+def test_a_throttled_host_passes_with_a_bandwidth_warning_naming_it(tb, tmp_path):
+    need(shutil.which("tc") is not None, "iproute2's tc (to throttle a host's link)")
+    tb.sh(2, "tc qdisc add dev eth0 root tbf rate 50mbit burst 32kbit latency 400ms")
+    try:
+        procs = start(tb, tmp_path, head_mode(tmp_path))
+        assert procs[0].wait(300) == 0, procs[0].output[-5000:]
+    finally:
+        tb.sh(2, "tc qdisc del dev eth0 root")
+    out = procs[0].output
+    warnings = [line for line in out.splitlines() if "preflight WARNING: low bandwidth" in line]
+    assert warnings and "node2 (10.77.0.12) sends to the other nodes at" in warnings[0], out[-5000:]
+    assert "node0 (10.77.0.10) sends" not in warnings[0] and "below the 200 Mbit/s" in warnings[0]
+    assert "For the weight sync this means" in warnings[0]
+    slow = float(re.search(r"node2 \(10\.77\.0\.12\) sends to the other nodes at ([\d.]+) Mbit/s", warnings[0]).group(1))
+    assert 20 < slow < 80  # about the 50 Mbit/s of the throttle
+    assert "CONTRACT alive nodes 3" in out and "SUCCEEDED" in out
+
+
+def test_without_torch_preflight_checks_the_network_with_tcp_and_says_so(tb, tmp_path):
+    stub = tmp_path / "no-torch" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\")\n")
+    hidden = {"PYTHONPATH": str(stub.parent)}
+    procs = start(tb, tmp_path, head_mode(tmp_path, nodes=2), {0: hidden, 1: hidden})
+    assert procs[0].wait(300) == 0, procs[0].output[-5000:]
+    out = procs[0].output
+    assert "torch is not installed on the nodes: checked the network with TCP streams" in out
+    assert "Gloo all_reduce across" not in out
+    assert re.search(r"pairs \(TCP over the Gloo addresses, 2 directions\): slowest node\d -> node\d \d", out), out[-3000:]
+
+
+def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):
+    stub = tmp_path / "hanging-torch" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("import time\ntime.sleep(3600)\n")  # an import that never ends
+    procs = start(tb, tmp_path, head_mode(tmp_path, nodes=2, timeout="30s"), {1: {"PYTHONPATH": str(stub.parent)}})
+    assert procs[0].wait(300) == 1, procs[0].output[-5000:]
+    out = procs[0].output
+    failure = next(line for line in out.splitlines() if "preflight FAILED (torch): " in line)
+    assert "node1 (10.77.0.11)" in failure and "importing torch took longer than" in failure
+    assert "node0 (10.77.0.10)" not in failure and "submitting job" not in out
+    steps = {s["step"]: s["seconds"] for s in node.parse_result(out)["steps"]}
+    assert steps["preflight"] < 30 + node.PREFLIGHT_GRACE_S
+
+
+def test_doctor_names_the_host_whose_checkpoint_dir_is_not_shared(tb, tmp_path):
+    task = contract_task(tmp_path, 3, "client")  # with a service on every node, for doctor to check
+    task["preflight"] = {"min_bandwidth": "200Mbit"}
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(yaml.safe_dump(task))
+    checkpoints = task["checkpoints"]["path"]
+    tb.sh(2, f"mkdir -p {checkpoints} && mount -t tmpfs tmpfs {checkpoints}")  # node2's own, private
+    procs = start(tb, tmp_path, task)
+    tbmod.poll(lambda: "cluster ready for a client submission" in procs[0].output or None, 240,
+               "the head to pass preflight and wait for a client")
+    doctor = tb.run(0, ["rlhf-tasks", "doctor", str(task_file), "--address", "http://127.0.0.1:8265",
+                        "--provider", "dstack"],
+                    env=tb.env(RAY_AUTH_TOKEN=TOKEN, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT)),
+                    name="doctor")
+    assert doctor.wait(240) == 1, doctor.output[-5000:]
+    out = doctor.output
+    failed = [line for line in out.splitlines() if line.startswith("  FAIL")]
+    assert len(failed) == 1, out[-4000:]
+    assert "node2 (10.77.0.12) does not share" in failed[0] and checkpoints in failed[0]
+    assert "node0 (10.77.0.10), node1 (10.77.0.11)" in failed[0]
+    assert "what to do: mount the same shared volume" in out
+    for passed in ("Ray token accepted", "dashboard refuses requests without the token", "nodes ALIVE: 3/3",
+                   "preflight: versions, interfaces", "service web on node2 (10.77.0.12): ready"):
+        assert f"  ok   {passed}" in out, (passed, out[-4000:])
+    assert TOKEN not in out
+
+
+# ------------------------------------------------------------------ the local provider (no root)
+
+
+def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_running_cluster(tmp_path, cli_env):
+    task = tmp_path / "pf.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "pf", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "job": {"recipe": "command", "working_dir": None,
+                "args": {"entrypoint": "python3 -c 'print(\"the job\", \"runs\")'"}}}))
+
+    def cli(*args, timeout=600):
+        return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=tmp_path, env=cli_env,
+                              capture_output=True, text=True, timeout=timeout)
+    try:
+        launched = cli("launch", str(task), "--keep")
+        out = launched.stdout
+        assert launched.returncode == 0, out[-5000:] + launched.stderr[-3000:]
+        table = out.index("preflight passed")
+        assert re.search(r"Gloo all_reduce across 2 nodes, bus bandwidth: 1 MiB \d", out[table:])
+        assert table < out.index("following job") < out.index("the job runs")
+        doctor = cli("doctor", "pf", timeout=300)
+        assert doctor.returncode == 0, doctor.stdout[-5000:] + doctor.stderr[-3000:]
+        assert "0 failed" in doctor.stdout and "  ok   checkpoint directory:" in doctor.stdout
+        assert "is writable on every node and shared by all 2" in doctor.stdout
+        wrong = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "doctor", "pf"], cwd=tmp_path,
+                               env={**cli_env, "RAY_AUTH_TOKEN": "not-the-token"}, capture_output=True, text=True,
+                               timeout=120)
+        assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+        assert re.search(r"FAIL Ray token accepted: HTTP 40[13] with the token", wrong.stdout), wrong.stdout
+        assert "what to do: export RAY_AUTH_TOKEN=$(rlhf-tasks token pf)" in wrong.stdout
+        assert "not-the-token" not in wrong.stdout + wrong.stderr
+    finally:
+        down = cli("down", "pf", timeout=120)
+    assert down.returncode == 0, down.stderr
+
