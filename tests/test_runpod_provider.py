@@ -345,6 +345,7 @@ def test_ctrl_c_while_the_pods_start_terminates_them(tmp_path):
         assert "failed: starting the pods: interrupted (Ctrl-C); terminated 3 pod(s)" in said, said
         assert live_pods(api) == []
         assert api.errors == []
+        assert_key_nowhere(said, directories=(tmp_path,))
     runner.close()
 
 
@@ -356,6 +357,7 @@ def test_rate_limits_and_server_errors_are_retried(standin, tmp_path):
     assert out.returncode == 2 and "RunPod has no GPU type 'B300'" in out.stderr  # got there after the retries
     assert "429 Too Many Requests; retrying in 1.0s (Retry-After)" in out.stdout
     assert "503 Service Unavailable; retrying" in out.stdout
+    assert_key_nowhere(out.stdout, out.stderr, directories=(tmp_path,))
 
 
 def test_status_and_down_touch_only_this_tasks_pods(standin, tmp_path):
@@ -372,6 +374,7 @@ def test_status_and_down_touch_only_this_tasks_pods(standin, tmp_path):
     assert f"terminated 2 pod(s) ({ours[0]}, {ours[1]})" in down.stdout
     assert sorted(live_pods(standin)) == ["rp-contract-2-head", "rp-contract-web"]
     assert all(client.get_pod(i)["status"] == "RUNNING" for i in theirs)
+    assert_key_nowhere(down.stdout, down.stderr, directories=(tmp_path / "home",))
     client.close()
 
 
@@ -624,6 +627,10 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
              "every agent to end (the pods stay up)")
         assert all(proc.running() for proc in procs.values())  # no container restart runs the job twice
         assert TOKEN not in head
+    except BaseException:
+        for host, proc in sorted(procs.items()):  # pytest shows this with the failure
+            print(f"--- node{host} ---\n{proc.output[-4000:]}")
+        raise
     finally:
         for host in range(3):
             tb.kill(host)

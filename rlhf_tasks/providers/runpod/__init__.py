@@ -367,8 +367,10 @@ class RunPodProvider(Provider):
         notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
                  "(gzip, base64)."]
         if not plan.resources.gpus:
-            notes.append(f"resources.gpus is not set: every pod gets 1x {DEFAULT_GPU} (RunPod pods with Global "
-                         f"Networking need an NVIDIA GPU); set resources.gpus to choose.")
+            why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else \
+                "RunPod pods with Global Networking need an NVIDIA GPU"
+            notes.append(f"resources.gpus is not set: every pod gets 1x {DEFAULT_GPU} ({why}); set resources.gpus "
+                         f"to choose.")
         ignored = [f"resources.{key}" for key in ("shm_size", "memory") if getattr(plan.resources, key)]
         if ignored:
             notes.append(f"{' and '.join(ignored)} not applied: RunPod sizes a pod's memory and /dev/shm by its "
@@ -448,8 +450,7 @@ class RunPodProvider(Provider):
             raise BadInput(f"{'placement.regions' if regions else field}: no data center{gn} offers {gpu_id} "
                            f"(looked in {', '.join(candidates) or 'none'})")
         price = (gpu.get("price") or {}).get("secure")
-        return {"gpu": gpu_id, "count": count, "datacenters": offered, "price": price * count if price else None,
-                "levels": {dc: level(dc) for dc in offered}}
+        return {"gpu": gpu_id, "count": count, "datacenters": offered, "price": price * count if price else None}
 
     def _find(self, client, name: str) -> tuple[list[dict], list[dict]]:
         """This task's pods (by the names this provider gives) and its Instant Cluster (by name)."""
