@@ -176,11 +176,11 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     from . import state
 
-    record = state.load(args.job) if not (args.address or args.cluster) else None
-    if record and record.get("provider"):  # a cluster's name: its provider may have its own view
-        text = _provider(record["provider"]).status(args.job)
-        if text is not None:
-            print(text)
+    record = None if args.address or args.cluster else state.load(args.job)
+    if record and record.get("provider") and not record.get("ended"):  # a cluster's name: its machines
+        said = _provider(record["provider"]).status(args.job)
+        if said is not None:
+            print(said)
             return 0
     status = _jobs(args).status(args.job)
     if status is None:
@@ -234,6 +234,18 @@ def cmd_down(args) -> int:
     print(f"stopping {name} on {provider_name} ...", flush=True)
     print(_provider(provider_name).down(name))
     return 0
+
+
+def cmd_forward(args) -> int:
+    """The head's dashboard on this machine through the provider's tunnel, until Ctrl-C."""
+    from . import state
+
+    record = state.load(args.name)
+    provider_name = args.provider or (record or {}).get("provider")
+    if provider_name is None:
+        raise BadInput(f"NAME: no cluster named {args.name} was launched from here (known: "
+                       f"{', '.join(state.known()) or 'none'}); pass --provider")
+    return _provider(provider_name).forward(args.name, args.port)
 
 
 def cmd_env(args) -> int:
@@ -336,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", required=True, help="e.g. http://localhost:8265")
     p.add_argument("--provider", default="local", help="provider whose plan to use (paths, checkpoint dir)")
     p.add_argument("--follow", action="store_true")
-    for name, func, help_text in (("status", cmd_status, "a job's status (or a cluster's, by its name, where the "
-                                                         "provider follows it: slurm)"), ("logs", cmd_logs, "a job's logs"),
+    for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
+                                   "from here, on providers that report it: runpod, slurm)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
         p.add_argument("job", metavar="JOB")
@@ -352,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster")
     p = add("down", cmd_down, "stop a cluster launched from here")
     p.add_argument("target", metavar="TASK.yaml|NAME")
+    p.add_argument("--provider")
+    p = add("forward", cmd_forward, "forward the head's dashboard to 127.0.0.1:PORT through the provider's tunnel "
+            "(RunPod: ssh to the head pod), for submit, logs, Ray's CLI and a browser; until Ctrl-C")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--port", type=int, help="local port (default: the task's ray.dashboard_port)")
     p.add_argument("--provider")
     p = add("env", cmd_env, "shell lines for Ray's own CLI against a cluster launched from here: "
             "eval \"$(rlhf-tasks env NAME)\" sets RAY_ADDRESS, RAY_AUTH_MODE and RAY_AUTH_TOKEN")

@@ -564,6 +564,7 @@ class RunPodStandIn:
         self.ssh_public_keys = ssh_public_keys
         self.pods: dict[str, PodState] = {}
         self.clusters: dict[str, ClusterState] = {}
+        self.network_volumes: dict[str, dict] = {}  # id -> NetworkVolume (add_network_volume)
         self.errors: list[str] = []
         self.requests: list[Recorded] = []
         # faults
@@ -653,6 +654,13 @@ class RunPodStandIn:
         self._failures.clear()
         self._create_faults.clear()
         self.auth_failure = self.drop_log_stream_after = None
+
+    def add_network_volume(self, name: str, data_center: str, size: int = 100) -> str:
+        """A network volume in ``data_center``, as if made in RunPod's console; its id."""
+        volume_id = _new_id()[:10]
+        self.network_volumes[volume_id] = {"id": volume_id, "name": name, "size": size,
+                                           "dataCenter": data_center, "type": "STANDARD"}
+        return volume_id
 
     # ------------------------------------------------------------ inspection
 
@@ -921,6 +929,19 @@ class RunPodStandIn:
         raise _Answer(400, "Bad Request", f"no capacity: no {count}x {gpu_id} available{gn} "
                       f"in {where}")
 
+    def _volume_dcs(self, mounts: dict, dc_ids: list[str] | None) -> list[str] | None:
+        """A network volume pins the placement to its data center (RunPod: "an existing
+        NetworkVolume in the same data center as the pod")."""
+        for mount in mounts.get("network") or []:
+            volume = self.network_volumes.get(mount["volumeId"])
+            if volume is None:
+                raise _Answer(400, "Bad Request", f"network volume {mount['volumeId']} not found")
+            if dc_ids and volume["dataCenter"] not in dc_ids:
+                raise _Answer(400, "Bad Request", f"network volume {volume['id']} is in "
+                              f"{volume['dataCenter']}, not in {', '.join(dc_ids)}")
+            return [volume["dataCenter"]]
+        return dc_ids
+
     def _create_fault(self, kind: str) -> None:
         self._creates[kind] += 1
         fault = self._create_faults.pop((kind, self._creates[kind]), None)
@@ -945,7 +966,7 @@ class RunPodStandIn:
             gpu_req = {"id": body["gpu"]["id"], "count": body["gpu"].get("count", 1)}
             gn = bool(body.get("globalNetworking", False))
             gpu, dc = self._placement(gpu_req["id"], gpu_req["count"], cloud,
-                                      body.get("dataCenterIds"), gn)
+                                      self._volume_dcs(mounts, body.get("dataCenterIds")), gn)
             pod = PodState(
                 id=_new_id(), name=body["name"], image=body["image"], args=body.get("args", ""),
                 env=dict(body.get("env") or {}), ports=list(body.get("ports") or []),
@@ -1033,7 +1054,8 @@ class RunPodStandIn:
                 raise _Answer(400, "Bad Request", "at most 50 environment variables per pod")
             compute = body["compute"]
             gpu, dc = self._placement(compute["gpuTypeId"], compute["gpuCountPerPod"], "SECURE",
-                                      body.get("dataCenterIds"), False)
+                                      self._volume_dcs(body.get("mounts") or {},
+                                                       body.get("dataCenterIds")), False)
             seq = next(self._cluster_seq)
             cluster = ClusterState(id=_new_id(), name=body["name"], type=body["type"],
                                    compute=dict(compute), datacenter=dc, seq=seq, pod_ids=[],
@@ -1083,6 +1105,13 @@ class RunPodStandIn:
         for pod in pods:
             self._stop(pod, "TERMINATED")
         return 204, None
+
+    def get_network_volume(self, body, query, volume_id: str) -> tuple[int, dict]:
+        with self._cond:
+            volume = self.network_volumes.get(volume_id)
+            if volume is None:
+                raise _Answer(404, "Not Found", f"network volume {volume_id} not found")
+            return 200, dict(volume)
 
     def list_datacenters(self, body, query) -> tuple[int, dict]:
         include = ",".join(query.get("include", [])).split(",")
@@ -1140,6 +1169,7 @@ class RunPodStandIn:
         ("GET", "/v2/clusters/{id}", "get_cluster"),
         ("DELETE", "/v2/clusters/{id}", "delete_cluster"),
         ("GET", "/v2/clusters/{id}/pods", "cluster_pods"),
+        ("GET", "/v2/network-volumes/{id}", "get_network_volume"),
         ("GET", "/v2/catalog/datacenters", "list_datacenters"),
         ("GET", "/v2/catalog/gpus", "list_gpus"),
     ]

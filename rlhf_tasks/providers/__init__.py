@@ -17,6 +17,7 @@ BUILTIN = {
     "local": "rlhf_tasks.providers.local:LocalProvider",
     "dstack": "rlhf_tasks.providers.dstack:DstackProvider",
     "sky": "rlhf_tasks.providers.sky:SkyProvider",
+    "runpod": "rlhf_tasks.providers.runpod:RunPodProvider",
     "slurm": "rlhf_tasks.providers.slurm:SlurmProvider",
 }
 

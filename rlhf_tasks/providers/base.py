@@ -109,17 +109,21 @@ class Provider:
         """Stop the cluster; StepFailed when the provider could not."""
         raise NotImplementedError
 
+    def status(self, name: str) -> str | None:
+        """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
+        return None
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""
+        raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
+                       f"(e.g. dstack attach, ssh -L)")
+
     def abandon(self, name: str, fresh: bool) -> None:
         """Undo what a launch that failed before its job started created here: the staged
         files and, when this launch made it (`fresh`), the cluster's record and token."""
         shutil.rmtree(state.run_dir(name) / self.name, ignore_errors=True)
         if fresh:
             state.forget(name)
-
-    def status(self, name: str) -> str | None:
-        """The provider's own view of a cluster launched from here (for `rlhf-tasks status
-        NAME`), or None when the Ray Jobs API through the dashboard is the view."""
-        return None
 
     def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,

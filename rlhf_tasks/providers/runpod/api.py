@@ -257,6 +257,12 @@ class RunPodClient:
         """DELETE /clusters/{id} (terminates every member pod)."""
         return self._delete(f"/clusters/{cluster_id}", missing_ok)
 
+    # -------------------------------------------------------- network volumes
+
+    def network_volume(self, volume_id: str) -> dict[str, Any]:
+        """GET /network-volumes/{id}: its ``dataCenter`` (a volume lives in one) and size."""
+        return self._json("GET", f"/network-volumes/{volume_id}")
+
     # --------------------------------------------------------------- catalog
 
     def datacenters(self, *, global_network: bool | None = None,

@@ -1,0 +1,636 @@
+"""The RunPod provider (rlhf_tasks/providers/runpod): what `render` writes, checked against
+RunPod's own OpenAPI schemas; the contracts the agent reads; and `launch` / `status` /
+`down` as a user runs them (the CLI in a subprocess) against the schema-checked stand-in of
+RunPod's REST API v2 (tests/runpod_standin.py).
+
+Fast tests run pods as local processes of an image that ignores its command; the testbed
+tests (root; CI) put each pod on a namespace host, `<podId>.runpod.internal` resolving to
+it, an Instant Cluster's overlay on `ens1`, and run the real thing: the rendered start
+script, the node agent, Ray and the job."""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import gzip
+import json
+import os
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import testbed as tbmod
+from runpod_standin import A40, Contract, ProcessRunner, RunPodStandIn, TestbedRunner
+from testbed import poll
+
+from rlhf_tasks import providers
+from rlhf_tasks.errors import BadInput
+from rlhf_tasks.node import parse_result, read_contract
+from rlhf_tasks.providers.runpod import MAX_ARGS, RunPodProvider
+from rlhf_tasks.spec import parse_task
+
+from conftest import ROOT
+
+KEY = "rpa_PROVIDERKEY_5d1e7c3a9b"  # distinctive: searched for everywhere
+TOKEN = "runpod-contract-token-0123456789abcdef"
+#: An image whose entrypoint ignores its command (fast tests: the API side only).
+IDLE_IMAGE = ("bash", "-c", "exec sleep 600", "container")
+testbed3 = tbmod.make_testbed_fixture(3, scope="module")
+
+CHECK_NODES = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.nodes() if x['Alive']); "
+               "print('CONTRACT alive nodes', n); assert n == {nodes}\"")
+
+
+def command_task(nodes: int = 3, submit: str = "head", **extra) -> dict:
+    task = {"name": "rp-contract", "nodes": nodes, "resources": {"cpus": 1}, "network": "runpod-global",
+            "env": {"PYTHONUNBUFFERED": "1"}, "secrets": ["WANDB_API_KEY"], "ray": {"object_store_memory": "80MB"},
+            "checkpoints": {"resume": "never"}, "wait": {"head": "4m", "nodes": "4m"},
+            "job": {"recipe": "command", "submit": submit, "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": CHECK_NODES.format(nodes=nodes)}}}
+    task.update(extra)
+    return task
+
+
+def tiny_task(steps: int = 20, **extra) -> dict:
+    """tasks/tiny-grpo.yaml with fewer steps, its checkpoints on each pod's own disk."""
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["checkpoints"]["path"] = "/opt/checkpoints/tiny-grpo"
+    task["job"]["args"].update(steps=steps, save_every=10, num_prompts=200)
+    task.update(extra)
+    return task
+
+
+def rendered(task: dict) -> tuple[RunPodProvider, object, dict[str, str]]:
+    provider = providers.get("runpod")
+    plan = provider.plan(parse_task(task, "t.yaml"))
+    return provider, plan, provider.render(plan)
+
+
+def script_of(args: str) -> str:
+    """The start script a pod's args run (base64 of gzip inside `bash -c '...'`)."""
+    command = shlex.split(args)[2]
+    encoded = command.split()[1]
+    return gzip.decompress(base64.b64decode(encoded)).decode()
+
+
+# ------------------------------------------------------------------ render: pure, RunPod's own schemas
+
+
+@pytest.mark.parametrize("variant", ["pods", "cluster", "client", "volume"])
+def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret-value")
+    extra = {"pods": {}, "cluster": {"network": "runpod-cluster"}, "volume": {
+        "checkpoints": {"path": "/ckpt/run", "shared": {"runpod": {"network_volume": "vol123"}}}}}.get(variant, {})
+    task = command_task(submit="client" if variant == "client" else "head", **extra)
+    provider, plan, files = rendered(task)
+    assert list(files) == ["rp-contract.runpod.json", "rp-contract.start.sh"]
+    document = json.loads(files["rp-contract.runpod.json"])
+    contract = Contract()
+    script = files["rp-contract.start.sh"]
+    for text in files.values():
+        assert "wandb-secret-value" not in text and "ray-secret-value" not in text
+    if variant == "cluster":
+        body = document["cluster"]
+        assert contract.errors("CreateClusterRequest", body) == []
+        assert body["compute"] == {"gpuTypeId": "NVIDIA A40", "gpuCountPerPod": 1, "podCount": 3}
+        assert body["type"] == "TRAINING" and body["env"] == {"WANDB_API_KEY": "${WANDB_API_KEY}",
+                                                              "RAY_AUTH_TOKEN": "${RAY_AUTH_TOKEN}"}
+        bodies = [body]
+    else:
+        bodies = [document["head"], *document["workers"]]
+        assert [b["name"] for b in bodies] == ["rp-contract-head", "rp-contract-worker-1", "rp-contract-worker-2"]
+        for rank, body in enumerate(bodies):
+            assert contract.errors("CreatePodRequest", body) == [], body["name"]
+            assert body["globalNetworking"] is True and body["cloud"] == "SECURE"
+            assert body["env"]["RAY_WORKER"] == str(rank) and body["env"]["EXPECTED_WORKERS"] == "2"
+            assert body["env"].get("HEAD_POD_ID") == ("${HEAD_POD_ID}" if rank else None)
+            assert body["env"]["RAY_AUTH_TOKEN"] == "${RAY_AUTH_TOKEN}"
+            assert len(body["env"]) <= 50
+        head = bodies[0]
+        if variant == "client":  # SSH on the head only, for the dashboard's forward
+            assert head["ports"] == ["22/tcp"] and head["startSsh"] is True
+            assert all("ports" not in b and "startSsh" not in b for b in bodies[1:])
+        else:
+            assert "ports" not in head and "startSsh" not in head
+        if variant == "volume":
+            assert all(b["mounts"] == {"network": [{"volumeId": "vol123", "path": "/ckpt/run"}]} for b in bodies)
+            assert provider.shared_storage_warning(plan) is None
+    for body in bodies:
+        assert len(body["args"]) < MAX_ARGS
+        assert script_of(body["args"]) == script  # the pod runs exactly the rendered script
+    # It carries the agent and the plan verbatim, runs the agent (with the setup), and parses.
+    assert (ROOT / "rlhf_tasks" / "node.py").read_text() in script and plan.to_json() in script
+    agent = [line for line in script.splitlines() if line.startswith("python3 /opt/rlhf-tasks/node.py")]
+    assert agent == ["python3 /opt/rlhf-tasks/node.py --plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
+                     "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_render_of_the_demo_ships_its_code_and_picks_a_gpu_for_global_networking():
+    provider, plan, files = rendered(yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text()))
+    document = json.loads(files["tiny-grpo.runpod.json"])
+    assert "every pod gets 1x NVIDIA A40" in document["note"]
+    assert document["head"]["gpu"] == {"id": "NVIDIA A40", "count": 1}
+    script = files["tiny-grpo.start.sh"]
+    assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/demo/train.py <<'RLHF_TASKS_EOF'" in script
+    assert script.count("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 /opt/rlhf-tasks/node.py") == 1
+    assert "pod's own disk" in provider.shared_storage_warning(plan)
+
+
+def test_gpu_names_and_the_catalogue_task():
+    _, plan, files = rendered(yaml.safe_load((ROOT / "tasks" / "openrlhf-m-grpo-qwen2.5-vl-3b.yaml").read_text()))
+    head = json.loads(files["openrlhf-m-grpo-qwen25-vl-3b.runpod.json"])["head"]
+    assert head["gpu"] == {"id": "NVIDIA H100 80GB HBM3", "count": 2} and head["disk"] == 500
+    assert head["image"] == "nvcr.io/nvidia/pytorch:24.07-py3"
+    assert set(head["env"]) == {"RAY_WORKER", "EXPECTED_WORKERS", "WANDB_API_KEY", "HF_TOKEN", "RAY_AUTH_TOKEN"}
+    from rlhf_tasks.providers.runpod import cross_node_traffic
+
+    assert "vLLM engines spread over the 2 pods (gloo weight sync)" in cross_node_traffic(plan)
+
+
+def test_global_networking_preset_and_the_task_overrides_it():
+    _, plan, _ = rendered(command_task(env={"NCCL_SOCKET_NTHREADS": "4"}))
+    assert plan.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}",
+                                "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_FAMILY": "IPv4", "NCCL_LAUNCH_MODE": "GROUP",
+                                "NCCL_SOCKET_NTHREADS": "1", "NCCL_NSOCKS_PERTHREAD": "1"}
+    assert plan.env["NCCL_SOCKET_NTHREADS"] == "4"  # the agent applies the task's env after the preset
+    _, cluster, _ = rendered(command_task(network="runpod-cluster"))
+    assert cluster.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"}
+
+
+def test_the_agent_reads_the_guides_variables_and_the_instant_cluster_ones():
+    _, plan, _ = rendered(command_task())
+    contract = plan.model_dump()["contract"]
+    head = read_contract(contract, {"RUNPOD_POD_ID": "headpod"})  # RAY_WORKER unset, no EXPECTED_WORKERS
+    assert (head.rank, head.nodes, head.head, head.node_addr, head.cluster_id) == (
+        0, 3, None, "headpod.runpod.internal", "headpod")
+    worker = read_contract(contract, {"RUNPOD_POD_ID": "w1", "RAY_WORKER": "1", "HEAD_POD_ID": "headpod",
+                                      "EXPECTED_WORKERS": "2"})
+    assert (worker.rank, worker.nodes, worker.head, worker.node_addr) == (1, 3, "headpod.runpod.internal",
+                                                                          "w1.runpod.internal")
+    _, cluster, _ = rendered(command_task(network="runpod-cluster"))
+    node = read_contract(cluster.model_dump()["contract"], {"NODE_RANK": "2", "NUM_NODES": "3", "NUM_TRAINERS": "8",
+                                                            "PRIMARY_ADDR": "10.78.1.10", "NODE_ADDR": "10.78.1.12"})
+    assert (node.rank, node.nodes, node.head, node.node_addr, node.gpus) == (2, 3, "10.78.1.10", "10.78.1.12", 8)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"network": "infiniband"}, "network: infiniband"),
+    ({"network": "runpod-cluster", "nodes": 1}, "nodes: an Instant Cluster has 2 to 8 nodes"),
+    ({"placement": {"spot": "on"}}, "placement.spot"),
+    ({"placement": {"retry": True}}, "placement.retry"),
+    ({"checkpoints": {"path": "/c", "shared": {"runpod": {"volume": "x"}}}}, "checkpoints.shared.runpod.network_volume: Field required"),
+    ({"secrets": [f"S{i}" for i in range(48)]}, "secrets: a RunPod pod's env holds at most 50"),
+])
+def test_what_runpod_refuses_names_the_field(change, field):
+    with pytest.raises(BadInput, match=field.replace(".", r"\.")):
+        rendered(command_task(**change))
+
+
+def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(capsys):
+    provider, plan, _ = rendered(command_task())
+    log = ("Running entrypoint\n\x1b[36m(Worker pid=5)\x1b[0m noise\nTraceback (most recent call last):\n"
+           "AssertionError: 2 nodes\n2026-11-22 13:42:19,891\tINFO worker.py:1 -- shutting down\n")
+    result = {"exit_code": 1, "error": "running job rp-contract-abc failed: it ended FAILED",
+              "failed_step": "running job rp-contract-abc", "steps": [{"step": "job", "seconds": 3.2}],
+              "job": {"submission_id": "rp-contract-abc", "status": "FAILED", "attempts": [
+                  {"submission_id": "rp-contract-abc", "status": "FAILED", "cause": "the job FAILED"},
+                  {"submission_id": "rp-contract-abc-r1", "status": "FAILED", "cause": None}]},
+              "job_log_tail": log}
+    fit = {"gpu": A40, "count": 1, "price": 0.4}
+    cluster = provider._finish(plan, [{"id": "h1", "dataCenterId": "EU-RO-1"}], None, time.monotonic() - 60, fit,
+                               result, Path("/nonexistent"))
+    out, err = capsys.readouterr()
+    assert cluster.finished == 1
+    assert "job rp-contract-abc: FAILED in 60s wall time" in out and "attempts: 2 (" in out
+    assert "the job's last line: AssertionError: 2 nodes" in out and "head steps: job 3s" in out
+    assert "about $0.02 so far" in out
+    assert err.strip() == "failed: running job rp-contract-abc failed: it ended FAILED"
+
+
+# ------------------------------------------------------------------ launch against the stand-in (fast)
+
+
+@pytest.fixture
+def standin(tmp_path):
+    runner = ProcessRunner(tmp_path / "pods", entrypoint=IDLE_IMAGE)
+    api = RunPodStandIn(runner, api_key=KEY).start()
+    yield api
+    api.close()
+    runner.close()
+    assert api.errors == [], "the stand-in broke RunPod's contract or crashed"
+
+
+def cli_env(tmp_path: Path, url: str, **extra) -> dict[str, str]:
+    env = dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+               RUNPOD_API_URL=url, RUNPOD_API_KEY=KEY, WANDB_API_KEY="wandb-value-42")
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def run_cli(args: list[str], env: dict, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def write_task(tmp_path: Path, task: dict) -> str:
+    path = tmp_path / f"{task['name']}.yaml"
+    path.write_text(yaml.safe_dump(task))
+    return str(path)
+
+
+def live_pods(api: RunPodStandIn) -> list[str]:
+    return [p.name for p in api.pods.values() if p.status != "TERMINATED"]
+
+
+def assert_key_nowhere(*texts: str, directories: tuple[Path, ...] = ()) -> None:
+    for text in texts:
+        assert KEY not in text
+    for directory in directories:
+        for path in Path(directory).rglob("*"):
+            if path.is_file():
+                assert KEY.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"resources": {"cpus": 1, "gpus": "B300:8"}}, "resources.gpus: RunPod has no GPU type 'B300'"),
+    ({"resources": {"cpus": 1, "gpus": "MI300X:1"}}, "resources.gpus: Global Networking needs NVIDIA GPUs"),
+    ({"resources": {"cpus": 1, "gpus": "H100:9"}}, "resources.gpus: RunPod offers at most 8x NVIDIA H100"),
+    ({"placement": {"regions": ["CA-MTL-1"]}}, "placement.regions: CA-MTL-1 has no Global Networking"),
+    ({"placement": {"regions": ["EU-XX-9"]}}, "placement.regions: RunPod has no data center 'EU-XX-9'"),
+    ({"placement": {"regions": ["US-KS-2"]}}, "placement.regions: no data center with Global Networking offers "
+                                              "NVIDIA A40"),
+])
+def test_a_gpu_type_or_data_center_that_does_not_fit_is_exit_2_before_anything_is_created(
+        standin, tmp_path, change, words):
+    out = run_cli(["launch", write_task(tmp_path, command_task(**change)), "--provider", "runpod", "-y"],
+                  cli_env(tmp_path, standin.url))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert words in out.stderr
+    assert not [r for r in standin.requests if r.method != "GET"] and standin.pods == {}
+    assert not (tmp_path / "home" / "clusters").exists()
+
+
+def test_the_key_missing_wrong_or_unconfirmed_price_creates_nothing(standin, tmp_path):
+    task = write_task(tmp_path, command_task())
+    out = run_cli(["launch", task, "--provider", "runpod", "-y"], cli_env(tmp_path, standin.url, RUNPOD_API_KEY=None))
+    assert out.returncode == 2 and "RUNPOD_API_KEY is not set" in out.stderr, out.stderr
+    out = run_cli(["launch", task, "--provider", "runpod", "-y"], cli_env(tmp_path, standin.url,
+                                                                          RUNPOD_API_KEY="rpa_wrong"))
+    assert out.returncode == 2 and "the RunPod API key is missing, wrong or expired" in out.stderr, out.stderr
+    assert "rpa_wrong" not in out.stdout + out.stderr
+    out = run_cli(["launch", task, "--provider", "runpod"], cli_env(tmp_path, standin.url), stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "-y: creating the pods needs your confirmation" in out.stderr, out.stderr
+    # Before asking, it said what it would cost and why the link matters.
+    assert "RunPod: 3 pod(s) x 1x NVIDIA A40, Secure Cloud, in EU-RO-1: $1.20/h ($0.40/h per pod)" in out.stdout
+    assert "job.timeout 5m: 0.25 GPU-hours, at most $0.10 for the job" in out.stdout
+    assert "Global Networking links the pods at 100 Mbit/s" in out.stdout
+    assert standin.pods == {} and not (tmp_path / "home" / "clusters").exists()
+
+
+def test_a_failed_third_pod_leaves_no_pod_and_names_runpods_message(standin, tmp_path):
+    standin.fail_create(3, 400, "Bad Request", "no capacity: no 1x NVIDIA A40 available with global networking "
+                                               "in EU-RO-1")
+    volume = standin.add_network_volume("ckpt", "EU-RO-1")
+    task = command_task(checkpoints={"path": "/ckpt/run", "shared": {"runpod": {"network_volume": volume}}})
+    out = run_cli(["launch", write_task(tmp_path, task), "--provider", "runpod", "-y"], cli_env(tmp_path, standin.url))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert ("failed: creating pod rp-contract-worker-2: RunPod API POST /pods: 400 Bad Request: no capacity: no 1x "
+            "NVIDIA A40 available with global networking in EU-RO-1; terminated 2 pod(s)") in out.stderr
+    assert live_pods(standin) == [] and len(standin.pods) == 2
+    assert all(p.status == "TERMINATED" for p in standin.pods.values())
+    assert all(pod.popen.poll() is not None for pod in standin.runner.pods)  # the containers are gone
+    creates = [r.body for r in standin.requests if r.method == "POST" and r.path == "/v2/pods"]
+    head, worker = creates[0], creates[1]
+    # What was sent is what render printed, with the values filled in and the data center chosen.
+    assert head["env"]["RAY_AUTH_TOKEN"] and head["env"]["RAY_AUTH_TOKEN"] != "${RAY_AUTH_TOKEN}"
+    assert head["env"]["WANDB_API_KEY"] == "wandb-value-42"
+    assert worker["env"]["HEAD_POD_ID"] == next(iter(standin.pods)) and worker["dataCenterIds"] == ["EU-RO-1"]
+    assert head["mounts"] == {"network": [{"volumeId": volume, "path": "/ckpt/run"}]}
+    # Nothing is kept of a launch that never started: no token, no record, no staged files.
+    assert not (tmp_path / "home" / "clusters" / "rp-contract").exists()
+    assert not (tmp_path / "home" / "runs" / "rp-contract" / "runpod").exists()
+    assert_key_nowhere(out.stdout, out.stderr, directories=(tmp_path,))
+
+
+def test_ctrl_c_while_the_pods_start_terminates_them(tmp_path):
+    runner = ProcessRunner(tmp_path / "pods", entrypoint=IDLE_IMAGE)
+    with RunPodStandIn(runner, api_key=KEY, provision_delay=600) as api:
+        log = tmp_path / "launch.log"
+        with open(log, "w") as out:
+            launch = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch",
+                                       write_task(tmp_path, command_task()), "--provider", "runpod", "-y"],
+                                      env=cli_env(tmp_path, api.url), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            poll(lambda: "pod rp-contract-worker-2" in log.read_text() or launch.poll() is not None, 120,
+                 "the launcher to create the third pod")
+            assert len(live_pods(api)) == 3
+            launch.send_signal(signal.SIGINT)
+            assert launch.wait(120) == 1
+        finally:
+            if launch.poll() is None:
+                launch.kill()
+        said = log.read_text()
+        assert "failed: starting the pods: interrupted (Ctrl-C); terminated 3 pod(s)" in said, said
+        assert live_pods(api) == []
+        assert api.errors == []
+        assert_key_nowhere(said, directories=(tmp_path,))
+    runner.close()
+
+
+def test_rate_limits_and_server_errors_are_retried(standin, tmp_path):
+    standin.rate_limit(2, retry_after=1)
+    standin.fail_requests(1)
+    out = run_cli(["launch", write_task(tmp_path, command_task(resources={"cpus": 1, "gpus": "B300:1"})),
+                   "--provider", "runpod", "-y"], cli_env(tmp_path, standin.url))
+    assert out.returncode == 2 and "RunPod has no GPU type 'B300'" in out.stderr  # got there after the retries
+    assert "429 Too Many Requests; retrying in 1.0s (Retry-After)" in out.stdout
+    assert "503 Service Unavailable; retrying" in out.stdout
+    assert_key_nowhere(out.stdout, out.stderr, directories=(tmp_path,))
+
+
+def test_status_and_down_touch_only_this_tasks_pods(standin, tmp_path):
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    client = RunPodClient(KEY, base_url=standin.url)
+    body = {"image": "x", "gpu": {"id": A40, "count": 1}}
+    ours = [client.create_pod({**body, "name": name})["id"] for name in ("rp-contract-head", "rp-contract-worker-1")]
+    theirs = [client.create_pod({**body, "name": name})["id"] for name in ("rp-contract-2-head", "rp-contract-web")]
+    env = cli_env(tmp_path, standin.url)
+    poll(lambda: all(client.get_pod(i)["status"] == "RUNNING" for i in ours), 30, "pods running")
+    down = run_cli(["down", "rp-contract", "--provider", "runpod"], env)
+    assert down.returncode == 0, down.stderr
+    assert f"terminated 2 pod(s) ({ours[0]}, {ours[1]})" in down.stdout
+    assert sorted(live_pods(standin)) == ["rp-contract-2-head", "rp-contract-web"]
+    assert all(client.get_pod(i)["status"] == "RUNNING" for i in theirs)
+    assert_key_nowhere(down.stdout, down.stderr, directories=(tmp_path / "home",))
+    client.close()
+
+
+# ------------------------------------------------------------------ on the testbed: the real thing
+
+
+#: The test image: a container's own /opt, home and /etc/ssh (with an sshd config that works in a
+#: namespace host), then its command, as a container runtime would run it. (Its home is below /opt:
+#: the machine's /root holds the interpreter the hosts share.)
+IMAGE = r"""#!/bin/bash
+set -e
+mount -t tmpfs tmpfs /opt
+mkdir -p /opt/root
+export HOME=/opt/root
+mount -t tmpfs tmpfs /etc/ssh
+printf '%s\n' 'Port 22' 'HostKey /etc/ssh/ssh_host_ed25519_key' 'AuthorizedKeysFile /opt/root/.ssh/authorized_keys' \
+  'UsePAM no' 'PasswordAuthentication no' 'KbdInteractiveAuthentication no' 'PermitRootLogin prohibit-password' \
+  'AllowTcpForwarding yes' 'StrictModes no' 'PidFile none' 'UseDNS no' > /etc/ssh/sshd_config
+exec "$@"
+"""
+
+
+def image(tb) -> tuple[str, ...]:
+    path = tb.dir / "image-entrypoint.sh"
+    path.write_text(IMAGE)
+    return ("bash", str(path))
+
+
+@pytest.fixture
+def tb_standin(testbed3):
+    tbmod.ensure_sshd()
+    runner = TestbedRunner(testbed3, entrypoint=image(testbed3))
+    api = RunPodStandIn(runner, api_key=KEY, ssh_public_keys=(testbed3._ssh_keys().with_suffix(".pub")).read_text())
+    api.start()
+    yield api
+    api.close()
+    for host in range(3):  # every pod's processes died with it
+        assert testbed3.processes(host) == [], f"processes left on node{host}"
+    assert api.errors == [], "the stand-in broke RunPod's contract or crashed"
+
+
+def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_path):
+    api = tb_standin
+    env = cli_env(tmp_path, api.url)
+    out = run_cli(["launch", write_task(tmp_path, tiny_task()), "--provider", "runpod", "-y"], env, timeout=900)
+    said = out.stdout + out.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert out.returncode == 0, said[-6000:]
+    # The pods went PROVISIONING -> STARTING -> RUNNING and found each other by name.
+    assert said.count("-> RUNNING, ") == 3 and ".runpod.internal (10.77.0." in said
+    # The job's log and the summary came from the head pod's log stream.
+    assert "training on 3 node(s)" in out.stdout and "done: steps 1..20" in out.stdout
+    assert "== summary ==" in out.stdout and "SUCCEEDED" in out.stdout
+    assert "the job's last line: done: steps 1..20" in out.stdout and "RLHF_TASKS_RESULT" not in out.stdout
+    assert "network preset auto: GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in out.stdout
+    # The launcher terminated the pods after the job: nothing bills, nothing runs.
+    assert "stopping the runpod cluster tiny-grpo" in out.stdout and live_pods(api) == []
+    for host in range(3):
+        assert testbed3.processes(host) == []
+    logs = tmp_path / "home" / "runs" / "tiny-grpo" / "nodes"
+    assert "RLHF_TASKS_RESULT" in (logs / "node-0.log").read_text()
+    assert "head ready after" in (logs / "node-1.log").read_text()
+    record = json.loads((tmp_path / "home" / "clusters" / "tiny-grpo" / "cluster.json").read_text())
+    assert record["ended"] and record["job"]["status"] == "SUCCEEDED"
+    down = run_cli(["down", "tiny-grpo"], env)
+    assert down.returncode == 0 and "the cluster ended at" in down.stdout
+    token = [r.body["env"]["RAY_AUTH_TOKEN"] for r in api.requests if r.path == "/v2/pods" and r.body][0]
+    assert token not in said
+    assert_key_nowhere(said, down.stdout, down.stderr, directories=(tmp_path, testbed3.dir))
+
+
+def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(testbed3, tb_standin, tmp_path):
+    api = tb_standin
+    env = cli_env(tmp_path, api.url)
+    out = run_cli(["launch", write_task(tmp_path, tiny_task(steps=10, network="runpod-cluster")), "--provider",
+                   "runpod", "-y", "--keep"], env, timeout=900)
+    said = out.stdout + out.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert out.returncode == 0, said[-6000:]
+    assert "created Instant Cluster tiny-grpo" in said and "rank 0, overlay 10.78." in said
+    # Every node found the overlay interface that holds NODE_ADDR; Ray and gloo ran over it.
+    assert "network preset runpod-cluster: GLOO_SOCKET_IFNAME=ens1 NCCL_SOCKET_IFNAME=ens1" in out.stdout
+    assert "runpod node 0 of 3, address 10.78." in out.stdout
+    assert "done: steps 1..10" in out.stdout and "SUCCEEDED" in out.stdout
+    # --keep: the cluster stays until `down`.
+    status = run_cli(["status", "tiny-grpo"], env)
+    assert status.returncode == 0, status.stderr
+    assert "Instant Cluster tiny-grpo" in status.stdout and status.stdout.count("\tRUNNING\t") == 3
+    down = run_cli(["down", "tiny-grpo"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "deleted Instant Cluster" in down.stdout and "(3 pods)" in down.stdout
+    assert api.clusters == {} and live_pods(api) == []
+    for host in range(3):
+        assert testbed3.processes(host) == []
+    assert_key_nowhere(said, status.stdout, down.stdout, directories=(tmp_path, testbed3.dir))
+
+
+class NetnsRelay:
+    """A port on a testbed host's loopback that leads to a port on this machine's: the laptop
+    reaches the API stand-in as it would reach api.runpod.io. The listening socket is made
+    in a thread that entered the host's network namespace (setns is per thread)."""
+
+    def __init__(self, netns: str, target_port: int):
+        self.target_port, self.port = target_port, None
+        self.accepted: queue.Queue = queue.Queue()
+        ready = threading.Event()
+        threading.Thread(target=self._connect, daemon=True).start()  # made here: this namespace
+        threading.Thread(target=self._listen, args=(netns, ready), daemon=True).start()
+        assert ready.wait(10) and self.port, "relay did not start"
+
+    def _listen(self, netns: str, ready: threading.Event) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(32)
+        self.port = self.server.getsockname()[1]
+        ready.set()
+        while True:
+            try:
+                self.accepted.put(self.server.accept()[0])
+            except OSError:
+                return
+
+    def _connect(self) -> None:
+        while True:
+            inside = self.accepted.get()
+            if inside is None:
+                return
+            outside = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((inside, outside), (outside, inside)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.accepted.put(None)
+
+
+def tunnels(tb) -> list[str]:
+    """The `ssh -N` processes on the laptop."""
+    lines = []
+    for pid in tb.processes("laptop"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"ssh", b"-N"]:
+            lines.append(b" ".join(argv).decode())
+    return lines
+
+
+def test_client_submission_through_the_ssh_forward_from_a_laptop(testbed3, tb_standin, tmp_path):
+    """The launcher runs on the laptop, which reaches RunPod's API and the pods' public
+    addresses, not the head's 127.0.0.1 dashboard: only through `ssh -L` to the head pod."""
+    tb, api = testbed3, tb_standin
+    # The laptop's key, registered with RunPod, in the laptop's ssh-agent.
+    agent = tb.run("laptop", ["ssh-agent", "-D", "-a", "/tmp/rp-agent.sock"], name="ssh-agent")
+    poll(lambda: tb.run("laptop", "test -S /tmp/rp-agent.sock", background=False).returncode == 0, 30, "ssh-agent")
+    tb.sh("laptop", f"SSH_AUTH_SOCK=/tmp/rp-agent.sock ssh-add {tb._ssh_keys()}")
+    relay = NetnsRelay(tb.laptop.netns, int(api.url.split(":")[2].split("/")[0]))
+    try:
+        home = tmp_path / "laptop-home"
+        env = tb.env(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", RLHF_TASKS_HOME=str(home), RUNPOD_API_KEY=KEY,
+                     RUNPOD_API_URL=f"http://127.0.0.1:{relay.port}/v2", SSH_AUTH_SOCK="/tmp/rp-agent.sock")
+        task = write_task(tmp_path, command_task(nodes=2, submit="client"))
+        launch = tb.run("laptop", [sys.executable, "-m", "rlhf_tasks.cli", "launch", task, "--provider", "runpod",
+                                   "-y", "--keep"], env=env, cwd=ROOT, name="launch")
+        assert launch.wait(600) == 0, launch.output[-6000:]
+        said = launch.output
+        assert "forwarding the head's dashboard to http://127.0.0.1:" in said and "through ssh root@10.77.0." in said
+        assert "submitted job rp-contract-" in said and "CONTRACT alive nodes 2" in said and "SUCCEEDED" in said
+        head_ip = next(p.public_ip for p in api.pods.values() if p.name == "rp-contract-head")
+        # The dashboard is on the head's 127.0.0.1 only: from the laptop, not at the head's address.
+        assert not tb.http("laptop", f"http://{head_ip}:8265/api/gcs_healthz", timeout=3).ok
+        assert tunnels(tb) == []  # the launcher's tunnel ended with it
+        # `forward` opens the tunnel again, for submit, logs, Ray's CLI and a browser.
+        forward = tb.run("laptop", [sys.executable, "-m", "rlhf_tasks.cli", "forward", "rp-contract", "--port",
+                                    "18765"], env=env, cwd=ROOT, name="forward")
+        poll(lambda: tb.http("laptop", "http://127.0.0.1:18765/api/gcs_healthz", timeout=3).ok, 60,
+             "the forwarded dashboard")
+        jobs = tb.run("laptop", [sys.executable, "-m", "rlhf_tasks.cli", "list", "--cluster", "rp-contract"],
+                      env=env, cwd=ROOT, background=False, timeout=120)
+        assert jobs.returncode == 0 and "SUCCEEDED" in jobs.output, jobs.output
+        forward.send_signal(signal.SIGINT)
+        forward.wait(30)
+        down = tb.run("laptop", [sys.executable, "-m", "rlhf_tasks.cli", "down", "rp-contract"], env=env, cwd=ROOT,
+                      background=False, timeout=300)
+        assert down.returncode == 0 and "terminated 2 pod(s)" in down.output, down.output
+        assert live_pods(api) == [] and tunnels(tb) == []
+        assert_key_nowhere(said, jobs.output, down.output, directories=(home,))
+    finally:
+        relay.close()
+        agent.kill()
+
+
+def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp_path):
+    """start.sh on three hosts as someone creating pods by hand would run it: the guide's
+    variables only (and what RunPod sets itself), the workers started well before the head."""
+    tb = testbed3
+    task = command_task(checkpoints={"path": str(tmp_path / "ckpt"), "resume": "never"})
+    _, _, files = rendered(task)
+    script = tmp_path / "start.sh"
+    script.write_text(files["rp-contract.start.sh"])
+    ids = ["handhead0000a1", "handwork0000b2", "handwork0000c3"]
+    for host, pod_id in enumerate(ids):
+        tb.add_alias(f"{pod_id}.runpod.internal", host)
+    guide = {"RAY_AUTH_TOKEN": TOKEN}
+    procs = {}
+    try:
+        for host in (1, 2):
+            procs[host] = tb.run(host, [*image(tb), "bash", str(script)], name="start-worker", env=tb.env(
+                **guide, RUNPOD_POD_ID=ids[host], RAY_WORKER="1", HEAD_POD_ID=ids[0]))
+        started = time.monotonic()
+        poll(lambda: all("waiting for the head at" in procs[h].output for h in (1, 2)), 120,
+             "the workers to wait for the head")
+        procs[0] = tb.run(0, [*image(tb), "bash", str(script)], name="start-head", env=tb.env(
+            **guide, RUNPOD_POD_ID=ids[0], EXPECTED_WORKERS="2", DEBUG_RAY="1"))
+        waited = time.monotonic() - started
+        result = poll(lambda: parse_result(procs[0].output), 300, "the head agent's result line", 0.5)
+        head = procs[0].output
+        assert result["exit_code"] == 0 and (result["job"] or {})["status"] == "SUCCEEDED", head[-5000:]
+        assert "CONTRACT alive nodes 3" in head and "--ray-debugger-external" in head
+        assert "network preset runpod-global: GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_LAUNCH_MODE=GROUP" in head
+        assert f"runpod node 0 of 3, address {tb.hosts[0].ip}, head {tb.hosts[0].ip}" in head
+        for host in (1, 2):
+            output = procs[host].output
+            assert f"head {tb.hosts[0].ip}" in output
+            ready_after = float(output.split("head ready after ")[1].split("s")[0])
+            assert ready_after >= 10, (ready_after, waited)  # they were waiting for the head, then joined
+        poll(lambda: all("the node agent exited with code 0" in procs[h].output for h in (0, 1, 2)), 120,
+             "every agent to end (the pods stay up)")
+        assert all(proc.running() for proc in procs.values())  # no container restart runs the job twice
+        assert TOKEN not in head
+    except BaseException:
+        for host, proc in sorted(procs.items()):  # pytest shows this with the failure
+            print(f"--- node{host} ---\n{proc.output[-4000:]}")
+        raise
+    finally:
+        for host in range(3):
+            tb.kill(host)
