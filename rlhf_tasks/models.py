@@ -60,6 +60,25 @@ def size_bytes(value: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+_BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(bit|bps|B/s)\s*$", re.IGNORECASE)
+_BANDWIDTH_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def bandwidth_bits(value: str | int | float) -> float:
+    """'1Gbit', '100Mbit', '200Mbps', '1GB/s' or a number of bits per second -> bits per second."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        bits = float(value)
+    else:
+        match = _BANDWIDTH.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a bandwidth (use e.g. 1Gbit, 100Mbit, 200Mbps, 1GB/s)")
+        bits = float(match.group(1)) * _BANDWIDTH_SCALE[match.group(2).lower()]
+        bits *= 8 if match.group(3).lower() == "b/s" and match.group(3)[0] == "B" else 1
+    if bits <= 0:
+        raise ValueError("a bandwidth must be positive")
+    return bits
+
+
 #: Seconds, written as '90s', '15m', '2h' or a number in a task file; parsed once, here.
 Duration = Annotated[float, BeforeValidator(parse_duration),
                      WithJsonSchema({"anyOf": [{"type": "string", "pattern": _DURATION.pattern}, {"type": "number"}]})]

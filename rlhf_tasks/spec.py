@@ -15,7 +15,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
                       model_validator)
 
 from .errors import BadInput
-from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, did_you_mean, require_absolute
+from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
 from .recipes import JOB_MODELS
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -110,25 +110,6 @@ class Wait(StrictModel):
     nodes: Duration = Field(1200.0, description="how long the head waits for every node to join")
     node_loss: Duration = Field(40.0, description="after a failed job, how long the head looks for a node Ray has "
                                 "not yet declared dead, before it blames the job itself")
-
-
-_BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(bit|bps|B/s)\s*$", re.IGNORECASE)
-_BANDWIDTH_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def bandwidth_bits(value: str | int | float) -> float:
-    """'1Gbit', '100Mbit', '200Mbps', '1GB/s' or a number of bits per second -> bits per second."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        bits = float(value)
-    else:
-        match = _BANDWIDTH.match(str(value))
-        if not match:
-            raise ValueError(f"{value!r} is not a bandwidth (use e.g. 1Gbit, 100Mbit, 200Mbps, 1GB/s)")
-        bits = float(match.group(1)) * _BANDWIDTH_SCALE[match.group(2).lower()]
-        bits *= 8 if match.group(3).lower() == "b/s" and match.group(3)[0] == "B" else 1
-    if bits <= 0:
-        raise ValueError("a bandwidth must be positive")
-    return bits
 
 
 def _bandwidth_text(value: Any) -> Any:
