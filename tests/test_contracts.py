@@ -26,8 +26,10 @@ JOB = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.nodes() if x
        "print('CONTRACT alive nodes', n); assert n == {nodes}\"")
 
 
-def contract_task(tmp_path: Path, nodes: int, submit: str, service: bool = True) -> dict:
+def contract_task(tmp_path: Path, nodes: int, submit: str, service: bool = True, preflight: bool = False) -> dict:
+    """A small command job; preflight (its own tests) only where a test asks for it: it adds ~8 s."""
     task = {
+        "preflight": preflight,
         "name": f"contract-{submit}",
         "nodes": nodes,
         "resources": {"cpus": 1},
@@ -95,7 +97,7 @@ def start_dstack(tb, tmp_path: Path, task: dict) -> list:
 
 
 def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
-    task = contract_task(tmp_path, 3, "head")
+    task = contract_task(tmp_path, 3, "head", preflight=True)
     procs = start_dstack(testbed3, tmp_path, task)
     head, workers = procs[0], procs[1:]
     assert head.wait(240) == 0, head.output[-4000:]
@@ -110,6 +112,7 @@ def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
 def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):
     task = contract_task(tmp_path, 2, "head", service=False)
     task["job"]["args"]["entrypoint"] = "python3 -c 'raise SystemExit(3)'"
+    task["job"]["max_restarts"] = 0  # the failure path itself; restarts have their own tests
     procs = start_dstack(testbed2, tmp_path, task)
     assert procs[0].wait(240) == 1, procs[0].output[-4000:]
     assert "FAILED" in procs[0].output

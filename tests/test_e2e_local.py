@@ -147,7 +147,7 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
 
     task = tmp_path / "long.yaml"
     task.write_text(yaml.safe_dump({
-        "name": "long", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "name": "long", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
         "job": {"recipe": "command", "submit": "head", "working_dir": None,
                 "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
 
@@ -184,8 +184,9 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
 def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
     task = tmp_path / "failing.yaml"
     task.write_text(yaml.safe_dump({
-        "name": "failing", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
-        "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
+        "name": "failing", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "job": {"recipe": "command", "working_dir": None, "max_restarts": 0,  # restarts have their own tests
+                "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
     run = launch([str(task)], tmp_path, cli_env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "failed: running job failing-" in run.stderr and "ended FAILED" in run.stderr
@@ -211,6 +212,7 @@ def _lose_node(rlhf_home: Path, name: str, rank: int) -> None:
 def _loss_task(tmp_path: Path, steps: int) -> Path:
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["name"] = "loss"
+    task["preflight"] = "off"  # its own tests cover it; ~8 s a cluster
     task["job"]["args"].update(steps=steps, save_every=20)
     path = tmp_path / "loss.yaml"
     path.write_text(yaml.safe_dump(task))

@@ -22,7 +22,7 @@ def metrics(path: Path) -> list[dict]:
 
 
 def tiny_grpo(tmp_path: Path, steps: int, **job) -> dict:
-    return {"name": "loss", "nodes": 3, "resources": {"cpus": 1}, "env": {"PYTHONUNBUFFERED": "1"},
+    return {"name": "loss", "nodes": 3, "resources": {"cpus": 1}, "env": {"PYTHONUNBUFFERED": "1"}, "preflight": "off",
             "ray": {"object_store_memory": "80MB"}, "checkpoints": {"path": str(tmp_path / "ckpt")},
             "wait": {"head": "3m", "nodes": "3m"},
             "job": {"recipe": "tiny-grpo", "working_dir": None, "timeout": "10m", **job,
@@ -31,7 +31,7 @@ def tiny_grpo(tmp_path: Path, steps: int, **job) -> dict:
 
 
 def command_job(tmp_path: Path, entrypoint: str, **job) -> dict:
-    return {"name": "loss", "nodes": 3, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+    return {"name": "loss", "nodes": 3, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
             "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "20s"},
             "job": {"recipe": "command", "working_dir": None, "timeout": "10m", **job,
                     "args": {"entrypoint": entrypoint}}}

@@ -41,7 +41,7 @@ def cli(args, site: Path, cwd: Path) -> subprocess.CompletedProcess:
 def acme_task(tmp_path: Path) -> Path:
     path = tmp_path / "acme.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "acme-job", "nodes": 3, "resources": {"cpus": 1}, "network": "acme-fabric",
+        "name": "acme-job", "nodes": 3, "resources": {"cpus": 1}, "network": "acme-fabric", "preflight": "off",
         "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
         "checkpoints": {"path": str(tmp_path / "ckpt")},
         "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "args": {"entrypoint": (

@@ -51,7 +51,7 @@ CHECK_NODES = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.node
 
 
 def command_task(nodes: int = 3, submit: str = "head", **extra) -> dict:
-    task = {"name": "rp-contract", "nodes": nodes, "resources": {"cpus": 1}, "network": "runpod-global",
+    task = {"name": "rp-contract", "nodes": nodes, "resources": {"cpus": 1}, "network": "runpod-global", "preflight": "off",
             "env": {"PYTHONUNBUFFERED": "1"}, "secrets": ["WANDB_API_KEY"], "ray": {"object_store_memory": "80MB"},
             "checkpoints": {"resume": "never"}, "wait": {"head": "4m", "nodes": "4m"},
             "job": {"recipe": "command", "submit": submit, "working_dir": None, "timeout": "5m",
@@ -65,6 +65,7 @@ def tiny_task(steps: int = 20, **extra) -> dict:
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["checkpoints"]["path"] = "/opt/checkpoints/tiny-grpo"
     task["job"]["args"].update(steps=steps, save_every=10, num_prompts=200)
+    task["preflight"] = "off"  # on where a test asks for it (preflight's own tests cover it; ~8 s a cluster)
     task.update(extra)
     return task
 
@@ -419,7 +420,7 @@ def tb_standin(testbed3):
 def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_path):
     api = tb_standin
     env = cli_env(tmp_path, api.url)
-    out = run_cli(["launch", write_task(tmp_path, tiny_task()), "--provider", "runpod", "-y"], env, timeout=900)
+    out = run_cli(["launch", write_task(tmp_path, tiny_task(preflight="on")), "--provider", "runpod", "-y"], env, timeout=900)
     said = out.stdout + out.stderr
     (tmp_path / "launch.out").write_text(said)
     assert out.returncode == 0, said[-6000:]

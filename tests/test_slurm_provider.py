@@ -141,9 +141,9 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
     blocking = slurm.sbatch(blocker, "--nodes=3", "--exclusive")
     task = tmp_path / "fail.yaml"
     task.write_text(yaml.safe_dump({
-        "name": "fail", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "name": "fail", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
         "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "3m"},
-        "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+        "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
                 "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
     home = tmp_path / "home"
     try:
@@ -286,7 +286,7 @@ def podman_task(tmp_path: Path, steps: int) -> Path:
     task = tiny_grpo(tmp_path, steps=steps)
     spec = yaml.safe_load(task.read_text())
     here = sorted({str(ROOT), sys.prefix, sys.base_prefix})
-    spec.update(nodes=2, image=THIN_IMAGE)
+    spec.update(nodes=2, image=THIN_IMAGE, preflight="off")
     spec["env"]["PYTHONPATH"] = str(ROOT)
     # setup runs where the agent runs: PID 1 there is podman's init, not the host's
     spec["setup"] = [f"tr '\\0' ' ' < /proc/1/cmdline > {tmp_path}/ckpt/pid1-node$SLURM_NODEID"]
