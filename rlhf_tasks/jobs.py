@@ -92,7 +92,7 @@ class Jobs:
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
                final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None,
-               watch: Callable[[str], None] | None = None) -> str:
+               watch: Callable[[str], None] | None = None, hint_on_interrupt: bool = True) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
         When the dashboard goes away (a head that submitted the job exits as soon as it
@@ -111,6 +111,7 @@ class Jobs:
             out.flush()
             return status
         except KeyboardInterrupt:
-            print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
-                  f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)
+            if hint_on_interrupt:  # the launcher says it itself, with the cluster's name
+                print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
+                      f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
 
     while True:
         try:
-            status = jobs.follow(sid, plan.job.timeout_s, watch=tend,
+            status = jobs.follow(sid, plan.job.timeout_s, watch=tend, hint_on_interrupt=False,
                                  final_status=lambda shown: final_status_from_head(cluster, shown))
         except StepFailed as exc:
             if not cluster.head_alive():
@@ -305,8 +306,15 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         if status != "SUCCEEDED":
             raise StepFailed(f"running job {sid}", f"it ended {status} (its log is above)")
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # wherever it lands: while waiting for the cluster, the submission or the job
         interrupted = True
+        print(file=sys.stderr)
+        sid = ((state.load(task.name) or {}).get("job") or {}).get("submission_id")
+        if not sid and cluster is not None and cluster.dashboard:  # the head may have submitted it already
+            found, value = head_submission(cluster.dashboard, cluster.token, task.name)
+            sid = value if found else None
+        if sid:
+            say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} --cluster {task.name}")
         say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
         return 130
     except BaseException:
