@@ -817,6 +817,9 @@ class Node(object):
             self.ray.stop(grace=5.0)
 
 
+#: How long a head that ends on its own waits for the workers to leave (they leave ~10 s
+#: after its beacon closes) before it stops its own Ray.
+WORKER_LEAVE_S = 20.0
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
 FAST_FAILURE_S = 120.0
 
@@ -910,7 +913,7 @@ class HeadFlow(object):
             sid = submission_id(self.plan["name"], key, attempt)
             self.job["submission_id"] = sid
             mark = checkpoint_mark(self.plan.get("checkpoint_dir"))
-            status, cause, seconds = self.run_attempt(jobs, sid, attempt)
+            status, cause, seconds = self.run_attempt(jobs, sid, attempt, can_restart=attempt < max_restarts)
             self.job["status"] = status
             attempts.append({"submission_id": sid, "status": status, "cause": cause and cause.reason,
                              "seconds": round(seconds, 1)})
@@ -939,9 +942,11 @@ class HeadFlow(object):
             raise AgentError("running job %s" % sid, "it ended %s" % status)
         return 0
 
-    def run_attempt(self, jobs: DashboardJobs, sid: str, attempt: int) -> Tuple[Optional[str], Optional[Restart], float]:
+    def run_attempt(self, jobs: DashboardJobs, sid: str, attempt: int,
+                    can_restart: bool = True) -> Tuple[Optional[str], Optional[Restart], float]:
         """Submit (once) and follow one attempt: its final status (None when it was
-        interrupted), why it must be restarted (None when it must not), and how long it ran."""
+        interrupted), why it must be restarted (None when it must not), and how long it ran.
+        With no restart left, a failure is reported at once (no wait for a lost node)."""
         node, job = self.node, self.plan["job"]
         with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
             if jobs.status(sid) is not None:
@@ -975,7 +980,7 @@ class HeadFlow(object):
         log("job %s %s after %.1fs" % (sid, status, seconds))
         if status != "FAILED":  # SUCCEEDED, or STOPPED by someone: nothing to restart
             return status, None, seconds
-        missing = self.lost_after_failure()
+        missing = self.lost_after_failure() if can_restart else self.missing_nodes(True)
         if missing:
             return status, Restart("node %s left the cluster and the job FAILED" % ", ".join(missing)), seconds
         last_line = ([line for line in follower.log_text.splitlines() if line.strip()] or [""])[-1]
@@ -1071,9 +1076,27 @@ class HeadFlow(object):
             out["job_log_tail"] = self.follower.log_text[-JOB_LOG_TAIL_CHARS:]
         return out
 
-    def stop(self) -> None:
-        if self.beacon is not None:
-            self.beacon.close()
+    def stop(self, signalled: bool = False) -> None:
+        """Close the beacon; unless the cluster is being torn down (a signal), let the workers
+        see it and leave before the head's Ray stops, so the head is the last to exit (a
+        scheduler that kills the rest when one task fails then kills nothing)."""
+        if self.beacon is None:
+            return
+        self.beacon.close()
+        if signalled or self.node.ray is None or not self.node.ray.alive():
+            return
+
+        def workers_gone():
+            try:
+                left = [n for n in alive_nodes(self.node.dashboard, self.node.token) if not n.get("is_head_node")]
+            except (OSError, AgentError):
+                return True, 0
+            return not left, "%d workers still up" % len(left)
+        try:
+            wait_for("the workers to leave", workers_gone, WORKER_LEAVE_S, interval=0.5, max_interval=1.0,
+                     progress_every=WORKER_LEAVE_S + 1)
+        except AgentError:
+            log("the workers did not leave within %.0fs; stopping anyway" % WORKER_LEAVE_S)
 
 
 class WorkerFlow(object):
@@ -1123,7 +1146,7 @@ class WorkerFlow(object):
     def result(self) -> dict:
         return {}
 
-    def stop(self) -> None:
+    def stop(self, signalled: bool = False) -> None:
         pass
 
 
@@ -1176,7 +1199,7 @@ class EveryNodeFlow(object):
     def result(self) -> dict:
         return {"job": self.job or None}
 
-    def stop(self) -> None:
+    def stop(self, signalled: bool = False) -> None:
         if self.beacon is not None:
             self.beacon.close()
 
@@ -1345,6 +1368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
     node = flow = None
+    signalled = False  # the cluster is being torn down: no waiting for anyone
     try:
         plan = load_plan(args.plan)
         info = locate(read_contract(plan["contract"], os.environ))
@@ -1372,15 +1396,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         log("ERROR: %s" % exc)
         result.update(exit_code=exc.code, error=str(exc), failed_step=exc.step)
     except KeyboardInterrupt:
+        signalled = True
         log("interrupted")
         result.update(exit_code=130, error="interrupted")
     except SystemExit as exc:
+        signalled = True
         log("stopping (signal)")
         result.update(exit_code=exc.code, error="stopped by signal %d" % (exc.code - 128))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if flow is not None:
-            flow.stop()
+            flow.stop(signalled=signalled)
             result.update(flow.result())
         if node is not None:
             node.stop_all()

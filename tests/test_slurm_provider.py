@@ -124,13 +124,13 @@ def test_tiny_grpo_succeeds_and_the_reward_rises(slurm, tmp_path, head_name_on_l
     assert f"job tiny-grpo-{job}: SUCCEEDED" in out and f"Slurm job {job} COMPLETED with exit code 0" in out
 
     # the head never took 127.0.1.1, although its own name resolves to it on node0
-    head_out = (tmp_path / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}" / "node0.out").read_text()
+    head_out = (home / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}" / "node0.out").read_text()
     assert f"using {slurm.testbed.hosts[0].ip}, this node's address on the route to node1" in head_out
     assert f"node 0 of 3, address {slurm.testbed.hosts[0].ip}, head {slurm.testbed.hosts[0].ip}" in head_out
 
     token = (home / "clusters" / "tiny-grpo" / "token").read_text()
-    script = (tmp_path / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
-    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "runs").rglob("*.out"))
+    script = (home / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
+    logs = "".join(p.read_text(errors="replace") for p in (home / "runs").rglob("*.out"))
     assert token not in script and token not in out and token not in logs
     no_strays(slurm)
 
@@ -211,7 +211,7 @@ def test_torchrun_recipe_runs_a_gloo_program_on_two_nodes(slurm, tmp_path):
     assert run.returncode == 0, out[-6000:]
     job = job_id_in(out)
     assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
-    run_dir = tmp_path / "runs" / "gloo" / "slurm" / f"rlhf-tasks-{job}"
+    run_dir = home / "runs" / "gloo" / "slurm" / f"rlhf-tasks-{job}"
     lines = "".join((run_dir / f"node{n}.out").read_text() for n in range(2))
     ranks = sorted(re.findall(r"GLOO rank (\d) of 4 on (node\d) node (\d): sum 10", lines))
     assert ranks == [("0", "node0", "0"), ("1", "node0", "0"), ("2", "node1", "1"), ("3", "node1", "1")], lines
@@ -309,9 +309,9 @@ def test_the_podman_variant_runs_the_agents_in_containers(slurm, tmp_path, podma
     job = job_id_in(out)
     assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
     assert f"job tiny-grpo-{job}: SUCCEEDED" in out and "reward " in out
-    script = (tmp_path / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
+    script = (home / "runs" / "tiny-grpo" / "slurm" / "tiny-grpo.sbatch").read_text()
     assert "podman run --rm --init" in script
-    run_dir = tmp_path / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}"
+    run_dir = home / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}"
     for n in range(2):
         assert "node %d of 2" % n in (run_dir / f"node{n}.out").read_text()
         assert (tmp_path / "ckpt" / f"pid1-node{n}").read_text().startswith("/run/podman-init -- python3 ")

@@ -194,14 +194,14 @@ def test_bad_slurm_inputs_name_their_field(change, field):
         provider.plan(parse_task(data))
 
 
-def test_launch_refuses_a_client_submission_before_submitting(tmp_path, monkeypatch):
+def test_launch_refuses_a_client_submission_before_submitting(tmp_path, monkeypatch, rlhf_home):
     monkeypatch.chdir(tmp_path)
     provider = providers.get("slurm")
     plan = provider.plan(parse_task({**FULL, "job": {**FULL["job"], "submit": "client"}}))
     assert "--provider slurm" in render({**FULL, "job": {**FULL["job"], "submit": "client"}})  # renders fine
     with pytest.raises(BadInput, match="job.submit"):
         provider.apply(plan, {})
-    assert not (tmp_path / "runs").exists()  # nothing staged, nothing submitted
+    assert not (rlhf_home / "runs").exists()  # nothing staged, nothing submitted
 
 
 def test_torchrun_runs_on_every_node_without_ray():

@@ -39,13 +39,13 @@ def launch_torchrun(tmp_path, env, code: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_torchrun_on_the_local_provider(tmp_path, cli_env):
+def test_torchrun_on_the_local_provider(tmp_path, cli_env, rlhf_home):
     cli_env["PYTHONPATH"] = str(ROOT)
     run = launch_torchrun(tmp_path, cli_env, 0)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert "no Ray" in out and "ray start" not in out
-    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "gloo" / "nodes").glob("node-*.log"))
+    logs = "".join(p.read_text() for p in (rlhf_home / "runs" / "gloo" / "nodes").glob("node-*.log"))
     assert sorted(line.split(":")[0] for line in logs.splitlines() if line.startswith("TORCHRUN")) == [
         "TORCHRUN rank 0 of 2", "TORCHRUN rank 1 of 2"]
     assert "sum 3" in logs and "job gloo-" in out and "SUCCEEDED" in out
