@@ -502,15 +502,20 @@ def result_line(result: dict) -> str:
     return RESULT_PREFIX + json.dumps(result, sort_keys=True)
 
 
-def parse_result(text: str) -> Optional[dict]:
-    """The last result line an agent printed in `text`, or None."""
+def last_json_line(text: str, prefix: str) -> Optional[dict]:
+    """The JSON of the last line in `text` that starts with `prefix`, or None."""
     for line in reversed(text.splitlines()):
-        if line.startswith(RESULT_PREFIX):
+        if line.startswith(prefix):
             try:
-                return json.loads(line[len(RESULT_PREFIX):])
+                return json.loads(line[len(prefix):])
             except ValueError:
                 return None
     return None
+
+
+def parse_result(text: str) -> Optional[dict]:
+    """The last result line an agent printed in `text`, or None."""
+    return last_json_line(text, RESULT_PREFIX)
 
 
 # ======================================================================================
@@ -1246,13 +1251,7 @@ def preflight_argv(settings: dict, nodes: int, script: str, deadline: Optional[f
 
 def parse_preflight(text: str) -> Optional[dict]:
     """The preflight job's result line in its log, or None."""
-    for line in reversed(text.splitlines()):
-        if line.startswith(PREFLIGHT_PREFIX):
-            try:
-                return json.loads(line[len(PREFLIGHT_PREFIX):])
-            except ValueError:
-                return None
-    return None
+    return last_json_line(text, PREFLIGHT_PREFIX)
 
 
 def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
