@@ -176,7 +176,7 @@ def tcp(port, want=None):
 
 note("ready")
 gcs = dashboard = beacon = False
-alive, job_status = {}, None
+alive, job_status = {}, {}
 deadline = time.time() + spec["timeout"]
 while time.time() < deadline and not os.path.exists(spec["started"]):
     if not gcs and tcp(spec["gcs_port"]):
@@ -197,12 +197,13 @@ while time.time() < deadline and not os.path.exists(spec["started"]):
             if node["node_ip"] not in alive:
                 alive[node["node_ip"]] = True
                 note("alive", ip=node["node_ip"], head=node.get("is_head_node"), start_time_ms=node.get("start_time_ms"))
-    if spec["poll_jobs"] and len(alive) >= spec["nodes"]:
+    if spec["poll_jobs"] and dashboard:  # the head submits preflight and the job before the nodes are in
         status, jobs = get("/api/jobs/")
         for job in jobs if status == 200 else []:
-            if job.get("type") == "SUBMISSION" and job.get("status") != job_status:
-                job_status = job["status"]
-                note("job", status=job_status, start_time_ms=job.get("start_time"))
+            sid = job.get("submission_id")
+            if job.get("type") == "SUBMISSION" and job.get("status") != job_status.get(sid):
+                job_status[sid] = job["status"]
+                note("job", sid=sid, status=job["status"], start_time_ms=job.get("start_time"))
     time.sleep(spec["interval"])
 note("done")
 '''
@@ -299,6 +300,8 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
     except TimeoutError:
         print(f"  ({kind}: the head did not exit within 90 s after the command; its RSS is sampled up to now)")
     rss.sample()
+    for rank, proc in enumerate(procs):  # each node's output, for a look at where the time went
+        shutil.copy(proc.log, run_dir / f"node{rank}.log")
     run = Run(kind, nodes, t_cmd - t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
     run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
     run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
@@ -320,8 +323,9 @@ def marks(poller: Path, t0: float, nodes: int) -> dict[str, float]:
                  "beacon": "head ready beacon (ours)"}[event["event"]]] = t
         elif event["event"] == "alive" and not event["head"]:
             workers.append((t, event["start_time_ms"] / 1000 - t0))
-        elif event["event"] == "job" and event.get("start_time_ms"):  # RUNNING comes ~ with the command
-            out.setdefault("job submitted (Ray's time)", event["start_time_ms"] / 1000 - t0)
+        elif event["event"] == "job" and event.get("start_time_ms"):
+            what = "preflight" if (event.get("sid") or "").startswith("preflight_") else "job"
+            out.setdefault(f"{what} submitted (Ray's time)", event["start_time_ms"] / 1000 - t0)
     if workers:
         out["first worker ALIVE (seen)"] = min(w[0] for w in workers)
     if len(workers) == nodes - 1:
@@ -332,8 +336,8 @@ def marks(poller: Path, t0: float, nodes: int) -> dict[str, float]:
 
 def agent_marks(head_log: str, seen: dict[str, float]) -> dict[str, float]:
     """When the head agent decided the cluster was ready. Its log says how long after it began
-    starting Ray; the poller saw the beacon it opens right before "Ray head up in X s"."""
-    up = re.search(r"Ray head up in ([\d.]+)s", head_log)
+    starting Ray; the poller saw the beacon it opens right before "Ray head's GCS up in X s"."""
+    up = re.search(r"Ray head's GCS up in ([\d.]+)s", head_log) or re.search(r"Ray head up in ([\d.]+)s", head_log)
     ready = re.search(r"cluster ready: .*\(([\d.]+)s after the head started\)", head_log)
     if not (up and ready and "head ready beacon (ours)" in seen):
         return {}
@@ -350,8 +354,8 @@ def reset(tb, nodes: int) -> None:
 # --------------------------------------------------------------------------- report
 
 MARK_ORDER = ["head GCS port open", "head dashboard healthy", "head ready beacon (ours)", "first worker ALIVE (seen)",
+              "preflight submitted (Ray's time)", "job submitted (Ray's time)",
               "all {n} nodes ALIVE (Ray's time)", "all {n} nodes ALIVE (seen)", "head agent: cluster ready (its log)",
-              "job submitted (Ray's time)",
               "command started"]
 
 

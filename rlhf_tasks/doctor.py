@@ -136,6 +136,7 @@ def cluster_checks(t: Target, nodes: int, timeout: float) -> dict:
 
     plan = t.plan
     settings = {"min_bandwidth_bits": plan.preflight.min_bandwidth_bits if plan else 1e9,
+                "torch": plan.preflight.torch if plan else True,
                 "model": plan.preflight.model if plan else None,
                 "weight_bytes": plan.preflight.weight_bytes if plan else None}
     extra = {"services": [s.model_dump(by_alias=True) for s in plan.services] if plan else [],

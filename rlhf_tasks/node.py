@@ -6,11 +6,16 @@ provider: the plan carries the provider's environment contract as data (which
 variable, which item of which list, which template, which command), and this file
 only interprets those rules. Then:
 
-  head (rank 0): prepare data, `ray start --head` on the private address, start the
-                 services and wait until they answer, wait until every node is ALIVE,
-                 then (job.submit: head) submit the job, follow it, exit with its result.
+  head (rank 0): prepare data, `ray start --head` on the private address, open the ready
+                 beacon once its GCS serves; once its dashboard answers, submit preflight
+                 and (job.submit: head) the job behind a gate, so that both start up while
+                 the workers join; start the services and wait until they answer, wait
+                 until every node is ALIVE and preflight passed, then open the gate,
+                 follow the job, exit with its result.
   worker:        wait for the head's ready beacon, `ray start --address`, start the
                  every-node services, supervise the raylet until the head goes away.
+  both:          `ray start`'s interpreter is started first and imports Ray's CLI while
+                 the node waits (for prepare, or for the head).
 
 In `job.mode: every_node` (torchrun and the like) there is no Ray: every node runs the
 job's command itself, with {rank}, {nodes} and {head_addr} filled in, once the head has
@@ -34,6 +39,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -281,10 +287,10 @@ def probe_ready(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
 
 
 class ReadyBeacon(object):
-    """A tiny TCP server on the head that answers "ready" once the head is fully up.
+    """A tiny TCP server on the head that answers "ready" once the head's GCS serves.
 
-    Workers join when it answers, not when the GCS port merely opens (a raylet that
-    registers while the head is still starting can time out), and leave when it goes."""
+    Workers join when it answers (their `ray start` has its CLI imported by then, see
+    Node.prestart_ray), not on a port that might be anyone's, and leave when it goes."""
 
     def __init__(self, host: str, port: int):
         import threading
@@ -454,12 +460,27 @@ class DashboardJobs(object):
         status, _ = http_request("%s/api/jobs/%s/stop" % (self.dashboard, sid), "POST", {}, auth_headers(self.token))
         return status < 400
 
-    def submit(self, sid: str, argv: List[str]) -> None:
-        status, body = http_request(self.dashboard + "/api/jobs/", "POST",
-                                    {"entrypoint": " ".join(shlex.quote(a) for a in argv), "submission_id": sid},
-                                    auth_headers(self.token))
-        if status >= 400:
-            raise AgentError("submitting job %s" % sid, "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000]))
+    def submit(self, sid: str, argv: List[str], timeout_s: float = 120.0) -> None:
+        """Submit once. The dashboard takes a job only once the head's job agent is up (it
+        waits 10 s for it, then answers 500), which may be later than the dashboard itself:
+        retry until `timeout_s`. A try that timed out may have landed: look before each."""
+        request = {"entrypoint": " ".join(shlex.quote(a) for a in argv), "submission_id": sid}
+
+        def attempt():
+            try:
+                if self.status(sid) is not None:
+                    return True, sid
+                status, body = http_request(self.dashboard + "/api/jobs/", "POST", request, auth_headers(self.token),
+                                            timeout=30.0)
+                if status < 400 or self.status(sid) is not None:
+                    return True, sid
+            except OSError as exc:
+                return False, str(exc)
+            why = "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000])
+            if status < 500:
+                raise AgentError("submitting job %s" % sid, why)
+            return False, why
+        wait_for("the Jobs API to take job %s" % sid, attempt, timeout_s, interval=0.5, max_interval=2.0)
 
 
 class JobFollower(object):
@@ -496,6 +517,62 @@ class JobFollower(object):
                 watch(status)
             time.sleep(delay)
             delay = min(delay * 1.5, 3.0)
+
+
+class Gate(object):
+    """A file on the head that a job submitted early waits behind (`node.py gate FILE ...`,
+    its entrypoint's wrapper): the job's supervisor and driver start while the nodes are
+    still joining, and its command runs the moment the head writes "go" (every node ALIVE,
+    preflight passed), or never, when the head writes "stop: why"."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.exists(path):
+            os.remove(path)
+
+    def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
+        return ["python3", os.path.abspath(__file__), "gate", self.path, "%.0f" % timeout_s, "--"] + argv
+
+    def open(self) -> None:
+        self._write("go\n")
+
+    def close(self, why: str) -> None:
+        self._write("stop: %s\n" % why)
+
+    def _write(self, word: str) -> None:
+        with open(self.path + ".tmp", "w") as handle:
+            handle.write(word)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def gate_main(argv: List[str]) -> int:
+    """`node.py gate FILE TIMEOUT_S -- CMD...`: wait for the head's word in FILE, then
+    become CMD (exec: the job's process is the command's), or exit 1 saying why not."""
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: node.py gate FILE TIMEOUT_S -- CMD...", file=sys.stderr)
+        return 2
+    path, timeout_s, command = argv[0], float(argv[1]), argv[3:]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as handle:
+                word = handle.read()
+        except FileNotFoundError:
+            word = ""
+        if word.startswith("go"):
+            try:
+                os.execvp(command[0], command)
+            except OSError as exc:
+                print("rlhf-tasks: cannot run %s: %s" % (command[0], exc), file=sys.stderr, flush=True)
+                return 127
+        if word.startswith("stop"):
+            print("rlhf-tasks: the job's command was not started: %s" % word[5:].strip(), flush=True)
+            return 1
+        if time.monotonic() > deadline:
+            print("rlhf-tasks: the job's command was not started: the head gave no word within %.0fs" % timeout_s,
+                  flush=True)
+            return 1
+        time.sleep(0.05)
 
 
 def result_line(result: dict) -> str:
@@ -618,6 +695,34 @@ def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
     return cmd
 
 
+#: A `ray start` whose interpreter has already imported Ray's CLI (over a second, more on a
+#: busy node) and waits for its arguments: one JSON line on stdin (an empty line: exit).
+PRESTARTED_RAY = (
+    "import json, sys\n"
+    "from ray.scripts.scripts import main\n"
+    "line = sys.stdin.readline()\n"
+    "if not line.strip():\n"
+    "    sys.exit(0)\n"
+    "sys.argv = json.loads(line)\n"
+    "sys.exit(main())\n")
+
+
+def console_script_python(path: Optional[str]) -> Optional[List[str]]:
+    """The interpreter line of the `ray` console script pip writes (`#!/path/python` and
+    `from ray.scripts.scripts import main`), or None when `ray` is something else."""
+    try:
+        with open(path or "", "rb") as handle:
+            text = handle.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    first = text.splitlines()[0] if text else ""
+    argv = first[2:].split() if first.startswith("#!") else []
+    program = argv[-1] if argv and os.path.basename(argv[0]) == "env" else (argv or [""])[0]
+    if "python" not in os.path.basename(program) or "from ray.scripts.scripts import main" not in text:
+        return None
+    return argv
+
+
 # ======================================================================================
 # Processes this agent starts: each in its own session, stopped by process group.
 # ======================================================================================
@@ -651,13 +756,13 @@ class Child(object):
     the agent."""
 
     def __init__(self, name: str, argv, env: Dict[str, str], log_path: Optional[str] = None,
-                 pgid_file: Optional[str] = None, shell: bool = False):
+                 pgid_file: Optional[str] = None, shell: bool = False, stdin=None):
         self.name, self.pgid_file, self.log_path = name, pgid_file, log_path
         out = open(log_path, "ab") if log_path else None
         _load_libc()
         self.proc = subprocess.Popen(argv, env=env, shell=shell, executable="/bin/bash" if shell and os.path.exists("/bin/bash") else None,
-                                     stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                     preexec_fn=_die_with_agent)
+                                     stdin=stdin, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True, preexec_fn=_die_with_agent)
         if out:
             out.close()
         if pgid_file:
@@ -729,6 +834,7 @@ class Node(object):
         self.plan, self.info, self.env, self.state_dir, self.log_dir = plan, info, env, state_dir, log_dir
         self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
         self.ray = None  # type: Optional[Child]
+        self.prestarted = None  # type: Optional[Child]  (`ray start` waiting for its arguments)
         self.job = None  # type: Optional[Child]  (job.mode every_node: this node's command)
         self.services = []  # type: List[Child]
         self.steps = []  # type: List[dict]
@@ -758,12 +864,40 @@ class Node(object):
                     raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)
                 log("%s %d/%d done in %.1fs" % (step, index + 1, len(commands), time.monotonic() - started))
 
-    def start_ray(self, head: bool) -> None:
+    def prestart_ray(self) -> None:
+        """Start `ray start`'s interpreter now, so that it imports Ray's CLI while this node
+        waits (for prepare, or for the head): off the critical path. start_ray hands it its
+        arguments. Skipped when `ray` is not pip's console script."""
+        python = console_script_python(shutil.which("ray", path=self.env.get("PATH")))
+        if python is None:
+            return
         pgid_file = self._pgid_file("ray")
         stop_stale(pgid_file)
+        self.prestarted = Child("ray", python + ["-c", PRESTARTED_RAY], self.env, self._ray_log(), pgid_file,
+                                stdin=subprocess.PIPE)
+
+    def _ray_log(self) -> str:
+        return os.path.join(self.log_dir, "ray-node%d.log" % self.info.rank)
+
+    def start_ray(self, head: bool) -> None:
         cmd = ray_start_command(self.plan, self.info, head)
         log("starting Ray %s: %s" % ("head" if head else "worker", " ".join(shlex.quote(c) for c in cmd)))
-        self.ray = Child("ray", cmd, self.env, os.path.join(self.log_dir, "ray-node%d.log" % self.info.rank), pgid_file)
+        child, self.prestarted = self.prestarted, None
+        if child is not None and child.alive():
+            try:
+                child.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+                child.proc.stdin.close()
+                self.ray = child
+                return
+            except OSError:  # it exited just now
+                pass
+        if child is not None:  # Ray's CLI would not import there: start it the plain way, and say why
+            log("the prestarted `ray start` exited with code %s; starting it the plain way:\n%s"
+                % (child.proc.wait(), child.tail()))
+            child.stop(grace=0.0)
+        pgid_file = self._pgid_file("ray")
+        stop_stale(pgid_file)
+        self.ray = Child("ray", cmd, self.env, self._ray_log(), pgid_file)
 
     def ray_alive(self, check: Callable[[], Tuple[bool, object]]) -> Callable[[], Tuple[bool, object]]:
         """A wait_for check that fails at once when `ray start` has exited."""
@@ -814,6 +948,8 @@ class Node(object):
         log("service %s ready after %.1fs" % (service["name"], time.monotonic() - started))
 
     def stop_all(self) -> None:
+        if self.prestarted is not None:
+            self.prestarted.stop(grace=0.0)
         if self.job is not None:
             self.job.stop(grace=10.0)
         for child in reversed(self.services):
@@ -868,6 +1004,7 @@ class HeadFlow(object):
 
     def run(self) -> int:
         node, plan = self.node, self.plan
+        node.prestart_ray()
         if plan["prepare"]:
             node.run_commands("prepare", plan["prepare"])
         started = time.monotonic()
@@ -877,38 +1014,69 @@ class HeadFlow(object):
             # Local probes of a few ms each: poll flat and fast, every tenth of a second counts here.
             wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180,
                      interval=0.1, max_interval=0.2)
+            self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])  # the workers join now
+            log("Ray head's GCS up in %.1fs: the workers may join" % (time.monotonic() - started))
             wait_for("the Ray dashboard at %s" % node.dashboard,
                      node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180,
                      interval=0.1, max_interval=0.2)
-        self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])
         where = "" if node.dashboard.startswith("http://127.0.0.1") and self.info.node_addr.startswith("127.") \
             else " (reach it through the provider's port forward)" if "127.0.0.1" in node.dashboard else ""
         log("Ray head up in %.1fs; dashboard %s%s" % (time.monotonic() - started, node.dashboard, where))
-        node.start_services(("head", "every_node"))
-        with node.step("nodes"):
-            nodes = plan["nodes"]
-            have = wait_for("%d nodes to join" % nodes,
-                            node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
-                                                         (plan["ray"].get("num_cpus") or 0) * nodes,
-                                                         (plan["ray"].get("num_gpus") or 0) * nodes)),
-                            plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
-        log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
-        if plan["preflight"]["enabled"]:
-            with node.step("preflight"):
-                HeadPreflight(node).run()
+        # What waits for the nodes is submitted now, so that its start-up overlaps their joining:
+        # preflight (it waits for them itself), then the job behind a gate that opens once preflight passed.
+        jobs = DashboardJobs(node.dashboard, node.token)
+        preflight = HeadPreflight(node, jobs) if plan["preflight"]["enabled"] else None
+        gate = None
+        try:
+            if preflight is not None:
+                preflight.submit()
+            if plan["job"]["submit"] == "head":
+                gate = self.submit_gated(jobs)
+            node.start_services(("head", "every_node"))
+            with node.step("nodes"):
+                nodes = plan["nodes"]
+                have = wait_for("%d nodes to join" % nodes,
+                                node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
+                                                             (plan["ray"].get("num_cpus") or 0) * nodes,
+                                                             (plan["ray"].get("num_gpus") or 0) * nodes)),
+                                plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
+            log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
+            if preflight is not None:
+                with node.step("preflight"):
+                    preflight.follow()
+        except BaseException as exc:
+            if gate is not None:
+                gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
+            if preflight is not None:
+                preflight.stop()
+            raise
         if plan["job"]["submit"] == "head":
-            return self.submit_and_follow()
+            return self.submit_and_follow(jobs, gate)
         log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`"
             % plan["ray"]["dashboard_port"])
         return self.supervise()
 
-    def submit_and_follow(self) -> int:
-        """Submit the job and follow it; when it fails, stalls or loses a node, stop it, wait
-        until every node is back, and resubmit it (it resumes from the latest checkpoint),
-        up to `job.max_restarts` times."""
+    def submit_gated(self, jobs: DashboardJobs) -> Optional[Gate]:
+        """Submit the job's first attempt now, behind a gate (see Gate); None when this cluster
+        already has it (an agent that restarted follows it instead)."""
+        sid = submission_id(self.plan["name"], self.cluster_key(), 0)
+        if jobs.status(sid) is not None:
+            return None
+        gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid))
+        limit = self.plan["wait"]["nodes_s"] + (self.plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
+                                                if self.plan["preflight"]["enabled"] else 0) + 60
+        self.submit(jobs, sid, gate.wrap, limit)
+        return gate
+
+    def cluster_key(self) -> str:
+        return self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
+
+    def submit_and_follow(self, jobs: DashboardJobs, gate: Optional[Gate]) -> int:
+        """Open the gate of the job's first attempt (or submit it) and follow it; when it
+        fails, stalls or loses a node, stop it, wait until every node is back, and resubmit
+        it (it resumes from the latest checkpoint), up to `job.max_restarts` times."""
         node, job = self.node, self.plan["job"]
-        key = self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
-        jobs = DashboardJobs(node.dashboard, node.token)
+        key = self.cluster_key()
         self.expected_ips = sorted(n["node_ip"] for n in alive_nodes(node.dashboard, node.token))
         max_restarts = job.get("max_restarts", 0)
         attempts = []  # type: List[dict]
@@ -918,7 +1086,8 @@ class HeadFlow(object):
             sid = submission_id(self.plan["name"], key, attempt)
             self.job["submission_id"] = sid
             mark = checkpoint_mark(self.plan.get("checkpoint_dir"))
-            status, cause, seconds = self.run_attempt(jobs, sid, attempt, can_restart=attempt < max_restarts)
+            status, cause, seconds = self.run_attempt(jobs, sid, attempt, can_restart=attempt < max_restarts,
+                                                      gate=gate if attempt == 0 else None)
             self.job["status"] = status
             attempts.append({"submission_id": sid, "status": status, "cause": cause and cause.reason,
                              "seconds": round(seconds, 1)})
@@ -947,14 +1116,17 @@ class HeadFlow(object):
             raise AgentError("running job %s" % sid, "it ended %s" % status)
         return 0
 
-    def run_attempt(self, jobs: DashboardJobs, sid: str, attempt: int,
-                    can_restart: bool = True) -> Tuple[Optional[str], Optional[Restart], float]:
-        """Submit (once) and follow one attempt: its final status (None when it was
-        interrupted), why it must be restarted (None when it must not), and how long it ran.
-        With no restart left, a failure is reported at once (no wait for a lost node)."""
+    def run_attempt(self, jobs: DashboardJobs, sid: str, attempt: int, can_restart: bool = True,
+                    gate: Optional[Gate] = None) -> Tuple[Optional[str], Optional[Restart], float]:
+        """Start (submit once, or open its gate) and follow one attempt: its final status
+        (None when it was interrupted), why it must be restarted (None when it must not), and
+        how long it ran. With no restart left, a failure is reported at once."""
         node, job = self.node, self.plan["job"]
         with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
-            if jobs.status(sid) is not None:
+            if gate is not None:
+                log("starting job %s: it was submitted while the nodes joined; its command runs now" % sid)
+                gate.open()
+            elif jobs.status(sid) is not None:
                 log("job %s was already submitted to this cluster; following it" % sid)
             else:
                 self.submit(jobs, sid)
@@ -1050,23 +1222,38 @@ class HeadFlow(object):
             log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
             self.supervise()
 
-    def submit(self, jobs: DashboardJobs, sid: str) -> None:
+    def submit(self, jobs: DashboardJobs, sid: str, wrap: Optional[Callable[[List[str], float], List[str]]] = None,
+               wait_s: float = 0.0) -> None:
+        """Submit the job's entrypoint, or (`wrap`) the entrypoint behind a gate it may wait
+        at for up to `wait_s` seconds."""
         job = self.plan["job"]
         argv, wandb = job_argv(job, self.info.head, self.info.node_addr, self.node.env)
         if wandb:
             log(wandb)
         entrypoint = " ".join(shlex.quote(a) for a in argv)
+        gated = " (its command waits until every node is ALIVE%s)" % (
+            " and preflight passed" if self.plan["preflight"]["enabled"] else "") if wrap else ""
+        argv = wrap(argv, wait_s) if wrap else argv
         if not job.get("working_dir"):
-            log("submitting job %s: %s" % (sid, entrypoint))
+            log("submitting job %s%s: %s" % (sid, gated, entrypoint))
             return jobs.submit(sid, argv)
         # Packing and uploading a working_dir is Ray's own code: use its CLI.
         cmd = ["ray", "job", "submit", "--address", self.node.dashboard, "--submission-id", sid, "--no-wait",
                "--working-dir", job["working_dir"], "--runtime-env-json", json.dumps({"excludes": job["excludes"]}),
                "--"] + argv
-        log("submitting job %s with working_dir %s: %s" % (sid, job["working_dir"], entrypoint))
-        out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise AgentError("submitting job %s" % sid, out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:])
+        log("submitting job %s with working_dir %s%s: %s" % (sid, job["working_dir"], gated, entrypoint))
+
+        def attempt():
+            if jobs.status(sid) is not None:  # an earlier try landed
+                return True, sid
+            out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
+            why = out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:]
+            if out.returncode == 0:
+                return True, sid
+            if "No available agent" in why:  # Ray's own words: the head's job agent is not up yet, try again
+                return False, why.splitlines()[-1]
+            raise AgentError("submitting job %s" % sid, why)
+        wait_for("the Jobs API to take job %s" % sid, attempt, 120.0, interval=0.5, max_interval=2.0)
 
     def supervise(self) -> int:
         while self.node.ray.alive():
@@ -1114,10 +1301,11 @@ class WorkerFlow(object):
 
     def run(self) -> int:
         node = self.node
+        node.prestart_ray()
         with node.step("head"):
             started = time.monotonic()
             wait_for("the head at %s:%s" % self.beacon, reachable(probe_ready, *self.beacon),
-                     node.plan["wait"]["head_s"], interval=0.2, max_interval=0.5)
+                     node.plan["wait"]["head_s"], interval=0.1, max_interval=0.2)
             log("head ready after %.1fs" % (time.monotonic() - started))
         with node.step("ray worker"):
             node.start_ray(head=False)
@@ -1233,13 +1421,16 @@ def preflight_submission_id(cluster_key: str) -> str:
     return "preflight_" + re.sub(r"[^A-Za-z0-9_-]+", "-", cluster_key).strip("-")
 
 
-def preflight_argv(settings: dict, nodes: int, script: str, deadline: Optional[float] = None,
-                   timeout: Optional[float] = None, checks: Optional[dict] = None) -> List[str]:
-    """The preflight job's command line: an absolute `deadline` from the head (the job runs
-    on its clock), or a `timeout` from elsewhere (clocks may differ)."""
-    limit = ["--deadline", "%.1f" % deadline] if deadline is not None else ["--timeout", "%.1f" % (timeout or 120)]
-    argv = ["python3", script, "--nodes", str(nodes)] + limit + [
-        "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
+def preflight_argv(settings: dict, nodes: int, script: str, timeout: float, wait_nodes: float = 0.0,
+                   checks: Optional[dict] = None) -> List[str]:
+    """The preflight job's command line: it waits up to `wait_nodes` seconds for every node
+    (the head submits it while the workers join), then its checks have `timeout` seconds."""
+    argv = ["python3", script, "--nodes", str(nodes), "--timeout", "%.1f" % timeout,
+            "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
+    if wait_nodes:
+        argv += ["--wait-nodes", "%.0f" % wait_nodes]
+    if not settings.get("torch", True):
+        argv.append("--no-torch")
     if settings.get("model"):
         argv += ["--model", settings["model"]]
     if settings.get("weight_bytes"):
@@ -1257,7 +1448,7 @@ def parse_preflight(text: str) -> Optional[dict]:
 def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
     """Echo the preflight job's progress lines until it ends and return its result; at the
     deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
-    shown, status, text, delay = 0, None, "", 0.3
+    shown, status, text = 0, None, ""
     while True:
         try:
             status, text = jobs.status(sid), jobs.logs(sid)
@@ -1279,8 +1470,7 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
             steps = [line for line in lines if line.startswith("preflight: ")]
             raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
                              "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
-        time.sleep(delay)
-        delay = min(delay * 1.2, 0.5)
+        time.sleep(0.15)  # the command waits on this result: a local poll of a few ms, kept flat
     result = parse_preflight(text)
     if result is None:
         raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"
@@ -1304,36 +1494,51 @@ def preflight_report(result: dict, report: Callable[[str], None]) -> None:
 class HeadPreflight(object):
     """The head's preflight: run preflight.py as a Ray job of its own across every node,
     print its table, keep its JSON beside the node logs, and fail (naming the step) before
-    the job is submitted when a check failed. Low bandwidth is a warning."""
+    the job's command starts when a check failed. Low bandwidth is a warning.
 
-    def __init__(self, node: "Node"):
-        self.node = node
+    It is submitted as soon as the head is up and waits for the nodes itself: its driver
+    and its probe on each node start while the others are still joining."""
+
+    def __init__(self, node: "Node", jobs: DashboardJobs):
+        self.node, self.jobs = node, jobs
         info = node.info
         self.sid = preflight_submission_id(info.cluster_id or node.plan.get("cluster_id") or info.head)
 
-    def run(self) -> dict:
+    def submit(self) -> None:
         node, settings = self.node, self.node.plan["preflight"]
         script = preflight_script()
         if not os.path.exists(script):
             raise AgentError("preflight", "%s is missing beside the agent: ship it with node.py (render again), "
                              "or set `preflight: off`" % script, code=2)
-        jobs = DashboardJobs(node.dashboard, node.token)
-        sid = self.sid if jobs.status(self.sid) is None else "%s-%d" % (self.sid, int(time.time()))
-        deadline = time.time() + settings["timeout_s"]
-        log("preflight: checking %d nodes (versions, interfaces, a Gloo all_reduce, every pair's bandwidth) as Ray "
-            "job %s; deadline %.0fs" % (node.plan["nodes"], sid, settings["timeout_s"]))
-        jobs.submit(sid, preflight_argv(settings, node.plan["nodes"], script, deadline=deadline))
-        result = follow_preflight(jobs, sid, deadline, log)
+        if self.jobs.status(self.sid) is not None:
+            self.sid = "%s-%d" % (self.sid, int(time.time()))
+        log("preflight: checking %d nodes (versions, interfaces, %severy pair's bandwidth) as Ray job %s, once they "
+            "are ALIVE; deadline %.0fs" % (node.plan["nodes"], "a Gloo all_reduce, " if settings.get("torch", True)
+                                           else "", self.sid, settings["timeout_s"]))
+        self.jobs.submit(self.sid, preflight_argv(settings, node.plan["nodes"], script, settings["timeout_s"],
+                                                  wait_nodes=node.plan["wait"]["nodes_s"]))
+
+    def follow(self) -> dict:
+        """Once every node is ALIVE: its checks have `preflight.timeout` from now."""
+        node = self.node
+        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log)
         path = os.path.join(node.log_dir, "preflight.json")
         with open(path, "w") as handle:
             json.dump(result, handle, indent=2, sort_keys=True)
         preflight_report(result, log)
         if not result["passed"]:
             failure = result["failures"][0]
-            raise AgentError("preflight (%s)" % failure["step"], "%s; the job was not submitted (details: %s)"
+            raise AgentError("preflight (%s)" % failure["step"], "%s; the job's command was not started (details: %s)"
                              % (failure["message"], path))
         log("preflight: the result is in %s" % path)
         return result
+
+    def stop(self) -> None:
+        try:
+            if self.jobs.status(self.sid) not in TERMINAL_JOB_STATES + (None,):
+                self.jobs.stop(self.sid)
+        except OSError:
+            pass
 
 
 # ======================================================================================
@@ -1358,6 +1563,9 @@ def _on_signal(signum, frame):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gate"]:
+        return gate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="rlhf_tasks.node", description="rlhf-tasks node agent (runs on every node)")
     parser.add_argument("--plan", required=True, help="the cluster plan (JSON) rendered by rlhf-tasks")
     parser.add_argument("--skip-setup", action="store_true", help="the provider already ran the setup commands")
@@ -1394,6 +1602,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except AgentError as exc:
         log("ERROR: %s" % exc)
         result.update(exit_code=exc.code, error=str(exc), failed_step=exc.step)
+    except OSError as exc:  # the dashboard stopped answering, a disk filled up: say it in one line
+        log("ERROR: %s" % exc)
+        result.update(exit_code=1, error=str(exc))
     except KeyboardInterrupt:
         signalled = True
         log("interrupted")

@@ -167,6 +167,7 @@ class PreflightPlan(StrictModel):
     enabled: bool
     timeout_s: float
     min_bandwidth_bits: float
+    torch: bool = True                   # torch and the all_reduce; else TCP streams only
     model: str | None = None             # the job's model, to say what a slow link means for weight sync
     weight_bytes: int | None = None      # one bf16 copy of its weights, from the size in its name (7B: 14 GB)
 
@@ -310,7 +311,9 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes, node_loss_s=task.wait.node_loss),
         checkpoint_dir=checkpoint_dir,
         preflight=PreflightPlan(enabled=task.preflight.enabled, timeout_s=task.preflight.timeout,
-                                min_bandwidth_bits=task.preflight.min_bandwidth_bits, model=model,
+                                min_bandwidth_bits=task.preflight.min_bandwidth_bits,
+                                torch=out.uses_torch if task.preflight.torch is None else task.preflight.torch,
+                                model=model,
                                 weight_bytes=weight_bytes),
         job=JobPlan(
             recipe=job.recipe,

@@ -193,11 +193,11 @@ def _http_ok(url: str, method: str, body) -> Optional[str]:
 class NodeProbe(object):
     """Runs in a Ray worker on one node: sees the environment the job's tasks get there."""
 
-    def __init__(self):
+    def __init__(self, import_torch: bool = True):
         self.token = "%s-%s" % (socket.gethostname(), os.getpid())
         self.torch = None
-        self.torch_error = None
-        self._torch_import = threading.Thread(target=self._import_torch, daemon=True)
+        self.torch_error = None if import_torch else "not checked: the job does not use torch"
+        self._torch_import = threading.Thread(target=self._import_torch if import_torch else lambda: None, daemon=True)
         self._torch_import.start()  # overlaps the interface checks (importing torch takes seconds)
 
     def _import_torch(self) -> None:
@@ -468,7 +468,7 @@ class Preflight(object):
     def __init__(self, args):
         self.args = args
         self.started = time.time()
-        self.deadline = args.deadline or self.started + args.timeout
+        self.deadline = self.started + args.wait_nodes + args.timeout  # from when the nodes are there: step_nodes
         self.nodes = []       # type: List[dict]   one per node, head first, then by the agent's rank
         self.actors = []      # type: list
         self.failures = []    # type: List[dict]
@@ -527,12 +527,16 @@ class Preflight(object):
         try:
             self.run_step("versions", self.step_versions)
             self.run_step("interfaces", self.step_interfaces)
-            self.run_step("torch", self.step_torch)
+            if self.args.torch:
+                self.run_step("torch", self.step_torch)
+            else:
+                self.notes.append("the job does not use torch (preflight.torch: false): checked the network with "
+                                  "TCP streams between every pair of nodes, without a Gloo all_reduce")
             if len(self.nodes) > 1:
                 self.run_step("pairs", self.step_pairs)
                 if all(n.get("torch") for n in self.nodes):
                     self.run_step("gloo", lambda: self.step_allreduce("gloo"))
-                if self.gpu_nodes():
+                if self.args.torch and self.gpu_nodes():
                     self.run_step("nccl", lambda: self.step_allreduce("nccl"))
             else:
                 self.notes.append("one node: there is no network between nodes to check")
@@ -552,19 +556,33 @@ class Preflight(object):
             raise network_error
 
     def step_nodes(self) -> None:
+        """Every expected node alive (waiting up to --wait-nodes for them to join) with a probe
+        pinned to it; each probe is created as its node appears, so that its worker process
+        starts while the rest join."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        if len(alive) < self.args.nodes:
-            raise Failed("nodes", "%d of %d nodes are alive (%s)" % (
-                len(alive), self.args.nodes, ", ".join(n["NodeManagerAddress"] for n in alive)))
         probe = ray.remote(num_cpus=0, max_concurrency=8)(NodeProbe)
-        self.nodes = [{"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
-                       "head": "node:__internal_head__" in n.get("Resources", {}),
-                       "gpus": int(n.get("Resources", {}).get("GPU", 0))} for n in alive]
-        self.actors = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote()
-                       for n in self.nodes]
+        join_deadline = time.time() + self.args.wait_nodes
+        while True:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            for n in alive:
+                if n["NodeID"] not in (p["node_id"] for p in self.nodes):
+                    self.nodes.append({"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
+                                       "head": "node:__internal_head__" in n.get("Resources", {}),
+                                       "gpus": int(n.get("Resources", {}).get("GPU", 0))})
+                    self.actors.append(probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        n["NodeID"], soft=False)).remote(self.args.torch))
+            if len(alive) >= self.args.nodes:
+                break
+            if time.time() >= join_deadline:
+                raise Failed("nodes", "%d of %d nodes are alive (%s)" % (
+                    len(alive), self.args.nodes, ", ".join(n["NodeManagerAddress"] for n in alive)))
+            time.sleep(0.1)  # polling the GCS for the nodes still joining
+        now_alive = {n["NodeID"] for n in alive}
+        keep = [i for i, n in enumerate(self.nodes) if n["node_id"] in now_alive]  # not one that joined and died
+        self.nodes, self.actors = [self.nodes[i] for i in keep], [self.actors[i] for i in keep]
+        self.deadline = min(self.deadline, time.time() + self.args.timeout)
         infos = self.gather("nodes", [a.info.remote() for a in self.actors], list(range(len(self.nodes))),
                             self.step_deadline("nodes"))
         for node, info in zip(self.nodes, infos):
@@ -973,8 +991,12 @@ def table(result: dict) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="preflight.py", description="rlhf-tasks preflight (runs as a Ray job)")
     parser.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for all of preflight")
-    parser.add_argument("--deadline", type=float, default=None, help="absolute (epoch seconds); wins over --timeout")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds for the checks, from when every node is alive")
+    parser.add_argument("--wait-nodes", type=float, default=0.0,
+                        help="seconds to wait for the nodes to be alive (the head submits preflight as they join)")
+    parser.add_argument("--no-torch", dest="torch", action="store_false",
+                        help="the job does not use torch: no torch import, no all_reduce (TCP streams only)")
     parser.add_argument("--min-bandwidth-bits", type=float, default=1e9)
     parser.add_argument("--model", default=None)
     parser.add_argument("--weight-bytes", type=float, default=None)

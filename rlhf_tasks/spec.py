@@ -118,13 +118,15 @@ def _bandwidth_text(value: Any) -> Any:
 
 
 class Preflight(StrictModel):
-    """The checks the head runs across every node once they are ALIVE and before the job
-    is submitted: versions, the collective network interface of each node, a Gloo
+    """The checks the head runs across every node once they are ALIVE and before the job's
+    command starts: versions, the collective network interface of each node, a Gloo
     all_reduce (NCCL too where there are GPUs) and the bandwidth of every pair of nodes."""
 
     enabled: bool = Field(True, description="false (or `preflight: off`) skips the checks")
-    timeout: Duration = Field(120.0, description="deadline for all of preflight; a node that does not answer "
-                              "by then is named and the job is not submitted")
+    timeout: Duration = Field(120.0, description="deadline for the checks, from when every node is ALIVE; a node "
+                              "that does not answer by then is named and the job's command is not started")
+    torch: bool | None = Field(None, description="check torch on every node and run a Gloo (and NCCL) all_reduce; "
+                               "default: when the recipe's job uses torch (every recipe but `command`)")
     min_bandwidth: Annotated[str, BeforeValidator(_bandwidth_text)] = Field(
         "1Gbit", description="below this (per pair of nodes, and the all_reduce's bus bandwidth) "
         "preflight warns; it never fails on bandwidth")

@@ -381,3 +381,123 @@ def test_what_the_agent_started_dies_with_it_even_by_sigkill(tmp_path):
         agent.kill()
         if job_pid and _running(job_pid):  # the failure case: do not leave it behind
             os.kill(job_pid, 9)
+
+
+# --------------------------------------------------------------------------- the job's gate
+
+def start_gate(tmp_path, command, timeout_s=60):
+    gate = node.Gate(str(tmp_path / "job.gate"))
+    argv = gate.wrap(command, timeout_s)
+    assert argv[:2] == ["python3", os.path.abspath(node.__file__)]
+    proc = subprocess.Popen([sys.executable] + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return gate, proc
+
+
+def test_a_gated_job_runs_its_command_only_when_the_head_says_go_and_becomes_it(tmp_path):
+    out = tmp_path / "ran"
+    gate, proc = start_gate(tmp_path, [sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(os.getpid()))"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(1.0)  # waiting at the gate: the command has not run
+    assert not out.exists()
+    gate.open()
+    assert proc.wait(30) == 0, proc.stdout.read()
+    assert out.read_text() == str(proc.pid)  # exec: the job's process is the command itself
+
+
+def test_a_closed_gate_ends_the_job_without_running_its_command_and_says_why(tmp_path):
+    out = tmp_path / "ran"
+    gate, proc = start_gate(tmp_path, ["touch", str(out)])
+    gate.close("preflight (interfaces) failed: node2 cannot reach node0")
+    assert proc.wait(30) == 1
+    assert "the job's command was not started: preflight (interfaces) failed: node2" in proc.stdout.read()
+    assert not out.exists()
+
+
+def test_a_gate_without_word_gives_up_at_its_deadline(tmp_path):
+    gate, proc = start_gate(tmp_path, ["true"], timeout_s=1)
+    assert proc.wait(30) == 1
+    assert "the head gave no word within 1s" in proc.stdout.read()
+
+
+def test_a_gate_for_a_missing_command_exits_127_naming_it(tmp_path):
+    gate, proc = start_gate(tmp_path, ["no-such-command-here"])
+    gate.open()
+    assert proc.wait(30) == 127 and "cannot run no-such-command-here" in proc.stdout.read()
+
+
+# --------------------------------------------------------------------------- the prestarted `ray start`
+
+def fake_ray(tmp_path, console_script=True):
+    """A `ray` on PATH that records its argv: pip's console script over a stand-in
+    ray.scripts.scripts (importable from PYTHONPATH), or a shell script."""
+    package = tmp_path / "lib" / "ray" / "scripts"
+    package.mkdir(parents=True)
+    (tmp_path / "lib" / "ray" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "scripts.py").write_text(
+        "import json, os, sys\n"
+        "def main():\n"
+        "    open(os.environ['RAY_ARGV_FILE'], 'w').write(json.dumps({'argv': sys.argv, 'pid': os.getpid()}))\n"
+        "    return 0\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ray = bin_dir / "ray"
+    if console_script:  # what pip writes
+        ray.write_text(f"#!{sys.executable}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+                       "from ray.scripts.scripts import main\nif __name__ == '__main__':\n"
+                       "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit(main())\n")
+    else:
+        ray.write_text("#!/bin/sh\nprintf '{\"argv\": [\"ray\"], \"shell\": \"%s\"}' \"$*\" > \"$RAY_ARGV_FILE\"\n")
+    ray.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(tmp_path / "lib"),
+                RAY_ARGV_FILE=str(tmp_path / "argv.json"))
+
+
+def test_ray_start_is_prestarted_and_handed_its_arguments(tmp_path):
+    env = fake_ray(tmp_path)
+    assert node.console_script_python(str(tmp_path / "bin" / "ray")) == [sys.executable]
+    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    agent.prestart_ray()
+    try:
+        prestarted = agent.prestarted
+        assert prestarted is not None and prestarted.alive()  # imported, waiting for its arguments
+        agent.start_ray(head=False)
+        assert agent.ray is prestarted and prestarted.proc.wait(30) == 0
+    finally:
+        agent.stop_all()
+    ran = json.loads((tmp_path / "argv.json").read_text())
+    assert ran["argv"] == ray_start_command(agent.plan, agent.info, head=False)
+    assert ran["pid"] == prestarted.proc.pid
+
+
+def test_a_ray_that_is_not_pips_console_script_is_started_the_plain_way(tmp_path):
+    env = fake_ray(tmp_path, console_script=False)
+    assert node.console_script_python(str(tmp_path / "bin" / "ray")) is None
+    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    agent.prestart_ray()
+    assert agent.prestarted is None
+    try:
+        agent.start_ray(head=False)
+        assert agent.ray.proc.wait(30) == 0
+    finally:
+        agent.stop_all()
+    assert "--address 127.0.0.1:" in json.loads((tmp_path / "argv.json").read_text())["shell"]
+
+
+def test_a_prestarted_ray_start_that_died_is_replaced_by_a_plain_one(tmp_path, capsys):
+    env = fake_ray(tmp_path)
+    (tmp_path / "lib" / "ray" / "scripts" / "scripts.py").write_text(
+        "raise ImportError('cannot import name ray._raylet')\n")
+    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    agent.prestart_ray()
+    prestarted = agent.prestarted
+    assert prestarted.proc.wait(30) == 1  # its import failed
+    try:
+        agent.start_ray(head=False)
+        assert agent.ray is not prestarted
+        assert agent.ray.proc.args == ray_start_command(agent.plan, agent.info, head=False)  # the plain way
+    finally:
+        agent.stop_all()
+    out = capsys.readouterr().out
+    assert "the prestarted `ray start` exited with code 1; starting it the plain way" in out
+    assert "cannot import name ray._raylet" in out  # its log's tail says why

@@ -48,6 +48,17 @@ def test_preflight_is_on_by_default_and_off_in_one_word():
     assert parse_task(task_with(preflight={"min_bandwidth": "1GB/s"})).preflight.min_bandwidth_bits == 8e9
 
 
+def test_preflight_checks_torch_where_the_recipe_uses_it_and_a_task_can_say_otherwise():
+    def torch_checked(task):
+        return providers.get("dstack").plan(parse_task(task)).preflight.torch
+    verl = {"name": "v", "nodes": 2, "resources": {"gpus": "H100:8"}, "job": {"recipe": "verl-ppo", "args": {"model": "Qwen/Qwen2.5-0.5B",
+                                                                             "dataset": "gsm8k"}}}
+    assert torch_checked(verl) and not torch_checked(task_with())  # an arbitrary command: TCP only
+    assert torch_checked(task_with(preflight={"torch": True})) and not torch_checked({**verl, "preflight": {"torch": False}})
+    argv = node.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, "preflight.py", 60, wait_nodes=600)
+    assert argv[argv.index("--wait-nodes") + 1] == "600" and "--no-torch" in argv
+
+
 def test_a_bad_bandwidth_names_its_field():
     from rlhf_tasks.errors import BadInput
 
@@ -140,7 +151,7 @@ def start(tb, tmp_path: Path, task: dict, host_env: dict | None = None) -> list:
 
 def head_mode(tmp_path: Path, nodes: int = 3, **preflight_settings) -> dict:
     task = contract_task(tmp_path, nodes, "head", service=False)
-    task["preflight"] = {"timeout": "90s", "min_bandwidth": "200Mbit", **preflight_settings}
+    task["preflight"] = {"timeout": "90s", "min_bandwidth": "200Mbit", "torch": True, **preflight_settings}
     return task
 
 
@@ -154,7 +165,9 @@ def test_preflight_passes_on_a_healthy_cluster_and_prints_the_table_before_the_j
         assert f"eth0 {host.ip}" in row and "2.60.0" in row and RATE.search(row), row
     allreduce = next(line for line in out.splitlines() if "Gloo all_reduce across 3 nodes" in line)
     assert "64 MiB" in allreduce or "16 MiB" in allreduce, allreduce
-    assert out.index("preflight passed") < out.index("submitting job")
+    # Submitted while the nodes joined, its command ran once preflight passed:
+    assert out.index("submitting job") < out.index("cluster ready:") < out.index("preflight passed in")
+    assert out.index("preflight passed in") < out.index("starting job") < out.index("CONTRACT alive nodes 3")
     saved = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))  # beside the job's logs
     assert saved["passed"] and len(saved["nodes"]) == 3 and len(saved["pairs"]) == 6
     assert saved["collectives"]["gloo"]["sizes"][0]["bus_bits_per_s"] > 0
@@ -170,10 +183,10 @@ def test_a_host_whose_gloo_interface_cannot_reach_the_others_fails_preflight_and
     assert "node2 (10.77.0.12)" in failure and "GLOO_SOCKET_IFNAME=lo" in failure and "127.0.0.1" in failure
     assert "node0 (10.77.0.10)" in failure and "(this node's Ray address 10.77.0.12 is on eth0)" in failure
     assert "GLOO_SOCKET_IFNAME=lo (from the node's environment)" in procs[2].output
-    assert "submitting job" not in out and "CONTRACT alive nodes" not in out
+    assert "starting job" not in out and "CONTRACT alive nodes 3" not in out  # its command never ran
     result = node.parse_result(out)
     assert result["exit_code"] == 1 and result["failed_step"] == "preflight (interfaces)"
-    assert "the job was not submitted" in result["error"]
+    assert "the job's command was not started" in result["error"]
     assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + node.PREFLIGHT_GRACE_S
 
 
@@ -217,7 +230,7 @@ def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):
     out = procs[0].output
     failure = next(line for line in out.splitlines() if "preflight FAILED (torch): " in line)
     assert "node1 (10.77.0.11)" in failure and "importing torch took longer than" in failure
-    assert "node0 (10.77.0.10)" not in failure and "submitting job" not in out
+    assert "node0 (10.77.0.10)" not in failure and "starting job" not in out
     steps = {s["step"]: s["seconds"] for s in node.parse_result(out)["steps"]}
     assert steps["preflight"] < 30 + node.PREFLIGHT_GRACE_S
 
@@ -256,6 +269,7 @@ def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_runnin
     task = tmp_path / "pf.yaml"
     task.write_text(yaml.safe_dump({
         "name": "pf", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "preflight": {"torch": True},
         "job": {"recipe": "command", "working_dir": None,
                 "args": {"entrypoint": "python3 -c 'print(\"the job\", \"runs\")'"}}}))
 

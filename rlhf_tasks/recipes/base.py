@@ -44,6 +44,9 @@ class RecipeOutput:
     excludes: list[str] = field(default_factory=list)
     wandb_args: list[str] = field(default_factory=list)
     summary: dict | None = None
+    #: Whether the job's processes use torch: preflight then imports it on every node and
+    #: runs a Gloo (and NCCL) all_reduce; otherwise it checks the network with TCP only.
+    uses_torch: bool = True
 
 
 class JobBase(StrictModel):

@@ -33,4 +33,5 @@ class CommandJob(JobBase):
 
     def build(self, shape: Shape) -> RecipeOutput:
         argv = self.args.entrypoint
-        return RecipeOutput(entrypoint=shlex.split(argv) if isinstance(argv, str) else list(argv))
+        # An arbitrary command may not use torch: preflight checks torch only when asked (preflight.torch).
+        return RecipeOutput(entrypoint=shlex.split(argv) if isinstance(argv, str) else list(argv), uses_torch=False)
