@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from rlhf_tasks.errors import BadInput
 from rlhf_tasks.node import PLAN_VERSION
 from rlhf_tasks.plan import ROCM_ENV, gpu_vendor
 from rlhf_tasks.providers.shipping import agent_source
+from rlhf_tasks.providers.slurm import CONTAINER_SH, CONTAINER_STOP_S
 from rlhf_tasks.spec import parse_task
 
 from conftest import ROOT, need
@@ -159,6 +162,103 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
     nvidia = srun_step(render(task_data(IMAGE_TASK, container=engine)))
     assert ("--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all") in nvidia.split()
     assert "--env=CUDA_VISIBLE_DEVICES" in nvidia.split() and "/dev/kfd" not in nvidia
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_every_nodes_container_is_named_and_stopped_by_its_name(engine):
+    script = render(task_data(IMAGE_TASK, container=engine))
+    assert 'container=verl-ppo-gsm8k-"$SLURM_JOB_ID"' in script
+    assert heredoc(script, "RLHF_TASKS_CONTAINER_SH") == CONTAINER_SH
+    words = srun_step(script).split()
+    wrapper = words.index("bash")  # the wrapper runs the engine's client and stops the container it names
+    assert words[wrapper:wrapper + 6] == ["bash", '"$run_dir/container.sh"', '"$container"', engine, "run", "--rm"]
+    assert '--name="$container"' in words
+    # after the agents' step, one more on every node: what a task Slurm killed could not stop
+    after = script[script.index("|| status=$?"):]
+    assert (f'srun --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 \\\n    bash "$run_dir/container.sh" '
+            f'"$container" {engine} stop ||') in after
+    assert after.rstrip().endswith('exit "$status"')
+    for other in ("pyxis", None):  # in the step, or no image: Slurm stops it, no wrapper
+        plain = render(task_data(IMAGE_TASK, container=other) if other else FULL)
+        assert "container.sh" not in plain and "$container" not in plain
+
+
+def test_the_container_wrapper_passes_shellcheck(tmp_path):
+    need(shutil.which("shellcheck") is not None, "shellcheck (apt-get install shellcheck)")
+    path = tmp_path / "container.sh"
+    path.write_text(CONTAINER_SH)
+    lint = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(path)], capture_output=True, text=True)
+    assert lint.returncode == 0 and not lint.stdout, lint.stdout
+
+
+#: A stand-in engine: `run` starts the "container" as a process of its own (as conmon does) and
+#: relays its output until it ends; `stop` signals it by name and waits; `rm` forgets it.
+FAKE_ENGINE = """#!/bin/bash
+dir=$(dirname "$0")
+echo "$*" >> "$dir/calls"
+case $1 in
+run)
+    name=${2#--name=}
+    shift 2
+    : > "$dir/$name.out"
+    setsid "$@" > "$dir/$name.out" 2>&1 &
+    echo $! > "$dir/$name.pid"
+    tail --pid=$! -n +1 -f "$dir/$name.out"
+    wait $!
+    ;;
+stop) pid=$(cat "$dir/$3.pid" 2>/dev/null) || exit 125; kill -TERM "$pid"; tail --pid="$pid" -f /dev/null ;;
+rm) rm -f "$dir/$3.pid" ;;
+container) test -e "$dir/$3.pid" ;;
+esac
+"""
+#: The agent's stand-in: says it is up, and on SIGTERM prints its last line and exits 143.
+FAKE_AGENT = ("import signal, sys\n"
+              "signal.signal(signal.SIGTERM, lambda *_: (print('agent: result line', flush=True), sys.exit(143)))\n"
+              "print('agent: up', flush=True)\n"
+              "signal.pause()\n")
+
+
+def test_the_container_wrapper_stops_its_container_by_name_however_the_task_ends(tmp_path):
+    engine = tmp_path / "engine"
+    engine.write_text(FAKE_ENGINE)
+    engine.chmod(0o755)
+    wrapper = tmp_path / "container.sh"
+    wrapper.write_text(CONTAINER_SH)
+    calls = tmp_path / "calls"
+
+    def stops() -> list[str]:
+        return [line for line in calls.read_text().splitlines() if line.startswith(("stop ", "rm "))]
+
+    def run(name: str, *command: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["bash", str(wrapper), name, str(engine), *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path, **kw)
+
+    # the container ends by itself: the task ends with its exit code, and the name is removed
+    done = run("c1", "run", "--name=c1", "python3", "-c", "raise SystemExit(3)")
+    assert done.wait(60) == 3
+    assert stops() == [f"stop --time={CONTAINER_STOP_S} c1", "rm --force c1"]
+
+    # Slurm's SIGTERM (scancel, the time limit): the wrapper stops the container by name, then
+    # waits for the client to pass on the agent's last lines, and ends with the container's code
+    calls.unlink()
+    task = run("c2", "run", "--name=c2", "python3", "-c", FAKE_AGENT)
+    deadline = time.monotonic() + 30
+    while "agent: up" not in ((tmp_path / "c2.out").read_text() if (tmp_path / "c2.out").exists() else ""):
+        assert time.monotonic() < deadline and task.poll() is None, "the fake container did not start"
+        time.sleep(0.05)
+    task.send_signal(signal.SIGTERM)
+    out, _ = task.communicate(timeout=60)
+    assert task.returncode == 143, out
+    assert "rlhf-tasks: signalled: stopping container c2" in out and "agent: result line" in out, out
+    assert stops() == [f"stop --time={CONTAINER_STOP_S} c2"] * 2 + ["rm --force c2"]  # on the signal, at the end
+    assert not (tmp_path / "c2.pid").exists()
+
+    # the script's clean-up step: stop and remove by name; it fails only if the container stays
+    assert run("c2", "stop").wait(60) == 0
+    (tmp_path / "stuck.pid").write_text("999999999")  # an engine that cannot remove it
+    engine.write_text(FAKE_ENGINE.replace('rm) rm -f "$dir/$3.pid"', "rm) true"))
+    stuck = run("stuck", "stop")
+    assert stuck.wait(60) == 1 and "container stuck is still there" in stuck.stdout.read()
 
 
 def test_amd_gpus_get_the_rocm_preset():

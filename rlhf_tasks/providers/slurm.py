@@ -14,14 +14,25 @@ job from the submitting environment (`--export=ALL`), never through the script.
 An `image` runs with pyxis (`srun --container-image`, the default) or, as verl's AMD
 script does, with `docker run`/`podman run` on every node (`placement.slurm.container`).
 Inside a container there is no `scontrol`, so the script expands the host list once
-(RLHF_TASKS_HOSTS) and the contract reads it from there.
+(RLHF_TASKS_HOSTS) and the contract reads it from there. A docker/podman container is not
+the Slurm step's: the engine runs it (podman's conmon, docker's containerd-shim) outside
+the step, so Slurm's signals and its final SIGKILL reach only the engine's client. Each
+node's task therefore runs the client under a small wrapper (`container.sh`, beside the
+agent) that stops and removes the container by its name, `<task name>-<job id>`, however
+the task ends (its end, or Slurm's SIGTERM on scancel or the time limit); and after the
+agents' step, one more step stops and removes every node's container by name, for a task
+Slurm killed before it could (`--kill-on-bad-exit` sends SIGKILL KillWait after SIGTERM).
 
 `launch` submits with `sbatch --parsable`, shows the job while Slurm keeps it PENDING
 (with Slurm's reason), then echoes the head agent's output (`rlhf-tasks-<id>/node0.out`:
 its steps and the Ray job's log) and ends with the head's result line and Slurm's exit
 code; the launcher never needs to reach the cluster's dashboard. `status` asks Slurm for
 the job and, through a second step beside the first (`srun --overlap`), Ray for the job;
-`down` is `scancel`, waiting until every step is gone.
+`down` is `scancel`, waiting until every step is gone. For docker/podman, `down` first asks
+(`scancel --signal=TERM`: a signal, not the kill): the wrappers stop their containers, a
+clean-up step after the agents' removes any a killed task left on every node, and the job
+ends by itself; only if it has not within a deadline is it cancelled. (After scancel's kill
+the wrappers would have only Slurm's KillWait to stop them.)
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from .. import state
 from ..errors import BadInput, StepFailed
 from ..launch import say, summarise
 from ..models import size_bytes
-from ..node import RESULT_PREFIX, parse_result, submission_id, wait_for
+from ..node import RESULT_PREFIX, AgentError, parse_result, submission_id, wait_for
 from ..plan import Contract, Plan, command, env, gpu_vendor
 from ..spec import Task
 from .base import Cluster, Provider
@@ -53,6 +64,49 @@ AGENT_EOF, PREFLIGHT_EOF, PLAN_EOF = "RLHF_TASKS_NODE_PY", "RLHF_TASKS_PREFLIGHT
 CONTRACT_VARS = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", HOSTS_ENV)
 #: The GPUs Slurm gave the job, by vendor: passed on, since the container sees every device.
 GPU_SELECTION_VAR = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}
+#: The container engines whose containers live outside the Slurm step (pyxis runs in it).
+ENGINES = ("docker", "podman")
+#: Every node's container is called this (one per node: each node has its own engine).
+CONTAINER_NAME = "{name}-{job_id}"
+#: Seconds a stopped container's agent gets (it stops Ray and the services) before the engine kills it.
+CONTAINER_STOP_S = 20
+CONTAINER_EOF = "RLHF_TASKS_CONTAINER_SH"
+#: The per-node wrapper around `docker run`/`podman run`: the container goes when the task goes.
+CONTAINER_SH = f"""\
+#!/bin/bash
+# rlhf-tasks: one node's container, stopped and removed by its name however this task ends.
+# The engine runs the container outside the Slurm step, so Slurm's signals (and its SIGKILL,
+# KillWait seconds after scancel or the time limit) reach only the engine's client.
+#   container.sh NAME ENGINE run ...   runs `ENGINE run ... --name=NAME ...`, then removes NAME
+#   container.sh NAME ENGINE stop      stops and removes NAME (the script's clean-up step)
+name=$1 engine=$2
+shift
+stop() {{
+    "$engine" stop --time={CONTAINER_STOP_S} "$name" >/dev/null 2>&1
+}}
+remove() {{
+    stop
+    "$engine" rm --force "$name" >/dev/null 2>&1
+}}
+if [ "$2" = stop ]; then
+    remove
+    if "$engine" container inspect "$name" >/dev/null 2>&1; then
+        echo "rlhf-tasks: container $name is still there on $(hostname)" >&2
+        exit 1
+    fi
+    exit 0
+fi
+trap 'trap "" TERM INT HUP; echo "rlhf-tasks: signalled: stopping container $name" >&2; stop' TERM INT HUP
+"$@" &
+client=$!
+while :; do  # a signal ends a wait early: wait again, for the client to pass on the agent's last lines
+    wait "$client"
+    status=$?
+    kill -0 "$client" 2>/dev/null || break
+done
+remove
+exit "$status"
+"""
 
 
 def run_dir_of(directory: Path, job_id: str) -> Path:
@@ -196,8 +250,8 @@ class SlurmProvider(Provider):
             return [[f"--container-image={q(plan.image)}"], ["--container-mounts=" + ",".join(mounts)],
                     ['--container-workdir="$run_dir"']]
         engine = slurm.container
-        lines = [[engine, "run", "--rm", "--init", f'--name={q(plan.name)}-"$SLURM_JOB_ID"'],
-                 ["--network=host", "--ipc=host"]]
+        lines = [["bash", '"$run_dir/container.sh"', '"$container"'],  # stops the container when the task ends
+                 [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host", "--ipc=host"]]
         if plan.resources.shm_size:
             lines[-1].append(f"--shm-size={_mebibytes(plan.resources.shm_size).lower()}")
         vendor = gpu_vendor(plan.resources.gpu_name) if plan.gpus_per_node else None
@@ -216,6 +270,7 @@ class SlurmProvider(Provider):
 
     def script(self, plan: Plan) -> str:
         q = shlex.quote
+        engine = plan.placement.slurm.container if plan.image and plan.placement.slurm.container in ENGINES else None
         names = plan.secrets + ([plan.token_env] if plan.token_env else [])
         token_hint = f"export {plan.token_env}=$(rlhf-tasks token {plan.name}); " if plan.token_env else ""
         lines = [
@@ -248,9 +303,13 @@ class SlurmProvider(Provider):
             lines += ["", "# No scontrol inside the image: the host list, expanded once here.",
                       f'{HOSTS_ENV}=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
                       f"export {HOSTS_ENV}"]
-            if plan.placement.slurm.container != "pyxis" and plan.env:
-                lines += ["# The task's env, passed into the container by name.",
-                          *(f"export {key}={q(value)}" for key, value in plan.env.items())]
+            if engine:
+                lines += ["# The engine runs each node's container outside the Slurm step: a wrapper stops it by name.",
+                          "container=" + CONTAINER_NAME.format(name=q(plan.name), job_id='"$SLURM_JOB_ID"'),
+                          *_heredoc('"$run_dir/container.sh"', CONTAINER_SH, CONTAINER_EOF)]
+                if plan.env:
+                    lines += ["# The task's env, passed into the container by name.",
+                              *(f"export {key}={q(value)}" for key, value in plan.env.items())]
         srun = [["srun", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
                  "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
@@ -263,8 +322,14 @@ class SlurmProvider(Provider):
             "status=0",
             " \\\n    ".join(" ".join(words) for words in srun) + " || status=$?",
             'echo "rlhf-tasks: the node agents ended with exit code $status"',
-            'exit "$status"',
         ]
+        if engine:
+            lines += ["# Every node's container stopped and removed by name: a task Slurm killed (KillWait after",
+                      "# its SIGTERM, as --kill-on-bad-exit does to the others) could not stop its own.",
+                      f"srun --overlap --nodes={plan.nodes} --ntasks={plan.nodes} --ntasks-per-node=1 \\",
+                      f'    bash "$run_dir/container.sh" "$container" {engine} stop '
+                      '|| echo "rlhf-tasks: the containers\' clean-up step ended with exit code $?"']
+        lines.append('exit "$status"')
         return "\n".join(lines) + "\n"
 
     def render(self, plan: Plan) -> dict[str, str]:
@@ -289,6 +354,7 @@ class SlurmProvider(Provider):
         job_id = out.stdout.strip().splitlines()[-1].split(";")[0]
         state.save(plan.name, {"provider": self.name, "cluster_id": job_id, "job_id": job_id,
                                "directory": str(directory), "mode": plan.job.mode, "image": plan.image,
+                               "container": plan.placement.slurm.container if plan.image else None,
                                "dashboard_port": plan.ray.dashboard_port})
         say(f"submitted Slurm job {job_id} ({directory / (plan.name + '.sbatch')})")
         code = self.follow(plan, job_id, directory, started)
@@ -394,8 +460,7 @@ class SlurmProvider(Provider):
         if not record or not record.get("job_id"):
             return f"no Slurm job named {name} is known here"
         job_id = record["job_id"]
-        subprocess.run([_cli("scancel"), job_id], capture_output=True, text=True)
-        squeue = _cli("squeue")
+        scancel, squeue = _cli("scancel"), _cli("squeue")
 
         def gone() -> tuple[bool, object]:
             steps = subprocess.run([squeue, "-h", "-s", "-j", job_id], capture_output=True, text=True).stdout.strip()
@@ -403,6 +468,21 @@ class SlurmProvider(Provider):
             done = not steps and (job_state is None or job_state in FINAL_STATES)
             return done, f"job {job_state}, steps: {steps.replace(chr(10), '; ') or 'none'}"
 
+        if record.get("container") in ENGINES and job_info(job_id).get("JobState") == "RUNNING":
+            # Asked, not killed: each node's wrapper stops its container by name, the script's
+            # clean-up step removes any a killed task left, and the job ends by itself (FAILED:
+            # its agents were stopped by a signal). scancel's kill would leave the wrappers only
+            # KillWait for that, and a container outlives a job that ends before it is stopped.
+            subprocess.run([scancel, "--signal=TERM", job_id], capture_output=True, text=True)
+            limit = CONTAINER_STOP_S + 60  # the containers' stop, then the clean-up step on a busy cluster
+            try:
+                wait_for(f"Slurm job {job_id} to stop its containers and end", gone, limit, interval=0.2,
+                         max_interval=1.0, report=say)
+                state.forget(name)
+                return f"stopped Slurm job {job_id} and its {record['container']} containers; its steps are gone"
+            except AgentError as exc:
+                say(f"{exc}; cancelling it")
+        subprocess.run([scancel, job_id], capture_output=True, text=True)
         wait_for(f"Slurm job {job_id} and its steps to end", gone, 300, interval=0.2, max_interval=1.0, report=say)
         state.forget(name)
         return f"cancelled Slurm job {job_id}; its steps are gone"
