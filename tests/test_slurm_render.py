@@ -100,7 +100,8 @@ def test_one_srun_step_runs_the_agent_on_every_node():
     assert step.split()[:7] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                                 "--whole", '--output="$run_dir/node%n.out"']
     assert 'python3 "$run_dir/node.py" --plan "$run_dir/plan.json"' in step
-    assert script.count("\nsrun ") == 1 and "sleep" not in script.replace(agent_source(), "")
+    shell = script.replace(agent_source(), "").replace(agent_source("preflight.py"), "")  # Python, not shell
+    assert script.count("\nsrun ") == 1 and "sleep" not in shell
     assert script.rstrip().endswith('exit "$status"')  # the job's exit code is the script's
 
 
