@@ -4,11 +4,12 @@
     sudo .venv/bin/python benchmarks/preflight.py [--rounds 3]
 
 Each round starts the rendered dstack task on three hosts twice, with `preflight: off` and
-on (alternating, so drift hits both), and clocks from this process, polling the head's
-output every 50 ms:
+on (with torch and the Gloo all_reduce: its longest form; alternating, so drift hits both),
+and clocks from this process, polling the head's output every 50 ms. The head submits
+preflight and the job (behind its gate) before the nodes are in, so:
 
-  ready -> submit    the head's "cluster ready" line to its "submitting job" line: what
-                     preflight adds (about nothing when it is off)
+  ready -> start     the head's "cluster ready" line to its "starting job" line (the gate
+                     opens): what preflight adds (about nothing when it is off)
   ready -> running   to the job's own first line of output (Ray's job start-up included)
   preflight step     the head's own timing of the step, from its result line
 
@@ -37,7 +38,7 @@ import yaml  # noqa: E402
 
 def one_run(tb, directory: Path, enabled: bool) -> dict:
     task = contract_task(directory, 3, "head", service=False)
-    task["preflight"] = {"enabled": enabled, "min_bandwidth": "200Mbit"}
+    task["preflight"] = {"enabled": enabled, "min_bandwidth": "200Mbit", "torch": True}
     files = render("dstack", task, directory / "rendered")
     config = yaml.safe_load(files[f"{task['name']}.dstack.yml"])
     mounts = {m.split(":")[1]: directory / "rendered" / m.split(":")[0] for m in config["files"]}
@@ -47,7 +48,7 @@ def one_run(tb, directory: Path, enabled: bool) -> dict:
         procs.append(tb.run(rank, " && ".join(config["commands"]), env=dstack_env(tb, rank, 3, config["env"]),
                             name=f"bench-node{rank}"))
     head, seen = procs[0], {}
-    marks = {"ready": "cluster ready:", "submit": "submitting job", "running": "CONTRACT alive nodes 3"}  # printed by the job only
+    marks = {"ready": "cluster ready:", "start": "starting job", "running": "CONTRACT alive nodes 3"}  # printed by the job only
     deadline = time.monotonic() + 300
     while len(seen) < len(marks) and head.running() and time.monotonic() < deadline:
         out = head.output
@@ -61,7 +62,7 @@ def one_run(tb, directory: Path, enabled: bool) -> dict:
     if len(seen) < len(marks):
         raise SystemExit(f"round failed (saw {sorted(seen)}):\n{head.output[-3000:]}")
     steps = {s["step"]: s["seconds"] for s in parse_result(head.output)["steps"]}
-    return {"ready_submit": seen["submit"] - seen["ready"], "ready_running": seen["running"] - seen["ready"],
+    return {"ready_start": seen["start"] - seen["ready"], "ready_running": seen["running"] - seen["ready"],
             "step": steps.get("preflight")}
 
 
@@ -78,17 +79,17 @@ def main() -> None:
                 directory.mkdir()
                 row = one_run(tb, directory, enabled)
                 rows[enabled].append(row)
-                print(f"round {index + 1}, preflight {'on ' if enabled else 'off'}: ready->submit "
-                      f"{row['ready_submit']:.1f} s, ready->running {row['ready_running']:.1f} s"
+                print(f"round {index + 1}, preflight {'on ' if enabled else 'off'}: ready->start "
+                      f"{row['ready_start']:.1f} s, ready->running {row['ready_running']:.1f} s"
                       + (f", preflight step {row['step']:.1f} s" if row["step"] is not None else ""), flush=True)
-    print("\n| median of %d | ready -> submit | ready -> job running | preflight step |" % args.rounds)
+    print("\n| median of %d | ready -> start | ready -> job running | preflight step |" % args.rounds)
     print("|---|---|---|---|")
     for enabled in (False, True):
-        med = {k: statistics.median(r[k] for r in rows[enabled]) for k in ("ready_submit", "ready_running")}
+        med = {k: statistics.median(r[k] for r in rows[enabled]) for k in ("ready_start", "ready_running")}
         step = [r["step"] for r in rows[enabled] if r["step"] is not None]
-        print(f"| preflight {'on' if enabled else 'off'} | {med['ready_submit']:.1f} s | {med['ready_running']:.1f} s "
+        print(f"| preflight {'on' if enabled else 'off'} | {med['ready_start']:.1f} s | {med['ready_running']:.1f} s "
               f"| {statistics.median(step):.1f} s |" if step else
-              f"| preflight {'on' if enabled else 'off'} | {med['ready_submit']:.1f} s | {med['ready_running']:.1f} s | - |")
+              f"| preflight {'on' if enabled else 'off'} | {med['ready_start']:.1f} s | {med['ready_running']:.1f} s | - |")
     added = (statistics.median(r["ready_running"] for r in rows[True])
              - statistics.median(r["ready_running"] for r in rows[False]))
     print(f"\npreflight adds {added:.1f} s to cluster ready -> job running (median of {args.rounds})")
