@@ -1063,8 +1063,10 @@ class HeadFlow(object):
         if jobs.status(sid) is not None:
             return None
         gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid))
-        limit = self.plan["wait"]["nodes_s"] + (self.plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
-                                                if self.plan["preflight"]["enabled"] else 0) + 60
+        plan = self.plan  # the longest the head may take to say: its services, the nodes, preflight
+        limit = sum(s["timeout"] for s in plan["services"] if s["where"] in ("head", "every_node")) + \
+            plan["wait"]["nodes_s"] + (plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
+                                       if plan["preflight"]["enabled"] else 0) + 60
         self.submit(jobs, sid, gate.wrap, limit)
         return gate
 
