@@ -80,8 +80,9 @@ def wait_cluster(cluster: Cluster, plan: Plan, tail: LogTail) -> str:
 
 
 def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
-    """For `submit: client`: submit only once the head's preflight has passed (its Ray job
-    ends SUCCEEDED); the head prints the table and the reasons."""
+    """Until the head's preflight has passed (its Ray job ends SUCCEEDED), echo the head's
+    log (the table, or the reasons). With `submit: client` the job is submitted after it;
+    with `submit: head` the head's job is already submitted, behind a gate that opens now."""
     sid = preflight_submission_id(cluster.cluster_id)
     jobs_url = f"{cluster.dashboard}/api/jobs/"
 
@@ -99,7 +100,7 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
                       report=say)
     tail.pump()
     if status != "SUCCEEDED":
-        raise StepFailed("preflight", f"it ended {status}: the head's log says why (the job was not submitted)")
+        raise StepFailed("preflight", f"it ended {status}: the head's log says why (the job's command did not run)")
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
@@ -279,9 +280,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
         node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
         jobs = Jobs(cluster.dashboard, cluster.token)
+        if plan.preflight.enabled:
+            wait_preflight(cluster, plan, tail)
         if plan.job.submit == "client":
-            if plan.preflight.enabled:
-                wait_preflight(cluster, plan, tail)
             sid = submission_id(plan.name, cluster.cluster_id)
             head = head_address(cluster.dashboard, cluster.token)
             if jobs.submit(plan, sid, head, {**os.environ, **secrets}):
@@ -289,7 +290,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             else:
                 say(f"job {sid} is already on this cluster")
         else:
-            say("waiting for the head to submit the job")
+            say("waiting for the head's job")
             sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
                 cluster.dashboard, cluster.token, plan.name)), 600, report=say)
         job_started = True

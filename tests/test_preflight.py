@@ -280,7 +280,7 @@ def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_runnin
         launched = cli("launch", str(task), "--keep")
         out = launched.stdout
         assert launched.returncode == 0, out[-5000:] + launched.stderr[-3000:]
-        table = out.index("preflight passed")
+        table = out.index("preflight passed in")
         assert re.search(r"Gloo all_reduce across 2 nodes, bus bandwidth: 1 MiB \d", out[table:])
         assert table < out.index("following job") < out.index("the job runs")
         doctor = cli("doctor", "pf", timeout=300)
