@@ -461,23 +461,32 @@ class DashboardJobs(object):
         return status < 400
 
     def submit(self, sid: str, argv: List[str], timeout_s: float = 120.0) -> None:
-        """Submit once. The dashboard takes a job only once the head's job agent is up (it
-        waits 10 s for it, then answers 500), which may be later than the dashboard itself:
-        retry until `timeout_s`. A try that timed out may have landed: look before each."""
         request = {"entrypoint": " ".join(shlex.quote(a) for a in argv), "submission_id": sid}
 
+        def send():
+            status, body = http_request(self.dashboard + "/api/jobs/", "POST", request, auth_headers(self.token),
+                                        timeout=30.0)
+            if status < 400:
+                return None
+            return status >= 500, "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000])
+        self.submit_with(sid, send, timeout_s)
+
+    def submit_with(self, sid: str, send: Callable[[], Optional[Tuple[bool, str]]], timeout_s: float = 120.0) -> None:
+        """Submit job `sid` with `send()` (None when it was taken, else whether to try again
+        and why not). The dashboard takes a job only once the head's job agent is up (it
+        waits 10 s for it, then answers 500), which may be later than the dashboard itself:
+        retry until `timeout_s`. A try that timed out may have landed: look before each."""
         def attempt():
             try:
                 if self.status(sid) is not None:
                     return True, sid
-                status, body = http_request(self.dashboard + "/api/jobs/", "POST", request, auth_headers(self.token),
-                                            timeout=30.0)
-                if status < 400 or self.status(sid) is not None:
+                refused = send()
+                if refused is None or self.status(sid) is not None:
                     return True, sid
             except OSError as exc:
                 return False, str(exc)
-            why = "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000])
-            if status < 500:
+            again, why = refused
+            if not again:
                 raise AgentError("submitting job %s" % sid, why)
             return False, why
         wait_for("the Jobs API to take job %s" % sid, attempt, timeout_s, interval=0.5, max_interval=2.0)
@@ -841,6 +850,10 @@ class Node(object):
         host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
         self.dashboard = "http://%s:%s" % (host, plan["ray"]["dashboard_port"])
 
+    def cluster_key(self) -> str:
+        """What tells this cluster's jobs from another's (submission ids)."""
+        return self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
+
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
         """Time one step for the result line."""
@@ -1059,7 +1072,7 @@ class HeadFlow(object):
     def submit_gated(self, jobs: DashboardJobs) -> Optional[Gate]:
         """Submit the job's first attempt now, behind a gate (see Gate); None when this cluster
         already has it (an agent that restarted follows it instead)."""
-        sid = submission_id(self.plan["name"], self.cluster_key(), 0)
+        sid = submission_id(self.plan["name"], self.node.cluster_key(), 0)
         if jobs.status(sid) is not None:
             return None
         gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid))
@@ -1070,15 +1083,12 @@ class HeadFlow(object):
         self.submit(jobs, sid, gate.wrap, limit)
         return gate
 
-    def cluster_key(self) -> str:
-        return self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
-
     def submit_and_follow(self, jobs: DashboardJobs, gate: Optional[Gate]) -> int:
         """Open the gate of the job's first attempt (or submit it) and follow it; when it
         fails, stalls or loses a node, stop it, wait until every node is back, and resubmit
         it (it resumes from the latest checkpoint), up to `job.max_restarts` times."""
         node, job = self.node, self.plan["job"]
-        key = self.cluster_key()
+        key = self.node.cluster_key()
         self.expected_ips = sorted(n["node_ip"] for n in alive_nodes(node.dashboard, node.token))
         max_restarts = job.get("max_restarts", 0)
         attempts = []  # type: List[dict]
@@ -1245,17 +1255,15 @@ class HeadFlow(object):
                "--"] + argv
         log("submitting job %s with working_dir %s%s: %s" % (sid, job["working_dir"], gated, entrypoint))
 
-        def attempt():
-            if jobs.status(sid) is not None:  # an earlier try landed
-                return True, sid
+        def send():
             out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
-            why = out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:]
             if out.returncode == 0:
-                return True, sid
+                return None
+            why = out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:]
             if "No available agent" in why:  # Ray's own words: the head's job agent is not up yet, try again
-                return False, why.splitlines()[-1]
-            raise AgentError("submitting job %s" % sid, why)
-        wait_for("the Jobs API to take job %s" % sid, attempt, 120.0, interval=0.5, max_interval=2.0)
+                return True, why.splitlines()[-1]
+            return False, why
+        jobs.submit_with(sid, send)
 
     def supervise(self) -> int:
         while self.node.ray.alive():
@@ -1503,8 +1511,7 @@ class HeadPreflight(object):
 
     def __init__(self, node: "Node", jobs: DashboardJobs):
         self.node, self.jobs = node, jobs
-        info = node.info
-        self.sid = preflight_submission_id(info.cluster_id or node.plan.get("cluster_id") or info.head)
+        self.sid = preflight_submission_id(node.cluster_key())
 
     def submit(self) -> None:
         node, settings = self.node, self.node.plan["preflight"]
