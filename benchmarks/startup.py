@@ -2,6 +2,7 @@
 own `ray symmetric-run`, side by side in one run (the machine is noisy: compare ratios).
 
     .venv/bin/python benchmarks/startup.py [--rounds 5] [--nodes 3,5] [--checkout DIR]   # as root
+        [--base DIR] [--floor] [--set preflight=off ...]
 
 Hosts are the project's namespace testbed (tests/testbed.py, needs root). Per run:
 
@@ -11,6 +12,11 @@ ours:    `rlhf-tasks render TASK --provider dstack` of a `command` job (token au
          rendered `commands` start on every host with the environment dstack's runner sets.
 symmetric-run: `ray symmetric-run --address HEAD:6379 --min-nodes N -- CMD` on every
          host, with the same Ray start flags and the same token auth.
+ray-start floor (--floor): plain `ray start --block` on every host (the head with --head,
+         the others with --address HEAD:6379), the same flags and token auth, and no command:
+         its result is when the poller sees every node ALIVE. That is the cluster alone, a
+         floor for anything that forms it with one `ray start` per host and runs the command
+         once every node is in.
 
 CMD writes the wall-clock time it starts into a directory every host sees. t0 is taken
 just before the nodes' processes are spawned; the result is t_cmd - t0. A light poller
@@ -18,7 +24,9 @@ on the head host records when the GCS port opens, the dashboard answers, each no
 ALIVE and the job changes state, which splits the time. Each node's launcher (node.py,
 or symmetric-run's python) is sampled for its peak RSS (VmHWM). Every run ends with a
 reboot of the hosts (their whole PID namespaces are killed), so nothing carries over.
-Runs alternate ours, symmetric-run, ours, ... Results: benchmarks/RESULTS.md.
+Runs alternate ours[, base], symmetric-run[, ray-start floor], ours, ... `--base DIR` runs
+ours from a second checkout too (a change against what it changes), `--set KEY=VALUE`
+changes our task (a dotted key, a YAML value). Results: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ BIN = Path(sys.executable).parent
 TOKEN = secrets.token_hex(16)  # this benchmark's cluster token: in environments only, never printed
 RAY_FLAGS = ["--num-cpus", "1", "--object-store-memory", "80000000"]  # what the task renders for ours
 NAME = "startup-bench"
-KINDS = ("ours", "symmetric-run")
+KINDS = ("ours", "base", "symmetric-run", "ray-start floor")  # base: ours from --base's checkout
 
 
 # --------------------------------------------------------------------------- the job
@@ -66,16 +74,23 @@ class Start:
     envs: list[dict[str, str]]          # its exact environment per rank
     launcher: str                       # a string in the launcher process's argv (for its RSS)
     poll_jobs: bool                     # whether the head submits a Ray job
+    started_when_alive: bool = False    # no command: the poller marks the start when all are ALIVE
     beacon_port: int | None = None      # the head agent's ready beacon
 
 
 # --------------------------------------------------------------------------- ours
 
-def render_ours(checkout: Path, run_dir: Path, nodes: int, started: Path) -> dict:
+def render_ours(checkout: Path, run_dir: Path, nodes: int, started: Path, overrides: dict) -> dict:
     """Render the task through the public CLI of the checkout measured; return the dstack config."""
     task = {"name": NAME, "nodes": nodes, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
             "job": {"recipe": "command", "submit": "head", "working_dir": None,
                     "args": {"entrypoint": job_command(started)}}}
+    for key, value in overrides.items():  # --set: dotted task keys
+        *parents, last = key.split(".")
+        where = task
+        for parent in parents:
+            where = where.setdefault(parent, {})
+        where[last] = value
     (run_dir / "task.yaml").write_text(yaml.safe_dump(task))
     out = run_dir / "rendered"
     subprocess.run([str(BIN / "rlhf-tasks"), "render", str(run_dir / "task.yaml"), "--provider", "dstack",
@@ -109,8 +124,8 @@ def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str]) -> dict[str, 
                   DSTACK_RUN_NAME=NAME + "-run")
 
 
-def prepare_ours(tb, nodes: int, run_dir: Path, started: Path, checkout: Path) -> Start:
-    config = render_ours(checkout, run_dir, nodes, started)
+def prepare_ours(tb, nodes: int, run_dir: Path, started: Path, checkout: Path, overrides: dict) -> Start:
+    config = render_ours(checkout, run_dir, nodes, started, overrides)
     plan = json.loads((config["_dir"] / "rlhf-tasks" / f"{NAME}.plan.json").read_text())
     for rank in range(nodes):
         place(tb, rank, config)
@@ -138,6 +153,16 @@ def prepare_symmetric(tb, nodes: int, started: Path) -> Start:
     # the same token auth as ours; a longer deadline only avoids failures on a busy machine
     env = tb.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, RAY_SYMMETRIC_RUN_CLUSTER_WAIT_TIMEOUT="180")
     return Start([command] * nodes, [env] * nodes, launcher="symmetric-run", poll_jobs=False)
+
+
+def prepare_floor(tb, nodes: int) -> Start:
+    head = tb.hosts[0].ip
+    commands = [own_pid_namespace_guard() + "exec " + shlex.join(
+        ["ray", "start", "--block", "--node-ip-address", tb.hosts[rank].ip, *RAY_FLAGS,
+         *(["--head", "--port", "6379"] if rank == 0 else ["--address", f"{head}:6379"])])
+        for rank in range(nodes)]
+    env = tb.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    return Start(commands, [env] * nodes, launcher="start", poll_jobs=False, started_when_alive=True)
 
 
 # --------------------------------------------------------------------------- the poller (head host)
@@ -197,6 +222,10 @@ while time.time() < deadline and not os.path.exists(spec["started"]):
             if node["node_ip"] not in alive:
                 alive[node["node_ip"]] = True
                 note("alive", ip=node["node_ip"], head=node.get("is_head_node"), start_time_ms=node.get("start_time_ms"))
+        if spec["started_when_alive"] and len(alive) == spec["nodes"]:
+            with open(spec["started"] + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.rename(spec["started"] + ".tmp", spec["started"])
     if spec["poll_jobs"] and dashboard:  # the head submits preflight and the job before the nodes are in
         status, jobs = get("/api/jobs/")
         for job in jobs if status == 200 else []:
@@ -216,7 +245,8 @@ def start_poller(tb, nodes: int, start: Start, run_dir: Path, started: Path) -> 
     script.write_text(POLLER.lstrip())
     spec = {"out": str(out), "started": str(started), "head": tb.hosts[0].ip, "gcs_port": 6379,
             "dashboard": "http://127.0.0.1:8265", "nodes": nodes, "beacon_port": start.beacon_port,
-            "poll_jobs": start.poll_jobs, "interval": 0.1, "timeout": 600}
+            "poll_jobs": start.poll_jobs, "started_when_alive": start.started_when_alive,
+            "interval": 0.1, "timeout": 600}
     tb.run(0, [sys.executable, "-I", "-S", str(script), json.dumps(spec)], env=tb.env(RAY_AUTH_TOKEN=TOKEN),
            name="poller")
     tbmod.poll(lambda: out.exists() and out.read_text().startswith("{"), 30, "the poller to start", 0.02)
@@ -270,13 +300,15 @@ class Run:
     marks: dict[str, float] = field(default_factory=dict)   # event -> seconds after t0
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     no_token_status: int | None = None                      # HTTP status of a request without the token
+    t0: float = 0.0                                         # wall clock when the nodes were spawned
 
 
-def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: float) -> Run:
+def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: float,
+             overrides: dict | None = None) -> Run:
     run_dir.mkdir(parents=True)
     started = run_dir / "started"
-    start = (prepare_ours(tb, nodes, run_dir, started, checkout) if kind == "ours"
-             else prepare_symmetric(tb, nodes, started))
+    start = (prepare_ours(tb, nodes, run_dir, started, checkout, overrides or {}) if kind in ("ours", "base")
+             else prepare_symmetric(tb, nodes, started) if kind == "symmetric-run" else prepare_floor(tb, nodes))
     poller = start_poller(tb, nodes, start, run_dir, started)
     rss = RssSampler(tb, nodes, start.launcher)
     t0 = time.time()
@@ -296,17 +328,18 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
         rss.sample()
         return not head.running()
     try:
-        tbmod.poll(head_done, 90, f"{kind}: the head to exit", 0.2)
+        if not start.started_when_alive:  # a bare `ray start --block` never exits by itself
+            tbmod.poll(head_done, 90, f"{kind}: the head to exit", 0.2)
     except TimeoutError:
         print(f"  ({kind}: the head did not exit within 90 s after the command; its RSS is sampled up to now)")
     rss.sample()
     for rank, proc in enumerate(procs):  # each node's output, for a look at where the time went
         shutil.copy(proc.log, run_dir / f"node{rank}.log")
-    run = Run(kind, nodes, t_cmd - t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
+    run = Run(kind, nodes, t_cmd - t0, t0=t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
     run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
     run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
                                 if e["event"] == "no_token"), None)
-    if kind == "ours":
+    if kind in ("ours", "base"):
         run.marks |= agent_marks(head.output, run.marks)
     return run
 
@@ -360,23 +393,26 @@ MARK_ORDER = ["head GCS port open", "head dashboard healthy", "head ready beacon
 
 
 def report(runs: list[Run], nodes: int) -> str:
-    by_kind = {k: [r for r in runs if r.kind == k and r.nodes == nodes] for k in KINDS}
-    lines = [f"#### {nodes} hosts", "", "| round | ours | symmetric-run |", "|---|---|---|"]
+    kinds = [k for k in KINDS if any(r.kind == k for r in runs)]
+    by_kind = {k: [r for r in runs if r.kind == k and r.nodes == nodes] for k in kinds}
+    header = "| {} | " + " | ".join(kinds) + " |"
+    rule = "|---|" + "---|" * len(kinds)
+    lines = [f"#### {nodes} hosts", "", header.format("round"), rule]
     for i in range(max(len(v) for v in by_kind.values())):
-        cells = [f"{by_kind[k][i].seconds:.1f} s" if i < len(by_kind[k]) else "failed" for k in KINDS]
+        cells = [f"{by_kind[k][i].seconds:.1f} s" if i < len(by_kind[k]) else "failed" for k in kinds]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     medians = {k: statistics.median(r.seconds for r in v) if v else None for k, v in by_kind.items()}
-    ratio = (f"{medians['ours'] / medians['symmetric-run']:.2f}"
-             if medians["ours"] and medians["symmetric-run"] else "-")
-    lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in KINDS) + " |",
-              f"| ratio ours / symmetric-run | {ratio} | |", "",
+    base = medians.get("symmetric-run")
+    ratios = [f"{medians[k] / base:.2f}" if medians[k] and base else "-" for k in kinds]
+    lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in kinds) + " |",
+              "| ratio to symmetric-run | " + " | ".join(ratios) + " |", "",
               "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
-              "| mark | ours | symmetric-run |", "|---|---|---|"]
-    previous = {k: 0.0 for k in KINDS}
+              header.format("mark"), rule]
+    previous = {k: 0.0 for k in kinds}
     for mark in MARK_ORDER:
         mark = mark.format(n=nodes)
         cells = []
-        for k in KINDS:
+        for k in kinds:
             values = [r.marks[mark] for r in by_kind[k] if mark in r.marks]
             if not values:
                 cells.append("-")
@@ -388,13 +424,14 @@ def report(runs: list[Run], nodes: int) -> str:
             lines.append(f"| {mark} | " + " | ".join(cells) + " |")
     lines += ["", "Peak RSS of each node's launcher process (VmHWM, MiB, max over rounds):", "",
               "| launcher | head | workers (max) |", "|---|---|---|"]
-    for kind, label in zip(KINDS, ("ours: node.py", "symmetric-run (python)")):
+    labels = {"ours": "ours: node.py", "base": "base: node.py", "symmetric-run": "symmetric-run (python)"}
+    for kind, label in [(k, labels[k]) for k in kinds if k in labels]:
         head = [r.peak_rss_mib[0] for r in by_kind[kind] if 0 in r.peak_rss_mib]
         workers = [mib for r in by_kind[kind] for rank, mib in r.peak_rss_mib.items() if rank]
         lines.append(f"| {label} | {max(head):.1f} | {max(workers):.1f} |" if head and workers else f"| {label} | - | - |")
     refused = {k: sorted({str(r.no_token_status) for r in v}) for k, v in by_kind.items()}
     lines += ["", "Token auth: HTTP status of a State API request without the token, per run: "
-              + "; ".join(f"{k} {', '.join(refused[k])}" for k in KINDS) + " (401/403: enforced)."]
+              + "; ".join(f"{k} {', '.join(refused[k])}" for k in kinds) + " (401/403: enforced)."]
     return "\n".join(lines) + "\n"
 
 
@@ -408,12 +445,24 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=240, help="per run, until the command starts")
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, rendered files)")
+    parser.add_argument("--base", type=Path, help="also run ours from this checkout (a git worktree), as 'base'")
+    parser.add_argument("--floor", action="store_true", help="also run the ray-start floor (the cluster alone)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted key of our task, its value as YAML (e.g. preflight=off); repeatable")
     args = parser.parse_args()
     reason = tbmod.require_root()
     if reason:
         raise SystemExit(reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally, testbed close) on SIGTERM too
     checkout = args.checkout.resolve()
+    kinds = [k for k in KINDS if k in ("ours", "symmetric-run") or (k == "base" and args.base)
+             or (k == "ray-start floor" and args.floor)]
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set {item!r}: write it as KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
     workdir = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     runs: list[Run] = []
     failed = False
@@ -422,10 +471,11 @@ def main() -> int:
         for nodes in [int(n) for n in args.nodes.split(",")]:
             with tbmod.Testbed(nodes, workdir / f"testbed{nodes}", shared=[workdir]) as tb:
                 for round_ in range(1, args.rounds + 1):
-                    for kind in KINDS:
+                    for kind in kinds:
                         run_dir = workdir / f"{nodes}hosts" / f"round{round_}-{kind}"
                         try:
-                            runs.append(run_once(tb, kind, nodes, run_dir, checkout, args.timeout))
+                            source = args.base.resolve() if kind == "base" else checkout
+                            runs.append(run_once(tb, kind, nodes, run_dir, source, args.timeout, overrides))
                             print(f"{nodes} hosts, round {round_}, {kind}: {runs[-1].seconds:.1f} s", flush=True)
                         except (RuntimeError, TimeoutError, tbmod.TestbedError, subprocess.CalledProcessError) as exc:
                             failed = True
@@ -441,7 +491,9 @@ def main() -> int:
             print(f"work dir kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\nchecked out: {checkout}; {args.rounds} rounds; took {time.monotonic() - began:.0f} s\n")
+    print(f"\nchecked out: {checkout}{f'; base: {args.base.resolve()}' if args.base else ''}; {args.rounds} rounds; "
+          f"our task with {overrides or 'no overrides'}; "
+          f"took {time.monotonic() - began:.0f} s\n")
     for nodes in sorted({r.nodes for r in runs}):
         print(report(runs, nodes))
     return 1 if failed else 0
