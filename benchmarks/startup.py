@@ -402,8 +402,8 @@ def report(runs: list[Run], nodes: int) -> str:
         cells = [f"{by_kind[k][i].seconds:.1f} s" if i < len(by_kind[k]) else "failed" for k in kinds]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     medians = {k: statistics.median(r.seconds for r in v) if v else None for k, v in by_kind.items()}
-    base = medians.get("symmetric-run")
-    ratios = [f"{medians[k] / base:.2f}" if medians[k] and base else "-" for k in kinds]
+    reference = medians.get("symmetric-run")
+    ratios = [f"{medians[k] / reference:.2f}" if medians[k] and reference else "-" for k in kinds]
     lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in kinds) + " |",
               "| ratio to symmetric-run | " + " | ".join(ratios) + " |", "",
               "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
@@ -455,8 +455,8 @@ def main() -> int:
         raise SystemExit(reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally, testbed close) on SIGTERM too
     checkout = args.checkout.resolve()
-    kinds = [k for k in KINDS if k in ("ours", "symmetric-run") or (k == "base" and args.base)
-             or (k == "ray-start floor" and args.floor)]
+    wanted = {"ours": True, "base": args.base is not None, "symmetric-run": True, "ray-start floor": args.floor}
+    kinds = [k for k in KINDS if wanted[k]]
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
