@@ -214,7 +214,7 @@ def cmd_stop(args) -> int:
 
 def cmd_list(args) -> int:
     for job in _jobs(args).list():
-        print(f"{job.submission_id or job.job_id}\t{job.status}\t{job.entrypoint[:80]}")
+        print(f"{job.get('submission_id') or job.get('job_id')}\t{job.get('status')}\t{(job.get('entrypoint') or '')[:80]}")
     return 0
 
 

@@ -150,17 +150,10 @@ def cluster_checks(t: Target, nodes: int, timeout: float) -> dict:
         shutil.copy(Path(__file__).with_name("preflight.py"), upload / "preflight.py")
         argv = preflight_argv(settings, nodes, "preflight.py", timeout=timeout, checks=extra)
         say(f"running the checks on the cluster as Ray job {sid} (deadline {timeout:.0f}s)")
-        jobs.client.submit_job(entrypoint=" ".join(_quote(a) for a in argv), submission_id=sid,
-                               runtime_env={"working_dir": str(upload)})
-        return follow_preflight(jobs, sid, time.time() + timeout + 60, say)
+        jobs.submit_with_working_dir(sid, argv, str(upload))
+        return follow_preflight(jobs.api, sid, time.time() + timeout + 60, say)
     finally:
         shutil.rmtree(upload, ignore_errors=True)
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def doctor(target: str, address: str | None, provider_name: str | None, timeout: float | None) -> int:

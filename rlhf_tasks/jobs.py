@@ -1,15 +1,18 @@
-"""Jobs client: submit, status, logs, stop and list through Ray's JobSubmissionClient,
-with the cluster's token in the Authorization header. Ray is imported lazily."""
+"""The Jobs client of the CLI and the launcher: submit, status, logs, stop, list and follow
+a Ray job through the dashboard's REST API, with the cluster's token. It is the agent's own
+REST client (no Ray needed on this machine); Ray's SDK is imported only to pack and upload
+a working_dir, which is Ray's own code."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Callable
 
 from .errors import BadInput, StepFailed
-from .node import JobFollower, auth_headers, job_argv
+from .node import DashboardJobs, JobFollower, auth_headers, http_request, job_argv
 from .plan import Plan
 
 
@@ -47,24 +50,45 @@ def check_working_dir(path: str, excludes: list[str]) -> int:
 
 
 class Jobs:
-    """One Ray cluster's Jobs API, reached at `address` (e.g. a forwarded localhost port)."""
+    """One Ray cluster's Jobs API, reached at `address` (e.g. a forwarded localhost port).
+    A request that gets no answer fails as a named step, not as a traceback."""
 
     def __init__(self, address: str, token: str | None):
-        from ray.job_submission import JobSubmissionClient
+        self.address, self.token = address.rstrip("/"), token
+        self.api = DashboardJobs(self.address, token)
 
-        self.address, self.token = address, token
+    def _ask(self, what: str, call: Callable, *args):
         try:
-            self.client = JobSubmissionClient(address, headers=auth_headers(token))
-        except Exception as exc:  # ray raises ConnectionError or RuntimeError with its own text
-            raise StepFailed("connecting to the Ray Jobs API", f"{address}: {exc}") from None
+            return call(*args)
+        except OSError as exc:
+            raise StepFailed(f"{what} through the Ray Jobs API at {self.address}", str(exc)) from None
 
     def status(self, submission_id: str) -> str | None:
-        try:
-            return str(self.client.get_job_status(submission_id).value)
-        except RuntimeError as exc:
-            if "does not exist" in str(exc) or "404" in str(exc):
-                return None
-            raise
+        return self._ask(f"asking for job {submission_id}", self.api.status, submission_id)
+
+    def logs(self, submission_id: str) -> str:
+        return self._ask(f"reading job {submission_id}'s log", self.api.logs, submission_id)
+
+    def stop(self, submission_id: str) -> bool:
+        """Whether Ray stopped it (False: it had already ended)."""
+        def stop():
+            status, body = http_request(f"{self.address}/api/jobs/{submission_id}/stop", "POST", {},
+                                        auth_headers(self.token))
+            if status == 404:
+                raise BadInput(f"JOB: no job {submission_id} on this cluster")
+            if status >= 400:
+                raise OSError(f"HTTP {status}: {body.decode('utf-8', 'replace')[:500]}")
+            return bool(json.loads(body).get("stopped"))
+        return self._ask(f"stopping job {submission_id}", stop)
+
+    def list(self) -> list[dict]:
+        """Every job on the cluster, as Ray's REST API gives them (dicts)."""
+        def jobs():
+            status, body = http_request(f"{self.address}/api/jobs/", headers=auth_headers(self.token), timeout=10.0)
+            if status != 200:
+                raise OSError(f"HTTP {status}: {body.decode('utf-8', 'replace')[:500]}")
+            return json.loads(body)
+        return self._ask("listing jobs", jobs)
 
     def submit(self, plan: Plan, submission_id: str, head_addr: str, env: dict[str, str]) -> bool:
         """Submit the plan's job once: False when a job with this id is already there (a
@@ -74,21 +98,24 @@ class Jobs:
         argv, wandb = job_argv(plan.job.model_dump(), head_addr, head_addr, env)
         if wandb:
             print(wandb, flush=True)
-        runtime_env = {}
         if plan.job.working_dir:
             check_working_dir(plan.job.working_dir, plan.job.excludes)
-            runtime_env = {"working_dir": plan.job.working_dir, "excludes": plan.job.excludes}
-        self.client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id, runtime_env=runtime_env)
+            self.submit_with_working_dir(submission_id, argv, plan.job.working_dir, plan.job.excludes)
+        else:
+            self._ask(f"submitting job {submission_id}", self.api.submit, submission_id, argv)
         return True
 
-    def logs(self, submission_id: str) -> str:
-        return self.client.get_job_logs(submission_id)
+    def submit_with_working_dir(self, submission_id: str, argv: list[str], working_dir: str,
+                                excludes: list[str] = ()) -> None:
+        """Pack and upload `working_dir` with the job: Ray's own SDK does that."""
+        from ray.job_submission import JobSubmissionClient
 
-    def stop(self, submission_id: str) -> bool:
-        return self.client.stop_job(submission_id)
-
-    def list(self) -> list:
-        return self.client.list_jobs()
+        try:
+            client = JobSubmissionClient(self.address, headers=auth_headers(self.token))
+            client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id,
+                              runtime_env={"working_dir": working_dir, "excludes": list(excludes)})
+        except (OSError, RuntimeError) as exc:  # Ray's ConnectionError, or its RuntimeError with the HTTP answer
+            raise StepFailed(f"submitting job {submission_id} with working_dir {working_dir}", str(exc)) from None
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
                final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None,
@@ -99,10 +126,10 @@ class Jobs:
         ends), `final_status(chars of the log shown so far)` may still know the outcome
         and the rest of the log, e.g. from the head agent's result line.
         Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
-        follower = JobFollower(self, submission_id, out)
+        follower = JobFollower(self.api, submission_id, out)
         try:
             return follower.run(timeout_s, watch)
-        except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
+        except OSError as exc:
             final = final_status(follower.shown)
             if final is None:
                 raise StepFailed(f"following job {submission_id}", f"lost the Ray dashboard: {exc}") from None

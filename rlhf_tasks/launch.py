@@ -1,25 +1,41 @@
-"""launch: apply the provider's files, wait for the cluster, submit when the task says
-`submit: client` (or find the head's submission), follow the job, and summarise."""
+"""launch: the one follower. A provider's `apply` brings the cluster up and hands back a
+handle (providers/base.Cluster); this module follows the job on it the same way for every
+provider and summarises it once:
+
+- through the head's log, where this machine can read it (local, Slurm, RunPod, managed
+  SkyPilot): the head agent brings the cluster up, runs preflight, submits the job,
+  restarts it, and relays its log; its result line ends the job;
+- through the dashboard otherwise (dstack and SkyPilot, through their port forwards), and
+  for `submit: client`, where the launcher submits the job itself.
+
+Every line of the job's log reaches the user once, and no result line does."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from .console import say
 from .errors import HeadLost, StepFailed
-from .node import (TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check, head_address,
-                   http_check, http_request, is_submission_of, next_submission_id, parse_result,
+from .node import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check,
+                   head_address, http_check, http_request, is_submission_of, next_submission_id, parse_result,
                    preflight_submission_id, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
 
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] rlhf-tasks: {message}", flush=True)
+#: How long following the head's log may take beyond the job's own limits (start-up, preflight).
+FOLLOW_SLACK_S = 600.0
+#: Without a job timeout, the follower still ends some day.
+NO_TIMEOUT_S = 7 * 86400.0
+#: How long the head's agent may take to exit after its result line (it has stopped Ray by then).
+HEAD_EXIT_S = 30.0
 
 
 def collect_secrets(task: Task) -> dict[str, str]:
@@ -32,23 +48,118 @@ def collect_secrets(task: Task) -> dict[str, str]:
 
 
 class LogTail:
-    """Echo new lines of the node agents' logs while we wait for the cluster."""
+    """Echo the complete lines that the node agents' logs gain, each line once. A result line
+    is never shown (the summary says it), and a log ends at its result line: what its agent
+    prints after it (keeping the cluster up) is not this launch's business."""
 
-    def __init__(self, directory: str | None):
-        self.directory = Path(directory) if directory else None
-        self.offsets: dict[Path, int] = {}
+    def __init__(self, paths: list[str] = (), text: Callable[[], str] | None = None, out=None):
+        self.paths = [Path(p) for p in paths]
+        self.text = text  # a log that is only a whole text (e.g. `dstack apply`'s), when there are no paths
+        self.offsets: dict[object, int] = {}
+        self.ended: set[object] = set()
+        self.out = out or sys.stdout
 
     def pump(self) -> None:
-        if not self.directory:
+        for path in self.paths:
+            if path in self.ended:
+                continue
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(self.offsets.get(path, 0))
+                    chunk = handle.read()
+            except FileNotFoundError:
+                continue
+            self._show(path, chunk)
+        if self.text is not None and "text" not in self.ended:
+            data = self.text().encode("utf-8", "replace")
+            self._show("text", data[self.offsets.get("text", 0):])
+
+    def _show(self, key: object, chunk: bytes) -> None:
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        if not complete:
             return
-        for path in sorted(self.directory.glob("node-*.log")):
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                chunk = handle.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            if complete:
-                print(complete.decode("utf-8", "replace"), end="", flush=True)
-                self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+        self.offsets[key] = self.offsets.get(key, 0) + len(complete)
+        shown = []
+        for line in complete.decode("utf-8", "replace").splitlines(keepends=True):
+            if RESULT_PREFIX in line:
+                self.ended.add(key)
+                break
+            shown.append(line)
+        if shown:
+            self.out.write("".join(shown))
+            self.out.flush()
+
+
+@dataclass
+class Outcome:
+    """How the job ended, from the head agent's result line or the dashboard."""
+
+    submission_id: str | None
+    status: str | None                  # SUCCEEDED, FAILED, STOPPED; None: the job never ran
+    error: str | None = None            # the head's own words, when it failed
+    failed_step: str | None = None
+    exit_code: int | None = None        # job.mode every_node: the command's exit code
+    attempts: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    node_ids: set[str] = field(default_factory=set)
+    last_line: str | None = None        # the job's own last line, when it failed
+
+    @classmethod
+    def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
+        job = result.get("job") or {}
+        code = job.get("exit_code", result.get("exit_code")) if every_node else None
+        return cls(submission_id=job.get("submission_id"), status=job.get("status"), error=result.get("error"),
+                   failed_step=result.get("failed_step"), exit_code=code, attempts=job.get("attempts") or [],
+                   steps=result.get("steps") or [], node_ids=set(result.get("node_ids") or []),
+                   last_line=job_said(result.get("job_log_tail") or ""))
+
+
+def job_said(log: str) -> str | None:
+    """The job's own last line: not Ray's log records nor its worker-prefixed lines."""
+    for line in reversed(log.splitlines()):
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+        if line and not line.startswith("(") and not re.match(r"^\d{4}-\d\d-\d\d \d", line):
+            return line
+    return None
+
+
+# ------------------------------------------------------------------ through the head's log
+
+
+def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail) -> Outcome:
+    """Echo the node agents' logs until the head agent's result line: the job's end (or the
+    head's failure, which the line names). A head gone without its line is a lost head."""
+    attempts = plan.job.max_restarts + 1 if plan.job.submit == "head" else 1
+    budget = plan.wait.head_s + plan.wait.nodes_s + plan.preflight.timeout_s + FOLLOW_SLACK_S + \
+        attempts * (plan.job.timeout_s or NO_TIMEOUT_S)
+
+    def ended():
+        tail.pump()
+        for message in cluster.tend():
+            say(message)
+        result = parse_result(cluster.read_head_log())
+        if result is None and not cluster.head_alive():
+            tail.pump()
+            result = parse_result(cluster.read_head_log())
+            if result is None:
+                told = "; ".join(cluster.describe())
+                raise HeadLost("running the task", "the head's node agent ended without reporting the job's end "
+                               + (f"({told}; its log is above)" if told else "(its log is above)"))
+        return result is not None, result or "the head is running"
+
+    result = wait_for("the job to end (the head's log is above)", ended, budget, interval=0.2, max_interval=1.0,
+                      progress_every=600, report=say)
+    if result.get("exit_code") is not None:  # the head ends with its line: let the provider see it end
+        try:
+            wait_for("the head's node agent to exit", lambda: (not cluster.head_alive(), "it is still running"),
+                     HEAD_EXIT_S, interval=0.2, max_interval=1.0, progress_every=HEAD_EXIT_S + 1, report=say)
+        except AgentError:
+            pass  # the summary says what the provider knows by now
+    tail.pump()
+    return Outcome.from_result(result, every_node=plan.job.mode == "every_node")
+
+
+# ------------------------------------------------------------------ through the dashboard
 
 
 def _watching(cluster: Cluster, tail: LogTail, check):
@@ -59,9 +170,9 @@ def _watching(cluster: Cluster, tail: LogTail, check):
             say(message)
         if not cluster.head_alive():
             tail.pump()
-            where = "its log is above" if cluster.logs_dir else "last lines:\n" + "\n".join(
-                cluster.head_log().splitlines()[-20:])
-            said = parse_result(cluster.head_log()) or {}
+            log = cluster.read_head_log()
+            where = "its log is above" if cluster.node_logs else "last lines:\n" + "\n".join(log.splitlines()[-20:])
+            said = parse_result(log) or {}
             if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
                 error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
                 raise StepFailed(said["failed_step"], f"{error} ({where})")
@@ -104,7 +215,7 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
-    """A wait_for check: the id of the job the head agent submitted (see node.submission_id)."""
+    """A wait_for check: the id of the job the head agent submitted (see submission_id)."""
     try:
         status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
     except OSError as exc:
@@ -120,7 +231,7 @@ def final_status_from_head(cluster: Cluster, shown: int, timeout_s: float = 60) 
     def check():
         if cluster.head_alive():
             return False, "the head is still running"
-        return True, cluster.head_log()
+        return True, cluster.read_head_log()
 
     try:
         result = parse_result(wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say))
@@ -143,7 +254,7 @@ def head_result(cluster: Cluster, sid: str, timeout_s: float = 30) -> dict | Non
     has printed it; None when it does not within the deadline (a provider whose head log
     does not reach us)."""
     def check():
-        result = parse_result(cluster.head_log()) or {}
+        result = parse_result(cluster.read_head_log()) or {}
         if ((result.get("job") or {}).get("submission_id")) == sid or not cluster.head_alive():
             return True, result or None
         return False, "the head has not reported the job's end yet"
@@ -175,11 +286,10 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
         after = next_submission_id(sid)
 
         def restarted():
-            tail.pump()
             tend(status)
             if jobs.status(after) is not None:
                 return True, after
-            said = (parse_result(cluster.head_log()) or {}).get("job") or {}
+            said = (parse_result(cluster.read_head_log()) or {}).get("job") or {}
             if said.get("submission_id") == following or not cluster.head_alive():
                 return True, None
             return False, f"job {following} ended {status}; the head has not restarted it yet"
@@ -190,20 +300,67 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
         say(f"following job {sid}, the head's restart of {following} (Ctrl-C stops following, not the job)")
 
 
-def summarise(plan: Plan, submission_id: str, status: str, started: float, artifacts: str | None,
-              node_ids: set[str] = frozenset(), head_result: dict | None = None) -> None:
+def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
+                            secrets: dict[str, str]) -> tuple[str, set[str]]:
+    """Wait for the cluster through its dashboard, then submit the job (`submit: client`) or
+    find the head's submission: its id, and the nodes it runs on."""
+    from .jobs import Jobs
+
+    have = wait_cluster(cluster, plan, tail)
+    say(f"cluster up: {have}")
+    node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
+    if plan.preflight.enabled:
+        wait_preflight(cluster, plan, tail)
+    if plan.job.submit == "client":
+        sid = submission_id(plan.name, cluster.cluster_id)
+        head = head_address(cluster.dashboard, cluster.token)
+        if Jobs(cluster.dashboard, cluster.token).submit(plan, sid, head, {**os.environ, **secrets}):
+            say(f"submitted job {sid}")
+        else:
+            say(f"job {sid} is already on this cluster")
+    else:
+        say("waiting for the head's job")
+        sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
+            cluster.dashboard, cluster.token, plan.name)), 600, report=say)
+    return sid, node_ids
+
+
+def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node_ids: set[str]) -> Outcome:
+    """Follow job `sid`'s log through the dashboard, through the head's restarts."""
+    from . import state
+    from .jobs import Jobs
+
+    state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
+    tail.pump()
+    say(f"following job {sid} (Ctrl-C stops following, not the job)")
+    status, sid = follow_attempts(Jobs(cluster.dashboard, cluster.token), cluster, plan, sid, tail)
+    said = head_result(cluster, sid) if plan.job.submit == "head" else None
+    outcome = Outcome.from_result(said) if said else Outcome(sid, status)
+    outcome.submission_id, outcome.status, outcome.node_ids = sid, status, node_ids
+    return outcome
+
+
+# ------------------------------------------------------------------ the summary
+
+
+def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | None = None) -> None:
     """What this run did: only the metrics rows its own nodes wrote (a resumed run's file
-    also holds the rows of the runs before it, on other clusters), and the restarts."""
-    lines = [f"job {submission_id}: {status} in {time.monotonic() - started:.0f}s wall time"]
-    attempts = ((head_result or {}).get("job") or {}).get("attempts") or []
-    if len(attempts) > 1:
-        lines.append(f"attempts: {len(attempts)} (" + "; ".join(
+    also holds the rows of the runs before it, on other clusters), the restarts, and what the
+    provider tells of its machines."""
+    sid = outcome.submission_id or f"{plan.name}-{cluster.cluster_id if cluster else '?'}"
+    lines = [f"job {sid}: {outcome.status or 'not run'} in {time.monotonic() - started:.0f}s wall time"]
+    if len(outcome.attempts) > 1:
+        lines.append(f"attempts: {len(outcome.attempts)} (" + "; ".join(
             f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")
-            for a in attempts) + ")")
+            for a in outcome.attempts) + ")")
+    if outcome.status != "SUCCEEDED" and outcome.last_line:
+        lines.append(f"the job's last line: {outcome.last_line}")
+    if outcome.steps:
+        lines.append("head steps: " + ", ".join(f"{s['step']} {s['seconds']:.0f}s" for s in outcome.steps))
     metrics_path = (plan.job.summary or {}).get("metrics")
     if metrics_path and Path(metrics_path).exists():
         rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-        ours = [row for row in rows if set(row.get("node_ids", [])) <= node_ids and row.get("node_ids")]
+        ours = [row for row in rows if row.get("node_ids") and set(row["node_ids"]) <= outcome.node_ids]
         if ours:
             first, last = ours[0], ours[-1]
             nodes = {n for row in ours for n in row["node_ids"]}
@@ -211,33 +368,39 @@ def summarise(plan: Plan, submission_id: str, status: str, started: float, artif
             lines.append(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over steps "
                          f"{first['step']}..{last['step']}{resumed} (world size {last.get('world_size')}, "
                          f"{len(nodes)} nodes took part)")
-        elif rows:
+        elif rows and outcome.node_ids:
             lines.append(f"trained nothing: the checkpoint was already at step {rows[-1]['step']} "
                          f"(raise job.args.steps to train further)")
         lines.append(f"metrics: {metrics_path}")
+    if cluster is not None:
+        lines += cluster.describe()
     if plan.checkpoint_dir:
         lines.append(f"checkpoints: {plan.checkpoint_dir}")
-    if artifacts:
-        lines.append(f"node logs: {artifacts}")
+    if cluster is not None and cluster.logs_dir:
+        lines.append(f"node logs: {cluster.logs_dir}")
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
 
 
-def follow_every_node(cluster: Cluster, plan: Plan, tail: LogTail, started: float) -> int:
-    """job.mode every_node (no Ray, no dashboard): echo the node agents' output until the
-    head's agent has ended; its result line holds the job's exit code."""
-    say("every node runs the job's command (no Ray); following the node agents")
-    wait_for("the head agent to finish", lambda: (tail.pump() or not cluster.head_alive(), "the job is running"),
-             (plan.job.timeout_s or 7 * 86400) + plan.wait.head_s, interval=0.2, max_interval=1.0,
-             progress_every=300, report=say)
-    tail.pump()
-    result = parse_result(cluster.head_log()) or {}
-    job = result.get("job") or {}
-    code = job.get("exit_code", result.get("exit_code", 1))
-    summarise(plan, f"{plan.name}-{cluster.cluster_id}", job.get("status") or "FAILED", started, cluster.logs_dir)
-    if code != 0:
-        raise StepFailed("running the job", f"exit code {code}"
-                         + (f" ({result['error']})" if result.get("error") else " (the head's log is above)"))
-    return 0
+def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
+    """0 when the job succeeded; StepFailed naming the step otherwise."""
+    where = "the head's log is above" if via_head_log else "its log is above"
+    if plan.job.mode == "every_node":
+        code = outcome.exit_code if outcome.exit_code is not None else 1
+        if code != 0 or outcome.status != "SUCCEEDED":
+            raise StepFailed("running the job", f"exit code {code}"
+                             + (f" ({outcome.error})" if outcome.error else f" ({where})"))
+        return 0
+    if outcome.status == "SUCCEEDED":
+        return 0
+    if outcome.status is None:  # the head failed (e.g. preflight) or was stopped before the job ended
+        step = outcome.failed_step or "running the task"
+        error = (outcome.error or "the job did not run").replace(f"{step} failed: ", "", 1)
+        raise StepFailed(step, f"{error} ({where})")
+    raise StepFailed(f"running job {outcome.submission_id}", f"it ended {outcome.status or 'without running'} "
+                     f"({where})")
+
+
+# ------------------------------------------------------------------ launch
 
 
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
@@ -257,7 +420,6 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
 
 def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     from . import state
-    from .jobs import Jobs
 
     started = time.monotonic()
     plan = provider.plan(task)
@@ -270,43 +432,22 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     job_started = interrupted = False
     try:
         cluster = provider.apply(plan, secrets)
-        if cluster.finished is not None:  # the provider ran the job to its end itself (a managed job)
-            return cluster.finished
-        tail = LogTail(cluster.logs_dir)
-        if plan.job.mode == "every_node":
+        tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log)
+        via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")
+        if via_head_log:  # the head runs the job: from here on the cluster is the user's, to `down`
             job_started = True
-            return follow_every_node(cluster, plan, tail, started)
-        have = wait_cluster(cluster, plan, tail)
-        say(f"cluster up: {have} ({time.monotonic() - started:.0f}s)")
-        node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
-        jobs = Jobs(cluster.dashboard, cluster.token)
-        if plan.preflight.enabled:
-            wait_preflight(cluster, plan, tail)
-        if plan.job.submit == "client":
-            sid = submission_id(plan.name, cluster.cluster_id)
-            head = head_address(cluster.dashboard, cluster.token)
-            if jobs.submit(plan, sid, head, {**os.environ, **secrets}):
-                say(f"submitted job {sid}")
-            else:
-                say(f"job {sid} is already on this cluster")
+            say("following the head's log (Ctrl-C stops following, not the job)")
+            outcome = follow_head_log(cluster, plan, tail)
         else:
-            say("waiting for the head's job")
-            sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
-                cluster.dashboard, cluster.token, plan.name)), 600, report=say)
-        job_started = True
-        state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
-        tail.pump()
-        say(f"following job {sid} (Ctrl-C stops following, not the job)")
-        status, sid = follow_attempts(jobs, cluster, plan, sid, tail)
-        state.update(plan.name, job={"submission_id": sid, "status": status})
-        summarise(plan, sid, status, started, cluster.logs_dir, node_ids,
-                  head_result(cluster, sid) if plan.job.submit == "head" else None)
+            sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
+            job_started = True
+            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids)
+        state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
+        summarise(plan, outcome, started, cluster)
         if keep:
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
                 f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")
-        if status != "SUCCEEDED":
-            raise StepFailed(f"running job {sid}", f"it ended {status} (its log is above)")
-        return 0
+        return verdict(plan, outcome, via_head_log)
     except KeyboardInterrupt:  # wherever it lands: while waiting for the cluster, the submission or the job
         interrupted = True
         print(file=sys.stderr)
@@ -324,6 +465,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             provider.abandon(task.name, fresh)
         raise
     finally:
+        if cluster is not None:
+            cluster.close()
         if provider.stop_after_job and cluster is not None and not keep and not interrupted:
             say(f"stopping the {provider.name} cluster {task.name}")
             say(provider.down(task.name))

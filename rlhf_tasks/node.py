@@ -589,11 +589,13 @@ def result_line(result: dict) -> str:
 
 
 def last_json_line(text: str, prefix: str) -> Optional[dict]:
-    """The JSON of the last line in `text` that starts with `prefix`, or None."""
+    """The JSON after `prefix` on the last line of `text` that holds it, or None. The prefix
+    may stand after another (SkyPilot's `(head, rank=0, pid=N) ` on a log it relays)."""
     for line in reversed(text.splitlines()):
-        if line.startswith(prefix):
+        at = line.find(prefix)
+        if at >= 0:
             try:
-                return json.loads(line[len(prefix):])
+                return json.loads(line[at + len(prefix):])
             except ValueError:
                 return None
     return None
@@ -1089,7 +1091,9 @@ class HeadFlow(object):
         it (it resumes from the latest checkpoint), up to `job.max_restarts` times."""
         node, job = self.node, self.plan["job"]
         key = self.node.cluster_key()
-        self.expected_ips = sorted(n["node_ip"] for n in alive_nodes(node.dashboard, node.token))
+        alive = alive_nodes(node.dashboard, node.token)
+        self.expected_ips = sorted(n["node_ip"] for n in alive)
+        self.node_ids = sorted(n["node_id"] for n in alive)  # the launcher's summary: which metrics are this run's
         max_restarts = job.get("max_restarts", 0)
         attempts = []  # type: List[dict]
         self.job = {"submission_id": None, "status": None, "attempts": attempts}
@@ -1230,7 +1234,7 @@ class HeadFlow(object):
         """The job is over: say so in a result line now (the launcher reads it), and keep the
         cluster up when the plan says so."""
         if self.plan.get("keep_cluster"):
-            print(result_line({"exit_code": None, "rank": 0, "job": self.job}), flush=True)
+            print(result_line(dict(self.result(), exit_code=None, rank=0, steps=self.node.steps)), flush=True)
             log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
             self.supervise()
 
@@ -1272,7 +1276,7 @@ class HeadFlow(object):
                          % (self.node.ray.proc.returncode, self.node.ray.tail()))
 
     def result(self) -> dict:
-        out = {"job": self.job or None}
+        out = {"job": self.job or None, "node_ids": getattr(self, "node_ids", [])}
         if self.follower is not None:
             out["job_log_chars"] = self.follower.shown
             out["job_log_tail"] = self.follower.log_text[-JOB_LOG_TAIL_CHARS:]

@@ -111,7 +111,7 @@ def test_check_without_provider_says_which_providers_can_run_a_gpu_task(capsys):
 def test_summary_says_what_this_run_did(tmp_path, capsys):
     """Rows of earlier runs (other clusters' nodes) are not this run's; a run that trained nothing says so."""
     from rlhf_tasks import providers
-    from rlhf_tasks.launch import summarise
+    from rlhf_tasks.launch import Outcome, summarise
     from rlhf_tasks.spec import parse_task
 
     metrics = tmp_path / "metrics.jsonl"
@@ -121,10 +121,10 @@ def test_summary_says_what_this_run_did(tmp_path, capsys):
     plan = providers.get("dstack").plan(parse_task({"name": "t", "nodes": 3, "job": {"recipe": "command",
                                                     "args": {"entrypoint": "true"}}}))
     plan = plan.replace(job=plan.job.model_copy(update={"summary": {"metrics": str(metrics)}}))
-    summarise(plan, "t-1", "SUCCEEDED", 0.0, None, {"x", "y", "z", "head"})
+    summarise(plan, Outcome("t-1", "SUCCEEDED", node_ids={"x", "y", "z", "head"}), 0.0)
     out = capsys.readouterr().out
     assert "over steps 3..3, resumed after step 2 (world size 3, 3 nodes took part)" in out
-    summarise(plan, "t-2", "SUCCEEDED", 0.0, None, {"p", "q", "r"})
+    summarise(plan, Outcome("t-2", "SUCCEEDED", node_ids={"p", "q", "r"}), 0.0)
     assert "trained nothing: the checkpoint was already at step 3" in capsys.readouterr().out
 
 

@@ -22,13 +22,14 @@ files = {{a: open(a).read() for a in sys.argv[1:] if os.path.isfile(a)}}  # what
 with open({log!r}, "a") as f:
     f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:], "cwd": os.getcwd(), "files": files,
                         "token": os.environ.get("RAY_AUTH_TOKEN"), "wandb": os.environ.get("WANDB_API_KEY")}}) + "\\n")
+print({output!r}, end="", flush=True)
 sys.exit({code})
 """
 
 
-def fake_cli(bin_dir: Path, name: str, log: Path, code: int = 1) -> None:
+def fake_cli(bin_dir: Path, name: str, log: Path, code: int = 1, output: str = "") -> None:
     path = bin_dir / name
-    path.write_text(RECORDER.format(python=sys.executable, log=str(log), code=code))
+    path.write_text(RECORDER.format(python=sys.executable, log=str(log), code=code, output=output))
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
@@ -118,8 +119,15 @@ def test_sky_launch_and_managed_launch(tmp_path):
     assert calls[-1]["argv"] == ["sky", "api", "stop"]
     assert not (tmp_path / "home" / "runs" / "boundary" / "sky").exists()
 
+    # `sky jobs launch` streams the managed job's log with SkyPilot's prefix on every line; the head
+    # agent's result line among them ends the job for the launcher, which never shows it raw.
+    result = {"exit_code": 0, "rank": 0, "job": {"submission_id": "boundary-1", "status": "SUCCEEDED"}}
+    fake_cli(bin_dir, "sky", log, code=0, output="(head, rank=0, pid=7) the job's own line\n"
+             f"(head, rank=0, pid=7) RLHF_TASKS_RESULT {json.dumps(result)}\n")
     managed = run_cli(["launch", str(task_file(tmp_path, submit="head")), "--provider", "sky", "--managed"], tmp_path, env)
-    assert managed.returncode == 0, managed.stderr
+    assert managed.returncode == 0, managed.stdout + managed.stderr
+    assert "the job's own line" in managed.stdout and "RLHF_TASKS_RESULT" not in managed.stdout
+    assert "job boundary-1: SUCCEEDED" in managed.stdout and "sky jobs launch exited with code 0" in managed.stdout
     assert json.loads(log.read_text().splitlines()[-1])["argv"][:3] == ["sky", "jobs", "launch"]
     assert run_cli(["down", "boundary"], tmp_path, env).returncode == 0
     assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["sky", "jobs", "cancel", "-n", "boundary", "-y"]

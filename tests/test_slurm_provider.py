@@ -158,7 +158,7 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
     job = job_id_in(out)
     assert slurm.job_state(job) == ("FAILED", 1), slurm.job_info(job)
     assert f"job fail-{job}: FAILED" in out and f"Slurm job {job} FAILED with exit code 1" in out
-    assert "failed: Slurm job" in out and "it ended FAILED" in out
+    assert f"failed: running job fail-{job}: it ended FAILED" in out  # the launcher's one verdict
     no_strays(slurm)
 
 

@@ -9,33 +9,61 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from .. import state
-from ..errors import BadInput
+from ..errors import BadInput, StepFailed
 from ..plan import Contract, Plan, build_plan
 from ..spec import Task
 
 
 @dataclass
 class Cluster:
-    """A cluster `apply` brought up, as the launcher sees it."""
+    """A cluster `apply` brought up: where the launcher reads it. A provider brings the
+    cluster up and describes it; it never follows or summarises the job (launch.py does,
+    once, for every provider)."""
 
     name: str
     cluster_id: str
-    dashboard: str                       # reachable from here (e.g. a forwarded localhost port)
     token: str | None
-    head_alive: Callable[[], bool]       # False once the head's process (or run) has ended
-    head_log: Callable[[], str] = lambda: ""
-    logs_dir: str | None = None
-    #: Set when the provider followed the job to its end itself (a managed job): its exit code.
-    finished: int | None = None
-    #: Called while the launcher waits: replaces what the provider replaces (a dead node's
-    #: agent, on the local provider) and says what it did.
+    #: False once the head's node agent has ended (its process, its Slurm job, its pod).
+    head_alive: Callable[[], bool]
+    #: The head's dashboard, reachable from here (e.g. a forwarded localhost port); None when
+    #: it is not (the launcher then follows the head's log).
+    dashboard: str | None = None
+    #: Files on this machine that the provider keeps filled with the node agents' output, the
+    #: head's (rank 0) first; the head's holds the job's log, which the head agent relays. Empty:
+    #: only the dashboard can be followed.
+    node_logs: list[str] = field(default_factory=list)
+    #: The head's output when it is not in node_logs (e.g. `dstack apply`'s attached log).
+    head_log: Callable[[], str] | None = None
+    #: What the provider tells of its machines (a Slurm job's state, the pods and their price):
+    #: lines for the launcher's summary.
+    describe: Callable[[], list[str]] = lambda: []
+    #: Called while the launcher waits: what the provider does meanwhile (replace a dead node's
+    #: agent, keep a tunnel up, report a queued job's state), as lines to show.
     tend: Callable[[], list[str]] = lambda: []
+    #: Called once the launcher is done with the cluster: stop what the handle holds (log
+    #: streams, tunnels); the cluster itself stays until `down`.
+    close: Callable[[], None] = lambda: None
+
+    @property
+    def logs_dir(self) -> str | None:
+        """Where the node logs are, for the summary."""
+        return str(Path(self.node_logs[0]).parent) if self.node_logs else None
+
+    def read_head_log(self) -> str:
+        """The head agent's output so far ("" when none reaches this machine)."""
+        if self.node_logs:
+            try:
+                return Path(self.node_logs[0]).read_text(errors="replace")
+            except FileNotFoundError:
+                return ""
+        return self.head_log() if self.head_log else ""
 
 
 @dataclass(frozen=True)
@@ -153,3 +181,15 @@ def write_files(directory, files: dict[str, str]) -> None:
         path = Path(directory) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+
+
+def stop_with_cli(argv: list[str], name: str) -> str:
+    """`down` through a provider's CLI (`dstack stop`, `sky down`): what it said, or StepFailed
+    naming the command; the cluster's record is marked ended."""
+    what = " ".join([Path(argv[0]).name, *argv[1:3]])
+    out = subprocess.run(argv, capture_output=True, text=True)
+    said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
+    if out.returncode != 0:
+        raise StepFailed(what, said or f"exit code {out.returncode}")
+    state.end(name)
+    return said or f"{what}: done"

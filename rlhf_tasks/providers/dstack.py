@@ -18,11 +18,10 @@ import subprocess
 from pydantic import Field, field_validator, model_validator
 
 from .. import state
-from ..errors import StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Provider, require_cli
+from .base import Cluster, Provider, require_cli, stop_with_cli
 from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -144,12 +143,8 @@ class DstackProvider(Provider):
         state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None,
-                       head_log=lambda: (directory / "dstack-apply.log").read_text(errors="replace"))
+                       head_log=lambda: (directory / "dstack-apply.log").read_text(errors="replace"),
+                       describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
 
     def down(self, name: str) -> str:
-        out = subprocess.run([require_cli("dstack", "dstack"), "stop", name, "-y"], capture_output=True, text=True)
-        said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
-        if out.returncode != 0:
-            raise StepFailed(f"dstack stop {name}", said or f"exit code {out.returncode}")
-        state.end(name)
-        return said or f"dstack stopped {name}"
+        return stop_with_cli([require_cli("dstack", "dstack"), "stop", name, "-y"], name)

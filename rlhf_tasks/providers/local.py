@@ -198,8 +198,8 @@ class LocalProvider(Provider):
                     f"provider replaces a machine" for rank in dead]
 
         return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
-                       head_alive=lambda: _alive(agents[0]), logs_dir=str(logs),
-                       head_log=lambda: (logs / "node-0.log").read_text(errors="replace"), tend=tend)
+                       head_alive=lambda: _alive(agents[0]),
+                       node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
 
     def down(self, name: str) -> str:
         """Stop the cluster now: its Ray and services first, without letting raylets drain

@@ -28,7 +28,7 @@ from ..models import StrictModel, size_bytes
 from ..node import probe_tcp
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, require_cli
+from .base import Cluster, Option, Provider, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
@@ -170,11 +170,17 @@ class SkyProvider(Provider):
             argv = [sky, "jobs", "launch", "-n", plan.name, yaml_file, *secret_args, "-y"]
         else:
             argv = [sky, "launch", "-c", plan.name, yaml_file, *secret_args, "-y", "--detach-run"]
-        out = subprocess.run(argv, cwd=directory, env=env)  # a managed job streams its logs until it ends
-        if managed:
+        if managed:  # `sky jobs launch` streams the job's log (the head agent's among it) until the job ends
+            log = directory / "sky-jobs-launch.log"
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(argv, cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
             state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "managed": True})
-            return Cluster(name=plan.name, cluster_id=plan.name, dashboard="", token=token,
-                           head_alive=lambda: False, finished=out.returncode)
+            return Cluster(name=plan.name, cluster_id=plan.name, token=token, head_alive=lambda: proc.poll() is None,
+                           node_logs=[str(log)], close=lambda: proc.poll() is None and proc.terminate(),
+                           describe=lambda: [] if proc.poll() is None else
+                           [f"sky jobs launch exited with code {proc.returncode}"])
+        out = subprocess.run(argv, cwd=directory, env=env)
         if out.returncode != 0:
             raise StepFailed("sky launch", f"exit code {out.returncode}")
         port = plan.ray.dashboard_port
@@ -183,18 +189,13 @@ class SkyProvider(Provider):
         dashboard = f"http://localhost:{port}"
         state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: tunnel.poll() is None)
+                       head_alive=lambda: tunnel.poll() is None, close=lambda: tunnel.poll() is None and tunnel.terminate())
 
     def down(self, name: str) -> str:
         record = state.load(name) or {}
         sky = require_cli("sky", "sky")
-        argv = [sky, "jobs", "cancel", "-n", name, "-y"] if record.get("managed") else [sky, "down", name, "-y"]
-        out = subprocess.run(argv, capture_output=True, text=True)
-        said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
-        if out.returncode != 0:
-            raise StepFailed(f"sky {' '.join(argv[1:3])}", said or f"exit code {out.returncode}")
-        state.end(name)
-        return said or f"sky {' '.join(argv[1:3])}: done"
+        return stop_with_cli([sky, "jobs", "cancel", "-n", name, "-y"] if record.get("managed") else
+                             [sky, "down", name, "-y"], name)
 
     def abandon(self, name: str, fresh: bool) -> None:
         """Also stop SkyPilot's local API server when this launch is what started it."""

@@ -23,10 +23,10 @@ the task ends (its end, or Slurm's SIGTERM on scancel or the time limit); and af
 agents' step, one more step stops and removes every node's container by name, for a task
 Slurm killed before it could (`--kill-on-bad-exit` sends SIGKILL KillWait after SIGTERM).
 
-`launch` submits with `sbatch --parsable`, shows the job while Slurm keeps it PENDING
-(with Slurm's reason), then echoes the head agent's output (`rlhf-tasks-<id>/node0.out`:
-its steps and the Ray job's log) and ends with the head's result line and Slurm's exit
-code; the launcher never needs to reach the cluster's dashboard. `status` asks Slurm for
+`launch` submits with `sbatch --parsable` and hands the launcher a handle: the agents'
+output files on the shared filesystem (`rlhf-tasks-<id>/node<N>.out`; the head's holds the
+Ray job's log) and Slurm's record of the job (its state and reason while it waits, its exit
+code at the end); the launcher never needs to reach the cluster's dashboard. `status` asks Slurm for
 the job and, through a second step beside the first (`srun --overlap`), Ray for the job;
 `down` is `scancel`, waiting until every step is gone. For docker/podman, `down` first asks
 (`scancel --signal=TERM`: a signal, not the kill): the wrappers stop their containers, a
@@ -47,9 +47,9 @@ from pathlib import Path
 
 from .. import state
 from ..errors import BadInput, StepFailed
-from ..launch import say, summarise
+from ..console import say
 from ..models import size_bytes
-from ..node import RESULT_PREFIX, AgentError, parse_result, submission_id, wait_for
+from ..node import AgentError, parse_result, wait_for
 from ..plan import Contract, Plan, command, env, gpu_vendor
 from ..spec import Task
 from .base import Cluster, Provider
@@ -171,26 +171,55 @@ def exit_text(info: dict[str, str]) -> str:
     return f"exit code {code}" + (f" (signal {signal})" if signal not in ("", "0") else "")
 
 
-class FileTail:
-    """Echo the complete lines a growing file gets (a node's output on the shared filesystem),
-    but the agent's result line: the launcher sums it up instead."""
+class SlurmJob:
+    """Slurm's record of one job, asked at most once a second: whether it still runs (the
+    head's agent runs inside it), its state as it changes (with Slurm's reason while it
+    waits), and how it ended."""
 
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+    #: A job Slurm does not know for this long (not yet visible, or forgotten) has ended.
+    UNKNOWN_S = 60.0
 
-    def pump(self) -> None:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        if complete:
-            text = complete.decode("utf-8", "replace")
-            shown = [line for line in text.splitlines(keepends=True) if not line.startswith(RESULT_PREFIX)]
-            print("".join(shown), end="", flush=True)
-            self.offset += len(complete)
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.info: dict[str, str] = {}
+        self.asked = 0.0
+        self.unknown_since: float | None = None
+        self.shown: tuple | None = None
+
+    def _refresh(self) -> dict[str, str]:
+        now = time.monotonic()
+        if now - self.asked >= 1.0:
+            self.asked, info = now, job_info(self.job_id)
+            if info:
+                self.info, self.unknown_since = info, None
+            else:
+                self.unknown_since = self.unknown_since or now
+        return self.info
+
+    def running(self) -> bool:
+        info = self._refresh()
+        if self.unknown_since is not None and time.monotonic() - self.unknown_since > self.UNKNOWN_S:
+            return False
+        return info.get("JobState") not in FINAL_STATES
+
+    def changes(self) -> list[str]:
+        info = self._refresh()
+        current = (info.get("JobState"), info.get("Reason"))
+        if not info or current == self.shown:
+            return []
+        self.shown = current
+        reason = f" ({current[1]})" if current[1] and current[1] != "None" else ""
+        where = f" on {info['NodeList']}" if current[0] == "RUNNING" and info.get("NodeList") else ""
+        return [f"Slurm job {self.job_id}: {current[0]}{reason}{where}"]
+
+    def describe(self) -> list[str]:
+        self.asked = 0.0  # the summary wants the latest word
+        info = self._refresh()
+        if not info:
+            return [f"Slurm job {self.job_id}: unknown to Slurm"]
+        if info.get("JobState") in FINAL_STATES:
+            return [f"Slurm job {self.job_id} {info['JobState']} with {exit_text(info)}"]
+        return [f"Slurm job {self.job_id}: {info.get('JobState')}"]
 
 
 class SlurmProvider(Provider):
@@ -338,14 +367,14 @@ class SlurmProvider(Provider):
     # ------------------------------------------------------------------ apply, status, down
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
-        """sbatch, then follow the job to its end from here (Cluster.finished)."""
+        """sbatch; the handle reads the agents' output on the shared filesystem and Slurm's
+        record of the job (its state while it waits, its exit code at the end)."""
         if plan.job.mode == "ray" and plan.job.submit == "client":
             raise BadInput("job.submit: `launch --provider slurm` follows the job the head submits; for a client "
                            "submission render the script, sbatch it, and forward the head's dashboard port (ssh -L)")
         sbatch = _cli("sbatch")
         for name in ("scontrol", "scancel"):
             _cli(name)
-        started = time.monotonic()
         directory, token, env = self.stage(plan, secrets)
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)
@@ -357,56 +386,12 @@ class SlurmProvider(Provider):
                                "container": plan.placement.slurm.container if plan.image else None,
                                "dashboard_port": plan.ray.dashboard_port})
         say(f"submitted Slurm job {job_id} ({directory / (plan.name + '.sbatch')})")
-        code = self.follow(plan, job_id, directory, started)
-        return Cluster(name=plan.name, cluster_id=job_id, dashboard="", token=token, head_alive=lambda: False,
-                       finished=code)
-
-    def follow(self, plan: Plan, job_id: str, directory: Path, started: float) -> int:
-        """Show the job's state (and Slurm's reason while it waits), echo the head agent's
-        output, and end with its result: 0, or StepFailed naming Slurm's state and exit code."""
+        job = SlurmJob(job_id)
         run_dir = run_dir_of(directory, job_id)
-        head_out = run_dir / "node0.out"
-        tails = [FileTail(directory / f"{plan.name}-{job_id}.out"), FileTail(head_out)]
-        shown, unknown_since, delay = None, None, 0.2
-        try:
-            while True:
-                info = job_info(job_id)
-                now = time.monotonic()
-                if not info:  # not yet visible, or forgotten without accounting
-                    unknown_since = unknown_since or now
-                    if now - unknown_since > 60:
-                        raise StepFailed(f"following Slurm job {job_id}", "Slurm does not know the job any more")
-                else:
-                    unknown_since = None
-                    current = (info.get("JobState"), info.get("Reason"))
-                    if current != shown:
-                        reason = f" ({current[1]})" if current[1] and current[1] != "None" else ""
-                        say(f"Slurm job {job_id}: {current[0]}{reason}"
-                             + (f" on {info['NodeList']}" if current[0] == "RUNNING" and info.get("NodeList") else ""))
-                        shown = current
-                for tail in tails:
-                    tail.pump()
-                if info.get("JobState") in FINAL_STATES:
-                    break
-                time.sleep(delay)  # polling Slurm's record of the job
-                delay = min(delay * 1.5, 2.0)
-        except KeyboardInterrupt:
-            say(f"the Slurm job keeps running; stop it with: rlhf-tasks down {plan.name}")
-            return 130
-        for tail in tails:
-            tail.pump()
-        slurm_state, code = info.get("JobState"), exit_code_of(info)
-        result = parse_result(head_out.read_text(errors="replace")) if head_out.exists() else None
-        job = (result or {}).get("job") or {}
-        if job.get("status"):
-            summarise(plan, job.get("submission_id") or submission_id(plan.name, job_id), job["status"], started,
-                      str(run_dir))
-        say(f"Slurm job {job_id} {slurm_state} with {exit_text(info)}")
-        if slurm_state == "COMPLETED" and code == 0:
-            return 0
-        why = (f"; the head agent: {result['error']}" if result and result.get("error")
-               else "" if result else f"; the head agent left no result (see {head_out})")
-        raise StepFailed(f"Slurm job {job_id}", f"it ended {slurm_state} with {exit_text(info)}{why}")
+        return Cluster(name=plan.name, cluster_id=job_id, token=token, head_alive=job.running,
+                       node_logs=[str(run_dir / f"node{rank}.out") for rank in range(plan.nodes)]
+                       + [str(directory / f"{plan.name}-{job_id}.out")],
+                       tend=job.changes, describe=job.describe)
 
     def status(self, name: str) -> str | None:
         record = state.load(name)

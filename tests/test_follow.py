@@ -1,0 +1,106 @@
+"""The launcher is the one follower: what it shows of the node agents' logs, and how it reads
+the head agent's result line, the same for every provider (no cluster needed: the logs are
+files, as the local, Slurm and RunPod providers keep them)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from rlhf_tasks.errors import HeadLost, StepFailed
+from rlhf_tasks.launch import LogTail, Outcome, follow_head_log, summarise, verdict
+from rlhf_tasks.providers import Cluster, get
+from rlhf_tasks.spec import parse_task
+
+RESULT = "RLHF_TASKS_RESULT "
+
+
+def plan_of(**job):
+    task = parse_task({"name": "t", "nodes": 2, "preflight": "off", "wait": {"head": "1m", "nodes": "1m"},
+                       "job": {"recipe": "command", "args": {"entrypoint": "true"}, **job}})
+    return get("dstack").plan(task)
+
+
+def result_line(**result) -> str:
+    return RESULT + json.dumps(result) + "\n"
+
+
+def test_every_line_once_no_result_line_and_nothing_after_it(tmp_path):
+    head, worker = tmp_path / "node-0.log", tmp_path / "node-1.log"
+    head.write_text("[10:00:00] node0: Ray head up\nstep 1\nstep")  # the last line is not complete yet
+    worker.write_text("[10:00:01] node1: joined\n")
+    out = io.StringIO()
+    tail = LogTail([str(head), str(worker)], out=out)
+    tail.pump()
+    tail.pump()
+    with open(head, "a") as handle:
+        handle.write(" 2\n" + result_line(exit_code=None, job={"status": "SUCCEEDED"})
+                     + "[10:00:09] node0: the cluster stays up until `rlhf-tasks down t`\n")
+    tail.pump()
+    tail.pump()
+    shown = out.getvalue()
+    assert shown.count("step 1\n") == 1 and "step 2\n" in shown and shown.count("joined") == 1
+    assert RESULT not in shown and "stays up" not in shown  # the line ends the head's log for us
+
+
+def cluster_on(tmp_path, alive, **extra) -> Cluster:
+    return Cluster(name="t", cluster_id="c1", token=None, head_alive=alive,
+                   node_logs=[str(tmp_path / "node-0.log"), str(tmp_path / "node-1.log")], **extra)
+
+
+def test_the_head_log_gives_the_outcome_with_attempts_steps_and_nodes(tmp_path, capsys):
+    attempts = [{"submission_id": "t-c1", "status": "FAILED", "cause": "node 10.0.0.3 left the cluster"},
+                {"submission_id": "t-c1-r1", "status": "SUCCEEDED", "cause": None}]
+    (tmp_path / "node-0.log").write_text("job output\n" + result_line(
+        exit_code=0, rank=0, steps=[{"step": "job", "seconds": 12.4}], node_ids=["a", "b"],
+        job={"submission_id": "t-c1-r1", "status": "SUCCEEDED", "attempts": attempts}))
+    plan = plan_of(max_restarts=1)
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False, describe=lambda: ["pods: 2 in EU-RO-1"]), plan,
+                              LogTail([str(tmp_path / "node-0.log")]))
+    assert (outcome.submission_id, outcome.status, outcome.node_ids) == ("t-c1-r1", "SUCCEEDED", {"a", "b"})
+    assert verdict(plan, outcome, True) == 0
+    summarise(plan, outcome, 0.0, cluster_on(tmp_path, lambda: False, describe=lambda: ["pods: 2 in EU-RO-1"]))
+    out = capsys.readouterr().out
+    assert out.count("job output") == 1 and "job t-c1-r1: SUCCEEDED" in out and "attempts: 2 (" in out
+    assert "head steps: job 12s" in out and "pods: 2 in EU-RO-1" in out and f"node logs: {tmp_path}" in out
+
+
+def test_a_failed_job_names_its_last_line_and_fails_the_launch(tmp_path, capsys):
+    log = "Traceback (most recent call last):\nAssertionError: 2 nodes\n2026-11-22 13:42:19,891\tINFO -- shutting down\n"
+    (tmp_path / "node-0.log").write_text(log + result_line(
+        exit_code=1, error="running job t-c1 failed: it ended FAILED", failed_step="running job t-c1",
+        job={"submission_id": "t-c1", "status": "FAILED"}, job_log_tail=log))
+    plan = plan_of()
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    summarise(plan, outcome, 0.0)
+    assert "the job's last line: AssertionError: 2 nodes" in capsys.readouterr().out
+    with pytest.raises(StepFailed, match="running job t-c1: it ended FAILED"):
+        verdict(plan, outcome, True)
+
+
+def test_a_step_the_head_failed_before_the_job_is_named(tmp_path):
+    (tmp_path / "node-0.log").write_text(result_line(
+        exit_code=1, error="preflight (pairs) failed: node 2 unreachable", failed_step="preflight (pairs)", job=None))
+    plan = plan_of()
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    with pytest.raises(StepFailed, match=r"^preflight \(pairs\): node 2 unreachable \(the head's log is above\)$"):
+        verdict(plan, outcome, True)
+
+
+def test_a_head_gone_without_its_line_is_a_lost_head_with_the_providers_word(tmp_path):
+    (tmp_path / "node-0.log").write_text("[10:00:00] node0: Ray head up\n")
+    with pytest.raises(HeadLost, match="Slurm job 7 NODE_FAIL with exit code 0"):
+        follow_head_log(cluster_on(tmp_path, lambda: False, describe=lambda: ["Slurm job 7 NODE_FAIL with exit code 0"]),
+                        plan_of(), LogTail([]))
+
+
+def test_every_node_mode_fails_with_the_commands_exit_code(tmp_path):
+    (tmp_path / "node-0.log").write_text(result_line(exit_code=3, job={"status": "FAILED", "exit_code": 3}))
+    plan = get("dstack").plan(parse_task({"name": "t", "nodes": 2, "job": {"recipe": "torchrun", "args": {
+        "script": "train.py"}}}))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    assert outcome == Outcome(None, "FAILED", exit_code=3)
+    with pytest.raises(StepFailed, match="running the job: exit code 3"):
+        verdict(plan, outcome, True)
