@@ -17,6 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from .errors import BadInput
 from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
 from .recipes import JOB_MODELS
+from .registry import names as provider_names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
@@ -96,9 +97,7 @@ class Checkpoints(StrictModel):
     @field_validator("shared")
     @classmethod
     def _providers(cls, value):
-        from .providers import names  # registered providers, read when a task names one
-
-        known = names()
+        known = provider_names()  # read when a task names one: plugins count
         for key in value:
             if key not in known:
                 raise ValueError(f"{key!r} is not a provider {did_you_mean(key, known)}")
