@@ -314,9 +314,11 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from .spec import json_schema
+    from . import providers
+    from .spec import PROVIDER_PLACEMENT, json_schema
 
-    print(json.dumps(json_schema(), indent=2))
+    owned = {key: providers.provider_class(key).placement_options for key in PROVIDER_PLACEMENT}
+    print(json.dumps(json_schema({key: model for key, model in owned.items() if model}), indent=2))
     return 0
 
 

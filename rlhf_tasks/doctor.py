@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import state
+from . import providers, state
 from .errors import BadInput, StepFailed
 from .models import size_bytes
 from .node import (AgentError, alive_nodes, auth_headers, follow_preflight, http_request, preflight_argv,
                    preflight_report)
 from .plan import Plan
+from .spec import load_task
 
 DEFAULT_MIN_FREE = 2**30  # without a known model size: room for at least 1 GiB of checkpoint
 
@@ -62,13 +63,11 @@ def saved_plan(name: str) -> Plan | None:
 
 def resolve(target: str, address: str | None, provider_name: str | None) -> Target:
     """The cluster, its token and (when known) its plan, from a task file or a cluster name."""
-    from .cli import _provider, _task
-
     if target.endswith((".yaml", ".yml")):
-        task = _task(target)
+        task = load_task(target)
         name = task.name
         record = state.load(name) or {}
-        plan = _provider(provider_name or record.get("provider") or "local").plan(task)
+        plan = providers.get(provider_name or record.get("provider") or "local").plan(task)
     else:
         name, record = target, state.load(target) or {}
         if not record and not address:

@@ -1,7 +1,9 @@
 """The task file: what a user writes, parsed into strict pydantic models.
 
-Provider-neutral. Every error names the field path (`services[0].ready.http`) and
-the task file, and is raised as BadInput (exit 2) before anything is launched.
+Provider-neutral, and imports no provider: the parts a provider owns (`placement.slurm`,
+`checkpoints.shared.<provider>`) are mappings here, which the provider reads with its own
+model through `provider_part`. Every error names the field path (`services[0].ready.http`,
+`placement.slurm.partition`) and is raised as BadInput (exit 2) before anything is launched.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import re
 import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, WithJsonSchema, field_validator,
                       model_validator)
@@ -17,6 +19,7 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from .errors import BadInput
 from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
 from .recipes import JOB_MODELS
+from .registry import names as provider_names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
@@ -96,9 +99,7 @@ class Checkpoints(StrictModel):
     @field_validator("shared")
     @classmethod
     def _providers(cls, value):
-        from .providers import names  # registered providers, read when a task names one
-
-        known = names()
+        known = provider_names()  # read when a task names one: plugins count
         for key in value:
             if key not in known:
                 raise ValueError(f"{key!r} is not a provider {did_you_mean(key, known)}")
@@ -152,40 +153,6 @@ PreflightField = Annotated[Preflight, BeforeValidator(_preflight_shorthand), Wit
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
 
 
-_SBATCH_VALUE = re.compile(r"^[^\s'\"\\#]+$")
-_MOUNT = re.compile(r"^/[^:,\s]*:/[^:,\s]*(?::(?:ro|rw))?$")
-
-
-class SlurmPlacement(StrictModel):
-    """Slurm's own placement options (sbatch) and how a task's image runs there."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = Field(None, description="node features, e.g. a100&ib")
-    reservation: str | None = None
-    gres: str | None = Field(None, description="--gres instead of --gpus-per-node, in the site's GPU type names "
-                                               "(e.g. gpu:h100:8)")
-    container: Literal["pyxis", "docker", "podman"] = Field(
-        "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
-    mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
-
-    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres")
-    @classmethod
-    def _one_word(cls, value):
-        if value is not None and not _SBATCH_VALUE.match(value):
-            raise ValueError(f"{value!r}: one word, no spaces, quotes, backslashes or #")
-        return value
-
-    @field_validator("mounts")
-    @classmethod
-    def _mounts(cls, value):
-        for mount in value:
-            if not _MOUNT.match(mount):
-                raise ValueError(f"{mount!r} is not SRC:DST[:ro] with absolute paths (no commas)")
-        return value
-
-
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
@@ -195,7 +162,14 @@ class Placement(StrictModel):
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
-    slurm: SlurmPlacement = SlurmPlacement()
+    slurm: dict[str, Any] = Field({}, description=(
+        "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
+        "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
+
+
+#: Keys of `placement` whose options a provider owns and reads with its own model (spec.py imports
+#: no provider; `rlhf-tasks schema` composes the providers' models into the schema).
+PROVIDER_PLACEMENT = ("slurm",)
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
@@ -291,9 +265,9 @@ def _is_member(model: type[BaseModel], tag: Any) -> bool:
     return tag in get_args(recipe.annotation) if recipe else tag in model.model_fields
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The model whose fields live at `loc`, walking fields, union tags, lists and mappings."""
-    candidates: list = [Task]
+def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
+    """The model whose fields live at `loc` below `root`, walking fields, union tags, lists and mappings."""
+    candidates: list = [root]
     for part in loc:
         models = [t for t in candidates if isinstance(t, type) and issubclass(t, BaseModel)]
         if len(models) > 1:  # a union: the next part is the tag that picks the member
@@ -312,8 +286,8 @@ def _yaml_scalar(value: Any) -> str:
     return "true" if value is True else "false" if value is False else str(value)
 
 
-def _message(err: dict) -> tuple[str, str]:
-    """(field path, message) for one pydantic error, in the task file's terms."""
+def _message(err: dict, root: type[BaseModel] = Task) -> tuple[str, str]:
+    """(field path, message) for one pydantic error of `root`, in the task file's terms."""
     loc, kind, msg = err["loc"], err["type"], err["msg"].removeprefix("Value error, ")
     path = _field_path(loc)
     if kind == "union_tag_invalid" and loc[-1:] == ("job",):
@@ -322,7 +296,7 @@ def _message(err: dict) -> tuple[str, str]:
     if kind == "union_tag_not_found" and loc[-1:] == ("job",):
         return "job.recipe", f"missing {did_you_mean('', sorted(_RECIPES))}"
     if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
+        model = _model_at(loc[:-1], root)
         if model is not None:
             names = [f.alias or name for name, f in model.model_fields.items()]
             if len(loc) >= 3 and loc[-2] == "args" and loc[-3] in _RECIPES:
@@ -350,6 +324,24 @@ def parse_task(data: Any, source: str = "<task>") -> Task:
         raise BadInput(f"{source}: invalid task\n" + "\n".join(dict.fromkeys(lines))) from None
 
 
+Part = TypeVar("Part", bound=BaseModel)
+
+
+def provider_part(model: type[Part], data: Any, where: str) -> Part:
+    """A part of the task that a provider owns (`placement.slurm`, `checkpoints.shared.sky`),
+    read with that provider's own model: the task holds it as a mapping, so spec.py needs no
+    provider. BadInput naming each bad field below `where`, e.g. `placement.slurm.partition`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            path, message = _message(err, model)
+            path = where if path == "(top level)" else where + (path if path.startswith("[") else f".{path}")
+            problems.append(f"{path}: {message}")
+        raise BadInput("; ".join(dict.fromkeys(problems))) from None
+
+
 def load_task(path: str | Path) -> Task:
     """Read and validate a task file."""
     import yaml
@@ -366,8 +358,18 @@ def load_task(path: str | Path) -> Task:
     return parse_task(data, str(path))
 
 
-def json_schema() -> dict:
-    """JSON Schema of the task file, for editors (yaml-language-server)."""
+def json_schema(placement: dict[str, type[BaseModel]] | None = None) -> dict:
+    """JSON Schema of the task file, for editors (yaml-language-server). `placement`: the
+    providers' models of the `placement` keys they own (PROVIDER_PLACEMENT), put in place of
+    the bare mappings the task itself knows."""
     schema = Task.model_json_schema(by_alias=True)
     schema["title"] = "rlhf-tasks task file"
+    defs = schema.setdefault("$defs", {})
+    for key, model in (placement or {}).items():
+        part = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")
+        defs.update(part.pop("$defs", {}))
+        defs[model.__name__] = part
+        properties = defs["Placement"]["properties"]
+        properties[key] = {"$ref": f"#/$defs/{model.__name__}", "default": properties[key].get("default", {}),
+                           "description": properties[key].get("description", "")}
     return schema

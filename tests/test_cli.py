@@ -48,6 +48,35 @@ def test_unknown_provider_is_bad_input(capsys):
     assert "--provider" in capsys.readouterr().err
 
 
+def test_placement_slurm_is_read_by_the_slurm_provider_and_named_in_its_errors(tmp_path, capsys, rlhf_home):
+    """spec.py keeps `placement.slurm` as a mapping; the slurm provider's model reads it: bad
+    options are bad input (exit 2) naming the field, a near-miss key gets a suggestion."""
+    task = tmp_path / "t.yaml"
+    task.write_text(json.dumps({"name": "t", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}},
+                                "placement": {"slurm": {"partion": "gpu", "qos": "a b"}}}))
+    assert main(["render", str(task), "--provider", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert "placement.slurm.partion: unknown field (did you mean partition?)" in err
+    assert "placement.slurm.qos: 'a b': one word" in err
+    assert main(["render", str(task), "--provider", "dstack"]) == 0  # another provider's options: not dstack's
+
+
+def test_schema_spells_out_the_slurm_options_and_the_task_files_fit_it(capsys):
+    from jsonschema import Draft202012Validator
+    import yaml
+
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["$defs"]["Placement"]["properties"]["slurm"]["$ref"] == "#/$defs/SlurmPlacement"
+    assert {"partition", "gres", "container", "mounts"} <= set(schema["$defs"]["SlurmPlacement"]["properties"])
+    validator = Draft202012Validator(schema)
+    for path in sorted((ROOT / "tasks").glob("*.yaml")):
+        assert not [e.message for e in validator.iter_errors(yaml.safe_load(path.read_text()))], path
+    bad = {"name": "t", "nodes": 1, "job": {"recipe": "command", "args": {"entrypoint": "true"}},
+           "placement": {"slurm": {"container": "singularity"}}}
+    assert list(validator.iter_errors(bad))
+
+
 def test_usage_error_exits_2():
     with pytest.raises(SystemExit) as info:
         main(["launch"])

@@ -82,7 +82,9 @@ def test_durations(text, seconds):
 def test_schema_is_exported_and_describes_recipes(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    assert schema == json_schema()
+    from rlhf_tasks.providers.slurm import SlurmPlacement
+
+    assert schema == json_schema({"slurm": SlurmPlacement})  # the provider's own placement options composed in
     text = json.dumps(schema)
     assert "tiny-grpo" in text and "additionalProperties" in text
     assert set(schema["required"]) == {"name", "nodes", "job"}

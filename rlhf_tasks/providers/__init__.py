@@ -1,45 +1,26 @@
 """Provider adapters. Each turns a cluster plan into the provider's native files
 (`render`, pure: the dry run) and makes them real (`apply`, `down`: side effects).
 
-Providers register under the entry-point group `rlhf_tasks.providers` (as torchx
-registers schedulers), so a third party can add one with a package of its own.
+This package owns loading a provider by name. Which names exist (the built-in ones and
+those registered under the entry-point group `rlhf_tasks.providers`, so a third party can
+add one with a package of its own) is `rlhf_tasks.registry`'s, which imports no provider.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+import importlib
 
 from ..errors import BadInput
+from ..registry import BUILTIN, GROUP, names, targets
 from .base import Cluster, Option, Provider
-
-GROUP = "rlhf_tasks.providers"
-BUILTIN = {
-    "local": "rlhf_tasks.providers.local:LocalProvider",
-    "dstack": "rlhf_tasks.providers.dstack:DstackProvider",
-    "sky": "rlhf_tasks.providers.sky:SkyProvider",
-    "runpod": "rlhf_tasks.providers.runpod:RunPodProvider",
-    "slurm": "rlhf_tasks.providers.slurm:SlurmProvider",
-}
-
-
-def _targets() -> dict[str, str]:
-    targets = dict(BUILTIN)
-    for ep in entry_points(group=GROUP):
-        targets.setdefault(ep.name, ep.value)
-    return targets
-
-
-def names() -> list[str]:
-    return sorted(_targets())
 
 
 def provider_class(name: str) -> type[Provider]:
-    target = _targets().get(name)
+    """The provider's class, its module imported now (only the one named)."""
+    target = targets().get(name)
     if target is None:
         raise BadInput(f"--provider: unknown provider {name!r} (known: {', '.join(names())})")
     module_name, _, attr = target.partition(":")
-    import importlib
-
     return getattr(importlib.import_module(module_name), attr)
 
 
@@ -48,4 +29,4 @@ def get(name: str, **options) -> Provider:
     return provider_class(name)(**options)
 
 
-__all__ = ["Cluster", "Option", "Provider", "get", "names", "provider_class"]
+__all__ = ["BUILTIN", "GROUP", "Cluster", "Option", "Provider", "get", "names", "provider_class"]

@@ -89,6 +89,9 @@ class Provider:
     ray_overrides: ClassVar[dict[str, Any]] = {}
     #: Extra options of `rlhf-tasks launch --provider NAME`.
     options: ClassVar[tuple[Option, ...]] = ()
+    #: The model of the task's `placement.<name>` when this provider owns such options
+    #: (spec.PROVIDER_PLACEMENT); the provider reads them with it, `rlhf-tasks schema` shows it.
+    placement_options: ClassVar[type | None] = None
     #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
     stop_after_job: ClassVar[bool] = False
 

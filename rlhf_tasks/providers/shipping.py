@@ -9,10 +9,10 @@ import shlex
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from ..errors import BadInput
 from ..plan import Plan
+from ..spec import provider_part
 
 #: Beside the rendered file on the user's machine, and on every node.
 LOCAL_DIR = "rlhf-tasks"
@@ -76,14 +76,7 @@ def agent_command(plan: Plan) -> str:
 def shared_entry(model: type[BaseModel], entry: dict | None, provider: str):
     """A provider's `checkpoints.shared` entry read with that provider's model (None when the
     task has none); BadInput naming the field, e.g. `checkpoints.shared.sky.bucket`."""
-    if entry is None:
-        return None
-    try:
-        return model.model_validate(entry)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(part) for part in ("checkpoints", "shared", provider, *err["loc"]))
-        raise BadInput(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+    return None if entry is None else provider_part(model, entry, f"checkpoints.shared.{provider}")
 
 
 class _Dumper(yaml.SafeDumper):

@@ -39,19 +39,23 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from .. import state
 from ..errors import BadInput, StepFailed
 from ..console import say
-from ..models import size_bytes
+from ..models import StrictModel, size_bytes
 from ..node import AgentError, parse_result, wait_for
 from ..plan import Contract, Plan, command, env, gpu_vendor
-from ..spec import Task
+from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider
 from .shipping import agent_source, module_files
 
@@ -112,6 +116,46 @@ exit "$status"
 def run_dir_of(directory: Path, job_id: str) -> Path:
     """Where the script puts the agent, the plan and each node's output."""
     return directory / f"rlhf-tasks-{job_id}"
+
+
+_SBATCH_VALUE = re.compile(r"^[^\s'\"\\#]+$")
+_MOUNT = re.compile(r"^/[^:,\s]*:/[^:,\s]*(?::(?:ro|rw))?$")
+
+
+# The task's `placement.slurm`: spec.py keeps it as a mapping, this provider reads it with this model.
+class SlurmPlacement(StrictModel):
+    """Slurm's own placement options (sbatch) and how a task's image runs there."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = Field(None, description="node features, e.g. a100&ib")
+    reservation: str | None = None
+    gres: str | None = Field(None, description="--gres instead of --gpus-per-node, in the site's GPU type names "
+                                               "(e.g. gpu:h100:8)")
+    container: Literal["pyxis", "docker", "podman"] = Field(
+        "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
+    mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
+
+    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres")
+    @classmethod
+    def _one_word(cls, value):
+        if value is not None and not _SBATCH_VALUE.match(value):
+            raise ValueError(f"{value!r}: one word, no spaces, quotes, backslashes or #")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, value):
+        for mount in value:
+            if not _MOUNT.match(mount):
+                raise ValueError(f"{mount!r} is not SRC:DST[:ro] with absolute paths (no commas)")
+        return value
+
+
+def slurm_placement(placement: Placement) -> SlurmPlacement:
+    """A task's or plan's `placement.slurm`, read with this provider's model (BadInput naming the field)."""
+    return provider_part(SlurmPlacement, placement.slurm, "placement.slurm")
 
 
 def _cli(name: str) -> str:
@@ -234,9 +278,10 @@ class SlurmProvider(Provider):
     )
     #: In a container: the host list the script expanded (no scontrol in the image).
     container_contract = contract.model_copy(update={"head": env(HOSTS_ENV, item=0), "peer": env(HOSTS_ENV, item=1)})
+    placement_options = SlurmPlacement
 
     def check(self, task: Task) -> None:
-        slurm = task.placement.slurm
+        slurm = slurm_placement(task.placement)
         if not task.image and slurm.container != "pyxis":
             raise BadInput(f"placement.slurm.container: {slurm.container} runs the task's image; the task has no image")
         if not task.image and slurm.mounts:
@@ -244,12 +289,14 @@ class SlurmProvider(Provider):
 
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
+        slurm = slurm_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
+        plan = plan.replace(placement=plan.placement.model_copy(update={"slurm": slurm}))
         return plan.replace(contract=self.container_contract) if plan.image else plan
 
     # ------------------------------------------------------------------ render
 
     def sbatch_options(self, plan: Plan) -> list[str]:
-        res, slurm = plan.resources, plan.placement.slurm
+        res, slurm = plan.resources, slurm_placement(plan.placement)
         options = [f"--job-name={plan.name}", f"--nodes={plan.nodes}", "--ntasks-per-node=1"]
         if res.cpus:
             options.append(f"--cpus-per-task={res.cpus}")
@@ -272,7 +319,7 @@ class SlurmProvider(Provider):
 
     def container_lines(self, plan: Plan) -> list[list[str]]:
         """Shell words (quoted), a line of them per option, that run the agent in the image."""
-        slurm, q = plan.placement.slurm, shlex.quote
+        slurm, q = slurm_placement(plan.placement), shlex.quote
         mounts = ['"$run_dir":"$run_dir"'] + ([q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")]
                                              if plan.checkpoint_dir else []) + [q(m) for m in slurm.mounts]
         if slurm.container == "pyxis":
@@ -299,7 +346,8 @@ class SlurmProvider(Provider):
 
     def script(self, plan: Plan) -> str:
         q = shlex.quote
-        engine = plan.placement.slurm.container if plan.image and plan.placement.slurm.container in ENGINES else None
+        container = slurm_placement(plan.placement).container
+        engine = container if plan.image and container in ENGINES else None
         names = plan.secrets + ([plan.token_env] if plan.token_env else [])
         token_hint = f"export {plan.token_env}=$(rlhf-tasks token {plan.name}); " if plan.token_env else ""
         lines = [
@@ -383,7 +431,7 @@ class SlurmProvider(Provider):
         job_id = out.stdout.strip().splitlines()[-1].split(";")[0]
         state.save(plan.name, {"provider": self.name, "cluster_id": job_id, "job_id": job_id,
                                "directory": str(directory), "mode": plan.job.mode, "image": plan.image,
-                               "container": plan.placement.slurm.container if plan.image else None,
+                               "container": slurm_placement(plan.placement).container if plan.image else None,
                                "dashboard_port": plan.ray.dashboard_port})
         say(f"submitted Slurm job {job_id} ({directory / (plan.name + '.sbatch')})")
         job = SlurmJob(job_id)

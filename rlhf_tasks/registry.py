@@ -1,0 +1,29 @@
+"""Which providers exist, by name: the built-in ones and those registered under the
+entry-point group `rlhf_tasks.providers` (as torchx registers schedulers), as import
+targets ("module:Class"). Imports no provider, so the task file's checks (spec.py) can
+name the providers without importing them; `rlhf_tasks.providers` loads one by name."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+GROUP = "rlhf_tasks.providers"
+BUILTIN = {
+    "local": "rlhf_tasks.providers.local:LocalProvider",
+    "dstack": "rlhf_tasks.providers.dstack:DstackProvider",
+    "sky": "rlhf_tasks.providers.sky:SkyProvider",
+    "runpod": "rlhf_tasks.providers.runpod:RunPodProvider",
+    "slurm": "rlhf_tasks.providers.slurm:SlurmProvider",
+}
+
+
+def targets() -> dict[str, str]:
+    """Provider name -> "module:Class"; a built-in name wins over a plugin's."""
+    found = dict(BUILTIN)
+    for ep in entry_points(group=GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def names() -> list[str]:
+    return sorted(targets())
