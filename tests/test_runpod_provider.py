@@ -35,7 +35,9 @@ from testbed import poll
 from rlhf_tasks import providers
 from rlhf_tasks.errors import BadInput
 from rlhf_tasks.node import parse_result, read_contract
-from rlhf_tasks.providers.runpod import MAX_ARGS, RunPodProvider
+from rlhf_tasks.providers.runpod import RunPodProvider
+from rlhf_tasks.providers.runpod.logs import finish
+from rlhf_tasks.providers.runpod.render import MAX_ARGS
 from rlhf_tasks.spec import parse_task
 
 from conftest import ROOT
@@ -154,7 +156,7 @@ def test_gpu_names_and_the_catalogue_task():
     assert head["gpu"] == {"id": "NVIDIA H100 80GB HBM3", "count": 2} and head["disk"] == 500
     assert head["image"] == "nvcr.io/nvidia/pytorch:24.07-py3"
     assert set(head["env"]) == {"RAY_WORKER", "EXPECTED_WORKERS", "WANDB_API_KEY", "HF_TOKEN", "RAY_AUTH_TOKEN"}
-    from rlhf_tasks.providers.runpod import cross_node_traffic
+    from rlhf_tasks.providers.runpod.render import cross_node_traffic
 
     assert "vLLM engines spread over the 2 pods (gloo weight sync)" in cross_node_traffic(plan)
 
@@ -199,7 +201,7 @@ def test_what_runpod_refuses_names_the_field(change, field):
 
 
 def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(capsys):
-    provider, plan, _ = rendered(command_task())
+    _, plan, _ = rendered(command_task())
     log = ("Running entrypoint\n\x1b[36m(Worker pid=5)\x1b[0m noise\nTraceback (most recent call last):\n"
            "AssertionError: 2 nodes\n2026-11-22 13:42:19,891\tINFO worker.py:1 -- shutting down\n")
     result = {"exit_code": 1, "error": "running job rp-contract-abc failed: it ended FAILED",
@@ -209,8 +211,8 @@ def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(capsys):
                   {"submission_id": "rp-contract-abc-r1", "status": "FAILED", "cause": None}]},
               "job_log_tail": log}
     fit = {"gpu": A40, "count": 1, "price": 0.4}
-    cluster = provider._finish(plan, [{"id": "h1", "dataCenterId": "EU-RO-1"}], None, time.monotonic() - 60, fit,
-                               result, Path("/nonexistent"))
+    cluster = finish(plan, [{"id": "h1", "dataCenterId": "EU-RO-1"}], None, time.monotonic() - 60, fit, result,
+                     Path("/nonexistent"))
     out, err = capsys.readouterr()
     assert cluster.finished == 1
     assert "job rp-contract-abc: FAILED in 60s wall time" in out and "attempts: 2 (" in out

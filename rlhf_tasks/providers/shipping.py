@@ -1,6 +1,7 @@
 """What every remote provider ships to its nodes: the node agent and the plan, under
 one directory on the node, the packages of rlhf_tasks the recipe's commands import (the
-demo's code) below it, and the command line that starts the agent there."""
+demo's code) below it, and the command line that starts the agent there; and the
+heredoc that carries a file inside a rendered shell script."""
 
 from __future__ import annotations
 
@@ -90,3 +91,13 @@ _Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
 def dump_yaml(data: dict, header: str = "") -> str:
     """YAML built as data and dumped: never templated."""
     return header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def heredoc(target: str, text: str, delimiter: str = "RLHF_TASKS_EOF") -> list[str]:
+    """`cat > TARGET` with a quoted heredoc, as lines: the text is written byte for byte
+    (a final newline added where it has none), nothing expanded. TARGET is a shell word,
+    quoted by the caller; the delimiter grows by `_` until no line of the text is it."""
+    while delimiter in text.splitlines():
+        delimiter += "_"
+    body = text if text.endswith("\n") else text + "\n"
+    return [f"cat > {target} <<'{delimiter}'", *body[:-1].split("\n"), delimiter]

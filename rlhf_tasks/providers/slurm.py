@@ -57,7 +57,7 @@ from ..node import AgentError, parse_result, wait_for
 from ..plan import Contract, Plan, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider
-from .shipping import agent_source, module_files
+from .shipping import agent_source, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
@@ -173,13 +173,6 @@ def _slurm_time(seconds: float) -> str:
 
 def _mebibytes(size: str) -> str:
     return f"{math.ceil(size_bytes(size) / 2**20)}M"
-
-
-def _heredoc(path: str, text: str, delimiter: str) -> list[str]:
-    """`cat > path` with a quoted heredoc: the text is written byte for byte, nothing expanded."""
-    if delimiter in text.splitlines():
-        raise ValueError(f"the heredoc delimiter {delimiter} occurs in the text it delimits")
-    return [f"cat > {path} <<'{delimiter}'", *text.rstrip("\n").split("\n"), delimiter]
 
 
 def job_info(job_id: str) -> dict[str, str]:
@@ -363,16 +356,16 @@ class SlurmProvider(Provider):
             "# The node agent and its plan, beside the job's output (a filesystem every node sees).",
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
-            *_heredoc('"$run_dir/node.py"', agent_source(), AGENT_EOF),
-            *_heredoc('"$run_dir/preflight.py"', agent_source("preflight.py"), PREFLIGHT_EOF),
-            *_heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
+            *heredoc('"$run_dir/node.py"', agent_source(), AGENT_EOF),
+            *heredoc('"$run_dir/preflight.py"', agent_source("preflight.py"), PREFLIGHT_EOF),
+            *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
         ]
         modules = module_files(plan.modules)
         if modules:  # the code a recipe needs on the nodes (the demo's), first on PYTHONPATH
             lines.append("# Code the recipe needs on the nodes, first on PYTHONPATH.")
             for path, text in modules.items():
                 lines.append(f'mkdir -p "$run_dir/lib/{Path(path).parent}"')
-                lines += _heredoc(f'"$run_dir/lib/{path}"', text, "RLHF_TASKS_MODULE_PY")
+                lines += heredoc(f'"$run_dir/lib/{path}"', text, "RLHF_TASKS_MODULE_PY")
             lines.append('export PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}"')
         if plan.checkpoint_dir:
             lines.append(f"mkdir -p {q(plan.checkpoint_dir)}")
@@ -383,7 +376,7 @@ class SlurmProvider(Provider):
             if engine:
                 lines += ["# The engine runs each node's container outside the Slurm step: a wrapper stops it by name.",
                           "container=" + CONTAINER_NAME.format(name=q(plan.name), job_id='"$SLURM_JOB_ID"'),
-                          *_heredoc('"$run_dir/container.sh"', CONTAINER_SH, CONTAINER_EOF)]
+                          *heredoc('"$run_dir/container.sh"', CONTAINER_SH, CONTAINER_EOF)]
                 if plan.env:
                     lines += ["# The task's env, passed into the container by name.",
                               *(f"export {key}={q(value)}" for key, value in plan.env.items())]

@@ -1,0 +1,114 @@
+"""Checking a task against RunPod's catalog before anything is created: the GPU type, the
+data centers (Global Networking, placement.regions, the network volume's) and the price;
+then saying what the launch will create and cost, and asking to confirm it."""
+
+from __future__ import annotations
+
+import sys
+
+from ...errors import BadInput, StepFailed
+from ...launch import say
+from ...models import did_you_mean
+from ...plan import Plan
+from ..shipping import shared_entry
+from .api import RunPodClient, RunPodNotFound
+from .render import DEFAULT_GPU, GLOBAL_LINK, NAME, RunPodShared, cross_node_traffic, gpu_request, is_cluster
+
+
+def fit(client: RunPodClient, plan: Plan) -> dict:
+    """The GPU type and the data centers that fit, from RunPod's catalog; BadInput naming the
+    field that does not fit. Nothing is created here."""
+    gpu_id, count = gpu_request(plan.resources)
+    field = "resources.gpus"
+    gpus = client.gpu_types()
+    gpu = next((g for g in gpus if g["id"] == gpu_id), None)
+    if gpu is None:
+        raise BadInput(f"{field}: RunPod has no GPU type {gpu_id!r} "
+                       f"{did_you_mean(gpu_id, [g['id'] for g in gpus], 'its GPU types')}")
+    global_networking = not is_cluster(plan) and plan.nodes > 1
+    if global_networking and gpu.get("manufacturer") != "NVIDIA":
+        raise BadInput(f"{field}: Global Networking needs NVIDIA GPUs; {gpu_id} is {gpu.get('manufacturer')}'s "
+                       f"(network: runpod-cluster for an Instant Cluster)")
+    most = (gpu.get("maxCount") or {}).get("secure")
+    if not gpu.get("secure") or not most:
+        raise BadInput(f"{field}: RunPod does not offer {gpu_id} on Secure Cloud, where the provider creates pods")
+    if count > most:
+        raise BadInput(f"{field}: RunPod offers at most {most}x {gpu_id} per pod, not {count}")
+    datacenters = client.datacenters(gpu_availability=True)
+    known = {dc["id"]: dc for dc in datacenters}
+    eligible = [dc["id"] for dc in datacenters if dc.get("globalNetwork") or not global_networking]
+    regions = list(plan.placement.regions)
+    for region in regions:
+        if region not in known:
+            raise BadInput(f"placement.regions: RunPod has no data center {region!r} "
+                           f"{did_you_mean(region, list(known), 'its data centers')}")
+        if region not in eligible:
+            raise BadInput(f"placement.regions: {region} has no Global Networking (data centers with it: "
+                           f"{', '.join(eligible) or 'none'})")
+    candidates = regions or eligible
+    shared = shared_entry(RunPodShared, plan.checkpoint_shared, NAME)
+    if shared:
+        where = "checkpoints.shared.runpod.network_volume"
+        try:
+            volume = client.network_volume(shared.network_volume)
+        except RunPodNotFound:
+            raise BadInput(f"{where}: RunPod has no network volume {shared.network_volume!r}") from None
+        if volume["dataCenter"] not in candidates:
+            why = "not in placement.regions" if regions else "without Global Networking"
+            raise BadInput(f"{where}: volume {shared.network_volume} is in {volume['dataCenter']}, {why}; the "
+                           f"pods must be where the volume is")
+        candidates = [volume["dataCenter"]]
+    rank = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
+
+    def level(dc_id: str) -> str | None:
+        offers = {g["id"]: g.get("availability") for g in known[dc_id].get("gpuAvailability") or []}
+        return offers.get(gpu_id)
+
+    offered = sorted((dc for dc in candidates if level(dc) is not None), key=lambda dc: rank.get(level(dc), 3))
+    if not offered:
+        gn = " with Global Networking" if global_networking else ""
+        raise BadInput(f"{'placement.regions' if regions else field}: no data center{gn} offers {gpu_id} "
+                       f"(looked in {', '.join(candidates) or 'none'})")
+    price = (gpu.get("price") or {}).get("secure")
+    return {"gpu": gpu_id, "count": count, "datacenters": offered, "price": price * count if price else None}
+
+
+def announce(plan: Plan, fit: dict, warning: str | None) -> None:
+    """What the launch creates, where, and what it costs (by the hour and for job.timeout)."""
+    nodes, count = plan.nodes, fit["count"]
+    where = fit["datacenters"][0] if len(fit["datacenters"]) == 1 else f"one of {', '.join(fit['datacenters'])}"
+    what = "an Instant Cluster of" if is_cluster(plan) else ""
+    price = fit["price"]
+    hourly = f"${price * nodes:.2f}/h" if price else "price not in the catalog"
+    say(f"RunPod: {what + ' ' if what else ''}{nodes} pod(s) x {count}x {fit['gpu']}, Secure Cloud, in {where}: "
+        f"{hourly}" + (f" (${price:.2f}/h per pod)" if price and nodes > 1 else ""))
+    timeout = plan.job.timeout_s
+    if timeout:
+        hours = timeout / 3600
+        cost = f", at most ${price * nodes * hours:.2f} for the job" if price else ""
+        length = f"{timeout / 60:.0f}m" if timeout < 3600 else f"{hours:.3g}h"
+        say(f"job.timeout {length}: {nodes * count * hours:.2f} GPU-hours{cost} (plus start-up)")
+    else:
+        say(f"no job.timeout: the pods run (and bill) until the job ends or `rlhf-tasks down {plan.name}`")
+    if not plan.resources.gpus:
+        why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else "Global Networking needs an NVIDIA GPU"
+        say(f"resources.gpus is not set: each pod gets 1x {DEFAULT_GPU} ({why})")
+    if not is_cluster(plan) and nodes > 1:
+        say(f"Global Networking links the pods at {GLOBAL_LINK}: {cross_node_traffic(plan)}")
+    if warning:
+        say(f"warning: {warning}")
+
+
+def confirm(yes: bool) -> None:
+    """The user's yes to the price (or -y); StepFailed when not given."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise BadInput("-y: creating the pods needs your confirmation of the price, and stdin is not a terminal; "
+                       "pass -y to create them without asking")
+    try:
+        answer = input("create them? [y/N] ")
+    except (EOFError, KeyboardInterrupt):
+        answer = ""
+    if answer.strip().lower() not in ("y", "yes"):
+        raise StepFailed("confirming the price", "not confirmed: nothing was created")

@@ -1,0 +1,218 @@
+"""A task's pods and Instant Cluster on RunPod: creating them (the head, then the workers;
+or one Instant Cluster), showing their way to RUNNING, finding them by the names this
+provider gives, their status lines, and terminating them, also when a launch fails before
+its job (`Launching`). Nothing else of the account is touched."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from ... import state
+from ...errors import StepFailed
+from ...launch import say
+from ...node import AgentError, wait_for
+from ...plan import Plan
+from .api import RunPodClient, RunPodError, RunPodNotFound
+from .render import NAME, filled, is_cluster, pod_names
+
+ENDED = ("EXITED", "ERROR", "TERMINATED")
+
+
+def find(client: RunPodClient, name: str) -> tuple[list[dict], list[dict]]:
+    """This task's pods (by the names this provider gives) and its Instant Cluster (by name)."""
+    pattern = pod_names(name)
+    pods = [p for p in client.list_pods(f"{name}-") if pattern.match(p.get("name", ""))]
+    clusters = [c for c in client.list_clusters() if c.get("name") == name]
+    return pods, clusters
+
+
+class Launching:
+    """Around creating the pods: whatever fails (or Ctrl-C) terminates every pod this launch
+    created (`undo`), and the failure names the step it was in (`step`, set as it goes)."""
+
+    def __init__(self, client: RunPodClient, name: str, fresh: bool):
+        self.client, self.name, self.fresh = client, name, fresh
+        self.step = "creating the pods"
+
+    def __enter__(self) -> Launching:
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if exc is None:
+            return False
+        said = undo(self.client, self.name, self.fresh)
+        if isinstance(exc, RunPodError):
+            raise StepFailed(self.step, f"{exc}; {said}") from None
+        if isinstance(exc, KeyboardInterrupt):
+            raise StepFailed(self.step, f"interrupted (Ctrl-C); {said}") from None
+        if isinstance(exc, (StepFailed, AgentError)):
+            raise StepFailed(self.step, f"{exc}; {said}") from None
+        return False
+
+
+def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, str], datacenters: list[str],
+           launching: Launching) -> list[dict]:
+    """Create the rendered requests (their `${NAME}` filled from `values`), record the ids as
+    they come, and wait until every pod runs: the pods, head first."""
+    if is_cluster(plan):
+        launching.step = f"creating the Instant Cluster {plan.name}"
+        body = filled(requests["cluster"], values, datacenters)
+        cluster = client.create_cluster(body)
+        state.update(plan.name, cluster_id=cluster["id"])
+        say(f"created Instant Cluster {plan.name} ({cluster['id']}) in {cluster.get('dataCenterId')}")
+        launching.step = f"starting the Instant Cluster {plan.name}"
+        return wait_running(client, plan, cluster_id=cluster["id"])
+    ids: list[str] = []
+    head = requests["head"]
+    launching.step = f"creating pod {head['name']}"
+    made = client.create_pod(filled(head, values, datacenters))
+    ids.append(made["id"])
+    state.update(plan.name, cluster_id=made["id"], pods=ids)
+    say(f"created pod {made['name']} ({made['id']}) in {made.get('dataCenterId')}")
+    for worker in requests["workers"]:
+        launching.step = f"creating pod {worker['name']}"
+        body = filled(worker, {**values, "HEAD_POD_ID": made["id"]}, [made["dataCenterId"]])
+        pod = client.create_pod(body)
+        ids.append(pod["id"])
+        state.update(plan.name, pods=ids)
+        say(f"created pod {pod['name']} ({pod['id']})")
+    launching.step = "starting the pods"
+    return wait_running(client, plan, pod_ids=ids)
+
+
+def members(client: RunPodClient, pod_ids: list[str] | None, cluster_id: str | None) -> list[dict]:
+    """The pods, head (rank 0) first."""
+    if cluster_id is None:
+        return [client.get_pod(pod_id) for pod_id in pod_ids]
+    pods = client.cluster_pods(cluster_id)
+    ranks = [(pod.get("cluster") or {}).get("rank") for pod in pods]
+    return [pod for _, pod in sorted(zip(ranks, pods), key=lambda item: (item[0] is None, item[0] or 0))]
+
+
+def wait_running(client: RunPodClient, plan: Plan, pod_ids: list[str] | None = None,
+                 cluster_id: str | None = None) -> list[dict]:
+    """Show each pod's way PROVISIONING -> STARTING -> RUNNING; the pods once all run (the
+    head's SSH endpoint known, for submit: client)."""
+    shown: dict[str, str] = {}
+    client_mode = plan.job.submit == "client"
+
+    def check():
+        pods = members(client, pod_ids, cluster_id)
+        for pod in pods:
+            status = pod["status"]
+            if shown.get(pod["id"]) != status:
+                extra = ""
+                if status == "RUNNING":
+                    net = pod.get("globalNetworking") or {}
+                    member = pod.get("cluster") or {}
+                    if net.get("internalDns"):
+                        extra = f", {net['internalDns']} ({net.get('ip')})"
+                    elif member.get("ip"):
+                        extra = f", rank {member.get('rank')}, overlay {member['ip']}"
+                say(f"pod {pod['name']} ({pod['id']}): {shown.get(pod['id'], 'created')} -> {status}{extra}")
+                shown[pod["id"]] = status
+            if status in ENDED:
+                raise StepFailed(f"starting pod {pod['name']}", f"it is {status} before the job started")
+        running = sum(1 for pod in pods if pod["status"] == "RUNNING")
+        if cluster_id and len(pods) < plan.nodes:
+            return False, f"{len(pods)}/{plan.nodes} cluster pods known"
+        if running < len(pods):
+            return False, f"{running}/{len(pods)} pods RUNNING"
+        if client_mode and not (pods[0].get("ssh") or {}).get("direct"):
+            return False, "the head pod's SSH endpoint is not published yet"
+        return True, pods
+
+    return wait_for(f"{plan.nodes} RunPod pods to run", check, plan.wait.head_s, interval=0.5, max_interval=3.0,
+                    report=say)
+
+
+def terminate(client: RunPodClient, name: str, timeout: float = 300) -> str:
+    """Terminate this task's pods and delete its cluster; wait until they are gone."""
+    started = time.monotonic()
+    pods, clusters = find(client, name)
+    member_ids = []
+    for cluster in clusters:
+        member_ids += [p["id"] for p in client.cluster_pods(cluster["id"])]
+        client.delete_cluster(cluster["id"])
+    for pod in pods:
+        if pod["status"] == "TERMINATED":
+            continue
+        try:
+            client.pod_action(pod["id"], "terminate")
+        except RunPodNotFound:
+            pass
+        except RunPodError as exc:
+            if exc.status != 409:  # 409: it is already on its way out
+                raise
+    waiting = [p["id"] for p in pods] + member_ids
+
+    def gone():
+        left = []
+        for pod_id in waiting:
+            try:
+                if client.get_pod(pod_id)["status"] != "TERMINATED":
+                    left.append(pod_id)
+            except RunPodNotFound:
+                pass
+        for cluster in clusters:
+            try:
+                client.get_cluster(cluster["id"])
+                left.append(cluster["id"])
+            except RunPodNotFound:
+                pass
+        return not left, f"still there: {', '.join(left)}"
+
+    wait_for(f"RunPod to terminate {name}'s pods", gone, timeout, interval=0.5, max_interval=5.0, report=say)
+    what = []
+    if pods:
+        what.append(f"terminated {len(pods)} pod(s) ({', '.join(p['id'] for p in pods)})")
+    if clusters:
+        what.append(f"deleted Instant Cluster {', '.join(c['id'] for c in clusters)} ({len(member_ids)} pods)")
+    return (" and ".join(what) or f"no RunPod pods or cluster named {name} were left") + \
+        f" in {time.monotonic() - started:.1f}s"
+
+
+def undo(client: RunPodClient, name: str, fresh: bool) -> str:
+    """Terminate every pod (and cluster) this launch created; forget its token and staged files."""
+    try:
+        said = terminate(client, name)
+    except Exception as exc:  # noqa: BLE001 - say it; the user must look
+        said = f"could not terminate its pods ({exc}): run `rlhf-tasks down {name}`"
+    shutil.rmtree(state.run_dir(name) / NAME, ignore_errors=True)
+    if fresh:
+        state.forget(name)
+    else:
+        state.end(name)
+    return said
+
+
+def status(client: RunPodClient, name: str) -> str:
+    """One line per cluster and pod of this task: id, status, data center, price, address."""
+    pods, clusters = find(client, name)
+    lines = [f"Instant Cluster {c['name']} ({c['id']}) in {c.get('dataCenterId')}: "
+             + ", ".join(f"{n} {s}" for s, n in (c.get("pods") or {}).get("byStatus", {}).items())
+             for c in clusters]
+    for cluster in clusters:
+        pods += client.cluster_pods(cluster["id"])
+    for pod in pods:
+        net = (pod.get("globalNetworking") or {}).get("internalDns") or (pod.get("cluster") or {}).get("ip") or ""
+        lines.append(f"{pod['name']}\t{pod['id']}\t{pod['status']}\t{pod.get('dataCenterId')}\t"
+                     f"${pod.get('cost') or 0:.2f}/h\t{net}".rstrip())
+    return "\n".join(lines) or f"no RunPod pods or cluster named {name}"
+
+
+def head_ssh(client: RunPodClient, name: str) -> dict:
+    """The head pod's direct SSH endpoint (`ssh.direct`: host, port, username), for the
+    dashboard's forward; StepFailed when it has none."""
+    pods, clusters = find(client, name)
+    for cluster in clusters:
+        pods = [p for p in client.cluster_pods(cluster["id"]) if (p.get("cluster") or {}).get("rank") == 0]
+    head = next((p for p in pods if p["name"] == f"{name}-head" or p.get("cluster")), None)
+    if head is None:
+        raise StepFailed(f"forwarding {name}'s dashboard", f"RunPod has no head pod of {name}")
+    direct = (head.get("ssh") or {}).get("direct")
+    if not direct:
+        raise StepFailed(f"forwarding {name}'s dashboard", f"the head pod {head['id']} ({head['status']}) has no "
+                         f"direct SSH endpoint: only a task with job.submit: client gets one (22/tcp, startSsh)")
+    return direct

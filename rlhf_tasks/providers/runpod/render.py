@@ -1,0 +1,331 @@
+"""What is pure of the RunPod provider: its contracts and network presets, the task's
+checks, and the rendered files: `NAME.start.sh` (the agent and the plan in heredocs, then
+the agent) and the create requests of RunPod's REST API v2 (`NAME.runpod.json`), with
+secret values as `${NAME}` placeholders that `launch` fills (`filled`)."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import re
+import shlex
+from typing import Any
+
+from pydantic import Field
+
+from ...errors import BadInput
+from ...models import StrictModel, size_bytes
+from ...node import RESULT_PREFIX
+from ...plan import Contract, Plan, env, template
+from ...spec import Task
+from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files
+
+NAME = "runpod"
+#: RunPod GPU type ids for the short names a task writes (`resources.gpus: H100:8`); a name
+#: not here is sent as written, and `launch` checks it against RunPod's catalog.
+GPU_TYPES = {
+    "h100": "NVIDIA H100 80GB HBM3", "h100sxm": "NVIDIA H100 80GB HBM3", "h100pcie": "NVIDIA H100 PCIe",
+    "h100nvl": "NVIDIA H100 NVL", "h200": "NVIDIA H200", "b200": "NVIDIA B200",
+    "a100": "NVIDIA A100-SXM4-80GB", "a10080gb": "NVIDIA A100-SXM4-80GB", "a100sxm": "NVIDIA A100-SXM4-80GB",
+    "a100pcie": "NVIDIA A100 80GB PCIe", "l40s": "NVIDIA L40S", "l40": "NVIDIA L40", "a40": "NVIDIA A40",
+    "rtx4090": "NVIDIA GeForce RTX 4090", "rtxa6000": "NVIDIA RTX A6000", "a6000": "NVIDIA RTX A6000",
+    "mi300x": "AMD Instinct MI300X OAM",
+}
+#: Global Networking and Instant Clusters need a GPU on every pod: a task without one gets this.
+DEFAULT_GPU = "NVIDIA A40"
+#: A task without an image gets RunPod's PyTorch image (python3; the recipe's setup installs Ray where missing).
+DEFAULT_IMAGE = "runpod/pytorch:1.0.2-cu1281-torch280-ubuntu2404"
+MAX_ENV = 50                       # RunPod v2: at most 50 variables in a pod's env
+MAX_ARGS = 120 * 1024              # one argument of `bash -c` stays below Linux's 128 KiB per argument
+GLOBAL_LINK = "100 Mbit/s"         # between Global Networking pods (RunPod's docs)
+
+#: The guide's contract: RAY_WORKER unset/0 on the head, > 0 on workers; workers know
+#: HEAD_POD_ID; every pod resolves `<podId>.runpod.internal`. The head has no HEAD_POD_ID and
+#: uses its own address. The node count defaults to the plan's (EXPECTED_WORKERS is optional).
+POD_CONTRACT = Contract(
+    rank=env("RAY_WORKER", default="0"),
+    nodes=env("EXPECTED_WORKERS", plus=1),
+    head=template("{HEAD_POD_ID}.runpod.internal"),
+    node_addr=template("{RUNPOD_POD_ID}.runpod.internal"),
+    cluster_id=env("RUNPOD_POD_ID"),
+)
+#: What RunPod sets on every node of an Instant Cluster.
+CLUSTER_CONTRACT = Contract(
+    rank=env("NODE_RANK"),
+    nodes=env("NUM_NODES"),
+    head=env("PRIMARY_ADDR"),
+    node_addr=env("NODE_ADDR"),
+    cluster_id=env("RUNPOD_POD_ID"),
+    gpus_per_node=env("NUM_TRAINERS"),
+)
+#: `{iface}` is the interface that holds the node's address, found on the node: the pod's
+#: Global Networking interface, or an Instant Cluster's overlay (ens1 today, eth1 on older ones).
+GLOBAL_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1",
+                 "NCCL_SOCKET_FAMILY": "IPv4", "NCCL_LAUNCH_MODE": "GROUP", "NCCL_SOCKET_NTHREADS": "1",
+                 "NCCL_NSOCKS_PERTHREAD": "1"}
+CLUSTER_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"}
+
+
+class RunPodShared(StrictModel):
+    """`checkpoints.shared.runpod`: a network volume every pod mounts at checkpoints.path."""
+
+    network_volume: str = Field(description="id of a RunPod network volume; it lives in one data center, "
+                                "where the pods then go")
+
+
+def is_cluster(plan_or_task) -> bool:
+    return plan_or_task.network == "runpod-cluster"
+
+
+def gpu_request(resources) -> tuple[str, int]:
+    """(RunPod GPU type id, GPUs per pod) for the task's `resources.gpus`."""
+    if not resources.gpus:
+        return DEFAULT_GPU, 1
+    name = resources.gpu_name
+    key = re.sub(r"[^a-z0-9]", "", (name or "").lower())
+    return GPU_TYPES.get(key, name), resources.gpus_per_node
+
+
+def pod_names(name: str) -> re.Pattern:
+    """The names this provider gives a task's pods, and nothing else of the account."""
+    return re.compile(rf"^{re.escape(name)}-(head|worker-\d+)$")
+
+
+def start_args(script: str) -> str:
+    """The pod's `args`: the start script, compressed, in one `bash -c` word (quotes do not
+    survive RunPod's splitting, base64 has none)."""
+    encoded = base64.b64encode(gzip.compress(script.encode(), mtime=0)).decode()
+    return (f"bash -c 'echo {encoded} | base64 -d | gzip -dc > /tmp/rlhf-tasks-start.sh; "
+            f"exec bash /tmp/rlhf-tasks-start.sh'")
+
+
+def _shipped(path: str, text: str) -> str:
+    """A shipped file written where it goes on the node (its directory made first)."""
+    return f"mkdir -p {shlex.quote(os.path.dirname(path))}\n" + "\n".join(heredoc(shlex.quote(path), text)) + "\n"
+
+
+def cross_node_traffic(plan: Plan) -> str:
+    """What the recipe sends between nodes, in words (for the 100 Mbit/s warning)."""
+    argv = plan.job.entrypoint
+
+    def flag(*names: str) -> str | None:
+        for index, arg in enumerate(argv[:-1]):
+            if arg in names:
+                return argv[index + 1]
+        return None
+
+    engines = flag("--vllm_num_engines", "--vllm.num_engines")
+    if engines and engines != "0":
+        backend = flag("--vllm_sync_backend", "--vllm.sync_backend") or "nccl"
+        return (f"the recipe moves weights across pods: after every training step the actor sends its weights to "
+                f"{engines} vLLM engines spread over the {plan.nodes} pods ({backend} weight sync)")
+    if any(arg.startswith("trainer.nnodes=") and arg != "trainer.nnodes=1" for arg in argv):
+        return ("the recipe moves weights across pods: verl shards the model over the pods (FSDP), so parameters "
+                "and gradients cross the link on every step")
+    return "training across pods sends its gradients over it"
+
+
+def check(task: Task) -> None:
+    """The provider's own checks of a task (BadInput naming the field)."""
+    shared_entry(RunPodShared, task.checkpoints.shared.get(NAME), NAME)
+    if task.network == "infiniband":
+        raise BadInput("network: infiniband: RunPod pods have no InfiniBand between them; use runpod-cluster "
+                       "(an Instant Cluster, 1.6-3.2 Tbit/s between nodes) or runpod-global (pods, 100 Mbit/s)")
+    if is_cluster(task) and task.nodes < 2:
+        raise BadInput(f"nodes: an Instant Cluster has 2 to 8 nodes (self-serve), not {task.nodes}; use "
+                       f"network: runpod-global for a single pod")
+    placement = task.placement
+    refusals = {
+        "spot": (placement.spot != "off", "RunPod's v2 API creates on-demand pods only; write spot: off"),
+        "retry": (placement.retry, "the RunPod provider does not relaunch lost pods; the head restarts the job "
+                  "(job.max_restarts) while its pod lives"),
+        "max_duration": (placement.max_duration is not None, "not offered on RunPod; job.timeout bounds the job, "
+                         "and the launcher terminates the pods after it"),
+        "fleets": (bool(placement.fleets), "RunPod has no fleets"),
+        "backends": (bool(placement.backends), "RunPod is one backend"),
+    }
+    for field, (refused, why) in refusals.items():
+        if refused:
+            raise BadInput(f"placement.{field}: {why}")
+    names = list(task.secrets) + (["RAY_AUTH_TOKEN"] if task.ray.auth == "token" else [])
+    taken = 2 if is_cluster(task) else 3  # RAY_WORKER, EXPECTED_WORKERS, HEAD_POD_ID
+    if len(names) + taken > MAX_ENV:
+        raise BadInput(f"secrets: a RunPod pod's env holds at most {MAX_ENV} variables; these {len(names)} "
+                       f"secrets and the {taken} the provider sets make {len(names) + taken}")
+
+
+def start_script(plan: Plan) -> str:
+    """What every pod runs: it writes the agent and the plan under /opt/rlhf-tasks and
+    starts the agent (which runs the setup commands), then keeps the pod up, so that a
+    container restart never runs the job twice."""
+    cluster = is_cluster(plan)
+    preset = " ".join(f"{k}={v}" for k, v in plan.network_env.items())
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# rlhf-tasks: one node of {plan.name} ({plan.nodes} nodes) on RunPod. Rendered by rlhf-tasks; it names",
+        "# secrets only (safe to commit). It carries the node agent and the plan: the image needs python3 and",
+        "# Ray, nothing else (the task's setup runs first on every node).",
+    ]
+    if cluster:
+        lines += [
+            "# Instant Cluster: RunPod sets NODE_RANK, NUM_NODES, PRIMARY_ADDR, NODE_ADDR and NUM_TRAINERS on",
+            "# every node; give every node:",
+        ]
+    else:
+        lines += [
+            "# Pods with Global Networking (the OpenRLHF-M guide's variables), every pod:",
+            "#   RAY_WORKER        unset or 0 on the head, 1 (or another rank > 0) on each worker",
+            "#   HEAD_POD_ID       on the workers: the head pod's id (they reach it as <id>.runpod.internal)",
+            f"#   EXPECTED_WORKERS  optional: how many workers the head waits for ({plan.nodes - 1} in this plan)",
+        ]
+    lines += [
+        f"#   RAY_AUTH_TOKEN    the cluster's Ray token: rlhf-tasks token {plan.name}",
+        "#   WANDB_API_KEY     optional: W&B logging when set",
+        "#   DEBUG_RAY=1       optional: Ray's legacy debugger (`ray debug` on the head)",
+        f"# Network preset {plan.network}: {preset or 'none'}",
+        "#   ({iface}: the interface that holds this node's address, found on the node; the task's env",
+        "#   overrides any of them).",
+    ]
+    if not cluster and plan.nodes > 1:
+        lines.append(f"# Global Networking links the pods at {GLOBAL_LINK}.")
+    lines += [
+        "# As a pod's start command (RunPod's args replace the image's CMD), see the args of",
+        f"# {plan.name}.runpod.json; or copy this file to each pod and run: bash start.sh",
+        "set -u",
+        'say() { echo "[$(date +%H:%M:%S)] start.sh: $*"; }',
+        "",
+    ]
+    script = "\n".join(lines) + "\n"
+    for local, text in shipped_files(plan).items():
+        script += _shipped(node_path(local), text)
+    plan_path = f"{NODE_DIR}/{plan.name}.plan.json"
+    # The agent runs the setup commands itself (no --skip-setup): its result line covers them.
+    agent = agent_command(plan).replace(" --skip-setup", "")
+    keep = (f'say "the pod stays up (and billed) until it is terminated: rlhf-tasks down {plan.name}, '
+            f'or RunPod\'s console"')
+    script += "\n".join([
+        "",
+        f"plan={shlex.quote(plan_path)}",
+        'if [ "${DEBUG_RAY:-0}" = 1 ]; then',
+        "  python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p[\"ray\"][\"debug\"] = \"legacy\"; "
+        "json.dump(p, open(sys.argv[1], \"w\"), indent=2)' \"$plan\" && say \"DEBUG_RAY=1: Ray's legacy debugger is on\"",
+        "fi",
+        "# SSH (submit: client): RunPod puts the account's keys in PUBLIC_KEY when the pod has startSsh,",
+        "# and the image's own start command, which would start sshd, is replaced by this script.",
+        'if [ -n "${PUBLIC_KEY:-}" ]; then',
+        '  mkdir -p ~/.ssh && chmod 700 ~/.ssh && printf "%s\\n" "$PUBLIC_KEY" >> ~/.ssh/authorized_keys',
+        "  chmod 600 ~/.ssh/authorized_keys",
+        "  sshd=$(command -v sshd || echo /usr/sbin/sshd)",
+        '  if [ ! -x "$sshd" ] && command -v apt-get >/dev/null; then',
+        '    say "installing openssh-server (the image has no sshd)"',
+        "    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; } >/dev/null 2>&1",
+        "  fi",
+        '  if [ -x "$sshd" ]; then',
+        '    ssh-keygen -A >/dev/null 2>&1; mkdir -p /run/sshd; "$sshd" && say "sshd started" || say "sshd failed to start"',
+        "  else",
+        '    say "no sshd in the image: no SSH access"',
+        "  fi",
+        "fi",
+        "export PYTHONUNBUFFERED=1",
+        "# job.working_dir '.' is this empty directory: nothing of yours is uploaded from a pod",
+        f"mkdir -p {NODE_DIR}/workdir && cd {NODE_DIR}/workdir",
+        "if ! command -v python3 >/dev/null 2>&1; then",
+        '  say "python3 is not in the image"',
+        "  echo '" + RESULT_PREFIX + json.dumps({"error": "python3 is not in the image", "exit_code": 2,
+                                                 "failed_step": "starting the node agent"}) + "'",
+        f"  {keep}",
+        "  exec sleep infinity",
+        "fi",
+        agent,
+        'say "the node agent exited with code $?"',
+        keep,
+        "exec sleep infinity",
+        "",
+    ])
+    return script
+
+
+def bodies(plan: Plan, args: str) -> dict:
+    """The create requests, secrets as `${NAME}` placeholders that `launch` fills."""
+    gpu_id, count = gpu_request(plan.resources)
+    client = plan.job.submit == "client"
+    secrets = {name: f"${{{name}}}" for name in plan.secrets + ([plan.token_env] if plan.token_env else [])}
+    container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
+    if plan.resources.disk:
+        container["disk"] = max(1, size_bytes(plan.resources.disk) // 10**9)
+    if client:  # the head's sshd, for the dashboard's SSH forward
+        container["ports"] = ["22/tcp"]
+    where: dict[str, Any] = {"dataCenterIds": list(plan.placement.regions)} if plan.placement.regions else {}
+    shared = shared_entry(RunPodShared, plan.checkpoint_shared, NAME)
+    mounts = {"mounts": {"network": [{"volumeId": shared.network_volume, "path": plan.checkpoint_dir}]}} \
+        if shared and plan.checkpoint_dir else {}
+    if is_cluster(plan):
+        body = {"name": plan.name, "type": "TRAINING",
+                "compute": {"gpuTypeId": gpu_id, "gpuCountPerPod": count, "podCount": plan.nodes},
+                **container, "env": secrets, **where, **mounts, **({"startSsh": True} if client else {})}
+        return {"cluster": body}
+
+    def pod(role: str, rank: int) -> dict:
+        contract = {"RAY_WORKER": str(rank), "EXPECTED_WORKERS": str(plan.nodes - 1)}
+        if rank:
+            contract["HEAD_POD_ID"] = "${HEAD_POD_ID}"
+        body = {"name": f"{plan.name}-{role}", **container, "gpu": {"id": gpu_id, "count": count},
+                "cloud": "SECURE", "env": {**contract, **secrets}, **where, **mounts}
+        if plan.nodes > 1:
+            body["globalNetworking"] = True
+        if rank == 0 and client:
+            body["startSsh"] = True
+        elif rank:
+            body.pop("ports", None)
+        return body
+
+    return {"head": pod("head", 0), "workers": [pod(f"worker-{k}", k) for k in range(1, plan.nodes)]}
+
+
+def filled(body: dict, values: dict[str, str], datacenters: list[str]) -> dict:
+    """A rendered request with its `${NAME}` env values filled (a secret not set here is left
+    out, as the launcher says) and its data centers chosen."""
+    out = json.loads(json.dumps(body))
+    env = {}
+    for key, value in out.get("env", {}).items():
+        match = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", value)
+        if match is None:
+            env[key] = value
+        elif values.get(match.group(1)):
+            env[key] = values[match.group(1)]
+    out["env"] = env
+    out["dataCenterIds"] = list(datacenters)
+    return out
+
+
+def render(plan: Plan) -> dict[str, str]:
+    """File name -> content: the create requests and the start script they carry."""
+    script = start_script(plan)
+    args = start_args(script)
+    if len(args) > MAX_ARGS:
+        raise BadInput(f"the start script is too large for a pod's args ({len(args) // 1024} KiB compressed, "
+                       f"at most {MAX_ARGS // 1024} KiB): it carries the agent and job.args' shipped modules")
+    if is_cluster(plan):
+        what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch fills each ${NAME} in env from your "
+                f"environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}) and sets dataCenterIds to data "
+                "centers whose catalog offers the GPU type.")
+    else:
+        what = ("POST https://api.runpod.io/v2/pods, the head first, then the workers. rlhf-tasks launch fills "
+                f"each ${{NAME}} in env from your environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}; "
+                "HEAD_POD_ID: the head pod's id) and sets dataCenterIds to data centers whose catalog entry has "
+                "Global Networking and the GPU type (the workers: the head's).")
+    notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
+             "(gzip, base64)."]
+    if not plan.resources.gpus:
+        why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else \
+            "RunPod pods with Global Networking need an NVIDIA GPU"
+        notes.append(f"resources.gpus is not set: every pod gets 1x {DEFAULT_GPU} ({why}); set resources.gpus "
+                     f"to choose.")
+    ignored = [f"resources.{key}" for key in ("shm_size", "memory") if getattr(plan.resources, key)]
+    if ignored:
+        notes.append(f"{' and '.join(ignored)} not applied: RunPod sizes a pod's memory and /dev/shm by its "
+                     f"GPU type.")
+    document = {"note": " ".join(notes), **bodies(plan, args)}
+    return {f"{plan.name}.runpod.json": json.dumps(document, indent=2) + "\n", f"{plan.name}.start.sh": script}
