@@ -33,10 +33,9 @@ from runpod_standin import A40, Contract, ProcessRunner, RunPodStandIn, TestbedR
 from testbed import poll
 
 from rlhf_tasks import providers
-from rlhf_tasks.errors import BadInput
+from rlhf_tasks.errors import BadInput, StepFailed
 from rlhf_tasks.node import parse_result, read_contract
 from rlhf_tasks.providers.runpod import RunPodProvider
-from rlhf_tasks.providers.runpod.logs import finish
 from rlhf_tasks.providers.runpod.render import MAX_ARGS
 from rlhf_tasks.spec import parse_task
 
@@ -200,8 +199,14 @@ def test_what_runpod_refuses_names_the_field(change, field):
         rendered(command_task(**change))
 
 
-def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(capsys):
-    _, plan, _ = rendered(command_task())
+def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(tmp_path, capsys, monkeypatch):
+    """The pods' log streams reach the launcher's one follower: the head pod's result line ends
+    the job, and the summary adds what the pods cost (the real client against the stand-in)."""
+    from rlhf_tasks.launch import LogTail, follow_head_log, summarise, verdict
+    from rlhf_tasks.providers.runpod import logs
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    monkeypatch.setenv("RLHF_TASKS_HOME", str(tmp_path / "home"))
     log = ("Running entrypoint\n\x1b[36m(Worker pid=5)\x1b[0m noise\nTraceback (most recent call last):\n"
            "AssertionError: 2 nodes\n2026-11-22 13:42:19,891\tINFO worker.py:1 -- shutting down\n")
     result = {"exit_code": 1, "error": "running job rp-contract-abc failed: it ended FAILED",
@@ -210,15 +215,33 @@ def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(capsys):
                   {"submission_id": "rp-contract-abc", "status": "FAILED", "cause": "the job FAILED"},
                   {"submission_id": "rp-contract-abc-r1", "status": "FAILED", "cause": None}]},
               "job_log_tail": log}
-    fit = {"gpu": A40, "count": 1, "price": 0.4}
-    cluster = finish(plan, [{"id": "h1", "dataCenterId": "EU-RO-1"}], None, time.monotonic() - 60, fit, result,
-                     Path("/nonexistent"))
-    out, err = capsys.readouterr()
-    assert cluster.finished == 1
+    (tmp_path / "head.out").write_text(log + "RLHF_TASKS_RESULT " + json.dumps(result) + "\n"
+                                       + "[10:00:00] start.sh: the pod stays up (and billed) until it is terminated\n")
+    runner = ProcessRunner(tmp_path / "pods", entrypoint=("bash", "-c", f"cat {tmp_path / 'head.out'}; exec sleep 600",
+                                                          "container"))
+    api = RunPodStandIn(runner, api_key=KEY).start()
+    client = RunPodClient(KEY, base_url=api.url)
+    try:
+        head = client.create_pod({"image": "x", "gpu": {"id": A40, "count": 1}, "name": "rp-contract-head"})["id"]
+        poll(lambda: client.get_pod(head)["status"] == "RUNNING", 30, "the pod running")
+        _, plan, _ = rendered(command_task(nodes=1))
+        cluster = logs.cluster(client, plan, [client.get_pod(head)], None, tmp_path, {"gpu": A40, "count": 1,
+                                                                                      "price": 0.4}, {}, {})
+        outcome = follow_head_log(cluster, plan, LogTail(cluster.node_logs))
+        assert not cluster.head_alive()  # the head agent has ended; its pod stays up until `down`
+        summarise(plan, outcome, time.monotonic() - 60, cluster)
+        with pytest.raises(StepFailed, match="^running job rp-contract-abc: it ended FAILED"):
+            verdict(plan, outcome, True)
+        cluster.close()
+    finally:
+        client.close()
+        api.close()
+        runner.close()
+    out = capsys.readouterr().out
+    assert out.splitlines().count("AssertionError: 2 nodes") == 1 and "RLHF_TASKS_RESULT" not in out and "stays up" not in out
     assert "job rp-contract-abc: FAILED in 60s wall time" in out and "attempts: 2 (" in out
     assert "the job's last line: AssertionError: 2 nodes" in out and "head steps: job 3s" in out
-    assert "about $0.02 so far" in out
-    assert err.strip() == "failed: running job rp-contract-abc failed: it ended FAILED"
+    assert f"pods: 1 x 1x {A40} in " in out and "so far" in out
 
 
 # ------------------------------------------------------------------ launch against the stand-in (fast)

@@ -16,8 +16,8 @@ interface that holds NODE_ADDR (ens1 today) for NCCL and Gloo.
 
 `launch` checks the GPU type and the data center against the catalog before it creates
 anything, shows the price, asks (unless -y), creates, shows the pods' progress, and then
-follows the job without exposing the dashboard: it streams the head pod's log, where the
-head agent prints the job's log and its result line. With `submit: client` the head gets
+streams every pod's log into a file the launcher follows (the head agent prints the job's
+log and its result line in the head's), without exposing the dashboard. With `submit: client` the head gets
 SSH (`22/tcp`, `startSsh`) and the launcher reaches the dashboard through `ssh -L`, which
 `rlhf-tasks forward NAME` opens again later. Pods are named `<task>-head`,
 `<task>-worker-<k>` (the cluster `<task>`); `status` and `down` find them by those names and
@@ -38,12 +38,11 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 from typing import Any
 
 from ... import state
 from ...errors import BadInput, StepFailed
-from ...launch import say
+from ...console import say
 from ...node import AgentError
 from ...plan import Plan, build_plan, env
 from ...spec import Task
@@ -108,9 +107,8 @@ class RunPodProvider(Provider):
         return RunPodClient.from_env(progress=say)
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
-        """Check against the catalog, confirm the price, create, follow. Whatever fails (or
-        Ctrl-C) before the job runs terminates every pod this launch created."""
-        started = time.monotonic()
+        """Check against the catalog, confirm the price, create, and hand the launcher the pods'
+        logs. Whatever fails (or Ctrl-C) before the pods run terminates every pod this launch created."""
         client = self._client()
         files = self.render(plan)
         requests = json.loads(files[f"{plan.name}.runpod.json"])
@@ -141,9 +139,7 @@ class RunPodProvider(Provider):
                                "dashboard_port": plan.ray.dashboard_port, "pods": []})
         with pods.Launching(client, plan.name, fresh) as launching:
             members = pods.create(client, plan, requests, values, fit["datacenters"], launching)
-            if plan.job.submit == "client":
-                return logs.client_cluster(client, plan, members, token, directory, self._tunnels, self._log_stops)
-        return logs.follow(client, plan, members, token, started, fit, self._log_stops)
+            return logs.cluster(client, plan, members, token, directory, fit, self._tunnels, self._log_stops)
 
     # ------------------------------------------------------------------ status, forward, down
 

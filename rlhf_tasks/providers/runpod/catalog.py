@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from ...errors import BadInput, StepFailed
-from ...launch import say
+from ...console import say
 from ...models import did_you_mean
 from ...plan import Plan
 from ..shipping import shared_entry

@@ -10,7 +10,7 @@ import time
 
 from ... import state
 from ...errors import StepFailed
-from ...launch import say
+from ...console import say
 from ...node import AgentError, wait_for
 from ...plan import Plan
 from .api import RunPodClient, RunPodError, RunPodNotFound
