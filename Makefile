@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test golden install-demo install-test clean
+.PHONY: demo test test-fast golden install-demo install-test clean
 
 $(PY):
 	@echo "make: creating $(VENV) with $(PYTHON)"
@@ -23,6 +23,10 @@ demo: install-demo
 
 test: install-test
 	$(PY) -m pytest -q
+
+# While you iterate: every test that starts no cluster, namespace host, Slurm or container.
+test-fast: install-test
+	$(PY) -m pytest -q -m "not cluster"
 
 clean:
 	rm -rf $(VENV)

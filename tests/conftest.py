@@ -1,5 +1,16 @@
-"""Shared fixtures. Tests that need root or a package run in CI (CI=true) and fail
-there when it is missing; locally they skip with the reason."""
+"""Shared fixtures, and the two test tiers.
+
+Tests that need root or a package run in CI (CI=true) and fail there when it is missing;
+locally they skip with the reason.
+
+The `cluster` mark: the test starts a Ray cluster, network-namespace hosts, Slurm or a
+container. `make test-fast` runs the others (`-m "not cluster"`), `make test` all. A test
+gets the mark from a fixture declared with :func:`starts_cluster` (the testbed and Slurm
+fixtures, `cli_env`), or by hand. The tier stays honest: what starts a cluster in the test
+process (a `Testbed`, Ray's own daemons, Slurm, a container, a namespace) fails a test
+without the mark (:func:`require_cluster_mark`). A `launch` on this machine runs in a
+subprocess the guard cannot see into: give such a test `cli_env`, as the local ones do.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +20,16 @@ from pathlib import Path
 
 import pytest
 
+import testbed as tbmod
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "true"
+CLUSTER = "cluster"
+#: What a test must carry the `cluster` mark to start (the basename of a subprocess's program).
+CLUSTER_PROGRAMS = frozenset({"gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "munged",
+                              "podman", "docker", "nsenter", "unshare"})
+
+_running: list[pytest.Item] = []  # the test being run, if any
 
 
 def need(condition: bool, reason: str) -> None:
@@ -19,6 +38,60 @@ def need(condition: bool, reason: str) -> None:
         if IN_CI:
             pytest.fail(f"required in CI: {reason}")
         pytest.skip(reason)
+
+
+def starts_cluster(fixture_function):
+    """Declare that a fixture starts a cluster: every test using it, directly or through
+    another fixture, gets the `cluster` mark (put it under ``@pytest.fixture``)."""
+    fixture_function.starts_cluster = True
+    return fixture_function
+
+
+def require_cluster_mark(what: str) -> None:
+    """Fail the running test unless it has the `cluster` mark: `make test-fast` must not start `what`."""
+    item = _running[-1] if _running else None
+    if item is not None and item.get_closest_marker(CLUSTER) is None:
+        pytest.fail(f"{item.nodeid} starts {what} but has no `cluster` mark, so `make test-fast` would run it: "
+                    "use a fixture declared with conftest.starts_cluster, or mark the test @pytest.mark.cluster",
+                    pytrace=False)
+
+
+def _audit(event: str, args: tuple) -> None:
+    """Ray's daemons, Slurm, a container engine or a namespace started from the test process."""
+    if event != "subprocess.Popen" or not _running:
+        return
+    argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+    argv = [os.fsdecode(a) if isinstance(a, (str, bytes, os.PathLike)) else str(a) for a in argv]
+    program = os.path.basename(os.fsdecode(args[0]) if args[0] else (argv[0] if argv else ""))
+    if program in CLUSTER_PROGRAMS or argv[:3] == ["ip", "netns", "add"]:
+        require_cluster_mark(f"`{' '.join(argv[:3])}`")
+
+
+def pytest_configure(config):
+    if not any(line.startswith(f"{CLUSTER}:") for line in config.getini("markers")):  # pyproject.toml has it
+        config.addinivalue_line("markers", f"{CLUSTER}: starts a Ray cluster, namespace hosts, Slurm or a container")
+    tbmod.before_start = require_cluster_mark
+    if not getattr(sys, "_rlhf_tasks_audit", False):  # audit hooks cannot be removed: add it once
+        sys.addaudithook(_audit)
+        sys._rlhf_tasks_audit = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        if any(getattr(d.func, "starts_cluster", False) for chain in defs for d in chain):
+            item.add_marker(CLUSTER)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
 
 
 @pytest.fixture
@@ -30,8 +103,10 @@ def rlhf_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+@starts_cluster
 def cli_env(rlhf_home):
-    """Environment for running the CLI as a subprocess, as a user would."""
+    """Environment for running the CLI as a subprocess, as a user would: `launch` on this
+    machine starts a local cluster, so a test using it is a `cluster` test."""
     env = dict(os.environ, RLHF_TASKS_HOME=str(rlhf_home), PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return env

@@ -427,7 +427,6 @@ def make_slurm_fixture(n: int = 3, scope: str = "module", **kwargs):
     """
     import pytest
 
-    @pytest.fixture(scope=scope)
     def _fixture(request, tmp_path_factory):
         reason = tbmod.require_root() or slurm_missing()
         if reason:
@@ -441,4 +440,5 @@ def make_slurm_fixture(n: int = 3, scope: str = "module", **kwargs):
         request.addfinalizer(cluster.close)
         return cluster
 
-    return _fixture
+    _fixture.starts_cluster = True  # every test using it gets the `cluster` mark (tests/conftest.py)
+    return pytest.fixture(scope=scope)(_fixture)

@@ -20,6 +20,8 @@ import pytest
 
 from rlhf_tasks.demo import prepare, reward_server
 
+from conftest import starts_cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 NODE_IP = "127.0.1.1"  # Ray rewrites 127.0.0.1 to the machine's public address, not the rest of 127/8
 
@@ -204,6 +206,7 @@ def test_grpo_learns_addition_locally():
 
 
 @pytest.fixture
+@starts_cluster
 def ray_cluster(monkeypatch):
     """A real 3-node Ray cluster (1 CPU each) in this process's children, without token
     auth and with its own short temp dir, so it cannot meet another Ray on the machine."""

@@ -179,6 +179,7 @@ def test_laptop_reaches_head_loopback_only_through_ssh_forward(testbed):
     assert "ssh -N" in t.sh("laptop", "ps -eo args")
 
 
+@pytest.mark.cluster
 def test_teardown_leaves_nothing_and_is_idempotent(tmp_path):
     reason = tbmod.require_root()
     if reason:
@@ -201,6 +202,7 @@ def test_teardown_leaves_nothing_and_is_idempotent(tmp_path):
         t.run(0, ["true"])
 
 
+@pytest.mark.cluster
 def test_stale_namespaces_of_dead_runs_are_removed():
     reason = tbmod.require_root()
     if reason:

@@ -53,6 +53,9 @@ PYTHON = sys.executable
 BIN_DIR = os.path.dirname(PYTHON)
 
 _counter = 0
+#: Called with what is about to start, before a Testbed makes its first namespace: under
+#: pytest, tests/conftest.py's check that the running test has the `cluster` mark.
+before_start: Callable[[str], None] = lambda what: None
 
 
 class TestbedError(RuntimeError):
@@ -381,6 +384,7 @@ class Testbed:
         life (PR_SET_PDEATHSIG), so a crashed test run leaves no host running.
         """
         global _counter
+        before_start(f"{n} namespace hosts (a Testbed)")
         reason = require_root()
         if reason:
             raise TestbedError(reason)
@@ -764,10 +768,10 @@ def make_testbed_fixture(n: int = 2, scope: str = "function", **kwargs):
     are in ``<tmp_path>/testbed`` (``function`` scope).  The whole pytest
     basetemp is shared with the hosts, so every test's tmp_path is visible on
     them.  Skips without root, except in CI (CI=true), where that is an error.
+    A test using it (directly or through another fixture) is a `cluster` test.
     """
     import pytest
 
-    @pytest.fixture(scope=scope)
     def _fixture(request, tmp_path_factory):
         reason = require_root()
         if reason:
@@ -780,4 +784,5 @@ def make_testbed_fixture(n: int = 2, scope: str = "function", **kwargs):
         request.addfinalizer(tb.close)
         return tb
 
-    return _fixture
+    _fixture.starts_cluster = True  # every test using it gets the `cluster` mark (tests/conftest.py)
+    return pytest.fixture(scope=scope)(_fixture)

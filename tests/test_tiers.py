@@ -1,0 +1,105 @@
+"""The two test tiers (tests/conftest.py): a test that starts a cluster carries the `cluster`
+mark, from a fixture declared with `starts_cluster` or by hand, and one that starts a cluster
+without it fails, so `make test-fast` cannot silently grow slow. Each case runs our conftest
+in a pytest of its own (a subprocess: the guard is an audit hook, one per process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT
+
+pytest_plugins = ("pytester",)
+
+TESTS = ROOT / "tests"
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    """A pytest run with our conftest and the testbed modules importable."""
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{ROOT}")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # hydra's and anyio's slow every start
+    pytester.makeconftest((TESTS / "conftest.py").read_text())
+    return pytester
+
+
+def test_fixtures_that_start_a_cluster_mark_their_tests_even_through_another_fixture(inner):
+    inner.makepyfile(test_x="""
+        import pytest
+        import slurm_testbed
+        import testbed
+        from conftest import starts_cluster
+
+        hosts = testbed.make_testbed_fixture(2)
+        slurm = slurm_testbed.make_slurm_fixture(3)
+
+        @pytest.fixture
+        @starts_cluster
+        def ray_cluster():
+            return "cluster"
+
+        @pytest.fixture
+        def on_top(hosts):
+            return hosts
+
+        def test_pure(): pass
+        def test_hosts(hosts): pass
+        def test_on_top(on_top): pass
+        def test_slurm(slurm): pass
+        def test_ray(ray_cluster): pass
+        def test_launch(cli_env): pass
+        @pytest.mark.cluster
+        def test_by_hand(): pass
+    """)
+    fast = inner.runpytest_subprocess("--collect-only", "-q", "-m", "not cluster")
+    assert [line for line in fast.outlines if "::" in line] == ["test_x.py::test_pure"]
+    fast.stdout.fnmatch_lines(["1/7 tests collected (6 deselected)*"])
+
+def test_a_testbed_without_the_mark_fails_before_it_makes_a_namespace(inner):
+    inner.makepyfile(test_x="""
+        import testbed
+
+        def test_sneaky(tmp_path, monkeypatch):
+            made = []
+            monkeypatch.setattr(testbed, "_ip", lambda *a, **k: made.append(a))
+            try:
+                testbed.Testbed(2, tmp_path / "tb")
+            finally:
+                assert made == []
+    """)
+    result = inner.runpytest_subprocess("-q")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*test_sneaky starts 2 namespace hosts (a Testbed) but has no `cluster` mark*"])
+
+
+def test_slurm_ray_or_a_container_started_by_hand_needs_the_mark(inner, tmp_path):
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    for name in ("srun", "raylet", "podman"):  # stand-ins: they start nothing, the guard looks at the name
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / name).chmod(0o755)
+    inner.makepyfile(test_x=f"""
+        import subprocess
+        import pytest
+
+        PROGRAMS = ["srun", "raylet", "podman"]
+
+        def run(program):
+            assert subprocess.run([{str(bin_dir)!r} + "/" + program, "run"]).returncode == 0
+
+        @pytest.mark.parametrize("program", PROGRAMS)
+        def test_unmarked(program):
+            run(program)
+
+        @pytest.mark.cluster
+        @pytest.mark.parametrize("program", PROGRAMS)
+        def test_marked(program):
+            run(program)
+
+        def test_other_programs_are_fine():
+            assert subprocess.run(["true"]).returncode == 0
+    """)
+    result = inner.runpytest_subprocess("-q")
+    result.assert_outcomes(failed=3, passed=4)
+    result.stdout.fnmatch_lines([f"test_x.py::test_unmarked?{name}? starts `*/{name} run` but has no `cluster` mark*"
+                                 for name in ("srun", "raylet", "podman")])
