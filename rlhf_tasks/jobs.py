@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .agent.protocol import JobFollower, auth_headers, job_argv
 from .errors import BadInput, StepFailed
-from .node import JobFollower, auth_headers, job_argv
 from .plan import Plan
 
 

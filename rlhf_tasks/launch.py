@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from .agent.protocol import (TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check,
+                             head_address, http_check, http_request, is_submission_of, next_submission_id,
+                             parse_result, preflight_submission_id, submission_id, wait_for)
 from .errors import HeadLost, StepFailed
-from .node import (TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check, head_address,
-                   http_check, http_request, is_submission_of, next_submission_id, parse_result,
-                   preflight_submission_id, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
@@ -104,7 +104,7 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
-    """A wait_for check: the id of the job the head agent submitted (see node.submission_id)."""
+    """A wait_for check: the id of the job the head agent submitted (see agent.protocol.submission_id)."""
     try:
         status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
     except OSError as exc:

@@ -46,10 +46,10 @@ from typing import Any
 from pydantic import Field
 
 from ... import state
+from ...agent.protocol import RESULT_PREFIX, AgentError, parse_result, wait_for
 from ...errors import BadInput, StepFailed
 from ...launch import say
 from ...models import StrictModel, did_you_mean, size_bytes
-from ...node import RESULT_PREFIX, AgentError, parse_result, wait_for
 from ...plan import Contract, Plan, build_plan, env, template
 from ...spec import Task
 from ..base import Cluster, Option, Provider, write_files
