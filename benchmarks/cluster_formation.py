@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlhf_tasks.node import alive_nodes, probe_tcp  # noqa: E402
+from rlhf_tasks.agent.protocol import alive_nodes, probe_tcp  # noqa: E402
 
 BIN = Path(sys.executable).parent
 

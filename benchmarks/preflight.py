@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import testbed as tbmod  # noqa: E402
-from rlhf_tasks.node import parse_result  # noqa: E402
+from rlhf_tasks.agent.protocol import parse_result  # noqa: E402
 from test_contracts import contract_task, dstack_env, place, render  # noqa: E402
 
 import yaml  # noqa: E402

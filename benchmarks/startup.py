@@ -96,8 +96,12 @@ def render_ours(checkout: Path, run_dir: Path, nodes: int, started: Path, overri
     subprocess.run([str(BIN / "rlhf-tasks"), "render", str(run_dir / "task.yaml"), "--provider", "dstack",
                     "-o", str(out / f"{NAME}.dstack.yml")], env=dict(os.environ, PYTHONPATH=str(checkout)),
                    check=True, capture_output=True, text=True)
-    if (out / "rlhf-tasks" / "node.py").read_bytes() != (checkout / "rlhf_tasks" / "node.py").read_bytes():
-        raise SystemExit(f"the rendered node.py is not {checkout}'s: check PYTHONPATH and the install")
+    # The agent: a package under lib/ (rlhf_tasks/agent/), or node.py beside the plan in an older checkout.
+    packaged = (checkout / "rlhf_tasks" / "agent").is_dir()
+    source = checkout / "rlhf_tasks" / ("agent/head.py" if packaged else "node.py")
+    rendered = out / "rlhf-tasks" / ("lib/rlhf_tasks/agent/head.py" if packaged else "node.py")
+    if rendered.read_bytes() != source.read_bytes():
+        raise SystemExit(f"the rendered agent is not {checkout}'s: check PYTHONPATH and the install")
     return yaml.safe_load((out / f"{NAME}.dstack.yml").read_text()) | {"_dir": out}
 
 

@@ -152,7 +152,7 @@ def _jobs(args):
 def cmd_submit(args) -> int:
     from . import state
     from .jobs import Jobs
-    from .node import head_address, submission_id
+    from .agent.protocol import head_address, submission_id
 
     task = _task(args.task)
     plan = _provider(args.provider).plan(task)
@@ -200,7 +200,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    from .node import TERMINAL_JOB_STATES, wait_for
+    from .agent.protocol import TERMINAL_JOB_STATES, wait_for
 
     jobs = _jobs(args)
     if not jobs.stop(args.job):
@@ -407,7 +407,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .node import AgentError
+    from .agent.protocol import AgentError
 
     try:
         args = _parse(argv)

@@ -2,11 +2,12 @@
 
 From here: the Ray token is accepted, the dashboard refuses requests without it, every
 expected node is ALIVE with its CPUs and GPUs. Then on the cluster, as a Ray job (the same
-preflight.py the head runs before a job, uploaded as that job's working_dir, so it works
-whatever the provider shipped): versions, interfaces, the collective and every pair's
-bandwidth, plus each service's readiness check on its nodes, the checkpoint directory
-written on every node and read on the others, free disk and /dev/shm against the task's
-shm_size. Exit 0 when all pass, 1 otherwise, each failure with what to do.
+preflight the head runs before a job, the agent's package uploaded as that job's
+working_dir, so it works whatever the provider shipped): versions, interfaces, the
+collective and every pair's bandwidth, plus each service's readiness check on its nodes,
+the checkpoint directory written on every node and read on the others, free disk and
+/dev/shm against the task's shm_size. Exit 0 when all pass, 1 otherwise, each failure
+with what to do.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import providers, state
+from .agent.protocol import (AgentError, alive_nodes, auth_headers, follow_preflight, http_request, preflight_argv,
+                             preflight_report)
 from .errors import BadInput, StepFailed
 from .models import size_bytes
-from .node import (AgentError, alive_nodes, auth_headers, follow_preflight, http_request, preflight_argv,
-                   preflight_report)
 from .plan import Plan
 from .spec import load_task
 
@@ -146,8 +147,12 @@ def cluster_checks(t: Target, nodes: int, timeout: float) -> dict:
     sid = f"doctor_{int(time.time())}_{os.getpid()}"
     upload = Path(tempfile.mkdtemp(prefix="rlhf-doctor-"))
     try:
-        shutil.copy(Path(__file__).with_name("preflight.py"), upload / "preflight.py")
-        argv = preflight_argv(settings, nodes, "preflight.py", timeout=timeout, checks=extra)
+        # The agent's package (rlhf_tasks/__init__.py is free of imports): `python3 -m` finds it in the
+        # working_dir, and Ray's workers, which import preflight's probe from it, too.
+        shutil.copytree(Path(__file__).with_name("agent"), upload / "rlhf_tasks" / "agent",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(Path(__file__).with_name("__init__.py"), upload / "rlhf_tasks" / "__init__.py")
+        argv = preflight_argv(settings, nodes, timeout=timeout, checks=extra)
         say(f"running the checks on the cluster as Ray job {sid} (deadline {timeout:.0f}s)")
         jobs.submit_with_working_dir(sid, argv, str(upload))
         return follow_preflight(jobs.api, sid, time.time() + timeout + 60, say)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .agent.protocol import DashboardJobs, JobFollower, auth_headers, http_request, job_argv
 from .errors import BadInput, StepFailed
-from .node import DashboardJobs, JobFollower, auth_headers, http_request, job_argv
 from .plan import Plan
 
 

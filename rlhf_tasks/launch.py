@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers,
+                             cluster_check, head_address, http_check, http_request, is_submission_of,
+                             next_submission_id, parse_result, preflight_submission_id, submission_id,
+                             wait_for)
 from .console import say
 from .errors import HeadLost, StepFailed
-from .node import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers, cluster_check,
-                   head_address, http_check, http_request, is_submission_of, next_submission_id, parse_result,
-                   preflight_submission_id, submission_id, wait_for)
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
@@ -215,7 +216,7 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
 
 
 def head_submission(dashboard: str, token: str | None, name: str):
-    """A wait_for check: the id of the job the head agent submitted (see submission_id)."""
+    """A wait_for check: the id of the job the head agent submitted (see agent.protocol.submission_id)."""
     try:
         status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
     except OSError as exc:

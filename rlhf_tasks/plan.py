@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
+from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
 from .models import Service, StrictModel, size_bytes
-from .node import PLAN_VERSION  # the agent owns the version it reads
 from .recipes.base import Shape
 from .spec import Placement, Resources, Task
 
@@ -162,7 +162,7 @@ class WaitPlan(StrictModel):
 
 
 class PreflightPlan(StrictModel):
-    """What the head checks before it submits the job (see rlhf_tasks/preflight.py)."""
+    """What the head checks before it submits the job (see rlhf_tasks/agent/preflight.py)."""
 
     enabled: bool
     timeout_s: float

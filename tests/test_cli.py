@@ -38,7 +38,7 @@ def test_check_json_is_the_plan_with_an_argument_list(capsys):
 def test_render_is_pure_and_writes_beside_the_main_file(tmp_path, capsys, rlhf_home):
     out = tmp_path / "r" / "start-nodes.sh"
     assert main(["render", str(ROOT / "tasks/tiny-grpo.yaml"), "--provider", "local", "-o", str(out)]) == 0
-    assert "python -m rlhf_tasks.node" in out.read_text() or "-m rlhf_tasks.node" in out.read_text()
+    assert "-m rlhf_tasks.agent" in out.read_text()
     assert json.loads((tmp_path / "r" / "plan.json").read_text())["name"] == "tiny-grpo"
     assert not rlhf_home.exists()  # no token, no cluster record: nothing happened
 
@@ -109,13 +109,6 @@ def test_no_fixed_sleeps_in_the_product():
             offenders[str(path.relative_to(ROOT))] = lines
     assert offenders == {}
     assert _sleeps_outside_loops(ast.parse("import time\ntime.sleep(30)\n")) == [2]
-
-
-def test_node_agent_is_standard_library_only_and_parses_as_python_38():
-    tree = ast.parse((ROOT / "rlhf_tasks" / "node.py").read_text(), feature_version=(3, 8))
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
 
 
 def test_token_is_made_once_with_mode_0600(rlhf_home, capsys):

@@ -23,8 +23,11 @@ import yaml
 
 import testbed as tbmod
 from conftest import ROOT, need
-from rlhf_tasks import node, preflight, providers
-from rlhf_tasks.node import NodeInfo, node_env
+from rlhf_tasks import providers
+from rlhf_tasks.agent import preflight, probe, protocol
+from rlhf_tasks.agent.contract import NodeInfo
+from rlhf_tasks.agent.protocol import parse_result
+from rlhf_tasks.agent.raynode import node_env
 from rlhf_tasks.spec import parse_task
 from test_contracts import TOKEN, contract_task, dstack_env, place, render
 
@@ -55,7 +58,8 @@ def test_preflight_checks_torch_where_the_recipe_uses_it_and_a_task_can_say_othe
                                                                              "dataset": "gsm8k"}}}
     assert torch_checked(verl) and not torch_checked(task_with())  # an arbitrary command: TCP only
     assert torch_checked(task_with(preflight={"torch": True})) and not torch_checked({**verl, "preflight": {"torch": False}})
-    argv = node.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, "preflight.py", 60, wait_nodes=600)
+    argv = protocol.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, 60, wait_nodes=600)
+    assert argv[:3] == ["python3", "-m", "rlhf_tasks.agent.preflight"]
     assert argv[argv.index("--wait-nodes") + 1] == "600" and "--no-torch" in argv
 
 
@@ -73,19 +77,22 @@ def test_the_plan_carries_preflight_and_the_model_size_for_its_messages():
     assert plan.preflight.enabled and plan.preflight.model == "Qwen/Qwen2.5-7B-Instruct"
     assert plan.preflight.weight_bytes == 14 * 10**9  # one bf16 copy
     files = providers.get("dstack").render(plan)
-    assert files["rlhf-tasks/preflight.py"] == (ROOT / "rlhf_tasks" / "preflight.py").read_text()
+    shipped = "rlhf-tasks/lib/rlhf_tasks/agent/preflight.py"
+    assert files[shipped] == (ROOT / "rlhf_tasks" / "agent" / "preflight.py").read_text()
     config = yaml.safe_load(files["v.dstack.yml"])
-    assert "rlhf-tasks/preflight.py:/opt/rlhf-tasks/preflight.py" in config["files"]
+    assert f"{shipped}:/opt/{shipped}" in config["files"]
 
 
-def test_preflight_is_stdlib_ray_and_torch_only_names_no_provider_and_parses_as_python_38():
-    source = (ROOT / "rlhf_tasks" / "preflight.py").read_text()
+@pytest.mark.parametrize("name", ["preflight.py", "probe.py"])
+def test_preflight_is_stdlib_ray_and_torch_only_names_no_provider_and_parses_as_python_38(name):
+    source = (ROOT / "rlhf_tasks" / "agent" / name).read_text()
     tree = ast.parse(source, feature_version=(3, 8))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported - set(sys.stdlib_module_names) == {"ray", "torch"}
-    for word in ("dstack", "skypilot", "slurm", "runpod", "rlhf_tasks"):
-        assert word not in source.lower().replace("rlhf_tasks_", ""), word
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    assert imported - set(sys.stdlib_module_names) == ({"ray", "torch"} if name == "probe.py" else {"ray"})
+    for word in ("dstack", "skypilot", "slurm", "runpod"):
+        assert word not in source.lower(), word
 
 
 def test_rounds_cover_every_pair_once_with_disjoint_pairs():
@@ -100,13 +107,13 @@ def test_rounds_cover_every_pair_once_with_disjoint_pairs():
 
 
 def test_collective_endpoint_reads_the_variable_as_the_libraries_do():
-    lo = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "lo"}, None)
+    lo = probe.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "lo"}, None)
     assert (lo["iface"], lo["address"], lo["problem"]) == ("lo", "127.0.0.1", None)
-    missing = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "eth9"}, None)
+    missing = probe.collective_endpoint("GLOO_SOCKET_IFNAME", {"GLOO_SOCKET_IFNAME": "eth9"}, None)
     assert missing["address"] is None and "no such interface" in missing["problem"] and "lo" in missing["problem"]
-    unset = preflight.collective_endpoint("GLOO_SOCKET_IFNAME", {}, "10.0.0.5")
+    unset = probe.collective_endpoint("GLOO_SOCKET_IFNAME", {}, "10.0.0.5")
     assert (unset["iface"], unset["address"]) == (None, "10.0.0.5")  # Gloo then uses the hostname's address
-    prefix = preflight.collective_endpoint("NCCL_SOCKET_IFNAME", {"NCCL_SOCKET_IFNAME": "l"}, None)
+    prefix = probe.collective_endpoint("NCCL_SOCKET_IFNAME", {"NCCL_SOCKET_IFNAME": "l"}, None)
     assert prefix["iface"] == "lo"  # NCCL takes a prefix
 
 
@@ -121,8 +128,8 @@ def test_the_nodes_environment_wins_over_the_preset_and_the_task_env_over_both()
 
 
 def test_preflight_ids_never_look_like_a_jobs_own():
-    sid = node.preflight_submission_id("abc123")
-    assert sid == "preflight_abc123" and not node.is_submission_of("preflight", sid)
+    sid = protocol.preflight_submission_id("abc123")
+    assert sid == "preflight_abc123" and not protocol.is_submission_of("preflight", sid)
 
 
 # ------------------------------------------------------------------ on the namespace testbed
@@ -171,7 +178,7 @@ def test_preflight_passes_on_a_healthy_cluster_and_prints_the_table_before_the_j
     saved = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))  # beside the job's logs
     assert saved["passed"] and len(saved["nodes"]) == 3 and len(saved["pairs"]) == 6
     assert saved["collectives"]["gloo"]["sizes"][0]["bus_bits_per_s"] > 0
-    steps = {s["step"]: s["seconds"] for s in node.parse_result(out)["steps"]}
+    steps = {s["step"]: s["seconds"] for s in parse_result(out)["steps"]}
     assert steps["preflight"] < 90
 
 
@@ -184,10 +191,10 @@ def test_a_host_whose_gloo_interface_cannot_reach_the_others_fails_preflight_and
     assert "node0 (10.77.0.10)" in failure and "(this node's Ray address 10.77.0.12 is on eth0)" in failure
     assert "GLOO_SOCKET_IFNAME=lo (from the node's environment)" in procs[2].output
     assert "starting job" not in out and "CONTRACT alive nodes 3" not in out  # its command never ran
-    result = node.parse_result(out)
+    result = parse_result(out)
     assert result["exit_code"] == 1 and result["failed_step"] == "preflight (interfaces)"
     assert "the job's command was not started" in result["error"]
-    assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + node.PREFLIGHT_GRACE_S
+    assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + protocol.PREFLIGHT_GRACE_S
 
 
 def test_a_throttled_host_passes_with_a_bandwidth_warning_naming_it(tb, tmp_path):
@@ -231,8 +238,8 @@ def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):
     failure = next(line for line in out.splitlines() if "preflight FAILED (torch): " in line)
     assert "node1 (10.77.0.11)" in failure and "importing torch took longer than" in failure
     assert "node0 (10.77.0.10)" not in failure and "starting job" not in out
-    steps = {s["step"]: s["seconds"] for s in node.parse_result(out)["steps"]}
-    assert steps["preflight"] < 30 + node.PREFLIGHT_GRACE_S
+    steps = {s["step"]: s["seconds"] for s in parse_result(out)["steps"]}
+    assert steps["preflight"] < 30 + protocol.PREFLIGHT_GRACE_S
 
 
 def test_doctor_names_the_host_whose_checkpoint_dir_is_not_shared(tb, tmp_path):

@@ -34,7 +34,8 @@ from testbed import poll
 
 from rlhf_tasks import providers
 from rlhf_tasks.errors import BadInput, StepFailed
-from rlhf_tasks.node import parse_result, read_contract
+from rlhf_tasks.agent.contract import read_contract
+from rlhf_tasks.agent.protocol import parse_result
 from rlhf_tasks.providers.runpod import RunPodProvider
 from rlhf_tasks.providers.runpod.render import MAX_ARGS
 from rlhf_tasks.spec import parse_task
@@ -131,9 +132,11 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
         assert len(body["args"]) < MAX_ARGS
         assert script_of(body["args"]) == script  # the pod runs exactly the rendered script
     # It carries the agent and the plan verbatim, runs the agent (with the setup), and parses.
-    assert (ROOT / "rlhf_tasks" / "node.py").read_text() in script and plan.to_json() in script
-    agent = [line for line in script.splitlines() if line.startswith("python3 /opt/rlhf-tasks/node.py")]
-    assert agent == ["python3 /opt/rlhf-tasks/node.py --plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
+    assert (ROOT / "rlhf_tasks" / "agent" / "head.py").read_text() in script and plan.to_json() in script
+    assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py <<'RLHF_TASKS_EOF'" in script
+    agent = [line for line in script.splitlines() if line.startswith("PYTHONPATH=")]
+    assert agent == ["PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 -m rlhf_tasks.agent "
+                     "--plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
                      "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
@@ -145,7 +148,7 @@ def test_render_of_the_demo_ships_its_code_and_picks_a_gpu_for_global_networking
     assert document["head"]["gpu"] == {"id": "NVIDIA A40", "count": 1}
     script = files["tiny-grpo.start.sh"]
     assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/demo/train.py <<'RLHF_TASKS_EOF'" in script
-    assert script.count("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 /opt/rlhf-tasks/node.py") == 1
+    assert script.count("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 -m rlhf_tasks.agent") == 1
     assert "pod's own disk" in provider.shared_storage_warning(plan)
 
 

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from rlhf_tasks import providers
+from rlhf_tasks.agent.protocol import PLAN_VERSION
 from rlhf_tasks.errors import BadInput
-from rlhf_tasks.node import PLAN_VERSION
 from rlhf_tasks.plan import ROCM_ENV, gpu_vendor
-from rlhf_tasks.providers.shipping import agent_source
+from rlhf_tasks.providers.shipping import AGENT, module_files
 from rlhf_tasks.providers.slurm import CONTAINER_SH, CONTAINER_STOP_S
 from rlhf_tasks.spec import parse_task
 
@@ -99,15 +99,21 @@ def test_one_srun_step_runs_the_agent_on_every_node():
     step = srun_step(script)
     assert step.split()[:7] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                                 "--whole", '--output="$run_dir/node%n.out"']
-    assert 'python3 "$run_dir/node.py" --plan "$run_dir/plan.json"' in step
-    shell = script.replace(agent_source(), "").replace(agent_source("preflight.py"), "")  # Python, not shell
+    assert 'python3 -m rlhf_tasks.agent --plan "$run_dir/plan.json"' in step
+    shell = script
+    for text in module_files([AGENT]).values():
+        shell = shell.replace(text, "")  # Python, not shell
     assert script.count("\nsrun ") == 1 and "sleep" not in shell
     assert script.rstrip().endswith('exit "$status"')  # the job's exit code is the script's
 
 
 def test_the_script_carries_the_agent_and_its_plan():
     script = render(FULL)
-    assert heredoc(script, "RLHF_TASKS_NODE_PY") == agent_source()
+    agent = module_files([AGENT])
+    assert "rlhf_tasks/__init__.py" in agent and "rlhf_tasks/agent/__main__.py" in agent
+    for path, text in agent.items():  # the agent's package as plain files under lib/, first on PYTHONPATH
+        assert f"cat > \"$run_dir/lib/{path}\" <<'RLHF_TASKS_MODULE_PY'\n{text}RLHF_TASKS_MODULE_PY\n" in script
+    assert 'export PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}"' in script
     plan = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))
     assert plan["version"] == PLAN_VERSION and plan["provider"] == "slurm"
     assert plan["contract"]["head"]["command"] == ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
@@ -152,12 +158,12 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
     for option in ("--network=host", "--ipc=host", "--shm-size=122071m", "--device=/dev/kfd", "--device=/dev/dri",
                    "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
                    "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
-                   '--workdir="$run_dir"'):
+                   '--workdir="$run_dir"', '--env=PYTHONPATH="$run_dir/lib"'):
         assert option in words, option
     assert "--env=CUDA_VISIBLE_DEVICES" not in words
-    assert words[words.index('--workdir="$run_dir"') + 1:][:3] == [
+    assert words[words.index('--workdir="$run_dir"') + 1:][:4] == [
         "rlsys/verl:verl-0.4.1_ubuntu-22.04_rocm6.3.4-numa-patch_vllm0.8.5_sglang0.4.6.post4", "python3",
-        '"$run_dir/node.py"']
+        "-m", "rlhf_tasks.agent"]
     # the task's env is exported for the container to take by name
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_8,mlx5_9" in script
     nvidia = srun_step(render(task_data(IMAGE_TASK, container=engine)))

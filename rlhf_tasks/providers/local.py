@@ -8,7 +8,10 @@ taken from its id, so two local clusters never share an address (a service's fix
 like the demo's reward server, would clash). Ray's ports are picked free when the plan
 is made, so a local cluster never collides with another Ray on the machine, and the
 `start-nodes.sh` that `render` prints is the very script `apply` runs. `down` stops
-exactly the processes it started, by process group.
+exactly the processes it started, by process group; it uses the agent's own process-group
+functions (rlhf_tasks.agent.processes), the one implementation of them, rather than a
+copy: the agent stops its children the same way, and this provider runs the agent on
+this very machine.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 from .. import state
+from ..agent.processes import group_alive, pid_alive, signal_group
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
@@ -53,39 +57,6 @@ def _free_ports(count: int) -> list[int]:
     for sock in held:
         sock.close()
     return ports
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is not alive
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except OSError:
-        pass
-
-
-def _group_has_live_members(pgid: int) -> bool:
-    """True when a running (not zombie) process is in process group `pgid`."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 class LocalProvider(Provider):
@@ -139,7 +110,7 @@ class LocalProvider(Provider):
             node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(plan.cluster_id, 0),
                         NODE_ADDR: node_address(plan.cluster_id, rank),
                         "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
-            argv = ["setsid", sys.executable, "-m", "rlhf_tasks.node", "--plan", str(plan_path), "--log-dir", str(logs)]
+            argv = ["setsid", sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan_path), "--log-dir", str(logs)]
             lines.append(f"    {rank}) " + " ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
                          + f" >> {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null & ;;")
         lines += ['    *) echo "no node of rank $1" >&2; exit 2 ;;', "  esac",
@@ -150,7 +121,7 @@ class LocalProvider(Provider):
 
     def _running(self, name: str) -> list[int]:
         record = state.load(name) or {}
-        return [pid for pid in record.get("pids", []) if _alive(pid)]
+        return [pid for pid in record.get("pids", []) if pid_alive(pid)]
 
     def _start(self, run_dir: Path, env: dict[str, str], ranks: list[int]) -> dict[int, int]:
         """Run the rendered start-nodes.sh for these ranks; rank -> agent PID."""
@@ -189,7 +160,7 @@ class LocalProvider(Provider):
 
         def tend() -> list[str]:
             """Replace a worker's node agent that died (the head's loss ends the cluster)."""
-            dead = [rank for rank, pid in agents.items() if rank > 0 and not _alive(pid)]
+            dead = [rank for rank, pid in agents.items() if rank > 0 and not pid_alive(pid)]
             if not dead:
                 return []
             agents.update(self._start(run_dir, env, dead))
@@ -198,7 +169,7 @@ class LocalProvider(Provider):
                     f"provider replaces a machine" for rank in dead]
 
         return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
-                       head_alive=lambda: _alive(agents[0]),
+                       head_alive=lambda: pid_alive(agents[0]),
                        node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
 
     def down(self, name: str) -> str:
@@ -208,14 +179,14 @@ class LocalProvider(Provider):
         if not record or record.get("ended"):
             return f"no local cluster named {name} is running"
         started = time.monotonic()
-        pids = [pid for pid in record.get("pids", []) if _alive(pid)]
+        pids = [pid for pid in record.get("pids", []) if pid_alive(pid)]
         groups = self._recorded_groups(record.get("temp_dir"))
         for pgid in groups:
-            _killpg(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
         for pid in pids:  # each agent then finds its children gone and exits at once
-            _killpg(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
             time.sleep(0.1)
         leftovers = self._kill_leftovers(pids, record.get("temp_dir"))
         state.end(name)
@@ -231,14 +202,14 @@ class LocalProvider(Provider):
                 groups.add(int(pgid_file.read_text().strip()))
             except (OSError, ValueError):
                 pass
-        return {g for g in groups if _group_has_live_members(g)}
+        return {g for g in groups if group_alive(g)}
 
     def _kill_leftovers(self, pids: list[int], temp_dir: str | None) -> str:
         """SIGKILL agents that ignored SIGTERM and any group they recorded that still runs."""
         killed = 0
         for pgid in set(pids) | self._recorded_groups(temp_dir):
-            if _group_has_live_members(pgid):
-                _killpg(pgid, signal.SIGKILL)
+            if group_alive(pgid):
+                signal_group(pgid, signal.SIGKILL)
                 killed += 1
         if temp_dir and temp_dir.startswith("/tmp/rlhf-"):
             subprocess.run(["rm", "-rf", temp_dir], check=False)

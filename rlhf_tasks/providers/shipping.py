@@ -1,7 +1,8 @@
-"""What every remote provider ships to its nodes: the node agent and the plan, under
-one directory on the node, the packages of rlhf_tasks the recipe's commands import (the
-demo's code) below it, and the command line that starts the agent there; and the
-heredoc that carries a file inside a rendered shell script."""
+"""What every remote provider ships to its nodes: the plan under one directory on the node,
+the node agent's package (rlhf_tasks/agent/, as plain files) and the packages of
+rlhf_tasks the recipe's commands import (the demo's code) in lib/ below it, and the
+command line that starts the agent there (`python3 -m rlhf_tasks.agent`, lib/ first on
+PYTHONPATH); and the heredoc that carries a file inside a rendered shell script."""
 
 from __future__ import annotations
 
@@ -20,12 +21,8 @@ LOCAL_DIR = "rlhf-tasks"
 NODE_DIR = "/opt/rlhf-tasks"
 #: Where shipped packages go (on PYTHONPATH of the agent and everything it starts).
 LIB = "lib"
-
-
-def agent_source(name: str = "node.py") -> str:
-    """The node agent (node.py) or its preflight (preflight.py, run beside it as a Ray job),
-    shipped verbatim: rlhf-tasks itself is not installed on the nodes."""
-    return (Path(__file__).resolve().parent.parent / name).read_text()
+#: The node agent's package, shipped verbatim below lib/: rlhf-tasks itself is not installed on the nodes.
+AGENT = "rlhf_tasks.agent"
 
 
 def module_files(modules: list[str]) -> dict[str, str]:
@@ -52,9 +49,8 @@ def module_files(modules: list[str]) -> dict[str, str]:
 
 def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json(), f"{LOCAL_DIR}/node.py": agent_source(),
-             f"{LOCAL_DIR}/preflight.py": agent_source("preflight.py")}
-    files.update({f"{LOCAL_DIR}/{LIB}/{path}": text for path, text in module_files(plan.modules).items()})
+    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json()}
+    files.update({f"{LOCAL_DIR}/{LIB}/{path}": text for path, text in module_files([AGENT, *plan.modules]).items()})
     return files
 
 
@@ -65,13 +61,11 @@ def node_path(local: str) -> str:
 
 
 def agent_command(plan: Plan) -> str:
-    """The agent's command line. With shipped packages, their directory goes first on
-    PYTHONPATH (kept from the image otherwise): the agent, Ray and the job inherit it."""
-    command = shlex.join(["python3", f"{NODE_DIR}/node.py", "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
+    """The agent's command line: lib/ goes first on PYTHONPATH (the image's is kept after
+    it), so that the agent's package imports; the agent, Ray and the job inherit it."""
+    command = shlex.join(["python3", "-m", AGENT, "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
                           "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
-    if plan.modules:
-        command = f"PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
-    return command
+    return f"PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
 
 
 def shared_entry(model: type[BaseModel], entry: dict | None, provider: str):

@@ -23,9 +23,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .. import state
+from ..agent.protocol import probe_tcp
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
-from ..node import probe_tcp
 from ..plan import Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Option, Provider, require_cli, stop_with_cli

@@ -50,20 +50,20 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from .. import state
-from ..errors import BadInput, StepFailed
+from ..agent.protocol import AgentError, parse_result, wait_for
 from ..console import say
+from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
-from ..node import AgentError, parse_result, wait_for
 from ..plan import Contract, Plan, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider
-from .shipping import agent_source, heredoc, module_files
+from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
-AGENT_EOF, PREFLIGHT_EOF, PLAN_EOF = "RLHF_TASKS_NODE_PY", "RLHF_TASKS_PREFLIGHT_PY", "RLHF_TASKS_PLAN_JSON"
+MODULE_EOF, PLAN_EOF = "RLHF_TASKS_MODULE_PY", "RLHF_TASKS_PLAN_JSON"
 #: The Slurm variables a container needs to be given by name (docker/podman start clean).
 CONTRACT_VARS = ("SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", HOSTS_ENV)
 #: The GPUs Slurm gave the job, by vendor: passed on, since the container sees every device.
@@ -333,6 +333,7 @@ class SlurmProvider(Provider):
         names = [*CONTRACT_VARS, *([GPU_SELECTION_VAR[vendor]] if vendor else []), *plan.secrets,
                  *([plan.token_env] if plan.token_env else []), *plan.env]
         lines += [[f"--env={name}"] for name in dict.fromkeys(names)]
+        lines.append(['--env=PYTHONPATH="$run_dir/lib"'])  # the agent's package (the engine starts clean)
         lines += [[f"--volume={mount}"] for mount in mounts]
         lines += [['--workdir="$run_dir"'], [q(plan.image)]]
         return lines
@@ -356,17 +357,17 @@ class SlurmProvider(Provider):
             "# The node agent and its plan, beside the job's output (a filesystem every node sees).",
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
-            *heredoc('"$run_dir/node.py"', agent_source(), AGENT_EOF),
-            *heredoc('"$run_dir/preflight.py"', agent_source("preflight.py"), PREFLIGHT_EOF),
             *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
+            "# The node agent's package and the code the recipe needs on the nodes (the demo's), first on",
+            "# PYTHONPATH: the agent runs as `python3 -m rlhf_tasks.agent`.",
         ]
-        modules = module_files(plan.modules)
-        if modules:  # the code a recipe needs on the nodes (the demo's), first on PYTHONPATH
-            lines.append("# Code the recipe needs on the nodes, first on PYTHONPATH.")
-            for path, text in modules.items():
+        made = set()
+        for path, text in module_files([AGENT, *plan.modules]).items():
+            if Path(path).parent not in made:
+                made.add(Path(path).parent)
                 lines.append(f'mkdir -p "$run_dir/lib/{Path(path).parent}"')
-                lines += heredoc(f'"$run_dir/lib/{path}"', text, "RLHF_TASKS_MODULE_PY")
-            lines.append('export PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}"')
+            lines += heredoc(f'"$run_dir/lib/{path}"', text, MODULE_EOF)
+        lines.append('export PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}"')
         if plan.checkpoint_dir:
             lines.append(f"mkdir -p {q(plan.checkpoint_dir)}")
         if plan.image:
@@ -384,7 +385,7 @@ class SlurmProvider(Provider):
                  "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
             srun += self.container_lines(plan)
-        srun.append(["python3", '"$run_dir/node.py"', "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
+        srun.append(["python3", "-m", AGENT, "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
         lines += [
             "",
             'echo "rlhf-tasks: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; the agents write $run_dir/node<N>.out"',

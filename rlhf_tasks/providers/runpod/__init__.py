@@ -41,9 +41,9 @@ import threading
 from typing import Any
 
 from ... import state
-from ...errors import BadInput, StepFailed
+from ...agent.protocol import AgentError
 from ...console import say
-from ...node import AgentError
+from ...errors import BadInput, StepFailed
 from ...plan import Plan, build_plan, env
 from ...spec import Task
 from ..base import Cluster, Option, Provider, write_files

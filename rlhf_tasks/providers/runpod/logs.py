@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ... import state
 from ...console import say
-from ...node import parse_result
+from ...agent.protocol import parse_result
 from ...plan import Plan
 from ..base import Cluster
 from ..ssh import SshTunnel

@@ -11,7 +11,7 @@ import time
 from ... import state
 from ...errors import StepFailed
 from ...console import say
-from ...node import AgentError, wait_for
+from ...agent.protocol import AgentError, wait_for
 from ...plan import Plan
 from .api import RunPodClient, RunPodError, RunPodNotFound
 from .render import NAME, filled, is_cluster, pod_names

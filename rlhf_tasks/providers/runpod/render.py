@@ -17,7 +17,7 @@ from pydantic import Field
 
 from ...errors import BadInput
 from ...models import StrictModel, size_bytes
-from ...node import RESULT_PREFIX
+from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, env, template
 from ...spec import Task
 from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files

@@ -1,4 +1,4 @@
-"""Node agent units: role detection per provider contract, readiness polling with a
+"""Node agent units (rlhf_tasks/agent/): role detection per provider contract, readiness polling with a
 deadline and a diagnosis, network and debug presets, the Ray command line."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import threading
 
 import pytest
 
-from rlhf_tasks import node, providers
-from rlhf_tasks.node import AgentError, NodeInfo, node_env, probe_tcp, ray_start_command, read_contract, wait_for
+from rlhf_tasks import providers
+from rlhf_tasks.agent import beacon, contract, jobrunner, processes, protocol, raynode
+from rlhf_tasks.agent.contract import NodeInfo, read_contract
+from rlhf_tasks.agent.protocol import AgentError, probe_tcp, wait_for
+from rlhf_tasks.agent.raynode import node_env, ray_start_command
 from rlhf_tasks.plan import Contract, command, env, template
 from rlhf_tasks.spec import parse_task
 
@@ -95,7 +98,7 @@ def test_missing_contract_variable_names_it():
 
 def test_the_agent_names_no_provider():
     """Contracts are data in the plan: the agent's source names no provider and none of their variables."""
-    source = (ROOT / "rlhf_tasks" / "node.py").read_text()
+    source = "".join(path.read_text() for path in sorted((ROOT / "rlhf_tasks" / "agent").glob("*.py")))
     for word in ("DSTACK_", "SKYPILOT_", "SLURM_", "HEAD_POD_ID", "PRIMARY_ADDR", "RAY_WORKER", "EXPECTED_WORKERS",
                  "\"NODE_RANK\"", "runpod", "dstack", "skypilot", "slurm", "podnet", "ens1"):
         assert word.lower() not in source.lower(), word
@@ -106,11 +109,11 @@ def test_a_plan_of_another_version_is_refused(tmp_path):
     plan["version"] = 1
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(path)], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2
-    assert "plan version 1" in out.stdout and f"reads version {node.PLAN_VERSION}" in out.stdout
-    assert node.parse_result(out.stdout)["exit_code"] == 2
+    assert "plan version 1" in out.stdout and f"reads version {protocol.PLAN_VERSION}" in out.stdout
+    assert protocol.parse_result(out.stdout)["exit_code"] == 2
 
 
 def test_wait_for_deadline_names_what_and_last_error():
@@ -182,14 +185,14 @@ def test_probe_names_a_name_that_does_not_resolve(monkeypatch):
 
 def test_network_preset_fills_the_interface_that_holds_the_address():
     preset = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1"}
-    info = NodeInfo(1, 2, "127.0.0.1", node.source_address("127.0.0.1"))
-    assert node.network_env(preset, info) == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+    info = NodeInfo(1, 2, "127.0.0.1", contract.source_address("127.0.0.1"))
+    assert raynode.network_env(preset, info) == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
                                               "NCCL_IB_DISABLE": "1"}
 
 
 def test_network_preset_without_an_interface_leaves_those_variables_unset():
     info = NodeInfo(1, 2, None, "192.0.2.77")  # TEST-NET-1: no interface here holds it
-    assert node.network_env({"NCCL_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "0"}, info) == {"NCCL_IB_DISABLE": "0"}
+    assert raynode.network_env({"NCCL_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "0"}, info) == {"NCCL_IB_DISABLE": "0"}
 
 
 def test_unknown_network_preset_names_the_field():
@@ -236,7 +239,7 @@ def test_ray_binds_the_private_address_and_keeps_the_dashboard_local():
 
 def test_placeholders_fill_only_our_names():
     info = NodeInfo(0, 1, "10.0.0.1", "10.0.0.2")
-    assert node.fill("http://{head_addr}:5000 ${HOME} {node_addr}", info) == "http://10.0.0.1:5000 ${HOME} 10.0.0.2"
+    assert raynode.fill("http://{head_addr}:5000 ${HOME} {node_addr}", info) == "http://10.0.0.1:5000 ${HOME} 10.0.0.2"
 
 
 def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
@@ -250,12 +253,12 @@ def test_worker_gives_up_on_an_absent_head_with_a_diagnosis(tmp_path):
     path.write_text(json.dumps(plan))
     env = dict(os.environ, RLHF_TASKS_NODE_RANK="1", RLHF_TASKS_NUM_NODES="2", RLHF_TASKS_HEAD_ADDR="127.0.0.1",
                RLHF_TASKS_NODE_ADDR="127.0.1.2", RAY_AUTH_TOKEN="secret-token-value")
-    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path), "--state-dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(path), "--state-dir", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"waiting for the head at 127.0.0.1:{port}" in out.stdout and "refused" in out.stdout
     assert "secret-token-value" not in out.stdout + out.stderr
-    result = node.parse_result(out.stdout)  # the one structured line the launcher reads
+    result = protocol.parse_result(out.stdout)  # the one structured line the launcher reads
     assert result["exit_code"] == 1 and result["rank"] == 1 and "waiting for the head" in result["failed_step"]
 
 
@@ -276,7 +279,7 @@ def test_service_readiness_over_http_post(tmp_path):
     port = sock.getsockname()[1]
     sock.close()
     info = NodeInfo(0, 1, "127.0.0.1", "127.0.0.1")
-    agent = node.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    agent = raynode.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
     service = {"name": "rm", "where": "head", "command": f"{sys.executable} {script} {port}", "env": {},
                "timeout": 20, "ready": {"http": f"http://{{node_addr}}:{port}/get_reward",
                                         "method": "POST", "json": {"query": ["q"]}}}
@@ -284,7 +287,7 @@ def test_service_readiness_over_http_post(tmp_path):
         agent.plan["services"] = [service]
         agent.start_services(("head",))
         assert agent.services[0].alive()
-        assert node.http_check(f"http://127.0.0.1:{port}/get_reward")[0] is False  # GET: 405
+        assert protocol.http_check(f"http://127.0.0.1:{port}/get_reward")[0] is False  # GET: 405
     finally:
         agent.stop_all()
     assert not agent.services[0].alive()
@@ -292,7 +295,7 @@ def test_service_readiness_over_http_post(tmp_path):
 
 def test_a_service_that_dies_fails_fast_with_its_log(tmp_path):
     info = NodeInfo(0, 1, "127.0.0.1", "127.0.0.1")
-    agent = node.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
+    agent = raynode.Node(plan_for(), info, dict(os.environ), str(tmp_path), str(tmp_path))
     agent.plan["services"] = [{"name": "rm", "where": "head", "command": "echo cannot load model >&2; exit 3",
                                "env": {}, "timeout": 60, "ready": {"tcp": 1, "host": "{node_addr}"}}]
     with pytest.raises(AgentError) as info_:
@@ -306,16 +309,16 @@ def test_stale_process_group_of_our_own_is_stopped(tmp_path):
     pgid_file.write_text(str(proc.pid))
     done = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), done.set()), daemon=True).start()
-    node.stop_stale(str(pgid_file))
+    processes.stop_stale(str(pgid_file))
     assert done.wait(10) and not pgid_file.exists()
 
 
 def test_ready_beacon_answers_until_closed():
-    beacon = node.ReadyBeacon("127.0.0.1", 0)
-    port = beacon.sock.getsockname()[1]
-    assert node.probe_ready("127.0.0.1", port) is None
-    beacon.close()
-    assert "refused" in node.probe_ready("127.0.0.1", port)
+    ready = beacon.ReadyBeacon("127.0.0.1", 0)
+    port = ready.sock.getsockname()[1]
+    assert beacon.probe_ready("127.0.0.1", port) is None
+    ready.close()
+    assert "refused" in beacon.probe_ready("127.0.0.1", port)
 
 
 def test_a_silent_port_is_not_a_ready_beacon():
@@ -323,7 +326,7 @@ def test_a_silent_port_is_not_a_ready_beacon():
     server.bind(("127.0.0.1", 0))
     server.listen(5)
     try:
-        reason = node.probe_ready("127.0.0.1", server.getsockname()[1], timeout=0.3)
+        reason = beacon.probe_ready("127.0.0.1", server.getsockname()[1], timeout=0.3)
         assert reason is not None and "beacon" in reason
     finally:
         server.close()
@@ -337,7 +340,7 @@ def every_node_run(tmp_path, entrypoint: list[str]) -> tuple[list[str], dict]:
     path.write_text(json.dumps(plan))
     env = dict(os.environ, RLHF_TASKS_NODE_RANK="0", RLHF_TASKS_NUM_NODES="1", RLHF_TASKS_HEAD_ADDR="127.0.0.1",
                RLHF_TASKS_NODE_ADDR="127.0.0.1", RAY_AUTH_TOKEN="t", PYTHONPATH=str(ROOT))
-    return [sys.executable, "-m", "rlhf_tasks.node", "--plan", str(path), "--state-dir", str(tmp_path / "state")], env
+    return [sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(path), "--state-dir", str(tmp_path / "state")], env
 
 
 def test_every_node_mode_runs_the_command_itself_and_exits_with_its_code(tmp_path):
@@ -346,7 +349,7 @@ def test_every_node_mode_runs_the_command_itself_and_exits_with_its_code(tmp_pat
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 7, out.stdout + out.stderr
     assert "rank 0 of 1, head 127.0.0.1" in out.stdout and "ray start" not in out.stdout
-    result = node.parse_result(out.stdout)
+    result = protocol.parse_result(out.stdout)
     assert result["exit_code"] == 7 and result["job"] == {"status": "FAILED", "exit_code": 7}
 
 
@@ -386,10 +389,11 @@ def test_what_the_agent_started_dies_with_it_even_by_sigkill(tmp_path):
 # --------------------------------------------------------------------------- the job's gate
 
 def start_gate(tmp_path, command, timeout_s=60):
-    gate = node.Gate(str(tmp_path / "job.gate"))
+    gate = jobrunner.Gate(str(tmp_path / "job.gate"))
     argv = gate.wrap(command, timeout_s)
-    assert argv[:2] == ["python3", os.path.abspath(node.__file__)]
-    proc = subprocess.Popen([sys.executable] + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert argv[:5] == ["python3", "-m", "rlhf_tasks.agent", "gate", str(tmp_path / "job.gate")]
+    proc = subprocess.Popen([sys.executable] + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
     return gate, proc
 
 
@@ -455,8 +459,8 @@ def fake_ray(tmp_path, console_script=True):
 
 def test_ray_start_is_prestarted_and_handed_its_arguments(tmp_path):
     env = fake_ray(tmp_path)
-    assert node.console_script_python(str(tmp_path / "bin" / "ray")) == [sys.executable]
-    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    assert raynode.console_script_python(str(tmp_path / "bin" / "ray")) == [sys.executable]
+    agent = raynode.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
     agent.prestart_ray()
     try:
         prestarted = agent.prestarted
@@ -472,8 +476,8 @@ def test_ray_start_is_prestarted_and_handed_its_arguments(tmp_path):
 
 def test_a_ray_that_is_not_pips_console_script_is_started_the_plain_way(tmp_path):
     env = fake_ray(tmp_path, console_script=False)
-    assert node.console_script_python(str(tmp_path / "bin" / "ray")) is None
-    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    assert raynode.console_script_python(str(tmp_path / "bin" / "ray")) is None
+    agent = raynode.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
     agent.prestart_ray()
     assert agent.prestarted is None
     try:
@@ -488,7 +492,7 @@ def test_a_prestarted_ray_start_that_died_is_replaced_by_a_plain_one(tmp_path, c
     env = fake_ray(tmp_path)
     (tmp_path / "lib" / "ray" / "scripts" / "scripts.py").write_text(
         "raise ImportError('cannot import name ray._raylet')\n")
-    agent = node.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
+    agent = raynode.Node(plan_for(), NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), env, str(tmp_path), str(tmp_path))
     agent.prestart_ray()
     prestarted = agent.prestarted
     assert prestarted.proc.wait(30) == 1  # its import failed

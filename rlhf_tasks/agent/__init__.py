@@ -1,0 +1,30 @@
+"""The node agent: runs on every node of the cluster and turns it into a Ray node.
+
+Standard library only and Python >= 3.8, so it can be shipped into any training image as
+plain files beside the plan (`lib/rlhf_tasks/__init__.py` and `lib/rlhf_tasks/agent/*.py`;
+rlhf-tasks itself is not installed on the nodes) and started as
+`python3 -m rlhf_tasks.agent --plan plan.json` with lib/ on PYTHONPATH. It knows no
+provider: the plan carries the provider's environment contract as data, and the agent
+only interprets it. Then:
+
+  head (rank 0): prepare data, `ray start --head` on the private address, open the ready
+                 beacon once its GCS serves; once its dashboard answers, submit preflight
+                 and (job.submit: head) the job behind a gate, so that both start up while
+                 the workers join; start the services and wait until they answer, wait
+                 until every node is ALIVE and preflight passed, then open the gate,
+                 follow the job (restarting it by its restart policy), exit with its result.
+  worker:        wait for the head's ready beacon, `ray start --address`, start the
+                 every-node services, supervise the raylet until the head goes away.
+  every_node:    (torchrun and the like) no Ray: every node runs the job's command itself.
+
+Every step prints one timestamped line; the agent ends with one structured result line
+that the launcher reads. Secrets are passed by variable name and never printed. No fixed
+sleeps: every wait polls its condition against a deadline.
+
+Modules: protocol (what the launcher and the agent both speak; the only module code
+outside this package imports), contract (the provider's contract, addresses), processes
+(children and process groups), raynode (Ray's start command and environment, the Node),
+beacon (the head's ready beacon), head (the head's bring-up), jobrunner (submitting,
+following and restarting the job), worker (workers and every_node mode), probe and
+preflight (the preflight Ray job), __main__ (the entry point).
+"""

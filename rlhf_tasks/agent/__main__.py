@@ -1,0 +1,106 @@
+"""The agent's entry point, `python3 -m rlhf_tasks.agent --plan plan.json` (and the job's
+gate, `python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...`): read the plan and the
+provider's contract, set up this node's environment, run the head's, a worker's or the
+every-node flow, and end with one result line whatever happened; SIGTERM stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import List, Optional
+
+from .contract import locate, read_contract
+from .head import HeadFlow
+from .jobrunner import gate_main
+from .protocol import PLAN_VERSION, AgentError, log, result_line
+from .raynode import Node, node_env
+from .worker import EveryNodeFlow, WorkerFlow
+
+
+def load_plan(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            plan = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise AgentError("reading the plan %s" % path, str(exc), code=2)
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+        found = plan.get("version") if isinstance(plan, dict) else None
+        raise AgentError("reading the plan %s" % path, "it is plan version %s, and this agent reads version %d: "
+                         "render it again with the rlhf-tasks that shipped this agent" % (found, PLAN_VERSION), code=2)
+    return plan
+
+
+def _on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gate"]:
+        return gate_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python3 -m rlhf_tasks.agent", description="rlhf-tasks node agent (runs on every node)")
+    parser.add_argument("--plan", required=True, help="the cluster plan (JSON) rendered by rlhf-tasks")
+    parser.add_argument("--skip-setup", action="store_true", help="the provider already ran the setup commands")
+    parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")
+    parser.add_argument("--log-dir", default=None, help="where Ray's and the services' output goes (default: state dir)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
+    node = flow = None
+    signalled = False  # the cluster is being torn down: no waiting for anyone
+    try:
+        plan = load_plan(args.plan)
+        info = locate(read_contract(plan["contract"], os.environ))
+        result["rank"] = info.rank
+        log.label = "node%d" % info.rank
+        log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
+        env = node_env(plan, info, os.environ)
+        net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
+        log("network preset %s: %s" % (plan["network"], " ".join(
+            "%s=%s%s" % (k, v, " (from the node's environment)" if os.environ.get(k) and k not in plan["env"] else "")
+            for k, v in net.items()) or "none"))
+        state_dir = args.state_dir or os.path.join(plan["ray"].get("temp_dir") or "/tmp", "rlhf-tasks")
+        log_dir = args.log_dir or state_dir
+        for directory in (state_dir, log_dir):
+            os.makedirs(directory, exist_ok=True)
+        node = Node(plan, info, env, state_dir, log_dir)
+        if plan["setup"] and not args.skip_setup:
+            node.run_commands("setup", plan["setup"])
+        if plan["job"].get("mode") == "every_node":
+            flow = EveryNodeFlow(node)
+        else:
+            flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)
+        result["exit_code"] = flow.run()
+    except AgentError as exc:
+        log("ERROR: %s" % exc)
+        result.update(exit_code=exc.code, error=str(exc), failed_step=exc.step)
+    except OSError as exc:  # the dashboard stopped answering, a disk filled up: say it in one line
+        log("ERROR: %s" % exc)
+        result.update(exit_code=1, error=str(exc))
+    except KeyboardInterrupt:
+        signalled = True
+        log("interrupted")
+        result.update(exit_code=130, error="interrupted")
+    except SystemExit as exc:
+        signalled = True
+        log("stopping (signal)")
+        result.update(exit_code=exc.code, error="stopped by signal %d" % (exc.code - 128))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if flow is not None:
+            flow.stop(signalled=signalled)
+            result.update(flow.result())
+        if node is not None:
+            node.stop_all()
+            result["steps"] = node.steps
+            log("stopped the processes this agent started")
+        print(result_line(result), flush=True)
+    return result["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

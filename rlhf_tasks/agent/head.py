@@ -1,0 +1,179 @@
+"""The head's bring-up (rank 0): prepare, `ray start --head`, the ready beacon once its GCS
+serves, submitting preflight and the gated job while the workers join, the services,
+waiting for every node, following preflight; then the job runner takes over (or the head
+supervises Ray for a client's submission). At the end: the result, and a teardown that
+lets the workers leave first. HeadPreflight is the head's side of the preflight job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+from .beacon import ReadyBeacon, reachable
+from .jobrunner import JobRunner
+from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
+                       http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
+                       result_line, wait_for)
+from .raynode import Node
+
+#: How long a head that ends on its own waits for the workers to leave (they leave ~10 s
+#: after its beacon closes) before it stops its own Ray.
+WORKER_LEAVE_S = 20.0
+JOB_LOG_TAIL_CHARS = 64 * 1024  # how much of the job's log the result line repeats
+
+
+class HeadFlow(object):
+    """Rank 0: prepare, start the head and its services, wait for every node, then hand the
+    job to the job runner (or keep the cluster up for a client's submission)."""
+
+    def __init__(self, node: Node):
+        self.node, self.plan, self.info = node, node.plan, node.info
+        self.beacon = None  # type: Optional[ReadyBeacon]
+        self.runner = None  # type: Optional[JobRunner]
+
+    def run(self) -> int:
+        node, plan = self.node, self.plan
+        node.prestart_ray()
+        if plan["prepare"]:
+            node.run_commands("prepare", plan["prepare"])
+        started = time.monotonic()
+        with node.step("ray head"):
+            node.start_ray(head=True)
+            gcs = (self.info.node_addr, plan["ray"]["port"])
+            # Local probes of a few ms each: poll flat and fast, every tenth of a second counts here.
+            wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180,
+                     interval=0.1, max_interval=0.2)
+            self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])  # the workers join now
+            log("Ray head's GCS up in %.1fs: the workers may join" % (time.monotonic() - started))
+            wait_for("the Ray dashboard at %s" % node.dashboard,
+                     node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180,
+                     interval=0.1, max_interval=0.2)
+        where = "" if node.dashboard.startswith("http://127.0.0.1") and self.info.node_addr.startswith("127.") \
+            else " (reach it through the provider's port forward)" if "127.0.0.1" in node.dashboard else ""
+        log("Ray head up in %.1fs; dashboard %s%s" % (time.monotonic() - started, node.dashboard, where))
+        # What waits for the nodes is submitted now, so that its start-up overlaps their joining:
+        # preflight (it waits for them itself), then the job behind a gate that opens once preflight passed.
+        jobs = DashboardJobs(node.dashboard, node.token)
+        self.runner = runner = JobRunner(node, jobs, self.finish)
+        preflight = HeadPreflight(node, jobs) if plan["preflight"]["enabled"] else None
+        gate = None
+        try:
+            if preflight is not None:
+                preflight.submit()
+            if plan["job"]["submit"] == "head":
+                gate = runner.submit_gated()
+            node.start_services(("head", "every_node"))
+            with node.step("nodes"):
+                nodes = plan["nodes"]
+                have = wait_for("%d nodes to join" % nodes,
+                                node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
+                                                             (plan["ray"].get("num_cpus") or 0) * nodes,
+                                                             (plan["ray"].get("num_gpus") or 0) * nodes)),
+                                plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
+            log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
+            if preflight is not None:
+                with node.step("preflight"):
+                    preflight.follow()
+        except BaseException as exc:
+            if gate is not None:
+                gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
+            if preflight is not None:
+                preflight.stop()
+            raise
+        if plan["job"]["submit"] == "head":
+            return runner.submit_and_follow(gate)
+        log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`"
+            % plan["ray"]["dashboard_port"])
+        return self.supervise()
+
+    def finish(self) -> None:
+        """The job is over: say so in a result line now (the launcher reads it), and keep the
+        cluster up when the plan says so."""
+        if self.plan.get("keep_cluster"):
+            print(result_line(dict(self.result(), exit_code=None, rank=0, steps=self.node.steps)), flush=True)
+            log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
+            self.supervise()
+
+    def supervise(self) -> int:
+        while self.node.ray.alive():
+            time.sleep(1.0)
+        raise AgentError("supervising the Ray head", "`ray start` exited with code %s:\n%s"
+                         % (self.node.ray.proc.returncode, self.node.ray.tail()))
+
+    def result(self) -> dict:
+        runner = self.runner
+        out = {"job": (runner.job if runner else None) or None, "node_ids": runner.node_ids if runner else []}
+        if runner is not None and runner.follower is not None:
+            out["job_log_chars"] = runner.follower.shown
+            out["job_log_tail"] = runner.follower.log_text[-JOB_LOG_TAIL_CHARS:]
+        return out
+
+    def stop(self, signalled: bool = False) -> None:
+        """Close the beacon; unless the cluster is being torn down (a signal), let the workers
+        see it and leave before the head's Ray stops, so the head is the last to exit (a
+        scheduler that kills the rest when one task fails then kills nothing)."""
+        if self.beacon is None:
+            return
+        self.beacon.close()
+        if signalled or self.node.ray is None or not self.node.ray.alive():
+            return
+
+        def workers_gone():
+            try:
+                left = [n for n in alive_nodes(self.node.dashboard, self.node.token) if not n.get("is_head_node")]
+            except (OSError, AgentError):
+                return True, 0
+            return not left, "%d workers still up" % len(left)
+        try:
+            wait_for("the workers to leave", workers_gone, WORKER_LEAVE_S, interval=0.5, max_interval=1.0,
+                     progress_every=WORKER_LEAVE_S + 1)
+        except AgentError:
+            log("the workers did not leave within %.0fs; stopping anyway" % WORKER_LEAVE_S)
+
+
+class HeadPreflight(object):
+    """The head's preflight: run the agent's preflight module as a Ray job of its own across
+    every node, print its table, keep its JSON beside the node logs, and fail (naming the
+    step) before the job's command starts when a check failed. Low bandwidth is a warning.
+
+    It is submitted as soon as the head is up and waits for the nodes itself: its driver
+    and its probe on each node start while the others are still joining."""
+
+    def __init__(self, node: Node, jobs: DashboardJobs):
+        self.node, self.jobs = node, jobs
+        self.sid = preflight_submission_id(node.cluster_key())
+
+    def submit(self) -> None:
+        node, settings = self.node, self.node.plan["preflight"]
+        if self.jobs.status(self.sid) is not None:
+            self.sid = "%s-%d" % (self.sid, int(time.time()))
+        log("preflight: checking %d nodes (versions, interfaces, %severy pair's bandwidth) as Ray job %s, once they "
+            "are ALIVE; deadline %.0fs" % (node.plan["nodes"], "a Gloo all_reduce, " if settings.get("torch", True)
+                                           else "", self.sid, settings["timeout_s"]))
+        self.jobs.submit(self.sid, preflight_argv(settings, node.plan["nodes"], settings["timeout_s"],
+                                                  wait_nodes=node.plan["wait"]["nodes_s"]))
+
+    def follow(self) -> dict:
+        """Once every node is ALIVE: its checks have `preflight.timeout` from now."""
+        node = self.node
+        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log)
+        path = os.path.join(node.log_dir, "preflight.json")
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=2, sort_keys=True)
+        preflight_report(result, log)
+        if not result["passed"]:
+            failure = result["failures"][0]
+            raise AgentError("preflight (%s)" % failure["step"], "%s; the job's command was not started (details: %s)"
+                             % (failure["message"], path))
+        log("preflight: the result is in %s" % path)
+        return result
+
+    def stop(self) -> None:
+        try:
+            if self.jobs.status(self.sid) not in TERMINAL_JOB_STATES + (None,):
+                self.jobs.stop(self.sid)
+        except OSError:
+            pass

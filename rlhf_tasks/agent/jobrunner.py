@@ -1,0 +1,334 @@
+"""The job runner on the head: submitting the job (the REST API, or `ray job submit
+--working-dir` through Ray's CLI when it has a working_dir), the gate a job submitted early
+waits behind, the attempt loop (follow one attempt; on a failure, a stall or a lost node,
+stop it, wait for every node and resubmit), and the restart policy as a pure function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from typing import Callable, List, Optional, Tuple
+
+from .protocol import (PREFLIGHT_GRACE_S, TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower, alive_nodes,
+                       job_argv, log, submission_id, wait_for)
+from .raynode import Node
+
+#: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
+FAST_FAILURE_S = 120.0
+
+
+class Restart(Exception):
+    """The running job must be stopped and submitted again: why, and whether it looks like a
+    bug in the job (the same `fingerprint` twice) rather than a fault of the cluster."""
+
+    def __init__(self, reason: str, bug: bool = False, fingerprint: Optional[str] = None):
+        Exception.__init__(self, reason)
+        self.reason, self.bug, self.fingerprint = reason, bug, fingerprint
+
+
+def checkpoint_mark(directory: Optional[str], limit: int = 20000) -> Optional[float]:
+    """The newest modification time under the checkpoint directory: changes when a new
+    checkpoint is written (bounded walk: a huge tree is not scanned to its end)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    newest, seen = os.path.getmtime(directory), 0
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            seen += 1
+            try:
+                newest = max(newest, os.path.getmtime(os.path.join(root, name)))
+            except OSError:
+                pass
+            if seen >= limit:
+                return newest
+    return newest
+
+
+#: What the restart policy decided: restart or give up (`restart`), why (`reason`: the
+#: restart's reason, or the message the job fails with), and the fingerprint this attempt
+#: leaves for the next one to compare with (None unless it failed fast).
+Verdict = namedtuple("Verdict", "restart reason fingerprint")
+
+
+def restart_policy(previous: List[dict], cause: Optional[Restart], seconds: float, mark_before: Optional[float],
+                   mark_after: Optional[float], max_restarts: int, sid: str) -> Verdict:
+    """Whether to restart the job after attempt `len(previous)` (0-based) ended: `previous`
+    are the attempts before it (each with the `fingerprint` its verdict left), `cause` why
+    this one must be restarted (None: it must not, e.g. it SUCCEEDED), `seconds` how long it
+    ran, `mark_before`/`mark_after` the checkpoint mark around it (see checkpoint_mark).
+
+    No restart when there is no cause or no restart left; none either when it failed the
+    same way as the attempt before, fast, with no new checkpoint between: a bug in the job,
+    not a fault of the cluster. Anything else (a slow failure, a new checkpoint, a lost
+    node, a stall) is restarted."""
+    if cause is None:
+        return Verdict(False, None, None)
+    last = "%s (job %s)" % (cause.reason, sid)
+    if len(previous) >= max_restarts:
+        return Verdict(False, "%s; no restarts left (job.max_restarts is %d)" % (cause.reason, max_restarts), None)
+    if cause.bug and previous and previous[-1].get("fingerprint") == cause.fingerprint \
+            and seconds < FAST_FAILURE_S and mark_after == mark_before:
+        return Verdict(False, "it failed the same way twice in a row within %.0fs, with no new checkpoint between: "
+                       "a bug, not a fault, so it is not restarted (last: %s)" % (FAST_FAILURE_S, last), None)
+    return Verdict(True, last, cause.fingerprint if seconds < FAST_FAILURE_S else None)
+
+
+class Gate(object):
+    """A file on the head that a job submitted early waits behind (`python3 -m rlhf_tasks.agent gate FILE ...`,
+    its entrypoint's wrapper): the job's supervisor and driver start while the nodes are
+    still joining, and its command runs the moment the head writes "go" (every node ALIVE,
+    preflight passed), or never, when the head writes "stop: why"."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.exists(path):
+            os.remove(path)
+
+    def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
+        """The job's command behind this gate; the agent's package is on the job's PYTHONPATH (node_env)."""
+        return ["python3", "-m", "rlhf_tasks.agent", "gate", self.path, "%.0f" % timeout_s, "--"] + argv
+
+    def open(self) -> None:
+        self._write("go\n")
+
+    def close(self, why: str) -> None:
+        self._write("stop: %s\n" % why)
+
+    def _write(self, word: str) -> None:
+        with open(self.path + ".tmp", "w") as handle:
+            handle.write(word)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def gate_main(argv: List[str]) -> int:
+    """`python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...`: wait for the head's word in FILE, then
+    become CMD (exec: the job's process is the command's), or exit 1 saying why not."""
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...", file=sys.stderr)
+        return 2
+    path, timeout_s, command = argv[0], float(argv[1]), argv[3:]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as handle:
+                word = handle.read()
+        except FileNotFoundError:
+            word = ""
+        if word.startswith("go"):
+            try:
+                os.execvp(command[0], command)
+            except OSError as exc:
+                print("rlhf-tasks: cannot run %s: %s" % (command[0], exc), file=sys.stderr, flush=True)
+                return 127
+        if word.startswith("stop"):
+            print("rlhf-tasks: the job's command was not started: %s" % word[5:].strip(), flush=True)
+            return 1
+        if time.monotonic() > deadline:
+            print("rlhf-tasks: the job's command was not started: the head gave no word within %.0fs" % timeout_s,
+                  flush=True)
+            return 1
+        time.sleep(0.05)
+
+
+class JobRunner(object):
+    """Submits and follows the job on the head, restarting it by restart_policy. `finish()`
+    runs when the job is over, before the runner returns or fails (the head's result line
+    and, with keep_cluster, supervising the cluster)."""
+
+    def __init__(self, node: Node, jobs: DashboardJobs, finish: Callable[[], None]):
+        self.node, self.plan, self.info, self.jobs, self.finish = node, node.plan, node.info, jobs, finish
+        self.job = {}  # type: dict  (submission_id, status, attempts; for the result line)
+        self.follower = None  # type: Optional[JobFollower]
+        self.expected_ips = []  # type: List[str]
+        self.node_ids = []  # type: List[str]
+
+    def submit_gated(self) -> Optional[Gate]:
+        """Submit the job's first attempt now, behind a gate (see Gate); None when this cluster
+        already has it (an agent that restarted follows it instead)."""
+        sid = submission_id(self.plan["name"], self.node.cluster_key(), 0)
+        if self.jobs.status(sid) is not None:
+            return None
+        gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid))
+        plan = self.plan  # the longest the head may take to say: its services, the nodes, preflight
+        limit = sum(s["timeout"] for s in plan["services"] if s["where"] in ("head", "every_node")) + \
+            plan["wait"]["nodes_s"] + (plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
+                                       if plan["preflight"]["enabled"] else 0) + 60
+        self.submit(sid, gate.wrap, limit)
+        return gate
+
+    def submit_and_follow(self, gate: Optional[Gate]) -> int:
+        """Open the gate of the job's first attempt (or submit it) and follow it; when it
+        fails, stalls or loses a node, stop it, wait until every node is back, and resubmit
+        it (it resumes from the latest checkpoint), as restart_policy says."""
+        node, job = self.node, self.plan["job"]
+        key = self.node.cluster_key()
+        alive = alive_nodes(node.dashboard, node.token)
+        self.expected_ips = sorted(n["node_ip"] for n in alive)
+        self.node_ids = sorted(n["node_id"] for n in alive)  # the launcher's summary: which metrics are this run's
+        max_restarts = job.get("max_restarts", 0)
+        attempts = []  # type: List[dict]
+        self.job = {"submission_id": None, "status": None, "attempts": attempts}
+        attempt = 0
+        while True:
+            sid = submission_id(self.plan["name"], key, attempt)
+            self.job["submission_id"] = sid
+            mark = checkpoint_mark(self.plan.get("checkpoint_dir"))
+            status, cause, seconds = self.run_attempt(sid, attempt, can_restart=attempt < max_restarts,
+                                                      gate=gate if attempt == 0 else None)
+            self.job["status"] = status
+            attempts.append({"submission_id": sid, "status": status, "cause": cause and cause.reason,
+                             "seconds": round(seconds, 1)})
+            if cause is None:
+                break
+            verdict = restart_policy(attempts[:-1], cause, seconds, mark, checkpoint_mark(self.plan.get("checkpoint_dir")),
+                                     max_restarts, sid)
+            if not verdict.restart:
+                self.stop_job(sid)
+                self.finish()
+                raise AgentError("running job %s" % sid, verdict.reason)
+            attempts[-1]["fingerprint"] = verdict.fingerprint
+            attempt += 1
+            log("restarting the job, attempt %d of %d: %s" % (attempt, max_restarts, verdict.reason))
+            with node.step("restart %d" % attempt):
+                self.stop_job(sid)
+                self.wait_for_every_node()
+        self.finish()
+        if status != "SUCCEEDED":
+            raise AgentError("running job %s" % sid, "it ended %s" % status)
+        return 0
+
+    def run_attempt(self, sid: str, attempt: int, can_restart: bool = True,
+                    gate: Optional[Gate] = None) -> Tuple[Optional[str], Optional[Restart], float]:
+        """Start (submit once, or open its gate) and follow one attempt: its final status
+        (None when it was interrupted), why it must be restarted (None when it must not), and
+        how long it ran. With no restart left, a failure is reported at once."""
+        node, job, jobs = self.node, self.plan["job"], self.jobs
+        with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
+            if gate is not None:
+                log("starting job %s: it was submitted while the nodes joined; its command runs now" % sid)
+                gate.open()
+            elif jobs.status(sid) is not None:
+                log("job %s was already submitted to this cluster; following it" % sid)
+            else:
+                self.submit(sid)
+        log("following job %s" % sid)
+        self.follower = follower = JobFollower(jobs, sid)
+        started = checked = time.monotonic()
+
+        def watch(status):
+            nonlocal checked
+            if not node.ray.alive():
+                raise AgentError("running job %s" % sid, "the Ray head exited while the job was %s" % status)
+            now = time.monotonic()
+            stall = job.get("stall_timeout_s")
+            if stall and now - follower.last_growth > stall:
+                raise Restart("its log has not grown for %.0fs (job.stall_timeout)" % stall)
+            if now - checked >= 2.0:
+                checked = now
+                missing = self.missing_nodes()
+                if missing:
+                    raise Restart("node %s left the cluster" % ", ".join(missing))
+
+        try:
+            with node.step("job" if attempt == 0 else "job attempt %d" % attempt):
+                status = follower.run(job.get("timeout_s"), watch)
+        except Restart as restart:
+            return None, restart, time.monotonic() - started
+        seconds = time.monotonic() - started
+        log("job %s %s after %.1fs" % (sid, status, seconds))
+        if status != "FAILED":  # SUCCEEDED, or STOPPED by someone: nothing to restart
+            return status, None, seconds
+        missing = self.lost_after_failure() if can_restart else self.missing_nodes(True)
+        if missing:
+            return status, Restart("node %s left the cluster and the job FAILED" % ", ".join(missing)), seconds
+        last_line = ([line for line in follower.log_text.splitlines() if line.strip()] or [""])[-1]
+        return status, Restart("the job FAILED", bug=True, fingerprint=last_line[-300:]), seconds
+
+    def missing_nodes(self, replaced: bool = False) -> List[str]:
+        """Addresses of the nodes the cluster had when the job started that are not ALIVE now
+        (with `replaced`, also those ALIVE twice: a new machine joined before Ray noticed the old
+        one's death)."""
+        try:
+            alive = [n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token)]
+        except OSError:
+            return []
+        missing = list(self.expected_ips)
+        for ip in alive:
+            if ip in missing:
+                missing.remove(ip)
+        twice = sorted({ip for ip in alive if alive.count(ip) > 1}) if replaced else []
+        return missing + [ip for ip in twice if ip not in missing]
+
+    def lost_after_failure(self) -> List[str]:
+        """After a failure, the nodes that were lost, if any: Ray marks a dead node only after
+        its health checks fail, so poll for that a little (`wait.node_loss`) before blaming
+        the job itself."""
+        grace_s = self.plan["wait"].get("node_loss_s", 40.0)
+        try:
+            return wait_for("Ray to notice a lost node", lambda: (lambda m: (bool(m), m))(self.missing_nodes(True)),
+                            grace_s, interval=0.5, max_interval=1.0, progress_every=grace_s + 1)
+        except AgentError:
+            return []
+
+    def stop_job(self, sid: str) -> None:
+        jobs = self.jobs
+        if jobs.status(sid) in TERMINAL_JOB_STATES:
+            return
+        log("stopping job %s" % sid)
+        jobs.stop(sid)
+        wait_for("job %s to stop" % sid, lambda: (lambda s: (s in TERMINAL_JOB_STATES, s))(jobs.status(sid)), 120)
+
+    def wait_for_every_node(self) -> None:
+        """Every node the job started with ALIVE again, and no more (a lost node's stale entry gone)."""
+        expected = self.expected_ips
+
+        def check():
+            try:
+                alive = sorted(n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token))
+            except OSError as exc:
+                return False, str(exc)
+            if alive == expected:
+                return True, "%d/%d nodes alive" % (len(alive), len(expected))
+            missing = [ip for ip in expected if ip not in alive] or ["none; %d nodes alive, %d expected"
+                                                                     % (len(alive), len(expected))]
+            return False, "missing: %s" % ", ".join(missing)
+        have = wait_for("every node to be ALIVE again", self.node.ray_alive(check), self.plan["wait"]["nodes_s"],
+                        interval=0.5, max_interval=2.0)
+        log("cluster ready again: %s" % have)
+
+    def submit(self, sid: str, wrap: Optional[Callable[[List[str], float], List[str]]] = None,
+               wait_s: float = 0.0) -> None:
+        """Submit the job's entrypoint, or (`wrap`) the entrypoint behind a gate it may wait
+        at for up to `wait_s` seconds."""
+        job = self.plan["job"]
+        argv, wandb = job_argv(job, self.info.head, self.info.node_addr, self.node.env)
+        if wandb:
+            log(wandb)
+        entrypoint = " ".join(shlex.quote(a) for a in argv)
+        gated = " (its command waits until every node is ALIVE%s)" % (
+            " and preflight passed" if self.plan["preflight"]["enabled"] else "") if wrap else ""
+        argv = wrap(argv, wait_s) if wrap else argv
+        if not job.get("working_dir"):
+            log("submitting job %s%s: %s" % (sid, gated, entrypoint))
+            return self.jobs.submit(sid, argv)
+        # Packing and uploading a working_dir is Ray's own code: use its CLI.
+        cmd = ["ray", "job", "submit", "--address", self.node.dashboard, "--submission-id", sid, "--no-wait",
+               "--working-dir", job["working_dir"], "--runtime-env-json", json.dumps({"excludes": job["excludes"]}),
+               "--"] + argv
+        log("submitting job %s with working_dir %s%s: %s" % (sid, job["working_dir"], gated, entrypoint))
+
+        def send():
+            out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
+            if out.returncode == 0:
+                return None
+            why = out.stderr.strip()[-2000:] or out.stdout.strip()[-2000:]
+            if "No available agent" in why:  # Ray's own words: the head's job agent is not up yet, try again
+                return True, why.splitlines()[-1]
+            return False, why
+        self.jobs.submit_with(sid, send)

@@ -1,0 +1,393 @@
+"""What the launcher and the agent both speak, and the only module of the agent that code
+outside rlhf_tasks/agent/ imports: the plan's version, the result lines, Ray job states,
+waits with a deadline, small HTTP and TCP probes, the dashboard's REST API (nodes, jobs),
+submission ids, the job's command line, and running preflight on a running cluster
+(`rlhf-tasks doctor`). Standard library only, Python >= 3.8 (it runs on the nodes too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Dict, List, Optional, Tuple
+
+#: The plan format this agent reads; the launcher writes the same number.
+#: The plan format this agent reads; the launcher writes the same number.
+PLAN_VERSION = 3
+RESULT_PREFIX = "RLHF_TASKS_RESULT "
+TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+#: The preflight job's result line, and how long past its checks' deadline it may take.
+PREFLIGHT_PREFIX = "RLHF_TASKS_PREFLIGHT "
+PREFLIGHT_GRACE_S = 15.0  # beyond the checks' own deadline: for the Ray job to start and end
+#: The preflight job's module (`python3 -m ...`), in the agent's package.
+PREFLIGHT_MODULE = "rlhf_tasks.agent.preflight"
+
+
+class _Log(object):
+    """The agent's timestamped lines (`[12:00:01] node0: ...`); also wait_for's default report."""
+
+    label = "node"
+
+    def __call__(self, message: str) -> None:
+        print("[%s] %s: %s" % (time.strftime("%H:%M:%S"), self.label, message), flush=True)
+
+
+log = _Log()
+
+
+class AgentError(Exception):
+    """A step failed; the message names it. `code` 2 means the plan or environment is wrong."""
+
+    def __init__(self, step: str, message: str, code: int = 1):
+        Exception.__init__(self, "%s failed: %s" % (step, message))
+        self.step, self.code = step, code
+
+def wait_for(what: str, check: Callable[[], Tuple[bool, object]], timeout_s: float, interval: float = 0.2,
+             max_interval: float = 2.0, progress_every: float = 10.0, report: Callable[[str], None] = None):
+    """Call `check()` until it returns (True, value); it returns (False, reason) otherwise.
+
+    Backs off from `interval` to `max_interval`, prints progress every `progress_every`
+    seconds, and raises AgentError naming what was awaited, for how long, and the last
+    reason when `timeout_s` passes."""
+    report = report or log
+    start = time.monotonic()
+    next_report = start + progress_every
+    delay = interval
+    while True:
+        done, value = check()
+        if done:
+            return value
+        now = time.monotonic()
+        if now - start >= timeout_s:
+            raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, value))
+        if now >= next_report:
+            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
+            next_report = now + progress_every
+        time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
+        delay = min(delay * 1.5, max_interval)
+
+
+def probe_tcp(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
+    """None when host:port accepts a connection, else why not, in words."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return "name %s does not resolve (%s)" % (host, exc.strerror)
+    last = "no address"
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(addr)
+            return None
+        except socket.timeout:
+            last = "connecting to %s:%s timed out" % (addr[0], port)
+        except ConnectionRefusedError:
+            last = "connection to %s:%s refused" % (addr[0], port)
+        except OSError as exc:
+            last = "cannot reach %s:%s (%s)" % (addr[0], port, os.strerror(exc.errno) if exc.errno else exc)
+        finally:
+            sock.close()
+    return last
+
+def http_request(url: str, method: str = "GET", body=None, headers: Optional[dict] = None,
+                 timeout: float = 5.0) -> Tuple[int, bytes]:
+    """(status, body bytes); raises OSError with a readable reason when there is no answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, socket.gaierror):
+            raise OSError("name in %s does not resolve" % url)
+        if isinstance(reason, ConnectionRefusedError):
+            raise OSError("connection to %s refused" % url)
+        raise OSError("no answer from %s (%s)" % (url, reason))
+    except socket.timeout:
+        raise OSError("request to %s timed out" % url)
+
+
+def http_check(url: str, method: str = "GET", body=None, headers: Optional[dict] = None) -> Tuple[bool, object]:
+    """A wait_for check: ready when the request answers below 400."""
+    try:
+        status, _ = http_request(url, method, body, headers, timeout=5.0)
+    except OSError as exc:
+        return False, str(exc)
+    return (True, status) if status < 400 else (False, "HTTP %d from %s %s" % (status, method, url))
+
+
+def auth_headers(token: Optional[str]) -> Dict[str, str]:
+    return {"Authorization": "Bearer %s" % token} if token else {}
+
+
+def alive_nodes(dashboard: str, token: Optional[str]) -> List[dict]:
+    """Nodes the GCS reports ALIVE, from the State API (fast; `ray status` lags)."""
+    url = (dashboard + "/api/v0/nodes?limit=1000&detail=true"
+           "&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE")
+    status, body = http_request(url, headers=auth_headers(token), timeout=10.0)
+    if status in (401, 403):
+        raise AgentError("asking Ray for its nodes", "the dashboard refused our token (HTTP %d)" % status)
+    if status != 200:
+        raise OSError("HTTP %d from %s" % (status, url))
+    return json.loads(body)["data"]["result"]["result"]
+
+
+def head_address(dashboard: str, token: Optional[str]) -> str:
+    """The head node's address as Ray knows it; a named failure when no head is alive."""
+    try:
+        nodes = alive_nodes(dashboard, token)
+    except OSError as exc:
+        raise AgentError("finding the Ray head", str(exc))
+    for node in nodes:
+        if node.get("is_head_node"):
+            return node["node_ip"]
+    raise AgentError("finding the Ray head", "no head node is alive in the cluster at %s (%d nodes alive)"
+                     % (dashboard, len(nodes)))
+
+
+def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float = 0, gpus: float = 0):
+    """A wait_for check: every expected node ALIVE, with its CPUs and GPUs registered."""
+    def check():
+        try:
+            alive = alive_nodes(dashboard, token)
+        except OSError as exc:
+            return False, str(exc)
+        total = {"CPU": 0.0, "GPU": 0.0}
+        for node in alive:
+            for key in total:
+                total[key] += node.get("resources_total", {}).get(key, 0.0)
+        have = "%d/%d nodes alive, %g CPUs, %g GPUs" % (len(alive), nodes, total["CPU"], total["GPU"])
+        if len(alive) < nodes or total["CPU"] < (cpus or 0) or total["GPU"] < (gpus or 0):
+            return False, have
+        return True, have
+    return check
+
+def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
+    """The job's id on its cluster: `<task>-<cluster>` (`-r<k>` for the k-th restart).
+    Stable, so a retried submission finds the first one instead of starting a second."""
+    sid = re.sub(r"[^A-Za-z0-9_-]+", "-", "%s-%s" % (name, cluster_key)).strip("-")
+    return "%s-r%d" % (sid, attempt) if attempt else sid
+
+
+def next_submission_id(sid: str) -> str:
+    """The id of the restart after `sid` (`<task>-<cluster>-r<k+1>`)."""
+    match = re.match(r"^(.*)-r(\d+)$", sid)
+    return "%s-r%d" % (match.group(1), int(match.group(2)) + 1) if match else sid + "-r1"
+
+
+def is_submission_of(name: str, sid: str) -> bool:
+    return sid.startswith(name + "-")
+
+
+def job_argv(job: dict, head_addr: str, node_addr: str, env: Dict[str, str]) -> Tuple[List[str], Optional[str]]:
+    """The job's command line on this cluster, and what was decided about W&B (None when
+    the recipe has no W&B flags): W&B flags are added only when WANDB_API_KEY is given."""
+    argv = [arg.replace("{head_addr}", head_addr).replace("{node_addr}", node_addr) for arg in job["entrypoint"]]
+    if not job.get("wandb_args"):
+        return argv, None
+    if env.get("WANDB_API_KEY"):
+        return argv + list(job["wandb_args"]), "W&B logging on (WANDB_API_KEY provided)"
+    return argv, "W&B logging off: WANDB_API_KEY was not provided"
+
+
+class DashboardJobs(object):
+    """The Ray Jobs REST API with the standard library (the head agent's jobs client)."""
+
+    def __init__(self, dashboard: str, token: Optional[str]):
+        self.dashboard, self.token = dashboard, token
+
+    def status(self, sid: str) -> Optional[str]:
+        """The job's status, or None when no such job exists."""
+        status, body = http_request("%s/api/jobs/%s" % (self.dashboard, sid), headers=auth_headers(self.token))
+        if status == 404:
+            return None
+        if status != 200:
+            raise OSError("HTTP %d asking for job %s" % (status, sid))
+        return json.loads(body)["status"]
+
+    def logs(self, sid: str) -> str:
+        status, body = http_request("%s/api/jobs/%s/logs" % (self.dashboard, sid), headers=auth_headers(self.token))
+        return json.loads(body).get("logs", "") if status == 200 else ""
+
+    def stop(self, sid: str) -> bool:
+        status, _ = http_request("%s/api/jobs/%s/stop" % (self.dashboard, sid), "POST", {}, auth_headers(self.token))
+        return status < 400
+
+    def submit(self, sid: str, argv: List[str], timeout_s: float = 120.0) -> None:
+        request = {"entrypoint": " ".join(shlex.quote(a) for a in argv), "submission_id": sid}
+
+        def send():
+            status, body = http_request(self.dashboard + "/api/jobs/", "POST", request, auth_headers(self.token),
+                                        timeout=30.0)
+            if status < 400:
+                return None
+            return status >= 500, "HTTP %d: %s" % (status, body.decode("utf-8", "replace")[:2000])
+        self.submit_with(sid, send, timeout_s)
+
+    def submit_with(self, sid: str, send: Callable[[], Optional[Tuple[bool, str]]], timeout_s: float = 120.0) -> None:
+        """Submit job `sid` with `send()` (None when it was taken, else whether to try again
+        and why not). The dashboard takes a job only once the head's job agent is up (it
+        waits 10 s for it, then answers 500), which may be later than the dashboard itself:
+        retry until `timeout_s`. A try that timed out may have landed: look before each."""
+        def attempt():
+            try:
+                if self.status(sid) is not None:
+                    return True, sid
+                refused = send()
+                if refused is None or self.status(sid) is not None:
+                    return True, sid
+            except OSError as exc:
+                return False, str(exc)
+            again, why = refused
+            if not again:
+                raise AgentError("submitting job %s" % sid, why)
+            return False, why
+        wait_for("the Jobs API to take job %s" % sid, attempt, timeout_s, interval=0.5, max_interval=2.0)
+
+
+class JobFollower(object):
+    """Print a job's log as it grows until the job ends. `jobs` is anything with
+    status/logs/stop (DashboardJobs here, the launcher's Jobs client there); `shown` is
+    how much of the log has been printed, so a caller that loses the dashboard knows
+    where to go on from."""
+
+    def __init__(self, jobs, sid: str, out=None):
+        self.jobs, self.sid, self.out = jobs, sid, out or sys.stdout
+        self.shown = 0
+        self.log_text = ""
+        self.last_growth = time.monotonic()  # when the log last grew (for stall detection)
+
+    def run(self, timeout_s: Optional[float] = None, watch: Optional[Callable[[str], None]] = None) -> str:
+        """The job's final status. `watch(status)` runs on every poll and may raise to
+        give up (e.g. the Ray head died). At `timeout_s` the job is stopped and this fails."""
+        started, delay = time.monotonic(), 0.5
+        while True:
+            status = self.jobs.status(self.sid)
+            text = self.jobs.logs(self.sid)
+            if len(text) > self.shown:
+                self.out.write(text[self.shown:])
+                self.out.flush()
+                self.shown, self.log_text, delay = len(text), text, 0.5
+                self.last_growth = time.monotonic()
+            if status in TERMINAL_JOB_STATES:
+                return status
+            if timeout_s and time.monotonic() - started > timeout_s:
+                self.jobs.stop(self.sid)
+                raise AgentError("running job %s" % self.sid,
+                                 "still %s after the job timeout of %.0fs; stopped it" % (status, timeout_s))
+            if watch is not None:
+                watch(status)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 3.0)
+
+
+def result_line(result: dict) -> str:
+    return RESULT_PREFIX + json.dumps(result, sort_keys=True)
+
+
+def last_json_line(text: str, prefix: str) -> Optional[dict]:
+    """The JSON after `prefix` on the last line of `text` that holds it, or None. The prefix
+    may stand after another: a scheduler that relays the log may prefix every line."""
+    for line in reversed(text.splitlines()):
+        at = line.find(prefix)
+        if at >= 0:
+            try:
+                return json.loads(line[at + len(prefix):])
+            except ValueError:
+                return None
+    return None
+
+
+def parse_result(text: str) -> Optional[dict]:
+    """The last result line an agent printed in `text`, or None."""
+    return last_json_line(text, RESULT_PREFIX)
+
+
+def preflight_submission_id(cluster_key: str) -> str:
+    """`preflight_<cluster>`: never taken for a job's own id, since task names have no underscore."""
+    return "preflight_" + re.sub(r"[^A-Za-z0-9_-]+", "-", cluster_key).strip("-")
+
+
+def preflight_argv(settings: dict, nodes: int, timeout: float, wait_nodes: float = 0.0,
+                   checks: Optional[dict] = None) -> List[str]:
+    """The preflight job's command line: it waits up to `wait_nodes` seconds for every node
+    (the head submits it while the workers join), then its checks have `timeout` seconds.
+    The agent's package must be importable where it runs (the agent puts it on Ray's
+    PYTHONPATH; doctor uploads it as the job's working_dir)."""
+    argv = ["python3", "-m", PREFLIGHT_MODULE, "--nodes", str(nodes), "--timeout", "%.1f" % timeout,
+            "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
+    if wait_nodes:
+        argv += ["--wait-nodes", "%.0f" % wait_nodes]
+    if not settings.get("torch", True):
+        argv.append("--no-torch")
+    if settings.get("model"):
+        argv += ["--model", settings["model"]]
+    if settings.get("weight_bytes"):
+        argv += ["--weight-bytes", str(settings["weight_bytes"])]
+    if checks:
+        argv += ["--checks", json.dumps(checks)]
+    return argv
+
+
+def parse_preflight(text: str) -> Optional[dict]:
+    """The preflight job's result line in its log, or None."""
+    return last_json_line(text, PREFLIGHT_PREFIX)
+
+
+def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
+    """Echo the preflight job's progress lines until it ends and return its result; at the
+    deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
+    shown, status, text = 0, None, ""
+    while True:
+        try:
+            status, text = jobs.status(sid), jobs.logs(sid)
+        except OSError as exc:
+            status = "unknown (%s)" % exc
+        complete = text[:text.rfind("\n") + 1]
+        lines = complete.splitlines()
+        for line in lines[shown:]:
+            if line.startswith("preflight: "):
+                report(line)
+        shown = max(shown, len(lines))
+        result = parse_preflight(complete)
+        if result is not None:  # its last word: no need to wait for Ray to mark the job ended
+            return result
+        if status in TERMINAL_JOB_STATES:
+            break
+        if time.time() > deadline + PREFLIGHT_GRACE_S:
+            jobs.stop(sid)
+            steps = [line for line in lines if line.startswith("preflight: ")]
+            raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
+                             "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
+        time.sleep(0.15)  # the command waits on this result: a local poll of a few ms, kept flat
+    result = parse_preflight(text)
+    if result is None:
+        raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"
+                         % (status, "\n".join(text.splitlines()[-20:])))
+    return result
+
+
+def preflight_report(result: dict, report: Callable[[str], None]) -> None:
+    """The table, then warnings and notes, as the head (and `rlhf-tasks doctor`) print them."""
+    verdict = "passed" if result["passed"] else "FAILED (%s)" % result["failed_step"]
+    report("preflight %s in %.1fs: %d nodes" % (verdict, result["seconds"], len(result["nodes"])))
+    print("\n".join(result["table"]), flush=True)
+    for note in result["notes"]:
+        report("preflight: " + note)
+    for warning in result["warnings"]:
+        report("preflight WARNING: " + warning)
+    for failure in result["failures"]:
+        report("preflight FAILED (%s): %s" % (failure["step"], failure["message"]))

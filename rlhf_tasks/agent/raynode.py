@@ -1,0 +1,274 @@
+"""Ray's start command and environment on this node, and the Node that head and worker
+share: the network preset's variables, auth, debugging and the agent's own package on
+PYTHONPATH (node_env); `ray start`'s command line, its interpreter started early
+(prestart); the services and their readiness; setup and prepare commands; stopping
+everything the node started; the step timings of the result line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import site
+import subprocess
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from .beacon import reachable
+from .contract import NodeInfo, interface_of, source_address
+from .processes import Child, stop_stale
+from .protocol import AgentError, http_check, log, probe_tcp, wait_for
+
+def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
+    """The preset's variables with `{iface}` set to the interface that carries this
+    node's address (or its route to the head); those are dropped when there is none."""
+    iface = interface_of(info.node_addr) or (interface_of(source_address(info.head)) if info.head else None)
+    env = {}
+    for key, value in preset.items():
+        if "{iface}" in value:
+            if not iface:
+                log("no interface carries %s: leaving %s unset" % (info.node_addr, key))
+                continue
+            value = value.replace("{iface}", iface)
+        env[key] = value
+    return env
+
+
+def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]:
+    """The environment for Ray and the services on this node."""
+    env = dict(base)
+    # The preset fills what the node's environment leaves unset (an image or a machine that
+    # sets NCCL_SOCKET_IFNAME knows its network); the task's env wins over both.
+    env.update({k: v for k, v in network_env(plan["network_env"], info).items() if not base.get(k)})
+    env.update(plan.get("env", {}))
+    env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
+                "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
+    token_env = plan.get("token_env")
+    if token_env:
+        token = base.get(token_env)
+        if not token:
+            raise AgentError("setting up Ray auth", "token auth is on but $%s is not set; the launcher passes "
+                             "the cluster's token in it" % token_env, code=2)
+        env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN"] = "token", token
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
+        env.pop("RAY_AUTH_TOKEN", None)
+    path = agent_pythonpath(env.get("PYTHONPATH"))
+    if path:
+        env["PYTHONPATH"] = path
+    debug = plan["ray"].get("debug", "off")
+    if debug == "legacy":
+        env["RAY_DEBUG"] = "legacy"
+    elif debug == "post_mortem":
+        env["RAY_DEBUG_POST_MORTEM"] = "1"
+    return env
+
+
+def package_root() -> str:
+    """The directory that holds this agent's `rlhf_tasks` package (lib/ on a node)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def agent_pythonpath(current: Optional[str]) -> str:
+    """PYTHONPATH with the agent's package root first, so that `python3 -m rlhf_tasks.agent...`
+    (the preflight job, the job's gate) and the preflight probe's class, which Ray pickles by
+    reference, import in Ray's jobs and workers on every node. Not when the root is a
+    site-packages directory (an installed rlhf-tasks): Ray's interpreter imports it from
+    there anyway, and site-packages before the standard library could shadow it."""
+    root = package_root()
+    parts = [p for p in (current or "").split(os.pathsep) if p]
+    installed = set(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    installed.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
+    if root in installed or parts[:1] == [root]:
+        return os.pathsep.join(parts)
+    return os.pathsep.join([root] + [p for p in parts if p != root])
+
+
+def fill(text: str, info: NodeInfo) -> str:
+    """Replace the {head_addr} and {node_addr} placeholders (nothing else: shell braces stay)."""
+    return text.replace("{head_addr}", info.head).replace("{node_addr}", info.node_addr)
+
+
+def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
+    ray = plan["ray"]
+    cmd = ["ray", "start", "--block", "--node-ip-address", info.node_addr,
+           "--dashboard-agent-listen-port", str(ray["agent_listen_port"])]
+    if head:
+        cmd += ["--head", "--port", str(ray["port"]), "--dashboard-host", fill(ray["dashboard_host"], info),
+                "--dashboard-port", str(ray["dashboard_port"]), "--ray-client-server-port", str(ray["client_server_port"])]
+    else:
+        cmd += ["--address", "%s:%s" % (info.head, ray["port"])]
+    if ray.get("temp_dir"):  # one per node: raylets sharing a session dir race for socket names
+        cmd += ["--temp-dir", "%s/n%d" % (ray["temp_dir"], info.rank)]
+    for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus")):
+        if ray.get(key) is not None:
+            cmd += [flag, str(ray[key])]
+    if ray.get("debug") == "legacy":
+        cmd.append("--ray-debugger-external")
+    return cmd
+
+
+#: A `ray start` whose interpreter has already imported Ray's CLI (over a second, more on a
+#: busy node) and waits for its arguments: one JSON line on stdin (an empty line: exit).
+PRESTARTED_RAY = (
+    "import json, sys\n"
+    "from ray.scripts.scripts import main\n"
+    "line = sys.stdin.readline()\n"
+    "if not line.strip():\n"
+    "    sys.exit(0)\n"
+    "sys.argv = json.loads(line)\n"
+    "sys.exit(main())\n")
+
+
+def console_script_python(path: Optional[str]) -> Optional[List[str]]:
+    """The interpreter line of the `ray` console script pip writes (`#!/path/python` and
+    `from ray.scripts.scripts import main`), or None when `ray` is something else."""
+    try:
+        with open(path or "", "rb") as handle:
+            text = handle.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    first = text.splitlines()[0] if text else ""
+    argv = first[2:].split() if first.startswith("#!") else []
+    program = argv[-1] if argv and os.path.basename(argv[0]) == "env" else (argv or [""])[0]
+    if "python" not in os.path.basename(program) or "from ray.scripts.scripts import main" not in text:
+        return None
+    return argv
+
+
+class Node(object):
+    """What head and worker share: Ray, services, commands, step timings."""
+
+    def __init__(self, plan: dict, info: NodeInfo, env: Dict[str, str], state_dir: str, log_dir: str):
+        self.plan, self.info, self.env, self.state_dir, self.log_dir = plan, info, env, state_dir, log_dir
+        self.token = env.get("RAY_AUTH_TOKEN") if plan.get("token_env") else None
+        self.ray = None  # type: Optional[Child]
+        self.prestarted = None  # type: Optional[Child]  (`ray start` waiting for its arguments)
+        self.job = None  # type: Optional[Child]  (job.mode every_node: this node's command)
+        self.services = []  # type: List[Child]
+        self.steps = []  # type: List[dict]
+        host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
+        self.dashboard = "http://%s:%s" % (host, plan["ray"]["dashboard_port"])
+
+    def cluster_key(self) -> str:
+        """What tells this cluster's jobs from another's (submission ids)."""
+        return self.info.cluster_id or self.plan.get("cluster_id") or self.info.head
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Time one step for the result line."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.steps.append({"step": name, "seconds": round(time.monotonic() - started, 2)})
+
+    def _pgid_file(self, what: str) -> str:
+        return os.path.join(self.state_dir, "%s-node%d-%s.pgid" % (self.plan["name"], self.info.rank, what))
+
+    def run_commands(self, step: str, commands: List[str]) -> None:
+        with self.step(step):
+            for index, command in enumerate(commands):
+                log("%s %d/%d: %s" % (step, index + 1, len(commands), command))
+                started = time.monotonic()
+                code = subprocess.call(fill(command, self.info), shell=True, env=self.env,
+                                       executable="/bin/bash" if os.path.exists("/bin/bash") else None)
+                if code != 0:
+                    raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)
+                log("%s %d/%d done in %.1fs" % (step, index + 1, len(commands), time.monotonic() - started))
+
+    def prestart_ray(self) -> None:
+        """Start `ray start`'s interpreter now, so that it imports Ray's CLI while this node
+        waits (for prepare, or for the head): off the critical path. start_ray hands it its
+        arguments. Skipped when `ray` is not pip's console script."""
+        python = console_script_python(shutil.which("ray", path=self.env.get("PATH")))
+        if python is None:
+            return
+        pgid_file = self._pgid_file("ray")
+        stop_stale(pgid_file)
+        self.prestarted = Child("ray", python + ["-c", PRESTARTED_RAY], self.env, self._ray_log(), pgid_file,
+                                stdin=subprocess.PIPE)
+
+    def _ray_log(self) -> str:
+        return os.path.join(self.log_dir, "ray-node%d.log" % self.info.rank)
+
+    def start_ray(self, head: bool) -> None:
+        cmd = ray_start_command(self.plan, self.info, head)
+        log("starting Ray %s: %s" % ("head" if head else "worker", " ".join(shlex.quote(c) for c in cmd)))
+        child, self.prestarted = self.prestarted, None
+        if child is not None and child.alive():
+            try:
+                child.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+                child.proc.stdin.close()
+                self.ray = child
+                return
+            except OSError:  # it exited just now
+                pass
+        if child is not None:  # Ray's CLI would not import there: start it the plain way, and say why
+            log("the prestarted `ray start` exited with code %s; starting it the plain way:\n%s"
+                % (child.proc.wait(), child.tail()))
+            child.stop(grace=0.0)
+        pgid_file = self._pgid_file("ray")
+        stop_stale(pgid_file)
+        self.ray = Child("ray", cmd, self.env, self._ray_log(), pgid_file)
+
+    def ray_alive(self, check: Callable[[], Tuple[bool, object]]) -> Callable[[], Tuple[bool, object]]:
+        """A wait_for check that fails at once when `ray start` has exited."""
+        def wrapped():
+            if not self.ray.alive():
+                raise AgentError("starting Ray", "`ray start` exited with code %s:\n%s" % (self.ray.proc.returncode, self.ray.tail()))
+            return check()
+        return wrapped
+
+    def start_services(self, where: Tuple[str, ...]) -> None:
+        for service in self.plan["services"]:
+            if service["where"] not in where:
+                continue
+            with self.step("service " + service["name"]):
+                pgid_file = self._pgid_file("service-" + service["name"])
+                stop_stale(pgid_file)
+                env = dict(self.env)
+                env.update(service.get("env", {}))
+                command = fill(service["command"], self.info)
+                log("starting service %s: %s" % (service["name"], command))
+                child = Child(service["name"], command, env,
+                              os.path.join(self.log_dir, "service-%s-node%d.log" % (service["name"], self.info.rank)),
+                              pgid_file, shell=True)
+                self.services.append(child)
+                self.wait_service(service, child)
+
+    def wait_service(self, service: dict, child: Child) -> None:
+        ready = service.get("ready")
+        if not ready:
+            return
+        if ready.get("http"):
+            url = fill(ready["http"], self.info)
+            method = ready.get("method", "GET")
+            probe = lambda: http_check(url, method, ready.get("json"))  # noqa: E731
+            what = "service %s (%s %s)" % (service["name"], method, url)
+        else:
+            host = fill(ready.get("host", "{node_addr}"), self.info)
+            probe = reachable(probe_tcp, host, ready["tcp"])
+            what = "service %s (tcp %s:%s)" % (service["name"], host, ready["tcp"])
+
+        def check():
+            if not child.alive():
+                raise AgentError("starting service %s" % service["name"],
+                                 "it exited with code %s before it was ready:\n%s" % (child.proc.returncode, child.tail()))
+            return probe()
+        started = time.monotonic()
+        wait_for(what, check, service["timeout"])
+        log("service %s ready after %.1fs" % (service["name"], time.monotonic() - started))
+
+    def stop_all(self) -> None:
+        if self.prestarted is not None:
+            self.prestarted.stop(grace=0.0)
+        if self.job is not None:
+            self.job.stop(grace=10.0)
+        for child in reversed(self.services):
+            child.stop()
+        if self.ray is not None:  # the node is going away: no need to let a raylet drain
+            self.ray.stop(grace=5.0)
