@@ -22,8 +22,17 @@ overlay interface). Both run what the container would: the image's entrypoint wi
 to the container entrypoint"; quotes group words, nothing is expanded), in the
 environment RunPod sets inside a pod.
 
-Faults for tests: fail the Nth create, 429 with Retry-After for the next K requests,
-5xx for the next K requests, 401/403 for everything.
+Faults for tests: fail the Nth create (also after it was made), 429 with Retry-After for
+the next K requests, 5xx for the next K requests, 401/403 for everything, 400 (no capacity)
+or 403 (pool not accessible) for creates in chosen data centers.
+
+Where the document leaves behaviour open, the stand-in plays its least convenient reading
+by default, and a test may switch each one (see :class:`RunPodStandIn`): no keep-alive
+comments on a log stream; event ids that are plain timestamps (whole seconds, like the
+document's example) with a resume that starts after (or, switched, at) that timestamp; a
+log stream that ends cleanly every few seconds while the pod runs; ``dataCenterId: null``
+while a pod is PROVISIONING; a create that tries only the first of ``dataCenterIds``;
+stock per product (pods and Instant Clusters differ).
 """
 
 from __future__ import annotations
@@ -58,9 +67,21 @@ GLOBAL_PREFIX = "10.65"  # Global Networking addresses when the runner has none 
 PRIMARY_PORT = 29500     # RunPod says "all ports are available"; torch's usual one
 
 
-def now_rfc3339(t: float | None = None) -> str:
+def now_rfc3339(t: float | None = None, digits: int = 3) -> str:
+    """RFC 3339 in UTC with ``digits`` fraction digits (0: whole seconds)."""
     t = time.time() if t is None else t
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    text = datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+    return (text[:20 + digits] if digits else text[:19]) + "Z"
+
+
+def parse_rfc3339(value: str) -> datetime:
+    """An RFC 3339 date-time (any fraction digits); ValueError when it is not one."""
+    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", value)
+    if match is None:
+        raise ValueError(f"{value!r} is not an RFC 3339 date-time")
+    base, fraction, zone = match.groups()
+    micro = ((fraction or ".")[1:] + "000000")[:6]
+    return datetime.fromisoformat(f"{base}.{micro}{'+00:00' if zone == 'Z' else zone}")
 
 
 def _new_id() -> str:
@@ -190,10 +211,13 @@ class Contract:
 @dataclass
 class Catalog:
     """What GET /catalog/* answers, in RunPod's own shapes, plus the stock that decides
-    placement: ``stock[(gpu id, data center id)]`` is NONE|LOW|MEDIUM|HIGH (missing: NONE)."""
+    placement: ``stock[(gpu id, data center id)]`` is NONE|LOW|MEDIUM|HIGH (missing: NONE)
+    for pods, ``cluster_stock`` the same for Instant Clusters (RunPod: "the same GPU type can
+    be scarce for pods and plentiful for serverless, so the context has to be stated")."""
     datacenters: list[dict]
     gpus: list[dict]
     stock: dict[tuple[str, str], str] = field(default_factory=dict)
+    cluster_stock: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def gpu(self, gpu_id: str) -> dict | None:
         return next((g for g in self.gpus if g["id"] == gpu_id), None)
@@ -201,8 +225,9 @@ class Catalog:
     def datacenter(self, dc_id: str) -> dict | None:
         return next((d for d in self.datacenters if d["id"] == dc_id), None)
 
-    def level(self, gpu_id: str, dc_id: str) -> str:
-        return self.stock.get((gpu_id, dc_id), "NONE")
+    def level(self, gpu_id: str, dc_id: str, product: str = "POD") -> str:
+        stock = self.cluster_stock if product == "CLUSTER" else self.stock
+        return stock.get((gpu_id, dc_id), "NONE")
 
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -231,7 +256,10 @@ def default_catalog() -> Catalog:
               gpu(MI300X, "MI300X", "AMD", 192, 2.49, 2.49, 8, 8)],
         stock={(H100, "EU-RO-1"): "HIGH", (H100, "US-KS-2"): "LOW", (H100, "CA-MTL-1"): "HIGH",
                (A40, "EU-RO-1"): "MEDIUM", (A40, "CA-MTL-1"): "HIGH",
-               (MI300X, "EU-RO-1"): "HIGH"})
+               (MI300X, "EU-RO-1"): "HIGH"},
+        # Instant Clusters: where pods are plentiful, clusters need not be (and the other way)
+        cluster_stock={(H100, "EU-RO-1"): "HIGH", (H100, "US-KS-2"): "MEDIUM",
+                       (A40, "EU-RO-1"): "HIGH", (A40, "CA-MTL-1"): "NONE"})
 
 
 # --------------------------------------------------------------------------- runners
@@ -462,7 +490,8 @@ class LogEntry:
 
     @property
     def event_id(self) -> str:
-        return f"{self.ts}/{self.seq:012d}"
+        """RunPod: "Log-event `id` values are the event `ts` timestamp" (nothing more)."""
+        return self.ts
 
 
 @dataclass
@@ -549,18 +578,54 @@ class _Stream:
 
 
 class RunPodStandIn:
-    """``with RunPodStandIn(runner, api_key=KEY) as api:`` then point a client at ``api.url``."""
+    """``with RunPodStandIn(runner, api_key=KEY) as api:`` then point a client at ``api.url``.
+
+    Behaviour the document leaves open, least convenient by default (attributes a test may
+    set at any time):
+
+    - ``keepalive``: seconds between ``: keep-alive`` comments on a quiet log stream; None
+      (default): none, as the document promises none.
+    - ``resume``: how ``Last-Event-ID`` (and ``since``) are read; the document says only
+      that ids are the line's ``ts`` and the header "a timestamp": "after" (default: the
+      lines after that timestamp, so others with the same one are not sent) or "from"
+      (the lines from that timestamp on, so those already sent come again).
+    - ``ts_digits``: fraction digits of a log line's ``ts``; 0 (default): whole seconds, as
+      in the document's example ``2026-06-01T12:02:03Z``, so many lines share one.
+    - ``stream_lifetime``: a log stream ends cleanly after this many seconds even while the
+      pod runs (the document does not say when a stream ends); None: only when the pod ends.
+    - ``datacenter_while_provisioning``: False (default): a pod's ``dataCenterId`` is null
+      while it is PROVISIONING (the document: "string or null", "assigned by scheduler"),
+      and a cluster's is omitted until one of its pods is placed (the document says so).
+    - ``search_datacenters``: False (default): a create places only in the first of
+      ``dataCenterIds`` (the document: "This endpoint places one specific GPU type. It does
+      not search for capacity"); True: the first of them with stock.
+    - ``no_capacity`` / ``forbidden``: data centers whose creates answer 400 (no capacity,
+      whatever the catalog says: "a create can still fail for capacity on a GPU the catalog
+      just reported as available") / 403 ("Your account cannot access the requested pool").
+    - ``clock``: the time log lines are stamped with (a test may freeze it).
+    """
 
     def __init__(self, runner: PodRunner, *, api_key: str, catalog: Catalog | None = None,
                  contract: Contract | None = None, provision_delay: float = 0.0,
-                 tick: float = 0.02, heartbeat: float = 2.0, ssh_public_keys: str = ""):
+                 tick: float = 0.02, keepalive: float | None = None, resume: str = "after",
+                 ts_digits: int = 0, stream_lifetime: float | None = 3.0,
+                 datacenter_while_provisioning: bool = False, search_datacenters: bool = False,
+                 ssh_public_keys: str = ""):
         self.runner = runner
         self.api_key = api_key
         self.catalog = catalog or default_catalog()
         self.contract = contract or Contract()
         self.provision_delay = provision_delay
         self.tick = tick
-        self.heartbeat = heartbeat
+        self.keepalive = keepalive
+        self.resume = resume
+        self.ts_digits = ts_digits
+        self.stream_lifetime = stream_lifetime
+        self.datacenter_while_provisioning = datacenter_while_provisioning
+        self.search_datacenters = search_datacenters
+        self.no_capacity: set[str] = set()
+        self.forbidden: set[str] = set()
+        self.clock = time.time
         self.ssh_public_keys = ssh_public_keys
         self.pods: dict[str, PodState] = {}
         self.clusters: dict[str, ClusterState] = {}
@@ -636,9 +701,10 @@ class RunPodStandIn:
     # ------------------------------------------------------------ faults
 
     def fail_create(self, nth: int = 1, status: int = 500, title: str = "Internal Server Error",
-                    detail: str = "upstream failure", kind: str = "pod") -> None:
-        """The ``nth`` create (counted from now; ``kind`` pod or cluster) answers this error."""
-        self._create_faults[(kind, self._creates[kind] + nth)] = (status, title, detail)
+                    detail: str = "upstream failure", kind: str = "pod", made: bool = False) -> None:
+        """The ``nth`` create (counted from now; ``kind`` pod or cluster) answers this error;
+        with ``made``, after the pod or cluster was really made (a 5xx on the way back)."""
+        self._create_faults[(kind, self._creates[kind] + nth)] = (status, title, detail, made)
 
     def rate_limit(self, k: int, retry_after: int | str = 1) -> None:
         """The next ``k`` requests answer 429 with this Retry-After (seconds or HTTP date)."""
@@ -654,6 +720,8 @@ class RunPodStandIn:
         self._failures.clear()
         self._create_faults.clear()
         self.auth_failure = self.drop_log_stream_after = None
+        self.no_capacity.clear()
+        self.forbidden.clear()
 
     def add_network_volume(self, name: str, data_center: str, size: int = 100) -> str:
         """A network volume in ``data_center``, as if made in RunPod's console; its id."""
@@ -768,11 +836,15 @@ class RunPodStandIn:
         if final and pod.partial:
             lines.append(pod.partial)
             pod.partial = ""
+        ts = self._stamp()  # one read of the container's output: one time
         for line in lines:
-            self._log(pod, "container", line.rstrip("\r"))
+            self._log(pod, "container", line.rstrip("\r"), ts)
 
-    def _log(self, pod: PodState, source: str, line: str) -> None:
-        pod.logs.append(LogEntry(next(self._log_seq), now_rfc3339(), source, line))
+    def _stamp(self) -> str:
+        return now_rfc3339(self.clock(), self.ts_digits)
+
+    def _log(self, pod: PodState, source: str, line: str, ts: str | None = None) -> None:
+        pod.logs.append(LogEntry(next(self._log_seq), ts or self._stamp(), source, line))
 
     def _system(self, pod: PodState, line: str) -> None:
         self._log(pod, "system", line)
@@ -863,7 +935,8 @@ class RunPodStandIn:
             "disk": pod.disk, "ports": list(pod.ports), "env": dict(pod.env),
             "registry": pod.registry, "status": pod.status,
             "actions": list(ACTIONS_BY_STATUS[pod.status]), "mounts": pod.mounts,
-            "gpu": dict(pod.gpu), "cloud": pod.cloud, "dataCenterId": pod.datacenter,
+            "gpu": dict(pod.gpu), "cloud": pod.cloud,
+            "dataCenterId": pod.datacenter if placed or self.datacenter_while_provisioning else None,
             "cudaVersion": "12.8", "ssh": {"proxy": proxy, "direct": direct}, "template": None,
             "cost": 0.0 if pod.status in ("EXITED", "TERMINATED") else pod.price,
             "locked": False, "globalNetworking": gn, "runtime": runtime,
@@ -883,7 +956,7 @@ class RunPodStandIn:
         primary_json: dict[str, Any] = {"podId": primary.id, "status": primary.status}
         if primary.status == "RUNNING" and "22/tcp" in primary.ports and primary.public_ip:
             primary_json["sshEndpoint"] = f"{primary.public_ip}:22"
-        return {
+        out = {
             "id": cluster.id, "name": cluster.name, "type": cluster.type,
             "compute": dict(cluster.compute), "dataCenterId": cluster.datacenter,
             "pods": {"total": len(pods), "byStatus": by_status},
@@ -891,6 +964,10 @@ class RunPodStandIn:
                         "vxlanPort": 4789},
             "primary": primary_json, "createdAt": now_rfc3339(cluster.created),
         }
+        # RunPod: "Derived from the member pods; omitted until at least one pod is placed."
+        if not self.datacenter_while_provisioning and all(p.status == "PROVISIONING" for p in pods):
+            del out["dataCenterId"]
+        return out
 
     # ------------------------------------------------------------ routes
 
@@ -901,8 +978,8 @@ class RunPodStandIn:
         return pod
 
     def _placement(self, gpu_id: str, count: int, cloud: str, dc_ids: list[str] | None,
-                   global_networking: bool) -> tuple[dict, str]:
-        """(GpuType, data center id) for a create, or the 400 RunPod answers."""
+                   global_networking: bool, product: str = "POD") -> tuple[dict, str]:
+        """(GpuType, data center id) for a create, or the 400 (403) RunPod answers."""
         gpu = self.catalog.gpu(gpu_id)
         if gpu is None:
             raise _Answer(400, "Bad Request", f"gpu type {gpu_id!r} does not exist")
@@ -910,19 +987,27 @@ class RunPodStandIn:
         if count > ceiling:
             raise _Answer(400, "Bad Request", f"{gpu_id} allows at most {ceiling} GPUs per pod "
                           f"on {cloud} cloud, not {count}")
-        if global_networking:
-            if gpu["manufacturer"] != "NVIDIA":
-                raise _Answer(400, "Bad Request", "global networking requires an NVIDIA GPU")
-            if cloud != "SECURE":
-                raise _Answer(400, "Bad Request", "global networking requires Secure Cloud")
-        candidates = dc_ids or [d["id"] for d in self.catalog.datacenters]
+        # RunPod: global networking "Requires an NVIDIA GPU and a global-networking-enabled
+        # data center (both enforced upstream)"; nothing about the cloud
+        if global_networking and gpu["manufacturer"] != "NVIDIA":
+            raise _Answer(400, "Bad Request", "global networking requires an NVIDIA GPU")
+        if dc_ids:  # preferences: the first only, unless the stand-in is told to search them
+            candidates = list(dc_ids) if self.search_datacenters else list(dc_ids[:1])
+        else:  # "Omit or pass an empty array to let the scheduler choose"
+            candidates = [d["id"] for d in self.catalog.datacenters]
         for dc_id in candidates:
             dc = self.catalog.datacenter(dc_id)
             if dc is None:
                 continue
             if global_networking and not dc["globalNetwork"]:
                 continue
-            if self.catalog.level(gpu_id, dc_id) != "NONE":
+            if dc_id in self.forbidden:
+                if len(candidates) == 1:
+                    raise _Answer(403, "Forbidden", "access denied")
+                continue
+            if dc_id in self.no_capacity:
+                continue
+            if self.catalog.level(gpu_id, dc_id, product) != "NONE":
                 return gpu, dc_id
         where = ", ".join(candidates)
         gn = " with global networking" if global_networking else ""
@@ -942,21 +1027,22 @@ class RunPodStandIn:
             return [volume["dataCenter"]]
         return dc_ids
 
-    def _create_fault(self, kind: str) -> None:
+    def _create_fault(self, kind: str) -> tuple | None:
+        """The injected answer of this create: raised now, or returned when it comes after
+        the pod or cluster is made."""
         self._creates[kind] += 1
         fault = self._create_faults.pop((kind, self._creates[kind]), None)
-        if fault is not None:
-            raise _Answer(*fault)
+        if fault is not None and not fault[3]:
+            raise _Answer(*fault[:3])
+        return fault and fault[:3]
 
     def create_pod(self, body: dict, query: dict) -> tuple[int, dict]:
         with self._cond:
-            self._create_fault("pod")
+            late = self._create_fault("pod")
             if ("gpu" in body) == ("cpu" in body):
                 raise _Answer(400, "Bad Request", "exactly one of gpu or cpu must be set")
             if "cpu" in body:
                 raise _Answer(400, "Bad Request", "CPU pods are not offered by this stand-in")
-            if len(body.get("env") or {}) > 50:
-                raise _Answer(400, "Bad Request", "at most 50 environment variables per pod")
             mounts = body.get("mounts") or {}
             if "persistent" in mounts and "network" in mounts:
                 raise _Answer(400, "Bad Request", "mounts: at most one of persistent or network")
@@ -977,6 +1063,8 @@ class RunPodStandIn:
                 created=time.time())
             self.pods[pod.id] = pod
             self._system(pod, "pod created")
+            if late:
+                raise _Answer(*late)
             return 201, self._pod_json(pod)
 
     def list_pods(self, body, query) -> tuple[int, dict]:
@@ -1034,14 +1122,22 @@ class RunPodStandIn:
             raise _Answer(422, "Unprocessable Entity", "Request validation failed.",
                           ["tail: must be an integer from 0 to 5000"])
         since = query.get("since", [None])[0]
+        # Last-Event-ID "takes precedence over `since` and `tail`"; both are date-times
+        cursor = last_event_id or since
+        if cursor:
+            try:
+                when = parse_rfc3339(cursor)
+            except ValueError as exc:
+                what = "Last-Event-ID" if last_event_id else "since"
+                raise _Answer(422, "Unprocessable Entity", "Request validation failed.",
+                              [f"{what}: {exc}"]) from None
         with self._cond:
             pod = self._find_pod(pod_id)
             entries = [e for e in pod.logs if source in (None, e.source)]
-            if last_event_id:
-                seq = int(last_event_id.rsplit("/", 1)[-1]) if "/" in last_event_id else 0
-                start = next((i for i, e in enumerate(pod.logs) if e.seq > seq), len(pod.logs))
-            elif since:
-                start = next((i for i, e in enumerate(pod.logs) if e.ts >= since), len(pod.logs))
+            if cursor:  # the document does not say whether that timestamp's lines come again
+                after = (lambda e: parse_rfc3339(e.ts) > when) if self.resume == "after" else \
+                    (lambda e: parse_rfc3339(e.ts) >= when)
+                start = next((i for i, e in enumerate(pod.logs) if after(e)), len(pod.logs))
             else:
                 keep = entries[-tail:] if tail else []
                 start = pod.logs.index(keep[0]) if keep else len(pod.logs)
@@ -1049,13 +1145,11 @@ class RunPodStandIn:
 
     def create_cluster(self, body: dict, query: dict) -> tuple[int, dict]:
         with self._cond:
-            self._create_fault("cluster")
-            if len(body.get("env") or {}) > 50:
-                raise _Answer(400, "Bad Request", "at most 50 environment variables per pod")
+            late = self._create_fault("cluster")
             compute = body["compute"]
             gpu, dc = self._placement(compute["gpuTypeId"], compute["gpuCountPerPod"], "SECURE",
                                       self._volume_dcs(body.get("mounts") or {},
-                                                       body.get("dataCenterIds")), False)
+                                                       body.get("dataCenterIds")), False, "CLUSTER")
             seq = next(self._cluster_seq)
             cluster = ClusterState(id=_new_id(), name=body["name"], type=body["type"],
                                    compute=dict(compute), datacenter=dc, seq=seq, pod_ids=[],
@@ -1076,6 +1170,8 @@ class RunPodStandIn:
                 cluster.pod_ids.append(pod.id)
                 self._system(pod, f"cluster {cluster.id} member {rank} created")
             self.clusters[cluster.id] = cluster
+            if late:
+                raise _Answer(*late)
             return 201, self._cluster_json(cluster)
 
     def _find_cluster(self, cluster_id: str) -> ClusterState:
@@ -1144,6 +1240,8 @@ class RunPodStandIn:
         count = int(query.get("count", ["1"])[0])
         cloud = query.get("cloud", ["SECURE"])[0]
         rank = ["NONE", "LOW", "MEDIUM", "HIGH"]
+        levels = lambda gpu_id, dc_id: max(  # noqa: E731 - the best of the products asked for
+            (self.catalog.level(gpu_id, dc_id, product) for product in products), key=rank.index)
         out = []
         for gpu in self.catalog.gpus:
             item = dict(gpu)
@@ -1151,7 +1249,7 @@ class RunPodStandIn:
                 fits = count <= gpu["maxCount"][cloud.lower()]
                 dcs = []
                 for dc in self.catalog.datacenters:
-                    level = self.catalog.level(gpu["id"], dc["id"]) if fits else "NONE"
+                    level = levels(gpu["id"], dc["id"]) if fits else "NONE"
                     if level != "NONE":
                         dcs.append({"id": dc["id"], "name": dc["name"], "availability": level})
                 item["availability"] = max((d["availability"] for d in dcs), key=rank.index,
@@ -1344,14 +1442,18 @@ class _Handler(BaseHTTPRequestHandler):
         with api._cond:
             drop_after, api.drop_log_stream_after = api.drop_log_stream_after, None
         sent = 0
+        opened = quiet_since = time.monotonic()
         try:
             while True:
                 with api._cond:
                     if index >= len(pod.logs) and not self._ended(pod):
-                        api._cond.wait(api.heartbeat)
+                        api._cond.wait(min(0.25, api.keepalive or 0.25))
                     batch = pod.logs[index:]
                     index += len(batch)
                     done = self._ended(pod) and index >= len(pod.logs)
+                    lifetime = api.stream_lifetime
+                if lifetime is not None and time.monotonic() - opened >= lifetime:
+                    done = True  # a clean end while the pod may well run on
                 out = []
                 for entry in batch:
                     if stream.source not in (None, entry.source):
@@ -1365,8 +1467,11 @@ class _Handler(BaseHTTPRequestHandler):
                     if drop_after is not None and sent >= drop_after:
                         self._chunk("".join(out).encode())
                         return  # no final chunk: the client sees a broken stream
-                if not out and not done:
+                if out:
+                    quiet_since = time.monotonic()
+                elif not done and api.keepalive and time.monotonic() - quiet_since >= api.keepalive:
                     out.append(": keep-alive\n\n")
+                    quiet_since = time.monotonic()
                 if out:
                     self._chunk("".join(out).encode())
                 if done:

@@ -191,15 +191,22 @@ def test_the_agent_reads_the_guides_variables_and_the_instant_cluster_ones():
 
 @pytest.mark.parametrize("change,field", [
     ({"network": "infiniband"}, "network: infiniband"),
-    ({"network": "runpod-cluster", "nodes": 1}, "nodes: an Instant Cluster has 2 to 8 nodes"),
+    ({"network": "runpod-cluster", "nodes": 1}, "nodes: an Instant Cluster has at least 2 nodes"),
     ({"placement": {"spot": "on"}}, "placement.spot"),
     ({"placement": {"retry": True}}, "placement.retry"),
     ({"checkpoints": {"path": "/c", "shared": {"runpod": {"volume": "x"}}}}, "checkpoints.shared.runpod.network_volume: Field required"),
-    ({"secrets": [f"S{i}" for i in range(48)]}, "secrets: a RunPod pod's env holds at most 50"),
 ])
 def test_what_runpod_refuses_names_the_field(change, field):
     with pytest.raises(BadInput, match=field.replace(".", r"\.")):
         rendered(command_task(**change))
+
+
+def test_limits_runpods_document_does_not_state_are_not_imposed():
+    """Neither "50 env variables" nor "2 to 8 nodes" is in RunPod's v2 document (podCount: 2 to 250)."""
+    _, plan, files = rendered(command_task(secrets=[f"S{i}" for i in range(60)]))
+    assert len(json.loads(files["rp-contract.runpod.json"])["head"]["env"]) == 64
+    _, plan, files = rendered(command_task(network="runpod-cluster", nodes=12))
+    assert json.loads(files["rp-contract.runpod.json"])["cluster"]["compute"]["podCount"] == 12
 
 
 def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(tmp_path, capsys, monkeypatch):
@@ -405,6 +412,126 @@ def test_status_and_down_touch_only_this_tasks_pods(standin, tmp_path):
     assert all(client.get_pod(i)["status"] == "RUNNING" for i in theirs)
     assert_key_nowhere(down.stdout, down.stderr, directories=(tmp_path / "home",))
     client.close()
+
+
+# ------------------------------------------------------------------ what RunPod's document leaves open (fast)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_TASKS_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def create_in_process(client, task: dict, datacenters: list[str] | None = None) -> tuple[list[dict], object]:
+    """What `launch` does from the catalog's fit to the pods running, in this process."""
+    from rlhf_tasks import state
+    from rlhf_tasks.providers.runpod import catalog, pods
+
+    _, plan, files = rendered(task)
+    requests = json.loads(files[f"{plan.name}.runpod.json"])
+    fit = catalog.fit(client, plan)
+    state.save(plan.name, {"provider": "runpod", "pods": []})
+    with pods.Launching(client, plan.name, True) as launching:
+        return pods.create(client, plan, requests, {"WANDB_API_KEY": "w"}, datacenters or fit["datacenters"],
+                           launching), fit
+
+
+def test_workers_are_created_once_the_head_has_its_data_center(standin, home, capsys):
+    """RunPod's `dataCenterId` is null while a pod is PROVISIONING ("assigned by scheduler"): the
+    workers, placed with the head, wait for it (a null would make `dataCenterIds: [null]`, a 422)."""
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    standin.provision_delay = 1.5
+    client = RunPodClient(KEY, base_url=standin.url)
+    members, _ = create_in_process(client, command_task(nodes=3))
+    creates = [r for r in standin.requests if r.method == "POST" and r.path == "/v2/pods"]
+    assert [r.status for r in creates] == [201, 201, 201]
+    assert [r.body["dataCenterIds"] for r in creates] == [["EU-RO-1"]] * 3
+    assert [m["dataCenterId"] for m in members] == ["EU-RO-1"] * 3
+    out = capsys.readouterr().out
+    assert "pod rp-contract-head (" in out and ") is in EU-RO-1" in out
+    client.close()
+
+
+def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, home, capsys):
+    """RunPod: `dataCenterIds` are preferences, and a create "places one specific GPU type. It does
+    not search for capacity": one create per candidate, on to the next on 400 (no capacity) or
+    403 (a pool the account cannot use); when all refuse, each one's answer is said."""
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    standin.catalog.stock[(A40, "US-KS-2")] = "LOW"
+    standin.no_capacity = {"EU-RO-1"}
+    client = RunPodClient(KEY, base_url=standin.url)
+    members, fit = create_in_process(client, command_task(nodes=2))
+    assert fit["datacenters"] == ["EU-RO-1", "US-KS-2"]  # MEDIUM before LOW
+    creates = [(r.status, r.body["dataCenterIds"]) for r in standin.requests if r.method == "POST"]
+    assert creates == [(400, ["EU-RO-1"]), (201, ["US-KS-2"]), (201, ["US-KS-2"])]
+    out = capsys.readouterr().out
+    assert "RunPod: EU-RO-1 refused pod rp-contract-head (400 Bad Request: no capacity: no 1x NVIDIA A40" in out
+    assert [m["dataCenterId"] for m in members] == ["US-KS-2"] * 2
+
+    standin.requests.clear()
+    standin.no_capacity, standin.forbidden = {"US-KS-2"}, {"EU-RO-1"}
+    with pytest.raises(StepFailed) as info:
+        create_in_process(client, command_task(name="rp-other", nodes=2))
+    said = str(info.value)
+    assert said.startswith("creating pod rp-other-head: no data center took it: EU-RO-1: the account cannot access "
+                           "the requested pool (403 Forbidden: access denied); US-KS-2: 400 Bad Request: no capacity")
+    assert [(r.status, r.body["dataCenterIds"]) for r in standin.requests if r.method == "POST"] == [
+        (403, ["EU-RO-1"]), (400, ["US-KS-2"])]
+    client.close()
+
+
+def test_data_centers_without_stock_are_dropped_and_clusters_go_by_cluster_stock(standin, home):
+    """Availability `NONE` is no candidate (the document's own sample drops it), and an Instant Cluster
+    is placed by the GPU catalog's `product=CLUSTER` stock: the data centers' stock is for pods."""
+    from rlhf_tasks.providers.runpod import catalog
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    client = RunPodClient(KEY, base_url=standin.url)
+    standin.catalog.stock[(A40, "US-KS-2")] = "NONE"
+    _, plan, _ = rendered(command_task(placement={"regions": ["US-KS-2"]}))
+    with pytest.raises(BadInput, match=r"placement\.regions: no data center with Global Networking offers NVIDIA A40 "
+                                       r"\(looked in US-KS-2: NONE\)"):
+        catalog.fit(client, plan)
+    # pods: A40 is HIGH in CA-MTL-1, MEDIUM in EU-RO-1; Instant Clusters: only EU-RO-1 has them
+    members, fit = create_in_process(client, command_task(network="runpod-cluster", nodes=2))
+    assert fit["datacenters"] == ["EU-RO-1"]
+    assert [c.body["dataCenterIds"] for c in standin.requests if c.method == "POST"] == [["EU-RO-1"]]
+    assert len(members) == 2 and list(standin.clusters.values())[0].datacenter == "EU-RO-1"
+    client.close()
+
+
+def test_save_logs_follows_a_pod_through_quiet_drops_and_clean_ends_to_its_end(tmp_path):
+    """Every pod's log file gets each line once (the result line above all), however the stream
+    behaves: quiet past the read timeout, dropped, ended while the pod runs; and ends when the pod does."""
+    from rlhf_tasks.providers.runpod import logs
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    result = 'RLHF_TASKS_RESULT {"exit_code": 0}'
+    script = f"echo start; sleep 2; echo a; echo b; echo '{result}'; sleep 2; echo late"
+    runner = ProcessRunner(tmp_path / "pods", entrypoint=("bash", "-c", script, "container"))
+    api = RunPodStandIn(runner, api_key=KEY, stream_lifetime=1.0).start()
+    client = RunPodClient(KEY, base_url=api.url, timeout=0.4, max_attempts=3, backoff=0.02, max_backoff=0.1)
+    try:
+        pod = client.create_pod({"image": "x", "gpu": {"id": A40, "count": 1}, "name": "rp-logs-head"})
+        api.drop_log_stream_after = 3
+        path = tmp_path / "node-0.log"
+        logs.save_logs(client, pod, path, threading.Event())
+        name = f"runpod-log-{pod['id']}"
+        poll(lambda: not any(t.name == name for t in threading.enumerate()), 60, "the log thread to end with the pod")
+        assert client.get_pod(pod["id"])["status"] == "EXITED"
+        text = path.read_text()
+        assert [line for line in text.splitlines() if not line.startswith("[runpod ")] == [
+            "start", "a", "b", result, "late"], text
+        assert "container exited with code 0" in text and "[rlhf-tasks]" not in text
+        assert [r.path for r in api.requests].count(f"/v2/pods/{pod['id']}/logs") >= 4
+    finally:
+        client.close()
+        api.close()
+        runner.close()
+    assert api.errors == []
 
 
 # ------------------------------------------------------------------ on the testbed: the real thing
