@@ -6,9 +6,14 @@ the provider builds them, this module only moves them and turns failures into
 :class:`RunPodError` s that carry RunPod's problem+json `title`/`detail`.
 
 Transient failures are retried, bounded by attempts and a total deadline, and every
-wait is reported through ``progress``: 429 waits ``Retry-After``; 5xx and connection
-errors back off exponentially. A POST whose connection broke after it was sent is
-not repeated (it may have created a pod): the error says so.
+wait is reported through ``progress``: 429 waits ``Retry-After`` (one past the deadline is
+said as RunPod's own ask); 5xx and connection errors back off exponentially. A create
+whose answer was a 5xx, or whose connection broke after it was sent, may have been made:
+it is looked for by name before it is sent again, and never sent twice blind.
+
+A pod's log stream (``pod_logs``) goes on until the pod ends: a quiet stream, a dropped
+one and one that ends while the pod runs are all resumed, without losing or repeating a
+line, because the document promises no keep-alive, no end of stream and no resume rule.
 
 The API key is only ever put in the ``Authorization`` header. It is kept out of every
 exception, repr and progress message, even when RunPod echoes it back.
@@ -23,13 +28,16 @@ import email.utils
 import json
 import os
 import queue
+import re
 import socket
 import threading
 import time
+from datetime import datetime
 from typing import Any, Callable, Iterator, NamedTuple
 
 DEFAULT_URL = "https://api.runpod.io/v2"
 ACTIONS = ("start", "stop", "restart", "terminate")
+ENDED = ("EXITED", "ERROR", "TERMINATED")  # a pod's statuses after its container ran
 
 Progress = Callable[[str], None]
 Pod = dict[str, Any]
@@ -56,10 +64,15 @@ class RunPodError(Exception):
 
 
 class RunPodAuthError(RunPodError):
-    """401/403: the key is missing, wrong or expired, or lacks access."""
+    """401/403: the key is missing, wrong or expired, or lacks access (on a create: the
+    account cannot use that pool, which another data center or GPU type may not share)."""
 
     def _message(self) -> str:
-        if self.status == 403:
+        if self.status == 403 and self.method == "POST" and self.path in ("/pods", "/clusters"):
+            # RunPod on POST /pods: "403 | Your account cannot access the requested pool. |
+            # Skip this candidate, keep going." The key itself is fine.
+            why = "the account cannot access the requested pool (GPU type, cloud or data center)"
+        elif self.status == 403:
             why = "the RunPod API key lacks access to this resource or action"
         else:
             why = "the RunPod API key is missing, wrong or expired (set RUNPOD_API_KEY)"
@@ -72,7 +85,10 @@ class RunPodNotFound(RunPodError):
 
 
 class RunPodUnavailable(RunPodError):
-    """Retries ran out (429, 5xx, connection errors) or a sent POST lost its answer."""
+    """Retries ran out (429, 5xx, connection errors) or a sent POST lost its answer.
+    ``retry_after``: the seconds RunPod asked to wait, when that was past the deadline."""
+
+    retry_after: float | None = None
 
 
 class LogLine(NamedTuple):
@@ -82,7 +98,7 @@ class LogLine(NamedTuple):
     ts: str
 
 
-_END = object()  # the log stream ended cleanly: the pod ended
+_END = object()  # the pod ended and its log is all read
 
 
 class RunPodClient:
@@ -128,8 +144,15 @@ class RunPodClient:
     # ------------------------------------------------------------------ pods
 
     def create_pod(self, body: dict[str, Any]) -> Pod:
-        """POST /pods (CreatePodRequest) -> the new Pod, status PROVISIONING."""
-        return self._json("POST", "/pods", body=body, ok=(200, 201))
+        """POST /pods (CreatePodRequest) -> the new Pod, status PROVISIONING. A 5xx or a lost
+        answer is not sent again blind: a pod of that name made by it is returned instead."""
+        before = {p["id"] for p in self.list_pods(body["name"], include_cluster_pods=True)}
+
+        def made() -> Pod | None:
+            return next((p for p in self.list_pods(body["name"], include_cluster_pods=True)
+                         if p["name"] == body["name"] and p["id"] not in before), None)
+
+        return self._json("POST", "/pods", body=body, ok=(200, 201), made=made)
 
     def get_pod(self, pod_id: str) -> Pod:
         """GET /pods/{id}. A terminated pod answers status TERMINATED, or RunPodNotFound."""
@@ -159,11 +182,16 @@ class RunPodClient:
 
     def pod_logs(self, pod_id: str, *, source: str | None = None, tail: int | None = None,
                  stop: threading.Event | None = None) -> Iterator[LogLine]:
-        """Follow GET /pods/{id}/logs (Server-Sent Events) line by line.
+        """Follow GET /pods/{id}/logs (Server-Sent Events) line by line, until the pod has
+        ended and its last lines are read, ``stop`` is set (from any thread), or the caller
+        stops iterating.
 
-        Ends when RunPod closes the stream (the pod ended), when ``stop`` is set (from
-        any thread), or when the caller stops iterating. A dropped stream is resumed
-        from the last event id (``Last-Event-ID``), so no line is lost or repeated.
+        RunPod's document promises less than a stream that lasts as long as the pod: no
+        keep-alive comments, no word on when a stream ends, ids that are plain timestamps
+        shared by many lines. So a stream that is quiet past the read timeout, drops, or
+        ends is resumed (from an earlier timestamp, the lines already passed on skipped),
+        and the pod's status decides whether it has ended; only drops are counted
+        (``max_attempts`` in a row without a line between).
         """
         params: dict[str, Any] = {}
         if source is not None:
@@ -177,44 +205,70 @@ class RunPodClient:
         current: list[Any] = [None]  # the open response, so stop can cut its socket
 
         def read() -> None:
-            last_id = None
-            drops = 0
+            import httpx
+
+            cursor = _Cursor()
+            drops = idle = 0
+            draining = False  # the pod has ended: one more stream for its last lines
             try:
                 while not stopped.is_set():
                     headers = {"Accept": "text/event-stream"}
-                    if last_id is not None:
-                        headers["Last-Event-ID"] = last_id
-                    resp = self._request("GET", path, params=params, headers=headers, stream=True)
-                    current[0] = resp
+                    if cursor.resume_id is not None:
+                        headers["Last-Event-ID"] = cursor.resume_id
+                    cursor.reconnect()
                     try:
-                        for event_id, data in _sse_events(resp.iter_lines()):
-                            if event_id is not None:
-                                last_id = event_id
+                        resp = self._request("GET", path, params=params, headers=headers,
+                                             stream=True)
+                    except RunPodNotFound:
+                        if cursor.resumed or draining:
+                            break  # the pod is gone, and its log with it
+                        raise
+                    current[0] = resp
+                    passed = 0
+                    try:
+                        for _, data in _sse_events(resp.iter_lines()):
                             item = self._log_line(data, shown)
-                            if item is not None:
+                            if item is not None and cursor.new(item):
                                 lines.put(item)
-                                drops = 0
-                        lines.put(_END)
-                        return
-                    except Exception as exc:  # noqa: BLE001 - decide below: resume or give up
+                                passed += 1
+                        how = "ended"
+                    except httpx.ReadTimeout:
+                        how = "quiet"  # no keep-alive is promised: quiet is not lost
+                    except httpx.TransportError as exc:
+                        how = f"dropped ({type(exc).__name__})"
+                        error = exc
+                    except Exception:  # noqa: BLE001 - a stop cuts the socket mid-read
                         if stopped.is_set():
                             return
-                        import httpx
-
-                        if not isinstance(exc, httpx.TransportError):
-                            raise
-                        drops += 1
+                        raise
+                    finally:
+                        resp.close()
+                    if stopped.is_set():
+                        return
+                    if not how.startswith("dropped"):
+                        drops = 0  # only drops in a row, without a line between, count
+                    else:
+                        drops = drops + 1 if not passed else 1
                         if drops >= self.max_attempts:
                             raise RunPodUnavailable(
                                 None, "Log stream lost", self._scrub(
-                                    f"{type(exc).__name__}: {exc} ({drops} times)"),
+                                    f"{type(error).__name__}: {error} ({drops} times in a row)"),
                                 method="GET", path=shown) from None
                         wait = self._backoff(drops)
-                        self._say(f"RunPod: log stream {path} dropped "
-                                  f"({type(exc).__name__}); resuming in {wait:.1f}s")
+                        self._say(f"RunPod: log stream {path} {how}; resuming in {wait:.1f}s")
                         stopped.wait(wait)
-                    finally:
-                        resp.close()
+                        continue
+                    if draining:
+                        break
+                    # The document does not say when a stream ends, nor promises keep-alive
+                    # comments: whether the pod has ended is its status's to say.
+                    if self._pod_ended(pod_id):
+                        draining = True
+                        continue
+                    idle = 0 if passed or how == "quiet" else idle + 1
+                    if idle:  # ended at once with nothing new: do not hammer the API
+                        stopped.wait(self._backoff(idle))
+                lines.put(_END)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 lines.put(exc)
 
@@ -237,11 +291,28 @@ class RunPodClient:
             stopped.set()
             _cut(current[0])
 
+    def _pod_ended(self, pod_id: str) -> bool:
+        """Whether the pod has ended (gone counts); unknown is not ended."""
+        try:
+            return self.get_pod(pod_id).get("status") in ENDED
+        except RunPodNotFound:
+            return True
+        except RunPodError:
+            return False
+
     # -------------------------------------------------------------- clusters
 
     def create_cluster(self, body: dict[str, Any]) -> Cluster:
-        """POST /clusters (CreateClusterRequest) -> the new Cluster."""
-        return self._json("POST", "/clusters", body=body, ok=(200, 201))
+        """POST /clusters (CreateClusterRequest) -> the new Cluster. A 5xx or a lost answer is
+        not sent again blind: a cluster of that name made by it is returned instead (two
+        would both bill)."""
+        before = {c["id"] for c in self.list_clusters() if c.get("name") == body["name"]}
+
+        def made() -> Cluster | None:
+            return next((c for c in self.list_clusters()
+                         if c.get("name") == body["name"] and c["id"] not in before), None)
+
+        return self._json("POST", "/clusters", body=body, ok=(200, 201), made=made)
 
     def get_cluster(self, cluster_id: str) -> Cluster:
         return self._json("GET", f"/clusters/{cluster_id}")
@@ -301,8 +372,10 @@ class RunPodClient:
             return self._http
 
     def _json(self, method: str, path: str, *, body: Any = None,
-              params: dict[str, Any] | None = None, ok: tuple[int, ...] = (200,)) -> Any:
-        return self._decode(self._request(method, path, body=body, params=params, ok=ok))
+              params: dict[str, Any] | None = None, ok: tuple[int, ...] = (200,),
+              made: Callable[[], Any] | None = None) -> Any:
+        resp = self._request(method, path, body=body, params=params, ok=ok, made=made)
+        return resp if isinstance(resp, dict) else self._decode(resp)
 
     def _delete(self, path: str, missing_ok: bool) -> bool:
         try:
@@ -324,8 +397,11 @@ class RunPodClient:
 
     def _request(self, method: str, path: str, *, body: Any = None,
                  params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-                 ok: tuple[int, ...] = (200,), stream: bool = False):
-        """Send with retries; return the response (status in ``ok``) or raise RunPodError."""
+                 ok: tuple[int, ...] = (200,), stream: bool = False,
+                 made: Callable[[], Any] | None = None):
+        """Send with retries; return the response (status in ``ok``) or raise RunPodError.
+        ``made``: for a create, what it made despite a 5xx or a lost answer (or None),
+        asked before the create is sent again; what it finds is returned instead."""
         import httpx
 
         client = self._client()
@@ -344,6 +420,10 @@ class RunPodClient:
             except httpx.TransportError as exc:
                 sent = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
                 what = self._scrub(f"{type(exc).__name__}: {exc}")
+                found = self._made(made, RunPodUnavailable(None, "No answer", what, method=method, path=path)) \
+                    if method == "POST" and sent else None
+                if found is not None:
+                    return found
                 if method == "POST" and sent:
                     raise RunPodUnavailable(
                         None, "No answer", f"{what}; the request was sent and may have been "
@@ -364,6 +444,10 @@ class RunPodClient:
                     else:
                         wait, why = self._backoff(attempt), "backing off"
                     resp.close()
+                    if resp.status_code >= 500 and method == "POST":
+                        found = self._made(made, last)
+                        if found is not None:
+                            return found
                 else:
                     resp.close()
                     raise last
@@ -371,6 +455,14 @@ class RunPodClient:
                 break
             elapsed = time.monotonic() - start
             if elapsed + wait > self.deadline:
+                if why == "Retry-After":  # RunPod's own ask, not a failure to reach it
+                    late = RunPodUnavailable(
+                        last.status, last.title, f"RunPod asks to retry in {_span(wait)} "
+                        f"(Retry-After: {wait:.0f}), past the {self.deadline:.0f}s deadline: "
+                        "try again later", method=last.method, path=last.path,
+                        errors=last.errors)
+                    late.retry_after = wait
+                    raise late
                 raise self._gave_up(last, attempt, elapsed,
                                     f"the next wait ({wait:.1f}s, {why}) would pass the "
                                     f"{self.deadline:.0f}s deadline")
@@ -380,6 +472,24 @@ class RunPodClient:
             time.sleep(wait)
         raise self._gave_up(last, attempt, time.monotonic() - start,
                             f"gave up after {attempt} attempts")
+
+    def _made(self, made: Callable[[], Any] | None, failed: RunPodError) -> Any:
+        """What a create made although it ``failed`` (a 5xx, a lost answer); None: nothing.
+        When that cannot be told, the create is not sent again: ``failed`` is raised."""
+        if made is None:
+            return None
+        try:
+            found = made()
+        except RunPodError as exc:
+            raise RunPodUnavailable(
+                failed.status, failed.title, f"{failed.detail}; it may have been made, and looking for "
+                f"it failed too ({exc.status or ''} {exc.title}): list before retrying",
+                method=failed.method, path=failed.path, errors=failed.errors) from None
+        if found is not None:
+            code = f"{failed.status} {failed.title}" if failed.status else failed.title
+            self._say(f"RunPod: {failed.method} {failed.path}: {code}, but it was made: found "
+                      f"{found.get('name')} ({found.get('id')}); not sending it again")
+        return found
 
     def _gave_up(self, last: RunPodError | None, attempts: int, elapsed: float,
                  why: str) -> RunPodError:
@@ -427,6 +537,15 @@ class RunPodClient:
         return text.replace(self._key, "***") if self._key else text
 
 
+def _span(seconds: float) -> str:
+    """A wait in words: "45 s", "12 min", "2 h"."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200 and seconds % 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def _retry_after(value: str | None) -> float | None:
     """Retry-After as seconds: an integer, or an HTTP date (RFC 9110)."""
     if not value:
@@ -439,6 +558,69 @@ def _retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+class _Cursor:
+    """Where a resumed log stream starts, and which of its lines were passed on already.
+
+    RunPod: "Log-event `id` values are the event `ts` timestamp", and `Last-Event-ID` is
+    "a timestamp emitted by this endpoint"; whether a resume sends that timestamp's lines
+    again is not said, and many lines can share one. So a resume starts from the timestamp
+    before the last one passed on (read either way, it sends every line of the last), the
+    lines older than the last are skipped, and of the last one's, as many as were passed on.
+    Without an earlier timestamp the stream is asked for again as at first (its ``tail``).
+    The lines come in timestamp order (what resuming by timestamp rests on).
+    """
+
+    def __init__(self) -> None:
+        self.last: str | None = None    # the timestamp of the last line passed on
+        self.resume_id: str | None = None  # the one before it
+        self.at_last = 0                # lines passed on with timestamp `last`
+        self.resumed = False            # this stream starts again from the cursor
+        self.again = 0                  # of the last timestamp's lines, seen again so far
+
+    def reconnect(self) -> None:
+        self.resumed, self.again = self.last is not None, 0
+
+    def new(self, item: "LogLine") -> bool:
+        """Pass this line on (True), or it was passed on before (False)."""
+        if self.last is None:
+            self.last, self.at_last = item.ts, 1
+            return True
+        order = _ts_order(item.ts, self.last)
+        if self.resumed and order < 0:
+            return False
+        if order == 0:
+            if self.resumed and self.again < self.at_last:
+                self.again += 1
+                return False
+            self.at_last, self.resumed = self.at_last + 1, False  # past the replayed ones
+            return True
+        if order > 0:
+            self.resume_id, self.last, self.at_last = self.last, item.ts, 1
+            self.resumed, self.again = False, 0
+        return True  # older than the last in a live stream: RunPod's clock, passed on
+
+
+def _ts_order(a: str, b: str) -> int:
+    """-1, 0, 1 as RFC 3339 timestamp ``a`` is before, at, after ``b`` (any fraction
+    digits, any offset); unreadable ones compare as text."""
+    ka, kb = _ts_key(a), _ts_key(b)
+    if ka is None or kb is None:
+        ka, kb = a, b
+    return (ka > kb) - (ka < kb)
+
+
+def _ts_key(ts: str) -> tuple[int, str] | None:
+    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$", ts.strip())
+    if match is None:
+        return None
+    base, fraction, zone = match.groups()
+    try:
+        when = datetime.fromisoformat(base + ("+00:00" if zone == "Z" else zone))
+    except ValueError:
+        return None
+    return int(when.timestamp()), (fraction or "").ljust(12, "0")
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:

@@ -1,6 +1,7 @@
 """Checking a task against RunPod's catalog before anything is created: the GPU type, the
-data centers (Global Networking, placement.regions, the network volume's) and the price;
-then saying what the launch will create and cost, and asking to confirm it."""
+data centers (Global Networking, placement.regions, the network volume's, stock for pods or
+for an Instant Cluster) and the price; then saying what the launch will create and cost, and
+asking to confirm it."""
 
 from __future__ import annotations
 
@@ -58,17 +59,24 @@ def fit(client: RunPodClient, plan: Plan) -> dict:
             raise BadInput(f"{where}: volume {shared.network_volume} is in {volume['dataCenter']}, {why}; the "
                            f"pods must be where the volume is")
         candidates = [volume["dataCenter"]]
+    # Anything but NONE is stock: RunPod's own sample keeps {"LOW", "MEDIUM", "HIGH"}.
     rank = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
-
-    def level(dc_id: str) -> str | None:
-        offers = {g["id"]: g.get("availability") for g in known[dc_id].get("gpuAvailability") or []}
-        return offers.get(gpu_id)
-
-    offered = sorted((dc for dc in candidates if level(dc) is not None), key=lambda dc: rank.get(level(dc), 3))
+    if is_cluster(plan):
+        # Only the GPU catalog has stock per product ("the same GPU type can be scarce for pods and
+        # plentiful for serverless, so the context has to be stated"); the data centers' is for pods.
+        stock = next((g for g in client.gpu_types(availability=True, product="CLUSTER", count=count, cloud="SECURE")
+                      if g["id"] == gpu_id), {})
+        levels = {dc["id"]: dc.get("availability") for dc in stock.get("dataCenters") or []}
+    else:
+        levels = {dc_id: {g["id"]: g.get("availability") for g in known[dc_id].get("gpuAvailability") or []
+                          }.get(gpu_id) for dc_id in candidates}
+    offered = sorted((dc for dc in candidates if levels.get(dc) in rank), key=lambda dc: rank[levels[dc]])
     if not offered:
-        gn = " with Global Networking" if global_networking else ""
-        raise BadInput(f"{'placement.regions' if regions else field}: no data center{gn} offers {gpu_id} "
-                       f"(looked in {', '.join(candidates) or 'none'})")
+        where = "" if not global_networking else " with Global Networking"
+        what = f"{gpu_id} for an Instant Cluster" if is_cluster(plan) else gpu_id
+        looked = ", ".join(f"{dc}: {levels.get(dc) or 'not offered'}" for dc in candidates) or "none"
+        raise BadInput(f"{'placement.regions' if regions else field}: no data center{where} offers {what} "
+                       f"(looked in {looked})")
     price = (gpu.get("price") or {}).get("secure")
     return {"gpu": gpu_id, "count": count, "datacenters": offered, "price": price * count if price else None}
 

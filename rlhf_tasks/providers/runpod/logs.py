@@ -15,12 +15,13 @@ from ...agent.protocol import parse_result
 from ...plan import Plan
 from ..base import Cluster
 from ..ssh import SshTunnel
-from .api import RunPodClient
-from .pods import ENDED
+from .api import ENDED, RunPodClient
 
 
 def save_logs(client: RunPodClient, pod: dict, path: Path, stop: threading.Event) -> None:
-    """Append a pod's log to a file until the pod ends or `stop` (a daemon thread)."""
+    """Append a pod's log to a file until the pod ends or `stop` (a daemon thread). The stream
+    is followed through quiet spells, drops and clean ends while the pod runs, each line once
+    (`RunPodClient.pod_logs`): the head's result line is what the launcher waits for."""
     def run():
         try:
             with open(path, "a") as out:

@@ -1,7 +1,8 @@
-"""A task's pods and Instant Cluster on RunPod: creating them (the head, then the workers;
-or one Instant Cluster), showing their way to RUNNING, finding them by the names this
-provider gives, their status lines, and terminating them, also when a launch fails before
-its job (`Launching`). Nothing else of the account is touched."""
+"""A task's pods and Instant Cluster on RunPod: creating them (the head, one candidate data
+center after another; once RunPod has placed it, the workers in its data center; or one
+Instant Cluster), showing their way to RUNNING, finding them by the names this provider
+gives, their status lines, and terminating them, also when a launch fails before its job
+(`Launching`). Nothing else of the account is touched."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from ...errors import StepFailed
 from ...console import say
 from ...agent.protocol import AgentError, wait_for
 from ...plan import Plan
-from .api import RunPodClient, RunPodError, RunPodNotFound
+from .api import ENDED, RunPodAuthError, RunPodClient, RunPodError, RunPodNotFound
 from .render import NAME, filled, is_cluster, pod_names
-
-ENDED = ("EXITED", "ERROR", "TERMINATED")
 
 
 def find(client: RunPodClient, name: str) -> tuple[list[dict], list[dict]]:
@@ -46,6 +45,8 @@ class Launching:
             raise StepFailed(self.step, f"{exc}; {said}") from None
         if isinstance(exc, KeyboardInterrupt):
             raise StepFailed(self.step, f"interrupted (Ctrl-C); {said}") from None
+        if isinstance(exc, StepFailed) and exc.step == self.step:
+            raise StepFailed(self.step, f"{str(exc)[len(self.step) + 2:]}; {said}") from None
         if isinstance(exc, (StepFailed, AgentError)):
             raise StepFailed(self.step, f"{exc}; {said}") from None
         return False
@@ -57,28 +58,84 @@ def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, s
     they come, and wait until every pod runs: the pods, head first."""
     if is_cluster(plan):
         launching.step = f"creating the Instant Cluster {plan.name}"
-        body = filled(requests["cluster"], values, datacenters)
-        cluster = client.create_cluster(body)
+        cluster, asked = place(lambda dc: client.create_cluster(filled(requests["cluster"], values, [dc])),
+                               datacenters, f"Instant Cluster {plan.name}", launching.step)
         state.update(plan.name, cluster_id=cluster["id"])
-        say(f"created Instant Cluster {plan.name} ({cluster['id']}) in {cluster.get('dataCenterId')}")
+        # RunPod: a cluster's dataCenterId is "omitted until at least one pod is placed"
+        say(f"created Instant Cluster {plan.name} ({cluster['id']}) in {cluster.get('dataCenterId') or asked}")
         launching.step = f"starting the Instant Cluster {plan.name}"
         return wait_running(client, plan, cluster_id=cluster["id"])
     ids: list[str] = []
     head = requests["head"]
     launching.step = f"creating pod {head['name']}"
-    made = client.create_pod(filled(head, values, datacenters))
+    made, asked = place(lambda dc: client.create_pod(filled(head, values, [dc])), datacenters, f"pod {head['name']}",
+                        launching.step)
     ids.append(made["id"])
     state.update(plan.name, cluster_id=made["id"], pods=ids)
-    say(f"created pod {made['name']} ({made['id']}) in {made.get('dataCenterId')}")
+    say(f"created pod {made['name']} ({made['id']}) in {made.get('dataCenterId') or asked}")
+    if requests["workers"]:
+        launching.step = f"waiting for RunPod to place pod {head['name']}"
+        where = placed(client, plan, made)
     for worker in requests["workers"]:
         launching.step = f"creating pod {worker['name']}"
-        body = filled(worker, {**values, "HEAD_POD_ID": made["id"]}, [made["dataCenterId"]])
+        body = filled(worker, {**values, "HEAD_POD_ID": made["id"]}, [where])
         pod = client.create_pod(body)
         ids.append(pod["id"])
         state.update(plan.name, pods=ids)
         say(f"created pod {pod['name']} ({pod['id']})")
     launching.step = "starting the pods"
     return wait_running(client, plan, pod_ids=ids)
+
+
+def place(create, datacenters: list[str], what: str, step: str) -> tuple[dict, str]:
+    """`create(data center)` for one candidate after another, in order, until one is made:
+    (what it made, the data center asked for). RunPod's `dataCenterIds` are "Preferred data
+    centers", and its create "does not search for capacity"; its document says to "call this
+    endpoint once per candidate in your order of preference until one returns 201": on to the
+    next on 400 (no capacity, or a rule the request breaks) and 403 ("Your account cannot access
+    the requested pool"); anything else (402, 422, retries run out) ends it."""
+    refused = []
+    for n, dc in enumerate(datacenters):
+        try:
+            return create(dc), dc
+        except RunPodAuthError as exc:
+            if exc.status != 403:
+                raise
+            why = f"the account cannot access the requested pool ({exc.status} {exc.title}: {exc.detail})"
+        except RunPodError as exc:
+            if exc.status != 400:
+                raise
+            why = f"{exc.status} {exc.title}: {exc.detail}"
+        refused.append(f"{dc}: {why}")
+        if n + 1 < len(datacenters):
+            say(f"RunPod: {dc} refused {what} ({why}); trying {datacenters[n + 1]}")
+    note = ""
+    if len(refused) > 1 and all(": 400 " in r for r in refused):
+        # RunPod: "if *every* candidate returns 400, read the last detail as a problem with the
+        # request rather than as absent capacity"
+        note = " (every one answered 400: RunPod reads that as a problem with the request, not capacity)"
+    raise StepFailed(step, "no data center took it: " + "; ".join(refused) + note)
+
+
+def placed(client: RunPodClient, plan: Plan, pod: dict) -> str:
+    """The data center RunPod placed the head in, once it has: its `dataCenterId` is "string or
+    null", "assigned by scheduler", and may be null while the pod is PROVISIONING. The workers go
+    there (a null would send `dataCenterIds: [null]`, which RunPod's schema refuses)."""
+    if pod.get("dataCenterId"):
+        return pod["dataCenterId"]
+    say(f"pod {pod['name']} ({pod['id']}) is {pod.get('status')}: waiting for RunPod to place it (its workers go "
+        f"to its data center)")
+
+    def check():
+        now = client.get_pod(pod["id"])
+        if now["status"] in ENDED:
+            raise StepFailed(f"starting pod {pod['name']}", f"it is {now['status']} before it was placed")
+        return bool(now.get("dataCenterId")), now.get("dataCenterId") or f"{now['status']}, no data center yet"
+
+    where = wait_for(f"RunPod to place pod {pod['name']}", check, plan.wait.head_s, interval=0.3, max_interval=3.0,
+                     report=say)
+    say(f"pod {pod['name']} ({pod['id']}) is in {where}")
+    return where
 
 
 def members(client: RunPodClient, pod_ids: list[str] | None, cluster_id: str | None) -> list[dict]:

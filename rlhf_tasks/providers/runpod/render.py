@@ -37,7 +37,6 @@ GPU_TYPES = {
 DEFAULT_GPU = "NVIDIA A40"
 #: A task without an image gets RunPod's PyTorch image (python3; the recipe's setup installs Ray where missing).
 DEFAULT_IMAGE = "runpod/pytorch:1.0.2-cu1281-torch280-ubuntu2404"
-MAX_ENV = 50                       # RunPod v2: at most 50 variables in a pod's env
 MAX_ARGS = 120 * 1024              # one argument of `bash -c` stays below Linux's 128 KiB per argument
 GLOBAL_LINK = "100 Mbit/s"         # between Global Networking pods (RunPod's docs)
 
@@ -133,9 +132,11 @@ def check(task: Task) -> None:
     if task.network == "infiniband":
         raise BadInput("network: infiniband: RunPod pods have no InfiniBand between them; use runpod-cluster "
                        "(an Instant Cluster, 1.6-3.2 Tbit/s between nodes) or runpod-global (pods, 100 Mbit/s)")
-    if is_cluster(task) and task.nodes < 2:
-        raise BadInput(f"nodes: an Instant Cluster has 2 to 8 nodes (self-serve), not {task.nodes}; use "
+    if is_cluster(task) and task.nodes < 2:  # RunPod v2: ClusterCompute.podCount "minimum": 2
+        raise BadInput(f"nodes: an Instant Cluster has at least 2 nodes, not {task.nodes}; use "
                        f"network: runpod-global for a single pod")
+    if is_cluster(task) and task.nodes > 250:  # RunPod v2: ClusterCompute.podCount "maximum": 250
+        raise BadInput(f"nodes: an Instant Cluster has at most 250 nodes, not {task.nodes}")
     placement = task.placement
     refusals = {
         "spot": (placement.spot != "off", "RunPod's v2 API creates on-demand pods only; write spot: off"),
@@ -149,11 +150,6 @@ def check(task: Task) -> None:
     for field, (refused, why) in refusals.items():
         if refused:
             raise BadInput(f"placement.{field}: {why}")
-    names = list(task.secrets) + (["RAY_AUTH_TOKEN"] if task.ray.auth == "token" else [])
-    taken = 2 if is_cluster(task) else 3  # RAY_WORKER, EXPECTED_WORKERS, HEAD_POD_ID
-    if len(names) + taken > MAX_ENV:
-        raise BadInput(f"secrets: a RunPod pod's env holds at most {MAX_ENV} variables; these {len(names)} "
-                       f"secrets and the {taken} the provider sets make {len(names) + taken}")
 
 
 def start_script(plan: Plan) -> str:
