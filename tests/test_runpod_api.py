@@ -507,6 +507,24 @@ def test_a_resumed_log_stream_neither_loses_nor_repeats_a_line(standin, client, 
     assert any("dropped (RemoteProtocolError)" in m for m in progress)
 
 
+def test_the_resume_cursor_skips_exactly_what_was_passed_on():
+    """By hand: a first stream whose `tail` began inside a run of lines with one timestamp, then a
+    resume that sends the whole run again and a new line of that timestamp."""
+    from rlhf_tasks.providers.runpod.api import _Cursor
+
+    t1, t2 = "2026-06-01T12:02:03Z", "2026-06-01T12:02:04Z"
+    cursor = _Cursor()
+    first = [LogLine("container", x, t1) for x in ("b", "c")]  # "a" was before the tail
+    assert [cursor.new(x) for x in first] == [True, True]
+    headers, query = cursor.reconnect({"tail": 2})
+    assert query == {"since": "2026-06-01T12:02:02.000000Z"} and "Last-Event-ID" not in headers
+    again = [LogLine("container", x, t1) for x in ("a", "b", "c", "d")] + [LogLine("container", "e", t2)]
+    assert [x.line for x in again if cursor.new(x)] == ["d", "e"]
+    headers, query = cursor.reconnect({"tail": 2})
+    assert headers["Last-Event-ID"] == t1 and query == {"tail": 2}  # (tail is ignored with it)
+    assert [cursor.new(x) for x in again] == [False] * 5  # the "from" reading: all seen
+
+
 def test_a_log_stream_that_ends_while_the_pod_runs_is_followed_on(standin, client):
     """The document does not say when a stream ends: a clean end is not the pod's end."""
     standin.stream_lifetime = 0.5

@@ -32,7 +32,7 @@ import re
 import socket
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, NamedTuple
 
 DEFAULT_URL = "https://api.runpod.io/v2"
@@ -212,12 +212,9 @@ class RunPodClient:
             draining = False  # the pod has ended: one more stream for its last lines
             try:
                 while not stopped.is_set():
-                    headers = {"Accept": "text/event-stream"}
-                    if cursor.resume_id is not None:
-                        headers["Last-Event-ID"] = cursor.resume_id
-                    cursor.reconnect()
+                    headers, query = cursor.reconnect(params)
                     try:
-                        resp = self._request("GET", path, params=params, headers=headers,
+                        resp = self._request("GET", path, params=query, headers=headers,
                                              stream=True)
                     except RunPodNotFound:
                         if cursor.resumed or draining:
@@ -566,40 +563,51 @@ class _Cursor:
     RunPod: "Log-event `id` values are the event `ts` timestamp", and `Last-Event-ID` is
     "a timestamp emitted by this endpoint"; whether a resume sends that timestamp's lines
     again is not said, and many lines can share one. So a resume starts from the timestamp
-    before the last one passed on (read either way, it sends every line of the last), the
-    lines older than the last are skipped, and of the last one's, as many as were passed on.
-    Without an earlier timestamp the stream is asked for again as at first (its ``tail``).
+    before the last one passed on (read either way, it sends every line of the last), and
+    skips the lines older than the last and, of the last one's, those up to the run that was
+    passed on (matched line by line: a first stream's `tail` may have begun inside the run).
+    Without an earlier timestamp (every line so far has the same one) it resumes with
+    ``since`` ("RFC3339 timestamp to resume from", any one) a second before the last.
     The lines come in timestamp order (what resuming by timestamp rests on).
     """
 
     def __init__(self) -> None:
-        self.last: str | None = None    # the timestamp of the last line passed on
+        self.last: str | None = None       # the timestamp of the last line passed on
         self.resume_id: str | None = None  # the one before it
-        self.at_last = 0                # lines passed on with timestamp `last`
-        self.resumed = False            # this stream starts again from the cursor
-        self.again = 0                  # of the last timestamp's lines, seen again so far
+        self.run: list[tuple[str, str]] = []  # the lines passed on with timestamp `last`
+        self.resumed = False               # this stream repeats lines up to the cursor
+        self.matched = 0                   # of `run`, seen again so far in this stream
 
-    def reconnect(self) -> None:
-        self.resumed, self.again = self.last is not None, 0
+    def reconnect(self, params: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+        """The headers and query of the next stream, which starts again from the cursor."""
+        self.resumed, self.matched = self.last is not None, 0
+        headers = {"Accept": "text/event-stream"}
+        if self.resume_id is not None:  # it "takes precedence over `since` and `tail`"
+            return {**headers, "Last-Event-ID": self.resume_id}, params
+        since = _second_before(self.last) if self.last is not None else None
+        if since is None:
+            return headers, params
+        return headers, {**{k: v for k, v in params.items() if k != "tail"}, "since": since}
 
     def new(self, item: "LogLine") -> bool:
         """Pass this line on (True), or it was passed on before (False)."""
-        if self.last is None:
-            self.last, self.at_last = item.ts, 1
-            return True
-        order = _ts_order(item.ts, self.last)
+        key = (item.source, item.line)
+        order = 1 if self.last is None else _ts_order(item.ts, self.last)
         if self.resumed and order < 0:
             return False
+        if order == 0 and self.resumed:  # skip up to the end of the run passed on
+            if key == self.run[self.matched]:
+                self.matched += 1
+            else:
+                self.matched = 1 if key == self.run[0] else 0
+            self.resumed = self.matched < len(self.run)
+            return False
         if order == 0:
-            if self.resumed and self.again < self.at_last:
-                self.again += 1
-                return False
-            self.at_last, self.resumed = self.at_last + 1, False  # past the replayed ones
-            return True
-        if order > 0:
-            self.resume_id, self.last, self.at_last = self.last, item.ts, 1
-            self.resumed, self.again = False, 0
-        return True  # older than the last in a live stream: RunPod's clock, passed on
+            self.run.append(key)
+        elif order > 0:
+            self.resume_id, self.last, self.run = self.last, item.ts, [key]
+            self.resumed = False
+        return True  # (older than the last in a live stream: RunPod's clock; passed on)
 
 
 def _ts_order(a: str, b: str) -> int:
@@ -609,6 +617,15 @@ def _ts_order(a: str, b: str) -> int:
     if ka is None or kb is None:
         ka, kb = a, b
     return (ka > kb) - (ka < kb)
+
+
+def _second_before(ts: str) -> str | None:
+    """RFC 3339 timestamp ``ts`` less one second, in UTC (None: unreadable)."""
+    key = _ts_key(ts)
+    if key is None:
+        return None
+    text = datetime.fromtimestamp(key[0] - 1, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{key[1][:6]}Z"
 
 
 def _ts_key(ts: str) -> tuple[int, str] | None:

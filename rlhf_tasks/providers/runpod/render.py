@@ -305,13 +305,14 @@ def render(plan: Plan) -> dict[str, str]:
                        f"at most {MAX_ARGS // 1024} KiB): it carries the agent and job.args' shipped modules")
     if is_cluster(plan):
         what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch fills each ${NAME} in env from your "
-                f"environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}) and sets dataCenterIds to data "
-                "centers whose catalog offers the GPU type.")
+                f"environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}) and sets dataCenterIds to one data "
+                "center at a time, of those whose Instant Cluster stock has the GPU type, until one takes it.")
     else:
         what = ("POST https://api.runpod.io/v2/pods, the head first, then the workers. rlhf-tasks launch fills "
                 f"each ${{NAME}} in env from your environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}; "
-                "HEAD_POD_ID: the head pod's id) and sets dataCenterIds to data centers whose catalog entry has "
-                "Global Networking and the GPU type (the workers: the head's).")
+                "HEAD_POD_ID: the head pod's id) and sets dataCenterIds to one data center at a time, of those "
+                "whose catalog entry has Global Networking and the GPU type in stock, until one takes the head; "
+                "the workers go to the head's, once RunPod has placed it.")
     notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
              "(gzip, base64)."]
     if not plan.resources.gpus:
