@@ -14,8 +14,8 @@ nodes that did not answer:
               once: every other node in a small cluster, else ring neighbours and a seeded
               sample (at least REACH_PEERS, whatever the node count)
   torch       torch on every node, with CUDA/ROCm and NCCL where present
-  pairs       TCP streams both ways over those addresses, in rounds of disjoint pairs (so no
-              two streams share a node): every pair in a small cluster, else ring neighbours
+  pairs       TCP streams both ways over those addresses, in rounds of disjoint pairs (a node
+              sends one stream and receives one at a time): every pair in a small cluster, else ring neighbours
               and a seeded sample, at most PAIR_ROUNDS rounds at any node count; each node's
               slowest send and receive, the slowest pair
   gloo        torch.distributed all_reduce with Gloo on CPU tensors, 1 MiB .. 64 MiB,
