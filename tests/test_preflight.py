@@ -1,11 +1,12 @@
 """Preflight and `rlhf-tasks doctor`: the head proves the nodes can talk before the job
 starts (versions, the collective interface and its address on every node, a Gloo
-all_reduce, every pair's bandwidth), and doctor checks a running cluster on demand.
+all_reduce, the bandwidth between nodes in a number of rounds that does not grow with the
+node count), and doctor checks a running cluster on demand.
 
 On the namespace testbed (root, CI) the clusters run what we render for dstack with dstack's
 environment, on three hosts that share one testbed: a healthy run, a host whose Gloo
-interface cannot reach the others, a throttled host, nodes without torch, and a host whose
-checkpoint directory is a private mount. On the local provider (no root): the launcher
+interface cannot reach the others, nodes without torch, and a host whose checkpoint
+directory is a private mount; and on five hosts of their own, a throttled host. On the local provider (no root): the launcher
 shows the table before the job starts, and doctor passes on the running cluster."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rlhf_tasks.spec import parse_task
 from test_contracts import TOKEN, contract_task, dstack_env, place, render
 
 testbed3 = tbmod.make_testbed_fixture(3, scope="module")
+testbed5 = tbmod.make_testbed_fixture(5)
 RATE = re.compile(r"\d+(\.\d+)? [GM]bit/s")
 
 
@@ -104,6 +106,97 @@ def test_rounds_cover_every_pair_once_with_disjoint_pairs():
             members = [n for p in r for n in p]
             assert len(members) == len(set(members))
         assert len(rounds) <= count
+
+
+def disjoint_rounds(plan: list) -> list:
+    """The plan's pairs, after checking that no node is in two pairs of a round and no pair comes twice."""
+    for pairs in plan:
+        members = [n for pair in pairs for n in pair]
+        assert len(members) == len(set(members)), pairs
+    pairs = [frozenset(p) for r in plan for p in r]
+    assert len(pairs) == len(set(pairs)) and all(len(p) == 2 for p in pairs)
+    return pairs
+
+
+def test_the_pair_schedule_takes_a_fixed_number_of_rounds_at_any_node_count():
+    """Every node streams to and from at least k others (each pair both ways) in at most
+    PAIR_ROUNDS rounds of disjoint pairs, so no measured bandwidth is shared; every pair while
+    that costs no more rounds (up to 8 nodes)."""
+    k, bound = preflight.PAIR_PEERS, preflight.PAIR_ROUNDS
+    assert (k, bound) == (4, 8)
+    for count in range(2, 1025):
+        plan = preflight.schedule(count, preflight.PAIR_DISTANCES, preflight.PAIR_SAMPLE_ROUNDS)
+        assert len(plan) <= bound, count
+        pairs = disjoint_rounds(plan)
+        sends = [0] * count  # each pair streams both ways: a send and a receive for each of its nodes
+        for a, b in (tuple(p) for p in pairs):
+            sends[a] += 1
+            sends[b] += 1
+        assert min(sends) >= min(k, count - 1), (count, sends)
+        if count <= 8:
+            assert len(pairs) == count * (count - 1) // 2, count  # a small cluster: every pair
+        else:
+            assert max(sends) <= bound and len(pairs) < count * (count - 1) // 2
+    assert preflight.schedule(300, (1, 2), 2) == preflight.schedule(300, (1, 2), 2)  # seeded: the same every time
+    assert preflight.schedule(300, (1, 2), 2, seed=1) != preflight.schedule(300, (1, 2), 2)
+
+
+def test_each_node_reaches_a_bounded_set_of_peers_all_of_them_in_a_small_cluster():
+    for count in list(range(2, 80)) + [127, 128, 255, 256, 257, 511, 1000, 1024]:
+        plan = preflight.schedule(count, preflight.REACH_DISTANCES, preflight.REACH_SAMPLE_ROUNDS)
+        disjoint_rounds(plan)
+        peers = preflight.partners(count, plan)
+        assert all(len(set(p)) == len(p) and i not in p for i, p in enumerate(peers))
+        for i, p in enumerate(peers):  # both ends connect: i reaches j and j reaches i
+            assert all(i in peers[j] for j in p)
+        fewest = min(len(p) for p in peers)
+        if count <= 24:
+            assert fewest == count - 1, count
+        else:
+            assert preflight.REACH_PEERS <= fewest and max(len(p) for p in peers) <= 3 * len(preflight.REACH_DISTANCES) + 2
+            assert all((i + 1) % count in p for i, p in enumerate(peers))  # the ring: no two groups go unchecked
+
+
+def verdict_at(count: int, send_caps: dict, receive_caps: dict) -> preflight.Preflight:
+    """The pairs step's verdict on `count` nodes, each stream as fast as its sender and receiver allow."""
+    import argparse
+
+    pf = preflight.Preflight(argparse.Namespace(wait_nodes=0, timeout=60, min_bandwidth_bits=200e6, model=None,
+                                                weight_bytes=None))
+    pf.nodes = [{"name": "node%d" % i, "label": "node%d (10.0.%d.%d)" % (i, i // 250, i % 250)} for i in range(count)]
+    plan = preflight.schedule(count, preflight.PAIR_DISTANCES, preflight.PAIR_SAMPLE_ROUNDS)
+    pf.pair_plan = {"rounds": len(plan), "directions": 2 * sum(len(r) for r in plan), "of": count * (count - 1),
+                    "peers_at_least": min(len(p) for p in preflight.partners(count, plan))}
+    for a, b in (pair for pairs in plan for pair in pairs):
+        for src, dst in ((a, b), (b, a)):
+            bits = min(send_caps.get(src, 5e9), receive_caps.get(dst, 5e9))
+            pf.pairs.append({"src": "node%d" % src, "dst": "node%d" % dst, "src_index": src, "dst_index": dst,
+                             "bits_per_s": bits, "bytes": 1, "seconds": 0.3})
+    pf.bandwidth_verdict()
+    return pf
+
+
+@pytest.mark.parametrize("count", [64, 257])
+def test_the_bounded_schedule_still_names_the_slow_node_and_the_table_says_what_was_measured(count):
+    pf = verdict_at(count, {37: 50e6}, {12: 80e6})
+    assert len(pf.warnings) == 1, pf.warnings
+    named = re.findall(r"node\d+ \(10\.0\.\d+\.\d+\) (sends|receives)", pf.warnings[0])
+    assert named == ["receives", "sends"] and "node12 (10.0.0.12) receives from the other nodes at 80 Mbit/s" in \
+        pf.warnings[0] and "node37 (10.0.0.37) sends to the other nodes at 50 Mbit/s" in pf.warnings[0]
+    lines = pf.result(None)["table"]
+    line = next(line for line in lines if line.startswith("  pairs"))
+    plan = pf.pair_plan
+    assert plan["rounds"] <= preflight.PAIR_ROUNDS and plan["directions"] == len(pf.pairs) < count * 8
+    assert ("pairs (TCP over the Gloo addresses, %d of the %d directions, every node to and from at least %d others, "
+            "in %d rounds): slowest node37 -> " % (len(pf.pairs), count * (count - 1), plan["peers_at_least"],
+                                                   plan["rounds"])) in line, line
+    assert plan["peers_at_least"] >= preflight.PAIR_PEERS
+    row = next(line for line in lines if re.match(r"\s+-\s+node12\s", line))
+    assert row.split()[-4:] == ["5.0", "Gbit/s", "80", "Mbit/s"], row  # its slowest send, its slowest receive
+    small = verdict_at(5, {3: 50e6}, {})
+    assert "node3 (10.0.0.3) sends to the other nodes" in small.warnings[0]
+    assert "pairs (TCP over the Gloo addresses, every pair both ways: 20 directions, in 5 rounds)" in "\n".join(
+        small.result(None)["table"])
 
 
 def test_collective_endpoint_reads_the_variable_as_the_libraries_do():
@@ -197,22 +290,27 @@ def test_a_host_whose_gloo_interface_cannot_reach_the_others_fails_preflight_and
     assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + protocol.PREFLIGHT_GRACE_S
 
 
-def test_a_throttled_host_passes_with_a_bandwidth_warning_naming_it(tb, tmp_path):
+def test_a_throttled_host_among_five_passes_with_a_bandwidth_warning_naming_it(testbed5, tmp_path):
     need(shutil.which("tc") is not None, "iproute2's tc (to throttle a host's link)")
-    tb.sh(2, "tc qdisc add dev eth0 root tbf rate 50mbit burst 32kbit latency 400ms")
+    tb = testbed5
+    tb.sh(3, "tc qdisc add dev eth0 root tbf rate 50mbit burst 32kbit latency 400ms")
     try:
-        procs = start(tb, tmp_path, head_mode(tmp_path))
+        procs = start(tb, tmp_path, head_mode(tmp_path, nodes=5))
         assert procs[0].wait(300) == 0, procs[0].output[-5000:]
     finally:
-        tb.sh(2, "tc qdisc del dev eth0 root")
+        tb.sh(3, "tc qdisc del dev eth0 root")
     out = procs[0].output
     warnings = [line for line in out.splitlines() if "preflight WARNING: low bandwidth" in line]
-    assert warnings and "node2 (10.77.0.12) sends to the other nodes at" in warnings[0], out[-5000:]
-    assert "node0 (10.77.0.10) sends" not in warnings[0] and "below the 200 Mbit/s" in warnings[0]
-    assert "For the weight sync this means" in warnings[0]
-    slow = float(re.search(r"node2 \(10\.77\.0\.12\) sends to the other nodes at ([\d.]+) Mbit/s", warnings[0]).group(1))
+    assert warnings and "node3 (10.77.0.13) sends to the other nodes at" in warnings[0], out[-5000:]
+    assert not re.search(r"node[0124] \(10\.77\.0\.1\d\) (sends|receives)", warnings[0]), warnings[0]
+    assert "below the 200 Mbit/s" in warnings[0] and "For the weight sync this means" in warnings[0]
+    slow = float(re.search(r"node3 \(10\.77\.0\.13\) sends to the other nodes at ([\d.]+) Mbit/s", warnings[0]).group(1))
     assert 20 < slow < 80  # about the 50 Mbit/s of the throttle
-    assert "CONTRACT alive nodes 3" in out and "SUCCEEDED" in out
+    # Five nodes: every pair both ways, in as many rounds as the circle method needs.
+    assert "pairs (TCP over the Gloo addresses, every pair both ways: 20 directions, in 5 rounds)" in out, out[-5000:]
+    row = next(line for line in out.splitlines() if re.match(r"\s+3\s+node3\b", line))
+    assert len(RATE.findall(row)) == 2 and re.search(r"[\d.]+ Mbit/s\s+\S+ [GM]bit/s$", row), row
+    assert "CONTRACT alive nodes 5" in out and "SUCCEEDED" in out
 
 
 def test_without_torch_preflight_checks_the_network_with_tcp_and_says_so(tb, tmp_path):
@@ -225,7 +323,7 @@ def test_without_torch_preflight_checks_the_network_with_tcp_and_says_so(tb, tmp
     out = procs[0].output
     assert "torch is not installed on the nodes: checked the network with TCP streams" in out
     assert "Gloo all_reduce across" not in out
-    assert re.search(r"pairs \(TCP over the Gloo addresses, 2 directions\): slowest node\d -> node\d \d", out), out[-3000:]
+    assert re.search(r"pairs \(TCP over the Gloo addresses, every pair both ways: 2 directions, in 1 round\): slowest node\d -> node\d \d", out), out[-3000:]
 
 
 def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):

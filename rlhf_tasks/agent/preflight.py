@@ -10,10 +10,14 @@ nodes that did not answer:
 
   nodes       every expected node ALIVE and answering, with its versions (Python, Ray)
   interfaces  the interface and address Gloo (and NCCL) will use on each node; every node
-              connects to every other node's address from its own, as the libraries do
+              connects to its peers' addresses from its own, as the libraries do, all at
+              once: every other node in a small cluster, else ring neighbours and a seeded
+              sample (at least REACH_PEERS, whatever the node count)
   torch       torch on every node, with CUDA/ROCm and NCCL where present
-  pairs       TCP streams between every pair of nodes over those addresses, in rounds of
-              disjoint pairs: the bandwidth of each direction, and the slowest pair
+  pairs       TCP streams both ways over those addresses, in rounds of disjoint pairs (a node
+              sends one stream and receives one at a time): every pair in a small cluster, else ring neighbours
+              and a seeded sample, at most PAIR_ROUNDS rounds at any node count; each node's
+              slowest send and receive, the slowest pair
   gloo        torch.distributed all_reduce with Gloo on CPU tensors, 1 MiB .. 64 MiB,
               the bus bandwidth per size (without torch: the TCP figures, and it says so)
   nccl        the same with NCCL on one GPU per node, where every node has GPUs
@@ -31,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 from .probe import MiB, NodeProbe
 from .protocol import PREFLIGHT_PREFIX
@@ -43,6 +49,18 @@ SIZES = (MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 SIZE_BUDGET_S = 1.0        # the all_reduce stops growing once a size would take longer than this
 PAIR_BUDGET_S = 0.3        # each direction of each pair streams for about this long
 PAIR_MAX_BYTES = 64 * MiB
+#: Which pairs stream, in rounds of disjoint pairs (`schedule`): ring neighbours at these
+#: distances, then seeded random pairs; so every node sends to and receives from at least
+#: PAIR_PEERS others (all of them up to 8 nodes) in at most PAIR_ROUNDS rounds, at any node count.
+PAIR_DISTANCES = (1, 2)
+PAIR_SAMPLE_ROUNDS = 2
+PAIR_PEERS = 2 * len(PAIR_DISTANCES)
+PAIR_ROUNDS = 3 * len(PAIR_DISTANCES) + PAIR_SAMPLE_ROUNDS
+#: Whom each node connects to in the interfaces step (connections are cheap: more of them,
+#: all at once): every other node up to 24 nodes, else at least REACH_PEERS, at most 23.
+REACH_DISTANCES = (1, 2, 3, 4, 5, 6, 7)
+REACH_SAMPLE_ROUNDS = 2
+REACH_PEERS = 2 * len(REACH_DISTANCES)
 #: The longest each step may take (less when the overall deadline is nearer).
 STEP_CAPS = {"nodes": 60.0, "interfaces": 15.0, "torch": 90.0, "pairs": 30.0, "gloo": 60.0, "nccl": 90.0,
              "services": 30.0, "checkpoints": 20.0, "disk": 10.0}
@@ -87,6 +105,8 @@ class Preflight(object):
         self.steps = []       # type: List[dict]
         self.checks = []      # type: List[dict]   doctor: {"check", "ok", "detail"}
         self.pairs = []       # type: List[dict]
+        self.pair_plan = {}   # type: dict   how many pairs and rounds the pairs step measured
+        self.reach = {}       # type: dict   how many connections the interfaces step made
         self.collectives = {}  # type: Dict[str, dict]
 
     # ---------------------------------------------------------------- helpers
@@ -141,7 +161,7 @@ class Preflight(object):
                 self.run_step("torch", self.step_torch)
             else:
                 self.notes.append("the job does not use torch (preflight.torch: false): checked the network with "
-                                  "TCP streams between every pair of nodes, without a Gloo all_reduce")
+                                  "TCP streams between the nodes, without a Gloo all_reduce")
             if len(self.nodes) > 1:
                 self.run_step("pairs", self.step_pairs)
                 if all(n.get("torch") for n in self.nodes):
@@ -234,16 +254,18 @@ class Preflight(object):
             return
         deadline = self.step_deadline("interfaces")
         kinds = ["gloo_if"] + (["nccl_if"] if self.gpu_nodes() else [])
+        peers = partners(len(self.nodes), schedule(len(self.nodes), REACH_DISTANCES, REACH_SAMPLE_ROUNDS))
         addresses = [sorted({n[k]["address"] for k in kinds if n[k]["address"]}) for n in self.nodes]
         ports = self.gather("interfaces", [a.listen.remote(addrs) for a, addrs in zip(self.actors, addresses)],
                             list(range(len(self.nodes))), deadline)
         calls = []
         for i, actor in enumerate(self.actors):
             targets = []
-            for j, other in enumerate(self.nodes):
+            for j in peers[i]:
+                other = self.nodes[j]
                 for kind in kinds:
                     address = other[kind]["address"]
-                    if j != i and address:
+                    if address:
                         targets.append(["%s|%d" % (kind, j), address, ports[j][address], other["token"],
                                         self.nodes[i][kind]["address"]])
             calls.append(actor.reach.remote(targets, max(1.0, min(5.0, deadline - time.time() - 1))))
@@ -258,8 +280,12 @@ class Preflight(object):
             self.fail("interfaces", self.unreachable(index, failed))
         if self.failures:
             raise Failed("interfaces", self.failures[0]["message"])
-        say("interfaces: every node reaches every other node's %s address"
-            % " and ".join("NCCL" if k == "nccl_if" else "Gloo" for k in kinds))
+        fewest = min(len(p) for p in peers)
+        self.reach = {"connections": sum(len(p) for p in peers) * len(kinds), "peers_at_least": fewest,
+                      "every_pair": fewest == len(self.nodes) - 1}
+        say("interfaces: every node reaches %s %s address" % (
+            "every other node's" if self.reach["every_pair"] else "the %d or more peers' (ring neighbours and a seeded "
+            "sample)" % fewest, " and ".join("NCCL" if k == "nccl_if" else "Gloo" for k in kinds)))
 
     def culprits(self, failed: Dict[tuple, str]) -> List[int]:
         """The fewest nodes that explain the failed connections: a node whose collective
@@ -311,7 +337,7 @@ class Preflight(object):
         have = [n for n in self.nodes if n["torch"]]
         if not have:
             self.notes.append("torch is not installed on the nodes: checked the network with TCP streams between "
-                              "every pair of nodes instead of a Gloo all_reduce")
+                              "the nodes instead of a Gloo all_reduce")
             return
         if len(have) < len(self.nodes):
             raise Failed("versions", "torch is on %s but not on %s (%s): a torch job cannot run its collectives "
@@ -338,7 +364,12 @@ class Preflight(object):
         deadline = self.step_deadline("pairs")
         ports = self.gather("pairs", [a.listen.remote([n["gloo_if"]["address"]]) for a, n in zip(self.actors, self.nodes)],
                             list(range(len(self.nodes))), deadline)
-        for pairs in rounds(len(self.nodes)):
+        plan = schedule(len(self.nodes), PAIR_DISTANCES, PAIR_SAMPLE_ROUNDS)
+        peers = partners(len(self.nodes), plan)
+        self.pair_plan = {"rounds": len(plan), "directions": 2 * sum(len(r) for r in plan),
+                          "of": len(self.nodes) * (len(self.nodes) - 1), "peers_at_least": min(len(p) for p in peers),
+                          "round_seconds": PAIR_BUDGET_S}
+        for pairs in plan:
             calls, who, directions = [], [], []
             for a, b in pairs:
                 for src, dst in ((a, b), (b, a)):
@@ -355,7 +386,9 @@ class Preflight(object):
                                    "src_index": src, "dst_index": dst, "bits_per_s": result["bits_per_s"],
                                    "bytes": result["bytes"], "seconds": round(result["seconds"], 3)})
         slowest = min(self.pairs, key=lambda p: p["bits_per_s"])
-        say("pairs: slowest %s -> %s at %s" % (slowest["src"], slowest["dst"], rate(slowest["bits_per_s"])))
+        say("pairs: %d of %d directions in %d rounds, slowest %s -> %s at %s" % (
+            self.pair_plan["directions"], self.pair_plan["of"], len(plan), slowest["src"], slowest["dst"],
+            rate(slowest["bits_per_s"])))
 
     def step_allreduce(self, backend: str) -> None:
         import ray
@@ -393,17 +426,22 @@ class Preflight(object):
         slow_pairs = [p for p in self.pairs if p["bits_per_s"] < threshold]
         if slow_pairs:
             culprits = []
+            sent, received = {}, {}  # type: Dict[int, List[dict]], Dict[int, List[dict]]
+            for pair in self.pairs:
+                sent.setdefault(pair["src_index"], []).append(pair)
+                received.setdefault(pair["dst_index"], []).append(pair)
             for index, node in enumerate(self.nodes):
-                out = [p for p in self.pairs if p["src_index"] == index]
-                into = [p for p in self.pairs if p["dst_index"] == index]
+                out, into = sent.get(index, []), received.get(index, [])
                 if out and all(p["bits_per_s"] < threshold for p in out):
                     culprits.append("%s sends to the other nodes at %s" % (node["label"], rate(max(p["bits_per_s"] for p in out))))
                 elif into and all(p["bits_per_s"] < threshold for p in into):
                     culprits.append("%s receives from the other nodes at %s" % (
                         node["label"], rate(max(p["bits_per_s"] for p in into))))
             slowest = min(slow_pairs, key=lambda p: p["bits_per_s"])
+            ordered = sorted(slow_pairs, key=lambda p: p["bits_per_s"])
             where = "; ".join(culprits) if culprits else ", ".join(
-                "%s -> %s %s" % (p["src"], p["dst"], rate(p["bits_per_s"])) for p in slow_pairs)
+                "%s -> %s %s" % (p["src"], p["dst"], rate(p["bits_per_s"])) for p in ordered[:8]) + (
+                " and %d more of the %d pairs measured" % (len(ordered) - 8, len(self.pairs)) if len(ordered) > 8 else "")
             self.warnings.append("low bandwidth: %s, below the %s the task expects (preflight.min_bandwidth). %s" % (
                 where, rate(threshold), self.weight_sync(slowest["bits_per_s"])))
         for backend, result in self.collectives.items():
@@ -516,7 +554,8 @@ class Preflight(object):
         passed = not self.failures
         result = {"passed": passed, "failed_step": None if passed else self.failures[0]["step"],
                   "failures": self.failures, "warnings": self.warnings, "notes": self.notes, "checks": self.checks,
-                  "nodes": nodes, "collectives": self.collectives, "pairs": self.pairs,
+                  "nodes": nodes, "collectives": self.collectives, "pairs": self.pairs, "pair_plan": self.pair_plan,
+                  "reach": self.reach,
                   "slowest_pair": min(self.pairs, key=lambda p: p["bits_per_s"]) if self.pairs else None,
                   "steps": self.steps, "seconds": round(time.time() - self.started, 2)}
         result["table"] = table(result)
@@ -550,6 +589,58 @@ def rounds(count: int) -> List[List[tuple]]:
     return out
 
 
+def schedule(count: int, distances: Tuple[int, ...], sample_rounds: int, seed: int = 0) -> List[List[tuple]]:
+    """Rounds of disjoint pairs whose number does not grow with `count`: every pair when that
+    takes no more rounds than the bound (3 per distance + `sample_rounds`), else the ring
+    neighbours at each distance (2 rounds, 3 where the ring's cycles are odd) and then
+    `sample_rounds` rounds of seeded random pairs; idle nodes in any round get a random
+    partner not yet met. With distances 1..d every node meets at least min(2d, count-1) others."""
+    if count - 1 + count % 2 <= 3 * len(distances) + sample_rounds:  # len(rounds(count)), every pair
+        return rounds(count)
+    rng = random.Random(seed * 1000003 + count)
+    used = set()  # type: Set[Tuple[int, int]]
+    out = []  # type: List[List[tuple]]
+
+    def add(into: list, a: int, b: int) -> None:
+        key = (min(a, b), max(a, b))
+        if a != b and key not in used:
+            used.add(key)
+            into.append(key)
+
+    for distance in distances:
+        colours = ([], [], [])  # type: Tuple[list, list, list]
+        cycles = math.gcd(count, distance)
+        length = count // cycles
+        for start in range(cycles):  # the ring at this distance is `cycles` disjoint cycles
+            cycle = [(start + step * distance) % count for step in range(length)]
+            for step in range(length if length > 2 else 1):
+                colour = 2 if length % 2 and step == length - 1 else step % 2
+                add(colours[colour], cycle[step], cycle[(step + 1) % length])
+        out.extend(c for c in colours if c)
+    out.extend([] for _ in range(sample_rounds))
+    for pairs in out:  # the seeded sample: whoever is idle in a round meets someone new
+        busy = {n for pair in pairs for n in pair}
+        idle = [n for n in range(count) if n not in busy]
+        rng.shuffle(idle)
+        while len(idle) > 1:
+            a = idle.pop()
+            for position in range(len(idle) - 1, max(-1, len(idle) - 17), -1):  # a few tries
+                if (min(a, idle[position]), max(a, idle[position])) not in used:
+                    add(pairs, a, idle.pop(position))
+                    break
+    return out
+
+
+def partners(count: int, plan: List[List[tuple]]) -> List[List[int]]:
+    """For each node, the others a schedule pairs it with."""
+    out = [[] for _ in range(count)]  # type: List[List[int]]
+    for pairs in plan:
+        for a, b in pairs:
+            out[a].append(b)
+            out[b].append(a)
+    return out
+
+
 def duration(seconds: float) -> str:
     if seconds < 90:
         return "%.0f s" % seconds
@@ -561,9 +652,10 @@ def duration(seconds: float) -> str:
 def table(result: dict) -> List[str]:
     """The result as the lines the head prints (nodes, interfaces, addresses, versions, bandwidth)."""
     nodes = result["nodes"]
-    sends = {}  # type: Dict[str, float]
+    sends, receives = {}, {}  # type: Dict[str, float], Dict[str, float]
     for pair in result["pairs"]:
         sends[pair["src"]] = min(sends.get(pair["src"], pair["bits_per_s"]), pair["bits_per_s"])
+        receives[pair["dst"]] = min(receives.get(pair["dst"], pair["bits_per_s"]), pair["bits_per_s"])
     gpus = any(n.get("gpus") for n in nodes)
 
     def endpoint(e):
@@ -573,7 +665,8 @@ def table(result: dict) -> List[str]:
         return "%s %s" % (name, e.get("address") or "")
 
     header = ["rank", "node", "address", "gloo interface"] + (["nccl interface"] if gpus else []) + [
-        "python", "ray", "torch"] + (["cuda", "nccl", "gpus"] if gpus else []) + ["slowest send"]
+        "python", "ray", "torch"] + (["cuda", "nccl", "gpus"] if gpus else []) + ["slowest send",
+                                                                                "slowest receive"]
     rows = [header]
     for n in nodes:
         row = [str(n.get("rank") if n.get("rank") is not None else "-"), (n.get("name") or "?") + (" (head)" if n.get("head") else ""),
@@ -581,7 +674,7 @@ def table(result: dict) -> List[str]:
         row += [endpoint(n.get("nccl_if"))] if gpus else []
         row += [n.get("python") or "-", n.get("ray") or "-", n.get("torch") or ("none" if n.get("torch_why") else "-")]
         row += [n.get("cuda") or n.get("rocm") or "-", n.get("nccl") or "-", str(n.get("gpus") or 0)] if gpus else []
-        row += [rate(sends.get(n.get("name")))]
+        row += [rate(sends.get(n.get("name"))), rate(receives.get(n.get("name")))]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
@@ -592,8 +685,15 @@ def table(result: dict) -> List[str]:
     slowest = result.get("slowest_pair")
     if slowest:
         fastest = max(result["pairs"], key=lambda p: p["bits_per_s"])
-        lines.append("  pairs (TCP over the Gloo addresses, %d directions): slowest %s -> %s %s, fastest %s -> %s %s" % (
-            len(result["pairs"]), slowest["src"], slowest["dst"], rate(slowest["bits_per_s"]),
+        plan = result.get("pair_plan") or {}
+        if plan.get("directions") == plan.get("of"):
+            measured = "every pair both ways: %d directions" % len(result["pairs"])
+        else:
+            measured = "%d of the %d directions, every node to and from at least %d others" % (
+                len(result["pairs"]), plan.get("of", 0), plan.get("peers_at_least", 0))
+        count = plan.get("rounds", 0)
+        lines.append("  pairs (TCP over the Gloo addresses, %s, in %d round%s): slowest %s -> %s %s, fastest %s -> %s %s" % (
+            measured, count, "" if count == 1 else "s", slowest["src"], slowest["dst"], rate(slowest["bits_per_s"]),
             fastest["src"], fastest["dst"], rate(fastest["bits_per_s"])))
     return lines
 

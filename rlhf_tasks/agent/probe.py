@@ -280,6 +280,8 @@ class NodeProbe(object):
             import torch
             import torch.distributed as dist
 
+            if backend == "gloo":  # connect only to the peers the ring uses, not all n-1 (torch >= 2.7; older ignore it)
+                os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
             dist.init_process_group(backend, init_method="tcp://%s:%d" % (master, port), rank=rank,
                                     world_size=world, timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
             device = "cpu"
