@@ -425,8 +425,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     plan = provider.plan(task)
     if keep:
         plan = plan.replace(keep_cluster=True)
+    provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task)
-    fresh = (state.load(task.name) or {"ended": True}).get("ended") is not None
+    before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None
     job_started = interrupted = False
@@ -461,8 +462,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         return 130
     except BaseException:
         if not job_started and not provider.stop_after_job:
-            say(f"cleaning up what this launch created for {task.name}")
-            provider.abandon(task.name, fresh)
+            undone = provider.abandon(before)
+            if undone:
+                say(f"cleaned up what this launch created for {task.name}: {'; '.join(undone)}")
         raise
     finally:
         if cluster is not None:

@@ -149,12 +149,18 @@ class Provider:
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
                        f"(e.g. dstack attach, ssh -L)")
 
-    def abandon(self, name: str, fresh: bool) -> None:
-        """Undo what a launch that failed before its job started created here: the staged
-        files and, when this launch made it (`fresh`), the cluster's record and token."""
-        shutil.rmtree(state.run_dir(name) / self.name, ignore_errors=True)
-        if fresh:
-            state.forget(name)
+    def ready(self, plan: Plan) -> None:
+        """What `apply` needs of this machine (its CLI, credentials), checked before the
+        launcher writes anything: BadInput saying what is missing and how to get it."""
+
+    def before_launch(self, name: str) -> state.Before:
+        """What is kept of cluster `name` and staged for it before a launch writes anything."""
+        return state.before_launch(name, state.run_dir(name) / self.name)
+
+    def abandon(self, before: state.Before) -> list[str]:
+        """Undo what a launch that failed before its job started created here, and only that
+        (never an earlier launch's record, token or files): what was undone."""
+        return state.undo_launch(before)
 
     def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
