@@ -23,9 +23,10 @@ from .spec import Placement, Resources, Task
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 
-#: Kept out of every uploaded working_dir: VCS data, run artifacts, weights, data.
+#: Kept out of every uploaded working_dir: VCS data, run artifacts, weights, data (and, measured where it
+#: is uploaded from this machine, any virtualenv in it: workdir.py).
 DEFAULT_EXCLUDES = [
-    ".git", ".venv", "runs/", "checkpoints/", "data/", "wandb/", "__pycache__",
+    ".git", ".venv", "node_modules", "runs/", "checkpoints/", "data/", "wandb/", "__pycache__",
     "*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.parquet", "*.arrow",
 ]
 

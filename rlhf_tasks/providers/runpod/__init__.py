@@ -77,8 +77,8 @@ class RunPodProvider(Provider):
             self.check(task)
             contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
                 update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-            return build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides)
+            return self.measure_upload(build_plan(task, self.name, contract, self.networks,
+                                                  self.default_checkpoint_dir(task), self.ray_overrides))
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
 
