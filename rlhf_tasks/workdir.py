@@ -122,8 +122,12 @@ def _travel(path: Path, excludes: list[Callable[[Path], bool]], handler: Callabl
     if any(exclude(path) for exclude in excludes):
         return
     handler(path)
-    if path.is_dir() and not path.is_symlink():
-        for sub in sorted(path.iterdir()):
+    if path.is_dir():  # a link to a directory is followed, as Ray does
+        try:
+            subs = sorted(path.iterdir())
+        except OSError:  # unreadable here: Ray could not pack it either, and says so at upload
+            return
+        for sub in subs:
             _travel(sub, excludes, handler)
 
 
