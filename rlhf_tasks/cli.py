@@ -74,6 +74,12 @@ def cmd_check(args) -> int:
     print(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
     if plan.checkpoint_dir:
         print(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")
+    if provider.upload is not None:
+        from .workdir import human
+
+        upload = provider.upload
+        left = f"; left out: {', '.join(p.lstrip('/') for p in upload.left_out)}" if upload.left_out else ""
+        print(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left})")
     return 0
 
 

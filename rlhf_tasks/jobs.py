@@ -1,52 +1,30 @@
 """The Jobs client of the CLI and the launcher: submit, status, logs, stop, list and follow
 a Ray job through the dashboard's REST API, with the cluster's token. It is the agent's own
 REST client (no Ray needed on this machine); Ray's SDK is imported only to pack and upload
-a working_dir, which is Ray's own code."""
+a working_dir, which is Ray's own code (workdir.py measures it first)."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import sys
-from pathlib import Path
 from typing import Callable
 
+from . import workdir
 from .agent.protocol import DashboardJobs, JobFollower, auth_headers, http_request, job_argv
 from .errors import BadInput, StepFailed
 from .plan import Plan
+from .workdir import upload_limit  # noqa: F401 - where callers found it
 
 
 def working_dir_size(path: str, excludes: list[str]) -> int:
-    """Bytes Ray would pack from `path`, using Ray's own traversal and exclude rules."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
-    root = Path(path).absolute()
-    total = 0
-
-    def add(p: Path):
-        nonlocal total
-        if p.is_file():
-            total += p.stat().st_size
-
-    _dir_travel(root, [_get_excludes(root, excludes)], add, include_gitignore=True)
-    return total
-
-
-def upload_limit() -> int:
-    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
-
-    return GCS_STORAGE_MAX_SIZE
+    """Bytes Ray would pack from `path` (workdir.measure: Ray's own traversal and exclude rules)."""
+    return workdir.measure(path, excludes).size
 
 
 def check_working_dir(path: str, excludes: list[str]) -> int:
-    """Refuse, before any upload, a working_dir Ray would reject as too large."""
-    if not Path(path).is_dir():
-        raise BadInput(f"job.working_dir: {path} is not a directory")
-    size, limit = working_dir_size(path, excludes), upload_limit()
-    if size >= limit:
-        raise BadInput(f"job.working_dir: {path} packs {size / 2**20:.0f} MiB after excludes, over Ray's upload "
-                       f"limit of {limit / 2**20:.0f} MiB; add large files to job.excludes")
-    return size
+    """Refuse, before any upload, a working_dir Ray would reject as too large (workdir.check)."""
+    return workdir.check(path, excludes).size
 
 
 class Jobs:

@@ -103,7 +103,7 @@ class Outcome:
     attempts: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     node_ids: set[str] = field(default_factory=set)
-    last_line: str | None = None        # the job's own last line, when it failed
+    last_line: str | None = None        # the job's own last line
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -354,7 +354,7 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
         lines.append(f"attempts: {len(outcome.attempts)} (" + "; ".join(
             f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")
             for a in outcome.attempts) + ")")
-    if outcome.status != "SUCCEEDED" and outcome.last_line:
+    if outcome.last_line:
         lines.append(f"the job's last line: {outcome.last_line}")
     if outcome.steps:
         lines.append("head steps: " + ", ".join(f"{s['step']} {s['seconds']:.0f}s" for s in outcome.steps))
@@ -426,8 +426,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     plan = provider.plan(task)
     if keep:
         plan = plan.replace(keep_cluster=True)
+    provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task)
-    fresh = (state.load(task.name) or {"ended": True}).get("ended") is not None
+    before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None
     job_started = interrupted = False
@@ -437,7 +438,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")
         if via_head_log:  # the head runs the job: from here on the cluster is the user's, to `down`
             job_started = True
-            say("following the head's log (Ctrl-C stops following, not the job)")
+            say("every node runs the job's command (no Ray); following the node agents' logs" if plan.job.mode ==
+                "every_node" else "following the head's log (Ctrl-C stops following, not the job)")
             outcome = follow_head_log(cluster, plan, tail)
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
@@ -462,8 +464,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         return 130
     except BaseException:
         if not job_started and not provider.stop_after_job:
-            say(f"cleaning up what this launch created for {task.name}")
-            provider.abandon(task.name, fresh)
+            undone = provider.abandon(before)
+            if undone:
+                say(f"cleaned up what this launch created for {task.name}: {'; '.join(undone)}")
         raise
     finally:
         if cluster is not None:

@@ -23,9 +23,10 @@ from .spec import Placement, Resources, Task
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 
-#: Kept out of every uploaded working_dir: VCS data, run artifacts, weights, data.
+#: Kept out of every uploaded working_dir: VCS data, run artifacts, weights, data (and, measured where it
+#: is uploaded from this machine, any virtualenv in it: workdir.py).
 DEFAULT_EXCLUDES = [
-    ".git", ".venv", "runs/", "checkpoints/", "data/", "wandb/", "__pycache__",
+    ".git", ".venv", "node_modules", "runs/", "checkpoints/", "data/", "wandb/", "__pycache__",
     "*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.parquet", "*.arrow",
 ]
 
@@ -92,6 +93,29 @@ class Contract(StrictModel):
     cluster_id: Rule | None = None
     gpus_per_node: Rule | None = None
     peer: Rule | None = None
+
+
+def contract_variables(contract: Contract) -> set[str]:
+    """The variables a contract reads from the node's environment (`env`, and `{VAR}` in a
+    `template` or a `command`): the provider sets them, so the task's env must not."""
+    names: set[str] = set()
+    for field in Contract.model_fields:
+        rule = getattr(contract, field)
+        if rule is None:
+            continue
+        names.update([rule.env] if rule.env else [])
+        for text in [rule.template or "", *(rule.command or [])]:
+            names.update(re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", text))
+    return names
+
+
+def check_contract_env(task: Task, contract: Contract, provider: str) -> None:
+    """BadInput naming `env.NAME` when the task sets a variable of the provider's contract."""
+    clash = sorted(set(task.env) & contract_variables(contract))
+    if clash:
+        also = f" (also: {', '.join('env.' + n for n in clash[1:])})" if clash[1:] else ""
+        raise BadInput(f"env.{clash[0]}: the {provider} provider sets it on every node (it tells the node its place "
+                       f"in the cluster); remove it{also}")
 
 
 #: Network presets every provider offers: the collective libraries' variables.
@@ -259,6 +283,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     `networks` are the presets the provider offers (beyond the generic ones);
     `checkpoint_dir` is the provider's default when the task names none;
     `ray_overrides` lets a provider move ports (local, SkyPilot)."""
+    check_contract_env(task, contract, provider)
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
     shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
                   checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto")

@@ -13,8 +13,9 @@ import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, WithJsonSchema,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
 from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
@@ -23,6 +24,35 @@ from .registry import names as provider_names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
+
+#: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode
+#: that goes with ray.auth): never the task's. The provider's contract variables are refused by
+#: the provider, which alone knows them (plan.check_contract_env).
+LAUNCHER_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
+#: Names that are secrets by convention: *_API_KEY, *_TOKEN (HF_TOKEN, GITHUB_TOKEN, AWS_SESSION_TOKEN),
+#: *_ACCESS_KEY, *_PRIVATE_KEY, *_CREDENTIALS, and any name holding SECRET (AWS_SECRET_ACCESS_KEY),
+#: PASSWORD or PASSWD.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEY|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$|SECRET|PASSW(?:OR)?D",
+                          re.IGNORECASE)
+#: Values in a few well-known credential formats, of the services RLHF runs use; not exhaustive.
+_SECRET_VALUES = {
+    "a Hugging Face token (hf_...)": re.compile(r"hf_[A-Za-z0-9]{30,}"),
+    "an OpenAI or Anthropic API key (sk-...)": re.compile(r"sk-[A-Za-z0-9_-]{20,}"),
+    "a GitHub token (ghp_..., github_pat_...)": re.compile(r"gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}"),
+    "an AWS access key id (AKIA...)": re.compile(r"(?:AKIA|ASIA)[A-Z0-9]{16}"),
+    "a RunPod API key (rpa_...)": re.compile(r"rpa_[A-Za-z0-9]{20,}"),
+    "a W&B API key (40 hex digits)": re.compile(r"[0-9a-f]{40}"),
+}
+
+
+def secret_look(name: str, value: str) -> str | None:
+    """Why an env entry looks like a secret (its name, or its value's format), or None."""
+    if _SECRET_NAME.search(name):
+        return "its name says it is a secret"
+    for what, pattern in _SECRET_VALUES.items():
+        if pattern.fullmatch(value.strip()):
+            return f"its value looks like {what}"
+    return None
 
 
 class Resources(StrictModel):
@@ -182,7 +212,12 @@ class Task(StrictModel):
     nodes: int = Field(ge=1, le=1024)
     resources: Resources = Resources()
     image: str | None = None
-    env: dict[str, str] = {}
+    env_not_secret: list[str] = Field([], description=(
+        "names under env that only look like secrets (by their name, e.g. MAX_NEW_TOKEN, or by their value's "
+        "format): their values stay under env, written into the rendered files"))
+    env: dict[str, str] = Field({}, description=(
+        "variables set on every node, written into the rendered files: no secrets here (list those under "
+        "secrets); the launcher's own (RAY_AUTH_TOKEN, RAY_AUTH_MODE) and the provider's are refused"))
     secrets: list[str] = Field([], description="names of environment variables taken from the launcher's environment")
     setup: list[str] = []
     prepare: list[str] = []
@@ -203,7 +238,28 @@ class Task(StrictModel):
 
     @field_validator("env")
     @classmethod
-    def _env_names(cls, value):
+    def _env_names(cls, value, info: ValidationInfo):
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        owned = [key for key in value if key in LAUNCHER_ENV]
+        if owned:
+            raise _entry_error("env", owned, "the launcher sets it on every node itself (each cluster gets its own "
+                               "token, and the auth mode of ray.auth); remove it")
+        not_secret = set(info.data.get("env_not_secret") or ())  # validated before env: declared before it
+        looks = {key: secret_look(key, text) for key, text in value.items() if key not in not_secret}
+        secret = [key for key, why in looks.items() if why]
+        if secret:
+            first = secret[0]
+            raise _entry_error("env", secret, f"{looks[first]}, and a secret's value must not be in the task file "
+                               f"(env is written into every rendered file): list the name under "
+                               f"`secrets: [{first}]` and export it where you launch. If it is not a secret, "
+                               f"keep it under env and add `env_not_secret: [{first}]` to the task")
+        return value
+
+    @field_validator("env_not_secret")
+    @classmethod
+    def _not_secret_names(cls, value):
         for key in value:
             if not _ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name")
@@ -215,6 +271,8 @@ class Task(StrictModel):
         for key in value:
             if not _ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name (secrets are listed by name only)")
+            if key in LAUNCHER_ENV:
+                raise ValueError(f"{key}: the launcher passes it to every node itself; remove it")
         if len(set(value)) != len(value):
             raise ValueError("secrets are listed twice")
         return value
@@ -233,7 +291,17 @@ class Task(StrictModel):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise ValueError(f"env and secrets both define {clash}: a secret's value must not be in the task file")
+        stray = [key for key in self.env_not_secret if key not in self.env]
+        if stray:
+            raise _entry_error("env_not_secret", stray, "not under env (env_not_secret only lets a name under env "
+                               "that looks like a secret stay there)")
         return self
+
+
+def _entry_error(field: str, keys: list[str], message: str) -> PydanticCustomError:
+    """An error about one entry of a mapping or list (`env.WANDB_API_KEY`), named by _message."""
+    also = f" (also: {', '.join(f'{field}.{k}' for k in keys[1:])})" if keys[1:] else ""
+    return PydanticCustomError("task_entry", message + also, {"field": f"{field}.{keys[0]}"})
 
 
 def _field_path(loc: tuple) -> str:
@@ -290,6 +358,8 @@ def _message(err: dict, root: type[BaseModel] = Task) -> tuple[str, str]:
     """(field path, message) for one pydantic error of `root`, in the task file's terms."""
     loc, kind, msg = err["loc"], err["type"], err["msg"].removeprefix("Value error, ")
     path = _field_path(loc)
+    if kind == "task_entry":
+        return err["ctx"]["field"], msg
     if kind == "union_tag_invalid" and loc[-1:] == ("job",):
         tag = err["ctx"]["tag"]
         return "job.recipe", f"unknown recipe {tag!r} {did_you_mean(tag, sorted(_RECIPES))}"

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -99,3 +100,71 @@ def known() -> list[str]:
     if not home().exists():
         return []
     return sorted(p.name for p in home().glob("*") if (load(p.name) or {"ended": 1}).get("ended") is None)
+
+
+@dataclass(frozen=True)
+class Before:
+    """What was kept of a cluster, and which files a launch's staging directory held, before
+    a launch wrote anything: a launch that fails removes only what it wrote itself, never an
+    earlier launch's record, token or files (`down` and `status` still need them)."""
+
+    name: str
+    staged: Path
+    record: str | None
+    token: str | None
+    files: frozenset[Path]
+    dirs: frozenset[Path]
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def before_launch(name: str, staged: Path) -> Before:
+    """The cluster's record and token as they are now, and what `staged` holds."""
+    files, dirs = set(), set()
+    for path in staged.rglob("*") if staged.is_dir() else ():
+        (dirs if path.is_dir() else files).add(path)
+    dirs.update(p for p in (staged, *staged.parents) if p.is_dir())
+    return Before(name, staged, _read(cluster_dir(name) / "cluster.json"), _read(cluster_dir(name) / "token"),
+                  frozenset(files), frozenset(dirs))
+
+
+def undo_launch(before: Before) -> list[str]:
+    """Remove what a launch wrote since `before` (files it added to its staging directory,
+    a record or token it made) and put back a record or token it replaced: what was undone."""
+    undone = []
+    if before.staged.is_dir():
+        added = sorted((p for p in before.staged.rglob("*") if p not in before.files and p not in before.dirs),
+                       key=lambda p: len(p.parts), reverse=True)
+        for path in added:
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        if added:
+            undone.append(f"its files in {before.staged}")
+    for path in (before.staged, *before.staged.parents):  # directories it made to hold them, when left empty
+        if path in before.dirs or not path.is_dir() or any(path.iterdir()):
+            break
+        path.rmdir()
+    directory = cluster_dir(before.name)
+    for name, was, what in (("cluster.json", before.record, "record"), ("token", before.token, "token")):
+        path = directory / name
+        if _read(path) == was:
+            continue
+        if was is None:
+            path.unlink(missing_ok=True)
+            undone.append(f"the {what} it made")
+        else:  # an earlier cluster's, which this launch replaced: put it back
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(was)
+            undone.append(f"the earlier {what} put back")
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
+    return undone

@@ -87,8 +87,61 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     assert "RAY_AUTH_TOKEN" in rendered and call["token"] not in rendered and "wandb-value-xyz" not in rendered
     assert call["token"] not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
     # A launch that failed before its job leaves nothing behind: no staged files, no token, no record.
-    assert "cleaning up what this launch created" in out.stdout
+    assert "cleaned up what this launch created" in out.stdout
     assert not generated.parent.exists() and not (tmp_path / "home" / "clusters" / "boundary").exists()
+
+
+def earlier_run(tmp_path: Path) -> tuple[Path, dict]:
+    """An earlier local run of `boundary` that has ended: its record (how its job ended) and
+    its node logs, as `down` and `status --cluster` read them."""
+    home = tmp_path / "home"
+    script = ("import sys; from rlhf_tasks import state; state.save('boundary', {'provider': 'local', "
+              "'cluster_id': 'c0ffee00', 'job': {'submission_id': 'boundary-1', 'status': 'SUCCEEDED'}}); "
+              "state.end('boundary')")
+    subprocess.run([sys.executable, "-c", script], env=dict(os.environ, RLHF_TASKS_HOME=str(home),
+                                                             PYTHONPATH=str(ROOT)), check=True)
+    (home / "runs" / "boundary" / "nodes").mkdir(parents=True)
+    (home / "runs" / "boundary" / "nodes" / "node-0.log").write_text("the earlier run's log\n")
+    record = home / "clusters" / "boundary" / "cluster.json"
+    return record, json.loads(record.read_text())
+
+
+def test_a_launch_without_the_providers_cli_removes_nothing_of_an_earlier_run(tmp_path):
+    """Exit 2 means nothing was written or removed: the earlier run's record stays, so `down`
+    and `status --cluster` still know it."""
+    record, kept = earlier_run(tmp_path)
+    env = env_with(tmp_path, None)
+    env["PATH"] = str(tmp_path / "nothing")  # no sbatch, dstack or sky (this machine may have sbatch in /usr/bin)
+    for provider in ("slurm", "dstack", "sky"):
+        submit = "head" if provider == "slurm" else "client"
+        out = run_cli(["launch", str(task_file(tmp_path, submit=submit)), "--provider", provider], tmp_path, env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "clean" not in out.stdout + out.stderr, out.stdout  # nothing was created, nothing is cleaned
+        assert json.loads(record.read_text()) == kept, provider
+        assert (tmp_path / "home" / "runs" / "boundary" / "nodes" / "node-0.log").exists()
+        assert not (tmp_path / "home" / "runs" / "boundary" / provider).exists()
+    down = run_cli(["down", "boundary"], tmp_path, env)
+    assert down.returncode == 0 and "its job boundary-1 ended SUCCEEDED" in down.stdout, down.stdout + down.stderr
+
+
+def test_a_failed_launch_cleans_up_only_what_it_wrote(tmp_path):
+    """`dstack apply` fails: the launch removes its staged files and the token it made, and
+    puts back the earlier run's record it had replaced; an earlier launch's files stay."""
+    record, kept = earlier_run(tmp_path)
+    earlier_log = tmp_path / "home" / "runs" / "boundary" / "dstack" / "dstack-apply.log"
+    earlier_log.parent.mkdir(parents=True)
+    earlier_log.write_text("an earlier apply's log\n")
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "cleaned up what this launch created" in out.stdout and "the earlier record put back" in out.stdout
+    assert json.loads(record.read_text()) == kept
+    assert not (record.parent / "token").exists()
+    assert earlier_log.read_text().startswith("an earlier apply's log")  # the file was there before: kept
+    assert not (earlier_log.parent / "boundary.dstack.yml").exists()  # what this launch staged: gone
+    assert (tmp_path / "home" / "runs" / "boundary" / "nodes" / "node-0.log").exists()
 
 
 def test_down_fails_when_the_providers_command_fails(tmp_path):

@@ -432,8 +432,9 @@ def create_in_process(client, task: dict, datacenters: list[str] | None = None) 
     _, plan, files = rendered(task)
     requests = json.loads(files[f"{plan.name}.runpod.json"])
     fit = catalog.fit(client, plan)
+    before = state.before_launch(plan.name, state.run_dir(plan.name) / "runpod")
     state.save(plan.name, {"provider": "runpod", "pods": []})
-    with pods.Launching(client, plan.name, True) as launching:
+    with pods.Launching(client, plan.name, before) as launching:
         return pods.create(client, plan, requests, {"WANDB_API_KEY": "w"}, datacenters or fit["datacenters"],
                            launching), fit
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from .. import state
+from .. import state, workdir
 from ..errors import BadInput, StepFailed
 from ..plan import Contract, Plan, build_plan
 from ..spec import Task
@@ -94,6 +94,11 @@ class Provider:
     placement_options: ClassVar[type | None] = None
     #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
     stop_after_job: ClassVar[bool] = False
+    #: The head's job.working_dir is this machine's directory (its node agents run here), so
+    #: `submit: head` uploads it from here too.
+    working_dir_here: ClassVar[bool] = False
+    #: What the last plan measured of job.working_dir (workdir.Measure), when it is uploaded from here.
+    upload: workdir.Measure | None = None
 
     def __init__(self, **options: Any):
         known = {option.dest for option in self.options}
@@ -123,10 +128,20 @@ class Provider:
         """The plan this provider's nodes run."""
         try:
             self.check(task)
-            return build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides)
+            return self.measure_upload(build_plan(task, self.name, self.contract, self.networks,
+                                                  self.default_checkpoint_dir(task), self.ray_overrides))
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
+
+    def measure_upload(self, plan: Plan) -> Plan:
+        """When job.working_dir is uploaded from this machine (`submit: client`, or a provider
+        whose head runs here), measure it now, before anything starts (BadInput over Ray's
+        limit), and leave out the virtualenvs and runs directory found in it (workdir.py)."""
+        self.upload = None
+        if not plan.job.working_dir or not (self.working_dir_here or plan.job.submit == "client"):
+            return plan
+        self.upload = workdir.check(plan.job.working_dir, plan.job.excludes)
+        return plan.replace(job=plan.job.model_copy(update={"excludes": plan.job.excludes + self.upload.left_out}))
 
     def render(self, plan: Plan) -> dict[str, str]:
         """File name -> content; pure, printable, safe to commit (no secret values).
@@ -149,12 +164,18 @@ class Provider:
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
                        f"(e.g. dstack attach, ssh -L)")
 
-    def abandon(self, name: str, fresh: bool) -> None:
-        """Undo what a launch that failed before its job started created here: the staged
-        files and, when this launch made it (`fresh`), the cluster's record and token."""
-        shutil.rmtree(state.run_dir(name) / self.name, ignore_errors=True)
-        if fresh:
-            state.forget(name)
+    def ready(self, plan: Plan) -> None:
+        """What `apply` needs of this machine (its CLI, credentials), checked before the
+        launcher writes anything: BadInput saying what is missing and how to get it."""
+
+    def before_launch(self, name: str) -> state.Before:
+        """What is kept of cluster `name` and staged for it before a launch writes anything."""
+        return state.before_launch(name, state.run_dir(name) / self.name)
+
+    def abandon(self, before: state.Before) -> list[str]:
+        """Undo what a launch that failed before its job started created here, and only that
+        (never an earlier launch's record, token or files): what was undone."""
+        return state.undo_launch(before)
 
     def stage(self, plan: Plan, secrets: dict[str, str]) -> tuple[Path, str | None, dict[str, str]]:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,

@@ -131,6 +131,9 @@ class DstackProvider(Provider):
         out.update(files)
         return out
 
+    def ready(self, plan: Plan) -> None:
+        require_cli("dstack", "dstack")
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import state
 from ..agent.processes import group_alive, pid_alive, signal_group
+from ..agent.protocol import parse_result
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
@@ -59,11 +60,23 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def left_on_its_own(log: Path) -> bool:
+    """Whether a worker's node agent ended by itself, as its last result line says: it left
+    because its head went away (exit code 0), or it was stopped (a signal). A lost machine says
+    nothing, and an agent that failed says why: those are replaced."""
+    try:
+        said = parse_result(log.read_text(errors="replace")) or {}
+    except OSError:
+        return False
+    return said.get("exit_code") == 0 or str(said.get("error") or "").startswith(("stopped by signal", "interrupted"))
+
+
 class LocalProvider(Provider):
     name = "local"
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
+    working_dir_here = True
     options = (Option("--retry", "relaunch the whole task up to N times when the head is lost; it resumes from "
                       "the checkpoint", {"type": int, "default": 0, "metavar": "N"}),)
 
@@ -159,8 +172,12 @@ class LocalProvider(Provider):
         state.save(name, record)
 
         def tend() -> list[str]:
-            """Replace a worker's node agent that died (the head's loss ends the cluster)."""
-            dead = [rank for rank, pid in agents.items() if rank > 0 and not pid_alive(pid)]
+            """Replace a worker's node agent that died (the head's loss ends the cluster), as a
+            cloud provider replaces a lost machine; not one that left on its own."""
+            if not pid_alive(agents[0]):
+                return []
+            dead = [rank for rank, pid in agents.items() if rank > 0 and not pid_alive(pid)
+                    and not left_on_its_own(logs / f"node-{rank}.log")]
             if not dead:
                 return []
             agents.update(self._start(run_dir, env, dead))

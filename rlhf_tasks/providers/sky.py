@@ -197,8 +197,13 @@ class SkyProvider(Provider):
         return stop_with_cli([sky, "jobs", "cancel", "-n", name, "-y"] if record.get("managed") else
                              [sky, "down", name, "-y"], name)
 
-    def abandon(self, name: str, fresh: bool) -> None:
+    def ready(self, plan: Plan) -> None:
+        require_cli("sky", "sky")
+
+    def abandon(self, before: state.Before) -> list[str]:
         """Also stop SkyPilot's local API server when this launch is what started it."""
-        super().abandon(name, fresh)
+        undone = super().abandon(before)
         if self._started_api_server:
             subprocess.run([require_cli("sky", "sky"), "api", "stop"], capture_output=True, text=True)
+            undone.append("the SkyPilot API server it started")
+        return undone

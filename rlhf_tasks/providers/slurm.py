@@ -54,7 +54,7 @@ from ..agent.protocol import AgentError, parse_result, wait_for
 from ..console import say
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
-from ..plan import Contract, Plan, command, env, gpu_vendor
+from ..plan import Contract, Plan, check_contract_env, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider
 from .shipping import AGENT, heredoc, module_files
@@ -284,6 +284,11 @@ class SlurmProvider(Provider):
         plan = super().plan(task)
         slurm = slurm_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
         plan = plan.replace(placement=plan.placement.model_copy(update={"slurm": slurm}))
+        if plan.image:
+            try:
+                check_contract_env(task, self.container_contract, self.name)
+            except BadInput as exc:
+                raise BadInput(f"{task.source}: {exc}") from None
         return plan.replace(contract=self.container_contract) if plan.image else plan
 
     # ------------------------------------------------------------------ render
@@ -408,15 +413,18 @@ class SlurmProvider(Provider):
 
     # ------------------------------------------------------------------ apply, status, down
 
-    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
-        """sbatch; the handle reads the agents' output on the shared filesystem and Slurm's
-        record of the job (its state while it waits, its exit code at the end)."""
+    def ready(self, plan: Plan) -> None:
         if plan.job.mode == "ray" and plan.job.submit == "client":
             raise BadInput("job.submit: `launch --provider slurm` follows the job the head submits; for a client "
                            "submission render the script, sbatch it, and forward the head's dashboard port (ssh -L)")
-        sbatch = _cli("sbatch")
-        for name in ("scontrol", "scancel"):
+        for name in ("sbatch", "scontrol", "scancel"):
             _cli(name)
+
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
+        """sbatch; the handle reads the agents' output on the shared filesystem and Slurm's
+        record of the job (its state while it waits, its exit code at the end)."""
+        self.ready(plan)
+        sbatch = _cli("sbatch")
         directory, token, env = self.stage(plan, secrets)
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)

@@ -77,8 +77,8 @@ class RunPodProvider(Provider):
             self.check(task)
             contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
                 update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-            return build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides)
+            return self.measure_upload(build_plan(task, self.name, contract, self.networks,
+                                                  self.default_checkpoint_dir(task), self.ray_overrides))
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
 
@@ -106,6 +106,9 @@ class RunPodProvider(Provider):
                            "and export RUNPOD_API_KEY")
         return RunPodClient.from_env(progress=say)
 
+    def ready(self, plan: Plan) -> None:
+        self._client()
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """Check against the catalog, confirm the price, create, and hand the launcher the pods'
         logs. Whatever fails (or Ctrl-C) before the pods run terminates every pod this launch created."""
@@ -129,7 +132,7 @@ class RunPodProvider(Provider):
         catalog.announce(plan, fit, self.shared_storage_warning(plan))
         catalog.confirm(bool(self.chosen.get("y")))
 
-        fresh = (state.load(plan.name) or {"ended": True}).get("ended") is not None
+        before = self.before_launch(plan.name)
         directory = state.run_dir(plan.name) / self.name
         write_files(directory, files)
         token = state.new_token(plan.name) if plan.token_env else None
@@ -137,7 +140,7 @@ class RunPodProvider(Provider):
         mode = "cluster" if is_cluster(plan) else "pods"
         state.save(plan.name, {"provider": self.name, "mode": mode, "cluster_id": None, "dashboard": None,
                                "dashboard_port": plan.ray.dashboard_port, "pods": []})
-        with pods.Launching(client, plan.name, fresh) as launching:
+        with pods.Launching(client, plan.name, before) as launching:
             members = pods.create(client, plan, requests, values, fit["datacenters"], launching)
             return logs.cluster(client, plan, members, token, directory, fit, self._tunnels, self._log_stops)
 

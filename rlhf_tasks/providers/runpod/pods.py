@@ -6,7 +6,6 @@ gives, their status lines, and terminating them, also when a launch fails before
 
 from __future__ import annotations
 
-import shutil
 import time
 
 from ... import state
@@ -15,7 +14,7 @@ from ...console import say
 from ...agent.protocol import AgentError, wait_for
 from ...plan import Plan
 from .api import ENDED, RunPodAuthError, RunPodClient, RunPodError, RunPodNotFound
-from .render import NAME, filled, is_cluster, pod_names
+from .render import filled, is_cluster, pod_names
 
 
 def find(client: RunPodClient, name: str) -> tuple[list[dict], list[dict]]:
@@ -30,8 +29,8 @@ class Launching:
     """Around creating the pods: whatever fails (or Ctrl-C) terminates every pod this launch
     created (`undo`), and the failure names the step it was in (`step`, set as it goes)."""
 
-    def __init__(self, client: RunPodClient, name: str, fresh: bool):
-        self.client, self.name, self.fresh = client, name, fresh
+    def __init__(self, client: RunPodClient, name: str, before: state.Before):
+        self.client, self.name, self.before = client, name, before
         self.step = "creating the pods"
 
     def __enter__(self) -> Launching:
@@ -40,7 +39,7 @@ class Launching:
     def __exit__(self, kind, exc, traceback) -> bool:
         if exc is None:
             return False
-        said = undo(self.client, self.name, self.fresh)
+        said = undo(self.client, self.name, self.before)
         if isinstance(exc, RunPodError):
             raise StepFailed(self.step, f"{exc}; {said}") from None
         if isinstance(exc, KeyboardInterrupt):
@@ -230,17 +229,14 @@ def terminate(client: RunPodClient, name: str, timeout: float = 300) -> str:
         f" in {time.monotonic() - started:.1f}s"
 
 
-def undo(client: RunPodClient, name: str, fresh: bool) -> str:
-    """Terminate every pod (and cluster) this launch created; forget its token and staged files."""
+def undo(client: RunPodClient, name: str, before: state.Before) -> str:
+    """Terminate every pod (and cluster) this launch created; remove the token, record and
+    staged files it wrote (an earlier launch's record is put back, never removed)."""
     try:
         said = terminate(client, name)
     except Exception as exc:  # noqa: BLE001 - say it; the user must look
         said = f"could not terminate its pods ({exc}): run `rlhf-tasks down {name}`"
-    shutil.rmtree(state.run_dir(name) / NAME, ignore_errors=True)
-    if fresh:
-        state.forget(name)
-    else:
-        state.end(name)
+    state.undo_launch(before)
     return said
 
 

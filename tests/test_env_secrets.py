@@ -1,0 +1,117 @@
+"""A task's `env` is written into every rendered file, so it never holds a secret's value
+(by its name's convention or its value's format, unless the task says it is not one), nor a
+variable the launcher or the provider sets on the nodes itself. Refused as bad input (exit
+2) before anything is rendered or launched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from rlhf_tasks import providers
+from rlhf_tasks.cli import main
+from rlhf_tasks.errors import BadInput
+from rlhf_tasks.spec import json_schema, parse_task
+
+TASK = {"name": "t", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+
+
+def task_with(**fields):
+    return {**TASK, **fields}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("WANDB_API_KEY", "val-123"), ("HF_TOKEN", "val-123"), ("RUNPOD_API_KEY", "val-123"),
+    ("AWS_SECRET_ACCESS_KEY", "val-123"), ("DB_PASSWORD", "val-123"), ("MY_CLIENT_SECRET_FILE", "val-123"),
+    ("GITHUB_TOKEN", "val-123"),
+    ("MODEL_REPO_KEY", "hf_" + "a" * 34),                   # a Hugging Face token's format
+    ("LLM_KEY", "sk-proj-" + "A1b2" * 10),                    # OpenAI's
+    ("GH", "ghp_" + "A" * 36), ("AWS_ID", "AKIA" + "ABCDEFGHIJKLMNOP"), ("POD_KEY", "rpa_" + "X1" * 20),
+    ("WB", "0123456789abcdef0123456789abcdef01234567"),      # W&B's 40 hex digits
+])
+def test_a_secret_under_env_is_refused_naming_it_and_saying_where_it_goes(name, value):
+    with pytest.raises(BadInput) as err:
+        parse_task(task_with(env={name: value, "NCCL_DEBUG": "INFO"}))
+    said = str(err.value)
+    assert f"env.{name}:" in said and f"secrets: [{name}]" in said and f"env_not_secret: [{name}]" in said
+    assert value not in said  # the value itself is never repeated
+
+
+def test_ordinary_env_passes_and_a_name_that_only_looks_secret_can_stay():
+    assert parse_task(task_with(env={"NCCL_DEBUG": "INFO", "TOKENIZERS_PARALLELISM": "false",
+                                     "MAX_TOKENS": "512"})).env["MAX_TOKENS"] == "512"
+    with pytest.raises(BadInput, match="env.MAX_NEW_TOKEN"):
+        parse_task(task_with(env={"MAX_NEW_TOKEN": "64"}))
+    task = parse_task(task_with(env={"MAX_NEW_TOKEN": "64"}, env_not_secret=["MAX_NEW_TOKEN"]))
+    assert task.env == {"MAX_NEW_TOKEN": "64"}
+    with pytest.raises(BadInput, match=r"env_not_secret\.OTHER: not under env"):
+        parse_task(task_with(env={"A": "1"}, env_not_secret=["OTHER"]))
+    with pytest.raises(BadInput, match=r"env_not_secret: unknown field|env_not_secrets"):
+        parse_task(task_with(env_not_secrets=["A"]))  # forbidden extras stay forbidden
+
+
+def test_the_override_is_in_the_schema():
+    props = json_schema()["properties"]
+    assert props["env_not_secret"]["type"] == "array" and "secret" in props["env_not_secret"]["description"]
+    assert "secrets" in props["env"]["description"]
+
+
+@pytest.mark.parametrize("name", ["RAY_AUTH_TOKEN", "RAY_AUTH_MODE"])
+def test_names_the_launcher_owns_are_refused_even_when_said_not_secret(name):
+    with pytest.raises(BadInput, match=f"env.{name}: the launcher sets it"):
+        parse_task(task_with(env={name: "x"}, env_not_secret=[name]))
+    with pytest.raises(BadInput, match=f"{name}: the launcher passes it"):
+        parse_task(task_with(secrets=[name]))
+
+
+@pytest.mark.parametrize("provider, name, extra", [
+    ("local", "RLHF_TASKS_NODE_RANK", {}), ("dstack", "DSTACK_NODE_RANK", {}), ("dstack", "DSTACK_MASTER_NODE_IP", {}),
+    ("sky", "SKYPILOT_NODE_RANK", {}), ("sky", "SKYPILOT_NODE_IPS", {}),
+    ("slurm", "SLURM_NODEID", {}), ("slurm", "SLURM_JOB_NODELIST", {}),
+    ("slurm", "RLHF_TASKS_HOSTS", {"image": "nvcr.io/nvidia/pytorch:24.05-py3"}),
+    ("runpod", "RAY_WORKER", {}), ("runpod", "HEAD_POD_ID", {}), ("runpod", "EXPECTED_WORKERS", {}),
+    ("runpod", "NODE_RANK", {"network": "runpod-cluster"}), ("runpod", "PRIMARY_ADDR", {"network": "runpod-cluster"}),
+])
+def test_the_providers_contract_variables_are_refused_under_env(provider, name, extra):
+    task = parse_task(task_with(env={name: "3"}, resources={"gpus": "H100:1"} if provider != "local" else {},
+                                **extra), "t.yaml")
+    with pytest.raises(BadInput, match=f"t.yaml: env.{name}: the {provider} provider sets it"):
+        providers.provider_class(provider)().plan(task)
+
+
+def test_only_its_own_provider_refuses_a_contract_variable():
+    task = parse_task(task_with(env={"DSTACK_NODE_RANK": "0"}, resources={"gpus": "H100:1"}))
+    assert providers.provider_class("sky")().plan(task).env["DSTACK_NODE_RANK"] == "0"
+
+
+def write(tmp_path, data):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+ALL = ("local", "dstack", "sky", "slurm", "runpod")
+
+
+@pytest.mark.parametrize("env, refusing", [({"WANDB_API_KEY": "abc123"}, ALL), ({"RAY_AUTH_TOKEN": "abc123"}, ALL),
+                                           ({"RLHF_TASKS_NUM_NODES": "abc123"}, ("local",)),
+                                           ({"SKYPILOT_NUM_NODES": "abc123"}, ("sky",))])
+def test_check_and_render_exit_2_and_write_nothing(env, refusing, tmp_path, capsys, rlhf_home):
+    path = write(tmp_path, task_with(env=env))
+    name = next(iter(env))
+    assert main(["check", path, "--provider", refusing[0]]) == 2
+    assert f"env.{name}" in capsys.readouterr().err
+    out = tmp_path / "out" / "start-nodes.sh"
+    for provider in refusing:
+        assert main(["render", path, "--provider", provider, "-o", str(out)]) == 2, provider
+        said = capsys.readouterr()
+        assert f"env.{name}" in said.err and "abc123" not in said.out + said.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_passes_with_the_override(tmp_path, capsys, rlhf_home):
+    path = write(tmp_path, task_with(env={"MAX_NEW_TOKEN": "64"}, env_not_secret=["MAX_NEW_TOKEN"]))
+    assert main(["check", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["env"]["MAX_NEW_TOKEN"] == "64"
