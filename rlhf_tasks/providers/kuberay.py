@@ -39,6 +39,7 @@ from pydantic import Field, field_validator, model_validator
 from ..errors import BadInput
 from ..models import Duration, StrictModel, size_bytes
 from ..plan import Contract, Plan, env, gpu_vendor
+from ..recipes.base import Shape
 from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider
 from .shipping import AGENT, LIB, NODE_DIR, dump_yaml, module_files, shared_entry
@@ -161,6 +162,9 @@ class KubeRayProvider(Provider):
 
     def check(self, task: Task) -> None:
         options = kuberay_placement(task.placement)
+        if self.runs_without_ray(task):
+            raise BadInput(f"job.recipe: the {task.job.recipe} recipe runs its command on every node without Ray, "
+                           f"and KubeRay always starts Ray; use another provider")
         shared_entry(KubeRayShared, task.checkpoints.shared.get(self.name), self.name)
         if task.ray.auth == "token" and options.version < (2, 52, 0):
             raise BadInput(f"placement.kuberay.ray_version: {options.ray_version} is below 2.52.0, which KubeRay's "
@@ -172,11 +176,17 @@ class KubeRayProvider(Provider):
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")
 
+    def runs_without_ray(self, task: Task) -> bool:
+        """Whether the recipe runs its command on every node itself (torchrun): asked of the recipe."""
+        shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
+                      checkpoint_dir=task.checkpoints.path or self.default_checkpoint_dir(task), resume=False)
+        try:
+            return task.job.build(shape).mode == "every_node"
+        except BadInput:
+            return False  # an infeasible job is the plan's to report, with its fields
+
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
-        if plan.job.mode == "every_node":
-            raise BadInput(f"{task.source}: job.recipe: the {plan.job.recipe} recipe runs its command on every node "
-                           f"without Ray, and KubeRay always starts Ray; use another provider")
         options = kuberay_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
         return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
 
