@@ -14,6 +14,7 @@ BUILTIN = {
     "sky": "rlhf_tasks.providers.sky:SkyProvider",
     "runpod": "rlhf_tasks.providers.runpod:RunPodProvider",
     "slurm": "rlhf_tasks.providers.slurm:SlurmProvider",
+    "kuberay": "rlhf_tasks.providers.kuberay:KubeRayProvider",
 }
 
 

@@ -113,7 +113,8 @@ class Checkpoints(StrictModel):
     shared: dict[str, dict[str, Any]] = Field({}, description=(
         "storage mounted at path that every node (and a later run) sees, per provider: "
         "dstack: {volume: NAME} or {host_path: /PATH} (a directory every fleet host mounts, e.g. NFS); "
-        "sky: {bucket: s3://BUCKET/PREFIX} or {volume: NAME}; runpod: {network_volume: ID}. "
+        "sky: {bucket: s3://BUCKET/PREFIX} or {volume: NAME}; runpod: {network_volume: ID}; "
+        "kuberay: {claim: PVC} (a ReadWriteMany PersistentVolumeClaim). "
         "Each provider checks its own entry; without one, path is a directory on each node"))
 
     _absolute = field_validator("path")(classmethod(lambda cls, v: require_absolute(
@@ -195,11 +196,14 @@ class Placement(StrictModel):
     slurm: dict[str, Any] = Field({}, description=(
         "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
+    kuberay: dict[str, Any] = Field({}, description=(
+        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay.py): namespace, "
+        "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
 
 
 #: Keys of `placement` whose options a provider owns and reads with its own model (spec.py imports
 #: no provider; `rlhf-tasks schema` composes the providers' models into the schema).
-PROVIDER_PLACEMENT = ("slurm",)
+PROVIDER_PLACEMENT = ("slurm", "kuberay")
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]

@@ -124,7 +124,7 @@ def test_check_without_provider_says_which_providers_can_run_a_gpu_task(capsys):
     task = str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml")
     assert main(["check", task]) == 0
     out = capsys.readouterr().out
-    assert "providers dstack, runpod, sky, slurm can run it" in out and "not local: the local provider runs CPU-only nodes" in out
+    assert "providers dstack, kuberay, runpod, sky, slurm can run it" in out and "not local: the local provider runs CPU-only nodes" in out
     assert main(["check", task, "--provider", "local"]) == 2  # what launch would refuse, check refuses too
     err = capsys.readouterr().err
     assert f"{task}: resources.gpus: the local provider runs CPU-only nodes" in err

@@ -1,5 +1,6 @@
 """dstack and SkyPilot: what we render passes the providers' own parsers, for every task
-in tasks/, and the golden copies under providers/ (dstack, SkyPilot, Slurm) are current."""
+in tasks/, and the golden copies under providers/ (dstack, SkyPilot, Slurm, KubeRay) are
+current (KubeRay's schema checks are in test_kuberay_render.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from conftest import ROOT, need
 
 TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
 GOLDEN = {"dstack": ROOT / "providers" / "dstack", "sky": ROOT / "providers" / "skypilot",
-          "slurm": ROOT / "providers" / "slurm"}
+          "slurm": ROOT / "providers" / "slurm", "kuberay": ROOT / "providers" / "kuberay"}
+#: Tasks a provider refuses (KubeRay always starts Ray; torchrun runs without it): no golden copy.
+REFUSED = {"kuberay": {"openrlhf-dpo-llama3-8b.yaml"}}
 #: Slurm also keeps these tasks rendered with the other ways of running an image.
 SLURM_VARIANTS = {"verl-ppo-gsm8k-mi300x.yaml": ("docker", "pyxis"), "openrlhf-dpo-llama3-8b.yaml": ("docker", "podman")}
 AGENT_LEFT_OUT = "# (here the script holds a shipped file verbatim: the node agent or a module; left out of this copy)"
@@ -33,7 +36,11 @@ def rendered(provider_name: str, task_path: Path) -> dict[str, str]:
 def golden_files(provider_name: str, task_path: Path) -> dict[str, str]:
     """What providers/<name>/ keeps for a task: everything but the verbatim sources shipped
     (the node agent, and the demo's code under rlhf-tasks/lib/)."""
+    if task_path.name in REFUSED.get(provider_name, ()):
+        return {}
     files = {name: text for name, text in rendered(provider_name, task_path).items() if not name.endswith(".py")}
+    if provider_name == "kuberay":
+        return {name: without_configmap_sources(text) for name, text in files.items()}
     if provider_name != "slurm":
         return files
     from rlhf_tasks.spec import parse_task
@@ -54,6 +61,17 @@ def without_agent(script: str) -> str:
         script = re.sub(rf"<<'{delimiter}'\n.*?\n{delimiter}\n", f"<<'{delimiter}'\n{AGENT_LEFT_OUT}\n{delimiter}\n",
                         script, flags=re.S)
     return script
+
+
+def without_configmap_sources(text: str) -> str:
+    """A rendered KubeRay file with the ConfigMap's shipped sources left out (as for Slurm)."""
+    from rlhf_tasks.providers.shipping import dump_yaml
+
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    configmap, *rest = yaml.load_all(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    configmap["data"] = {key: AGENT_LEFT_OUT if key.endswith(".py") else value
+                         for key, value in configmap["data"].items()}
+    return dump_yaml(configmap, header) + "".join("---\n" + dump_yaml(doc) for doc in rest)
 
 
 def refresh() -> None:

@@ -26,5 +26,7 @@ outside this package imports), contract (the provider's contract, addresses), pr
 (children and process groups), raynode (Ray's start command and environment, the Node),
 beacon (the head's ready beacon), head (the head's bring-up), jobrunner (submitting,
 following and restarting the job), worker (workers and every_node mode), probe and
-preflight (the preflight Ray job), __main__ (the entry point).
+preflight (the preflight Ray job), attached (the roles where someone else starts Ray, as
+KubeRay does: prepare before it, a node's services and environment before its `ray start`,
+the head's flow once it is up), __main__ (the entry point).
 """

@@ -1,7 +1,8 @@
 """The agent's entry point, `python3 -m rlhf_tasks.agent --plan plan.json` (and the job's
 gate, `python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...`): read the plan and the
 provider's contract, set up this node's environment, run the head's, a worker's or the
-every-node flow, and end with one result line whatever happened; SIGTERM stops it cleanly.
+every-node flow (or, where someone else starts Ray, one of attached.py's roles), and end
+with one result line whatever happened; SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import sys
 from typing import List, Optional
 
+from .attached import BeforeRayFlow, PrepareFlow, StartedHeadFlow
 from .contract import locate, read_contract
 from .head import HeadFlow
 from .jobrunner import gate_main
@@ -47,18 +49,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--skip-setup", action="store_true", help="the provider already ran the setup commands")
     parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")
     parser.add_argument("--log-dir", default=None, help="where Ray's and the services' output goes (default: state dir)")
+    started = parser.add_mutually_exclusive_group()  # Ray started by someone else (see attached.py)
+    started.add_argument("--prepare-only", action="store_true", help="the head before its Ray starts: setup and "
+                         "prepare, then exit")
+    started.add_argument("--before-ray", metavar="ENV_FILE", help="just before someone else's `ray start`: setup, "
+                         "a worker's every-node services (left running), the environment for Ray written to ENV_FILE")
+    started.add_argument("--ray-started", action="store_true", help="the job runner on a head whose Ray someone "
+                         "else started: services, every node, preflight, the job")
     args = parser.parse_args(argv)
+    attached = args.prepare_only or args.before_ray or args.ray_started
     signal.signal(signal.SIGTERM, _on_signal)
     result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
     node = flow = None
     signalled = False  # the cluster is being torn down: no waiting for anyone
     try:
         plan = load_plan(args.plan)
-        info = locate(read_contract(plan["contract"], os.environ))
+        info = read_contract(plan["contract"], os.environ)
+        if attached and info.rank == 0:
+            info.head = None  # this node is the head: its own address, no service name to resolve yet
+        info = locate(info)
         result["rank"] = info.rank
         log.label = "node%d" % info.rank
         log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
-        env = node_env(plan, info, os.environ)
+        # prepare talks to no Ray (and runs before the operator's token reaches the pod)
+        env = node_env(dict(plan, token_env=None) if args.prepare_only else plan, info, os.environ)
         net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
         log("network preset %s: %s" % (plan["network"], " ".join(
             "%s=%s%s" % (k, v, " (from the node's environment)" if os.environ.get(k) and k not in plan["env"] else "")
@@ -70,7 +84,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         node = Node(plan, info, env, state_dir, log_dir)
         if plan["setup"] and not args.skip_setup:
             node.run_commands("setup", plan["setup"])
-        if plan["job"].get("mode") == "every_node":
+        if attached and plan["job"].get("mode") == "every_node":
+            raise AgentError("choosing the node's flow", "job mode every_node runs no Ray, and here Ray is started "
+                             "by someone else", code=2)
+        if args.prepare_only:
+            flow = PrepareFlow(node)
+        elif args.before_ray:
+            flow = BeforeRayFlow(node, args.before_ray)
+        elif args.ray_started:
+            if info.rank != 0:
+                raise AgentError("choosing the node's flow", "--ray-started runs on the head (rank 0), this is "
+                                 "rank %d" % info.rank, code=2)
+            flow = StartedHeadFlow(node)
+        elif plan["job"].get("mode") == "every_node":
             flow = EveryNodeFlow(node)
         else:
             flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)

@@ -54,6 +54,12 @@ class HeadFlow(object):
         where = "" if node.dashboard.startswith("http://127.0.0.1") and self.info.node_addr.startswith("127.") \
             else " (reach it through the provider's port forward)" if "127.0.0.1" in node.dashboard else ""
         log("Ray head up in %.1fs; dashboard %s%s" % (time.monotonic() - started, node.dashboard, where))
+        return self.serve(started)
+
+    def serve(self, started: float) -> int:
+        """Once the head's Ray is up (`started`: when its bring-up began): preflight and the
+        gated job submitted, the services, every node, preflight followed, then the job."""
+        node, plan = self.node, self.plan
         # What waits for the nodes is submitted now, so that its start-up overlaps their joining:
         # preflight (it waits for them itself), then the job behind a gate that opens once preflight passed.
         jobs = DashboardJobs(node.dashboard, node.token)

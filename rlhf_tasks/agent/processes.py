@@ -45,13 +45,13 @@ class Child(object):
     the agent."""
 
     def __init__(self, name: str, argv, env: Dict[str, str], log_path: Optional[str] = None,
-                 pgid_file: Optional[str] = None, shell: bool = False, stdin=None):
+                 pgid_file: Optional[str] = None, shell: bool = False, stdin=None, die_with_agent: bool = True):
         self.name, self.pgid_file, self.log_path = name, pgid_file, log_path
         out = open(log_path, "ab") if log_path else None
         _load_libc()
         self.proc = subprocess.Popen(argv, env=env, shell=shell, executable="/bin/bash" if shell and os.path.exists("/bin/bash") else None,
                                      stdin=stdin, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, preexec_fn=_die_with_agent)
+                                     start_new_session=True, preexec_fn=_die_with_agent if die_with_agent else None)
         if out:
             out.close()
         if pgid_file:

@@ -149,6 +149,8 @@ class Node(object):
         self.prestarted = None  # type: Optional[Child]  (`ray start` waiting for its arguments)
         self.job = None  # type: Optional[Child]  (job.mode every_node: this node's command)
         self.services = []  # type: List[Child]
+        #: The services outlive this agent (it hands them to a `ray start` someone else runs next).
+        self.detach_services = False
         self.steps = []  # type: List[dict]
         host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
         self.dashboard = "http://%s:%s" % (host, plan["ray"]["dashboard_port"])
@@ -236,7 +238,7 @@ class Node(object):
                 log("starting service %s: %s" % (service["name"], command))
                 child = Child(service["name"], command, env,
                               os.path.join(self.log_dir, "service-%s-node%d.log" % (service["name"], self.info.rank)),
-                              pgid_file, shell=True)
+                              pgid_file, shell=True, die_with_agent=not self.detach_services)
                 self.services.append(child)
                 self.wait_service(service, child)
 

@@ -1,0 +1,129 @@
+"""The agent on a cluster whose Ray someone else starts (an operator that runs `ray start`
+in every pod itself, as KubeRay does). Three short roles instead of the head's and the
+workers' flows, each a separate command the rendered pods run:
+
+  --prepare-only        rank 0 before its Ray starts (an init container): setup, prepare.
+  --before-ray FILE     every node, just before the operator's `ray start` in the same shell:
+                        setup, a worker's every-node services (ready, and left running), and
+                        the environment Ray must start with (network preset, the plan's env,
+                        the agent's package on PYTHONPATH) written to FILE to be sourced.
+  --ray-started         the job runner on the head (the cluster's job entrypoint): the head's
+                        services, every node and GPU in, preflight, then the job with its
+                        restart policy, exactly as the head's own flow does once its Ray is up.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from typing import Dict
+
+from .head import HeadFlow
+from .protocol import AgentError, http_check, log, probe_tcp, wait_for
+from .raynode import Node
+
+#: Variables the operator sets on its pods itself (the token comes from its Secret): never
+#: written to the environment file.
+OPERATOR_VARS = ("RAY_AUTH_TOKEN",)
+
+
+class StartedRay(object):
+    """Stands for a `ray start` this agent did not run: alive while the GCS port answers
+    (asked at most once a second)."""
+
+    class _Proc(object):
+        returncode = "unknown (Ray was started outside this agent)"
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port, self.proc = host, port, self._Proc()
+        self.asked, self.answer = 0.0, True
+
+    def alive(self) -> bool:
+        now = time.monotonic()
+        if now - self.asked >= 1.0:
+            self.asked, self.answer = now, probe_tcp(self.host, self.port, timeout=2.0) is None
+        return self.answer
+
+    def tail(self, lines: int = 20) -> str:
+        return "the Ray GCS on %s:%s stopped answering" % (self.host, self.port)
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Not ours to stop."""
+
+
+class PrepareFlow(object):
+    """Rank 0's prepare before its Ray starts (setup ran before, unless skipped)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def run(self) -> int:
+        if self.node.info.rank != 0:
+            raise AgentError("prepare", "--prepare-only runs on the head (rank 0), this is rank %d"
+                             % self.node.info.rank, code=2)
+        if self.node.plan["prepare"]:
+            self.node.run_commands("prepare", self.node.plan["prepare"])
+        else:
+            log("nothing to prepare")
+        return 0
+
+    def result(self) -> dict:
+        return {}
+
+    def stop(self, signalled: bool = False) -> None:
+        pass
+
+
+def ray_env_lines(env: Dict[str, str], base: Dict[str, str]) -> str:
+    """`export K=V` lines for what the agent's environment adds to or changes in `base`
+    (secrets and the operator's token are unchanged, so never written)."""
+    lines = ["export %s=%s" % (k, shlex.quote(v)) for k, v in sorted(env.items())
+             if base.get(k) != v and k not in OPERATOR_VARS]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+class BeforeRayFlow(object):
+    """Every node, before the operator's `ray start`: a worker starts its every-node services
+    and waits until they answer (they stay up after this agent exits: a node that joins Ray
+    has its services ready); then the environment Ray must start with goes to `env_file`."""
+
+    def __init__(self, node: Node, env_file: str):
+        self.node, self.env_file = node, env_file
+
+    def run(self) -> int:
+        node = self.node
+        if node.info.rank != 0:  # the head's services are the job runner's (--ray-started)
+            node.detach_services = True
+            node.start_services(("every_node",))
+        directory = os.path.dirname(os.path.abspath(self.env_file))
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(self.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(ray_env_lines(node.env, dict(os.environ)))
+        log("the environment for Ray is in %s; Ray starts next" % self.env_file)
+        node.services = []  # handed over: they run on beside Ray
+        return 0
+
+    def result(self) -> dict:
+        return {}
+
+    def stop(self, signalled: bool = False) -> None:
+        pass
+
+
+class StartedHeadFlow(HeadFlow):
+    """The head's flow from the moment its Ray is up, on a head whose Ray someone else
+    started: the dashboard answering, then HeadFlow.serve (services, every node, preflight,
+    the job and its restarts)."""
+
+    def run(self) -> int:
+        node, plan = self.node, self.plan
+        node.ray = StartedRay(self.info.node_addr, plan["ray"]["port"])
+        started = time.monotonic()
+        with node.step("ray head"):
+            wait_for("the Ray dashboard at %s" % node.dashboard,
+                     node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")),
+                     plan["wait"]["head_s"], interval=0.2, max_interval=1.0)
+        log("Ray head up (started outside this agent); dashboard %s" % node.dashboard)
+        return self.serve(started)

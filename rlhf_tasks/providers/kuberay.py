@@ -1,0 +1,413 @@
+"""KubeRay: one file for `kubectl apply -f`: a ConfigMap with the node agent and the plan, and
+a RayJob (`ray.io/v1`) whose cluster has a head group and one worker group of nodes - 1.
+
+KubeRay forms the cluster: its own `ray start` in every pod, its `wait-gcs-ready` init
+container on the workers, its probes, the head service `<cluster>-head-svc`. rlhf-tasks keeps
+its guarantees around that, with the agent in its attached roles (agent/attached.py):
+
+- the head pod's init container runs setup and `prepare` (rank 0) before the head's Ray starts;
+- every Ray container runs, before KubeRay's `ray start` in the same shell (KubeRay appends its
+  command to ours with `&&`), setup, a worker's every-node services (ready before the node joins)
+  and the environment Ray starts with (network preset, the plan's env, the agent on PYTHONPATH);
+  a startupProbe covers that time, so KubeRay's liveness probe cannot kill a long setup;
+- the RayJob's entrypoint is the agent's job runner on the head: the head's services, every node
+  and GPU in (however late a worker pod is scheduled), preflight, then the recipe's command with
+  the restart policy (a lost worker pod is replaced by KubeRay; the runner waits for it and
+  resumes from the checkpoint, where KubeRay's own `backoffLimit` would rebuild the cluster).
+
+Submission is SidecarMode: the submitter runs beside the head as soon as the head is up, so the
+runner's bring-up (services, preflight) overlaps the workers joining, and the runner's own wait
+names what is missing. K8sJobMode and HTTPMode would submit only once every worker is Ready.
+
+The rank is the group's (the head group's pods say 0, the workers' 1), the head the workers'
+FQ_RAY_IP (KubeRay's head service), a node's own address its pod IP (downward API). Secrets
+are `secretKeyRef`s into one Secret named by `placement.kuberay.secret` (default
+`<name>-secrets`, key = variable name); the Ray token is KubeRay's own (`authOptions: {mode:
+token}`: the operator makes the Secret and sets RAY_AUTH_TOKEN on every pod and the submitter).
+No value of either is ever in the rendered file.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ..errors import BadInput
+from ..models import Duration, StrictModel, size_bytes
+from ..plan import Contract, Plan, env, gpu_vendor
+from ..recipes.base import Shape
+from ..spec import Placement, Task, provider_part
+from .base import Cluster, Provider
+from .shipping import AGENT, LIB, NODE_DIR, dump_yaml, module_files, shared_entry
+
+RANK_ENV, POD_IP_ENV, WORKERS_ENV = "RLHF_TASKS_RANK", "RLHF_TASKS_POD_IP", "RLHF_TASKS_WORKER_REPLICAS"
+WORKER_GROUP = "workers"
+#: Where the Ray container keeps the environment the agent wrote for KubeRay's `ray start`.
+RAY_ENV_FILE = "/tmp/rlhf-tasks/ray.env"
+#: KubeRay's dashboard agent port (it sets it when rayStartParams leave it out): a worker's startup is done once it answers.
+AGENT_PORT = 52365
+PROBE_PERIOD_S = 10
+#: KubeRay's SidecarMode submitter asks http://127.0.0.1:8265, whatever the head's dashboard port.
+SIDECAR_DASHBOARD_PORT = 8265
+#: A ConfigMap holds at most 1 MiB.
+CONFIGMAP_LIMIT = 1024 * 1024
+GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_QUEUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+
+
+def _dns(value, what: str = "a DNS label (lowercase letters, digits, dashes)", pattern=_DNS_LABEL):
+    if value is not None and not pattern.match(value):
+        raise ValueError(f"{value!r} is not {what}")
+    return value
+
+
+class Toleration(StrictModel):
+    """A Kubernetes toleration (the pod spec's own field names)."""
+
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = Field(None, ge=0)
+
+
+# The task's `placement.kuberay`: spec.py keeps it as a mapping, this provider reads it with this model.
+class KubeRayPlacement(StrictModel):
+    """Kubernetes' own options for the RayJob and its pods."""
+
+    namespace: str | None = Field(None, description="the namespace (default: the kubeconfig context's)")
+    service_account: str | None = Field(None, description="the pods' service account")
+    node_selector: dict[str, str] = Field({}, description="node labels every pod needs (e.g. the GPU product)")
+    tolerations: list[Toleration] = []
+    priority_class: str | None = Field(None, description="the pods' PriorityClass")
+    scheduler: Literal["kueue", "volcano", "yunikorn"] | None = Field(
+        None, description="the gang scheduler that admits the RayJob (kueue when a queue is named alone)")
+    queue: str | None = Field(None, description="its queue: a Kueue LocalQueue, a Volcano queue, a YuniKorn queue")
+    secret: str | None = Field(None, description="the Secret the task's secrets are read from, one key per "
+                               "variable name (default: <name>-secrets)")
+    ray_version: str = Field("2.52.0", description="the Ray version in the image (KubeRay's token auth needs "
+                             ">= 2.52.0)")
+    ttl_after_finished: Duration = Field(600.0, description="how long KubeRay keeps the finished cluster "
+                                         "(its logs) before deleting it")
+
+    _names = field_validator("namespace", "service_account", "secret")(classmethod(lambda cls, v: _dns(v)))
+    _priority = field_validator("priority_class")(classmethod(
+        lambda cls, v: _dns(v, "a DNS name (lowercase letters, digits, dashes, dots)", _DNS_NAME)))
+    _queue = field_validator("queue")(classmethod(
+        lambda cls, v: _dns(v, "a queue name (letters, digits, dashes, underscores, dots)", _QUEUE)))
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value):
+        for key in value:
+            if not _LABEL_KEY.match(key):
+                raise ValueError(f"{key!r} is not a label key")
+        return value
+
+    @field_validator("ray_version")
+    @classmethod
+    def _version(cls, value):
+        if not _VERSION.match(value):
+            raise ValueError(f"{value!r} is not a Ray version (MAJOR.MINOR.PATCH, e.g. 2.52.0)")
+        return value
+
+    @model_validator(mode="after")
+    def _queue_needs_scheduler(self):
+        if self.scheduler is not None and self.queue is None:
+            raise ValueError(f"scheduler {self.scheduler} needs a queue")
+        return self
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        return tuple(int(part) for part in self.ray_version.split("."))
+
+
+class KubeRayShared(StrictModel):
+    """`checkpoints.shared.kuberay`: storage every pod mounts at checkpoints.path."""
+
+    claim: str = Field(description="a PersistentVolumeClaim every pod can mount at once (ReadWriteMany)")
+
+    _name = field_validator("claim")(classmethod(lambda cls, v: _dns(v, pattern=_DNS_NAME)))
+
+
+def kuberay_placement(placement: Placement) -> KubeRayPlacement:
+    """A task's or plan's `placement.kuberay`, read with this provider's model (BadInput naming the field)."""
+    return provider_part(KubeRayPlacement, placement.kuberay, "placement.kuberay")
+
+
+def configmap_key(path: str) -> str:
+    """A shipped file's key in the ConfigMap (keys hold no `/`): `lib/rlhf_tasks/agent/head.py`
+    -> `lib.rlhf_tasks.agent.head.py`; the volume's items put it back at its path."""
+    return path.replace("/", ".")
+
+
+class KubeRayProvider(Provider):
+    name = "kuberay"
+    contract = Contract(
+        rank=env(RANK_ENV),
+        nodes=env(WORKERS_ENV, plus=1),
+        head=env("FQ_RAY_IP"),           # workers: KubeRay's head service; the head uses its own address
+        node_addr=env(POD_IP_ENV),
+        cluster_id=env("RAY_CLUSTER_NAME"),
+    )
+    placement_options = KubeRayPlacement
+
+    def check(self, task: Task) -> None:
+        options = kuberay_placement(task.placement)
+        if self.runs_without_ray(task):
+            raise BadInput(f"job.recipe: the {task.job.recipe} recipe runs its command on every node without Ray, "
+                           f"and KubeRay always starts Ray; use another provider")
+        shared_entry(KubeRayShared, task.checkpoints.shared.get(self.name), self.name)
+        if task.ray.auth == "token" and options.version < (2, 52, 0):
+            raise BadInput(f"placement.kuberay.ray_version: {options.ray_version} is below 2.52.0, which KubeRay's "
+                           f"token auth needs (ray.auth: token); use an image with Ray >= 2.52.0")
+        if task.ray.dashboard_port != SIDECAR_DASHBOARD_PORT:
+            raise BadInput(f"ray.dashboard_port: KubeRay's submitter (SidecarMode) reaches the dashboard on "
+                           f"{SIDECAR_DASHBOARD_PORT}; leave the port at its default")
+        if task.ray.dashboard_public:
+            raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
+                           "with kubectl port-forward (leave dashboard_public off)")
+
+    def runs_without_ray(self, task: Task) -> bool:
+        """Whether the recipe runs its command on every node itself (torchrun): asked of the recipe."""
+        shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
+                      checkpoint_dir=task.checkpoints.path or self.default_checkpoint_dir(task), resume=False)
+        try:
+            return task.job.build(shape).mode == "every_node"
+        except BadInput:
+            return False  # an infeasible job is the plan's to report, with its fields
+
+    def plan(self, task: Task) -> Plan:
+        plan = super().plan(task)
+        options = kuberay_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
+        return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
+
+    def shared_storage_warning(self, plan: Plan) -> str | None:
+        if plan.nodes < 2 or not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+            return None
+        return (f"checkpoints {plan.checkpoint_dir} is an emptyDir in each pod: the {plan.nodes} pods do not share "
+                f"it, and a replaced pod starts without it; add checkpoints.shared.kuberay: {{claim: PVC}} "
+                f"(a ReadWriteMany PersistentVolumeClaim)")
+
+    # ------------------------------------------------------------------ render
+
+    def shipped(self, plan: Plan) -> dict[str, str]:
+        """Path below NODE_DIR -> content: the plan and the agent's package (with what the recipe imports)."""
+        files = {f"{plan.name}.plan.json": plan.to_json()}
+        files.update({f"{LIB}/{path}": text for path, text in module_files([AGENT, *plan.modules]).items()})
+        return files
+
+    def configmap(self, plan: Plan, options: KubeRayPlacement) -> dict:
+        files = self.shipped(plan)
+        data = {configmap_key(path): text for path, text in files.items()}
+        if len(data) != len(files):
+            raise BadInput(f"--provider kuberay: two shipped files share a ConfigMap key: {sorted(files)}")
+        size = sum(len(key) + len(text.encode()) for key, text in data.items())
+        if size > CONFIGMAP_LIMIT:
+            raise BadInput(f"--provider kuberay: the agent and the plan take {size} bytes, over a ConfigMap's 1 MiB")
+        return {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": self.metadata(plan, options, self.configmap_name(plan)), "data": data}
+
+    @staticmethod
+    def configmap_name(plan: Plan) -> str:
+        return f"{plan.name}-rlhf-tasks"
+
+    @staticmethod
+    def metadata(plan: Plan, options: KubeRayPlacement, name: str, labels: dict | None = None) -> dict:
+        meta: dict = {"name": name}
+        if options.namespace:
+            meta["namespace"] = options.namespace
+        meta["labels"] = {"app.kubernetes.io/managed-by": "rlhf-tasks", "rlhf-tasks/task": plan.name, **(labels or {})}
+        return meta
+
+    def queue_labels(self, plan: Plan, options: KubeRayPlacement) -> dict[str, str]:
+        """What the cluster's gang scheduler reads on the RayJob (KubeRay's integrations)."""
+        if options.queue is None:
+            return {}
+        scheduler = options.scheduler or "kueue"
+        if scheduler == "kueue":
+            return {"kueue.x-k8s.io/queue-name": options.queue}
+        if scheduler == "volcano":
+            return {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": options.queue}
+        return {"ray.io/gang-scheduling-enabled": "true", "yunikorn.apache.org/app-id": plan.name,
+                "yunikorn.apache.org/queue": options.queue}
+
+    def resources(self, plan: Plan) -> dict:
+        res, amounts = plan.resources, {}
+        if res.cpus:
+            amounts["cpu"] = str(res.cpus)
+        if res.memory:
+            amounts["memory"] = str(size_bytes(res.memory))
+        if res.disk:
+            amounts["ephemeral-storage"] = str(size_bytes(res.disk))
+        if plan.gpus_per_node:
+            amounts[GPU_RESOURCE[gpu_vendor(res.gpu_name) or "nvidia"]] = str(plan.gpus_per_node)
+        return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+    def env(self, plan: Plan, options: KubeRayPlacement, rank: int) -> list[dict]:
+        """The container's environment: the contract's variables, the plan's env, the secrets by reference."""
+        out = [{"name": RANK_ENV, "value": str(rank)},
+               {"name": WORKERS_ENV, "value": str(plan.nodes - 1)},
+               {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        out += [{"name": key, "value": value} for key, value in plan.env.items()]
+        secret = options.secret or f"{plan.name}-secrets"
+        out += [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}} for name in plan.secrets]
+        return out
+
+    def volumes(self, plan: Plan, files: list[str]) -> tuple[list[dict], list[dict]]:
+        """(the pod's volumes, the containers' mounts): the agent and plan, the checkpoints, /dev/shm."""
+        items = [{"key": configmap_key(path), "path": path} for path in files]
+        volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan), "items": items}}]
+        mounts = [{"name": "rlhf-tasks", "mountPath": NODE_DIR, "readOnly": True}]
+        if plan.checkpoint_dir:
+            shared = shared_entry(KubeRayShared, plan.checkpoint_shared, self.name)
+            volumes.append({"name": "checkpoints", **({"persistentVolumeClaim": {"claimName": shared.claim}}
+                                                      if shared else {"emptyDir": {}})})
+            mounts.append({"name": "checkpoints", "mountPath": plan.checkpoint_dir})
+        if plan.resources.shm_size:
+            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
+                                                        "sizeLimit": str(size_bytes(plan.resources.shm_size))}})
+            mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+        return volumes, mounts
+
+    def agent_shell(self, plan: Plan, *flags: str) -> str:
+        """A shell line that runs the agent from the mounted ConfigMap with one of its attached roles."""
+        from shlex import join
+
+        agent = join(["python3", "-m", AGENT, "--plan", f"{NODE_DIR}/{plan.name}.plan.json", *flags])
+        return f"export PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} && {agent}"
+
+    def startup_probe(self, plan: Plan, head: bool) -> dict:
+        """How long the container may take before its Ray answers (setup, a worker's services):
+        until then KubeRay's liveness probe is off. The head's GCS, a worker's dashboard agent."""
+        budget = plan.wait.head_s
+        if not head:
+            budget += sum(s.timeout for s in plan.services if s.where == "every_node")
+        return {"tcpSocket": {"port": plan.ray.port if head else AGENT_PORT}, "periodSeconds": PROBE_PERIOD_S,
+                "failureThreshold": max(1, math.ceil(budget / PROBE_PERIOD_S))}
+
+    def pod_template(self, plan: Plan, options: KubeRayPlacement, head: bool, files: list[str]) -> dict:
+        image = plan.image or f"rayproject/ray:{options.ray_version}"
+        volumes, mounts = self.volumes(plan, files)
+        env = self.env(plan, options, 0 if head else 1)
+        container: dict = {
+            "name": "ray-head" if head else "ray-worker",
+            "image": image,
+            # KubeRay runs this, then (`&&`) its own `ray start`, in one shell.
+            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE) + f" && . {RAY_ENV_FILE}"],
+            "env": env,
+            "volumeMounts": mounts,
+            "startupProbe": self.startup_probe(plan, head),
+        }
+        if head:
+            container["ports"] = [{"name": "gcs-server", "containerPort": plan.ray.port},
+                                  {"name": "dashboard", "containerPort": plan.ray.dashboard_port},
+                                  {"name": "client", "containerPort": plan.ray.client_server_port}]
+        resources = self.resources(plan)
+        if resources:
+            container["resources"] = resources
+        spec: dict = {"containers": [container], "volumes": volumes}
+        if head:
+            prepare = {"name": "rlhf-tasks-prepare", "image": image, "command": ["/bin/bash", "-c", "--"],
+                       "args": [self.agent_shell(plan, "--prepare-only")], "env": copy.deepcopy(env),
+                       "volumeMounts": copy.deepcopy(mounts)}
+            if resources:
+                prepare["resources"] = copy.deepcopy(resources)  # copies: the YAML has no anchors
+            spec["initContainers"] = [prepare]
+        if options.service_account:
+            spec["serviceAccountName"] = options.service_account
+        if options.node_selector:
+            spec["nodeSelector"] = dict(options.node_selector)
+        if options.tolerations:
+            spec["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
+        if options.priority_class:
+            spec["priorityClassName"] = options.priority_class
+        return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
+
+    def ray_start_params(self, plan: Plan, head: bool) -> dict[str, str]:
+        ray, params = plan.ray, {}
+        if head:
+            params.update({"port": str(ray.port), "dashboard-port": str(ray.dashboard_port),
+                           "ray-client-server-port": str(ray.client_server_port)})
+        if ray.object_store_memory:
+            params["object-store-memory"] = str(ray.object_store_memory)
+        if ray.num_cpus:
+            params["num-cpus"] = str(ray.num_cpus)
+        if ray.debug == "legacy":
+            params["ray-debugger-external"] = "true"
+        return params
+
+    def deadlines(self, plan: Plan) -> dict[str, int]:
+        """preRunningDeadlineSeconds: every pod up (the head's setup and prepare, every node joining);
+        activeDeadlineSeconds, from the RayJob's start: that, the runner's bring-up and every attempt
+        the restart policy allows."""
+        pre = plan.wait.head_s + plan.wait.nodes_s
+        out = {"preRunningDeadlineSeconds": math.ceil(pre)}
+        if plan.job.timeout_s:
+            services = sum(s.timeout for s in plan.services)
+            preflight = plan.preflight.timeout_s if plan.preflight.enabled else 0
+            attempts = (plan.job.max_restarts + 1) * plan.job.timeout_s
+            out["activeDeadlineSeconds"] = math.ceil(pre + services + preflight + attempts)
+        return out
+
+    def rayjob(self, plan: Plan, options: KubeRayPlacement, files: list[str]) -> dict:
+        cluster: dict = {"rayVersion": options.ray_version}
+        if plan.token_env:
+            cluster["authOptions"] = {"mode": "token"}
+        # KubeRay's own policy: the head's and the workers' ports open to the cluster's own pods (and the
+        # operator, the submitter) only; the dashboard it binds to 0.0.0.0 is not the namespace's.
+        cluster["networkPolicy"] = {"mode": "DenyAllIngress"}
+        cluster["headGroupSpec"] = {"rayStartParams": self.ray_start_params(plan, True),
+                                    "template": self.pod_template(plan, options, True, files)}
+        workers = plan.nodes - 1
+        if workers:
+            cluster["workerGroupSpecs"] = [{
+                "groupName": WORKER_GROUP, "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
+                "rayStartParams": self.ray_start_params(plan, False),
+                "template": self.pod_template(plan, options, False, files)}]
+        entrypoint = self.agent_shell(plan, "--ray-started", "--skip-setup")
+        spec: dict = {
+            "entrypoint": entrypoint,
+            "submissionMode": "SidecarMode",
+            "backoffLimit": 0,  # a retry rebuilds the whole cluster: the runner restarts the job instead
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": math.ceil(options.ttl_after_finished),
+            **self.deadlines(plan),
+            "rayClusterSpec": cluster,
+        }
+        return {"apiVersion": "ray.io/v1", "kind": "RayJob",
+                "metadata": self.metadata(plan, options, plan.name, self.queue_labels(plan, options)),
+                "spec": spec}
+
+    def render(self, plan: Plan) -> dict[str, str]:
+        options = kuberay_placement(plan.placement)
+        configmap = self.configmap(plan, options)
+        files = list(self.shipped(plan))
+        rayjob = self.rayjob(plan, options, files)
+        secret = options.secret or f"{plan.name}-secrets"
+        header = f"# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply -f <this file>\n"
+        if plan.secrets:
+            literals = " ".join(f'--from-literal={name}="${name}"' for name in plan.secrets)
+            header += (f"# The task's secrets come from Secret {secret}, one key per name; create it first:\n"
+                       f"#   kubectl create secret generic {secret} {literals}\n")
+        header += (f"# Follow: kubectl get rayjob {plan.name} -w; kubectl logs -f -l ray.io/node-type=head "
+                  f"-c ray-job-submitter\n")
+        text = dump_yaml(configmap, header) + "---\n" + dump_yaml(rayjob)
+        return {f"{plan.name}.rayjob.yaml": text}
+
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
+        raise BadInput("launch --provider kuberay: not yet; render it and apply it yourself: "
+                       f"rlhf-tasks render TASK --provider kuberay -o {plan.name}.rayjob.yaml && "
+                       f"kubectl apply -f {plan.name}.rayjob.yaml")
+
+    def down(self, name: str) -> str:
+        raise BadInput(f"down --provider kuberay: not yet; kubectl delete rayjob {name} && "
+                       f"kubectl delete configmap {name}-rlhf-tasks")

@@ -1,0 +1,377 @@
+"""KubeRay: every task renders a RayJob that KubeRay v1.7.0's own CRD schema accepts (with
+unknown fields refused, as `kubectl apply --validate=strict` would), beside a ConfigMap that
+carries the agent and the plan; the options are the provider's own and bad ones name their
+field; no secret's value is ever rendered; and the agent's attached roles (prepare before
+KubeRay's Ray, a node's services and environment before its `ray start`) do what the pods need."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from rlhf_tasks import providers
+from rlhf_tasks.agent.attached import ray_env_lines
+from rlhf_tasks.agent.contract import read_contract
+from rlhf_tasks.errors import BadInput
+from rlhf_tasks.providers.kuberay import RAY_ENV_FILE
+from rlhf_tasks.spec import load_task, parse_task
+
+from conftest import ROOT
+
+SCHEMAS = Path("/work/shared/kuberay")
+if not (SCHEMAS / "rayjobs-v1.schema.json").exists():  # the repository's copy, when there is one
+    SCHEMAS = ROOT / "providers" / "kuberay" / "crd"
+TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
+#: Tasks whose recipe runs without Ray (torchrun): KubeRay always starts Ray, so they are refused.
+NO_RAY = {"openrlhf-dpo-llama3-8b.yaml"}
+RAY_TASKS = [t for t in TASKS if t.name not in NO_RAY]
+_CONFIGMAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def strict(schema):
+    """The CRD's schema with unknown fields refused wherever it lists the fields (the API
+    server prunes them silently; a rendered field it would drop is a bug here)."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=1)
+def spec_validator():
+    schema = strict(json.loads((SCHEMAS / "rayjobs-v1.schema.json").read_text()))["properties"]["spec"]
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def render(data_or_path) -> tuple[object, dict, dict, str]:
+    provider = providers.get("kuberay")
+    task = load_task(data_or_path) if isinstance(data_or_path, Path) else parse_task(data_or_path, "t.yaml")
+    plan = provider.plan(task)
+    (name, text), = provider.render(plan).items()
+    assert name == f"{plan.name}.rayjob.yaml"
+    configmap, rayjob = yaml.load_all(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return plan, configmap, rayjob, text
+
+
+def validate(rayjob: dict) -> None:
+    assert rayjob["apiVersion"] == "ray.io/v1" and rayjob["kind"] == "RayJob"
+    assert _DNS_NAME.match(rayjob["metadata"]["name"]) and len(rayjob["metadata"]["name"]) <= 47
+    assert set(rayjob) == {"apiVersion", "kind", "metadata", "spec"}
+    spec_validator().validate(rayjob["spec"])
+
+
+@pytest.mark.parametrize("task_path", RAY_TASKS, ids=lambda p: p.stem)
+def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
+    plan, configmap, rayjob, _ = render(task_path)
+    validate(rayjob)
+    spec = rayjob["spec"]
+    cluster = spec["rayClusterSpec"]
+    workers = cluster.get("workerGroupSpecs", [])
+    assert sum(g["replicas"] for g in workers) + 1 == plan.nodes
+    assert all(g["minReplicas"] == g["replicas"] == g["maxReplicas"] for g in workers)
+    assert spec["submissionMode"] == "SidecarMode" and spec["backoffLimit"] == 0
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    assert spec["preRunningDeadlineSeconds"] >= plan.wait.head_s + plan.wait.nodes_s
+    if plan.job.timeout_s:
+        assert spec["activeDeadlineSeconds"] > plan.job.timeout_s
+    assert (cluster.get("authOptions") == {"mode": "token"}) == bool(plan.token_env)
+    assert cluster["networkPolicy"] == {"mode": "DenyAllIngress"}
+    assert "python3 -m rlhf_tasks.agent" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert [c["name"] for c in head["initContainers"]] == ["rlhf-tasks-prepare"]
+    assert "--prepare-only" in head["initContainers"][0]["args"][0]
+    for group in [cluster["headGroupSpec"], *workers]:
+        (container,) = group["template"]["spec"]["containers"]
+        assert "ray start" not in container["args"][0]  # KubeRay appends its own
+        assert container["args"][0].endswith(f"--before-ray {RAY_ENV_FILE} && . {RAY_ENV_FILE}")
+        assert container["image"] == (plan.image or "rayproject/ray:2.52.0")
+        assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] \
+            >= plan.wait.head_s
+        if plan.checkpoint_dir:
+            assert {"name": "checkpoints", "mountPath": plan.checkpoint_dir} in container["volumeMounts"]
+    # The ConfigMap carries the plan and the agent; the pods mount every key at its path.
+    assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["name"] == f"{plan.name}-rlhf-tasks"
+    assert all(_CONFIGMAP_KEY.match(key) for key in configmap["data"])
+    assert json.loads(configmap["data"][f"{plan.name}.plan.json"])["provider"] == "kuberay"
+    (volume,) = [v for v in head["volumes"] if v["name"] == "rlhf-tasks"]
+    items = {item["key"]: item["path"] for item in volume["configMap"]["items"]}
+    assert set(items) == set(configmap["data"]) and items["lib.rlhf_tasks.agent.attached.py"] == \
+        "lib/rlhf_tasks/agent/attached.py"
+    assert configmap["data"]["lib.rlhf_tasks.agent.attached.py"] == \
+        (ROOT / "rlhf_tasks" / "agent" / "attached.py").read_text()
+
+
+def test_the_strict_schema_refuses_what_kuberay_would_drop_or_reject():
+    _, _, rayjob, _ = render(RAY_TASKS[0])
+    validate(rayjob)
+    for path, value in [(("spec", "submisionMode"), "SidecarMode"),
+                        (("spec", "rayClusterSpec", "networkPolicy", "mode"), "AllowAll"),
+                        (("spec", "rayClusterSpec", "workerGroupSpecs", 0, "replica"), 2),
+                        (("spec", "preRunningDeadlineSeconds"), 0)]:
+        bad = copy.deepcopy(rayjob)
+        target = bad
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad)
+    bad = copy.deepcopy(rayjob)
+    del bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplicas"]  # v1.7.0 requires it
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+
+
+FULL = {
+    "name": "everything", "nodes": 4, "image": "verlai/verl:latest",
+    "resources": {"gpus": "H100:8", "cpus": 64, "memory": "512GB", "shm_size": "128GB", "disk": "1TB"},
+    "env": {"NCCL_DEBUG": "INFO"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"],
+    "checkpoints": {"path": "/mnt/ckpt", "shared": {"kuberay": {"claim": "ckpt-pvc"}}},
+    "services": [{"name": "judge", "where": "every_node", "command": "python3 -m judge", "ready": {"tcp": 9000},
+                  "timeout": "10m"}],
+    "placement": {"kuberay": {"namespace": "rl", "service_account": "trainer", "priority_class": "high",
+                              "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                               "effect": "NoSchedule"}],
+                              "queue": "team-a", "secret": "rl-secrets", "ray_version": "2.53.0"}},
+    "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}, "timeout": "2h", "max_restarts": 1},
+}
+
+
+def test_every_option_reaches_the_pods_and_passes_the_schema():
+    plan, configmap, rayjob, _ = render(FULL)
+    validate(rayjob)
+    assert rayjob["metadata"]["namespace"] == configmap["metadata"]["namespace"] == "rl"
+    assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    assert cluster["rayVersion"] == "2.53.0"
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == 3
+    for group in (cluster["headGroupSpec"], workers):
+        pod = group["template"]["spec"]
+        assert pod["serviceAccountName"] == "trainer" and pod["priorityClassName"] == "high"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt-pvc"}
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str(128 * 10**9)}
+        (container,) = pod["containers"]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert container["resources"]["limits"] == {"cpu": "64", "memory": str(512 * 10**9),
+                                                    "ephemeral-storage": str(10**12), "nvidia.com/gpu": "8"}
+        assert container["resources"]["requests"] == container["resources"]["limits"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
+        for name in ("WANDB_API_KEY", "HF_TOKEN"):
+            assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "rl-secrets", "key": name}}}
+        assert env["RLHF_TASKS_RANK"]["value"] == ("0" if group is cluster["headGroupSpec"] else "1")
+        assert env["RLHF_TASKS_WORKER_REPLICAS"]["value"] == "3"
+    # A worker's startup covers its every-node services too; the head's, its setup.
+    worker_probe = workers["template"]["spec"]["containers"][0]["startupProbe"]
+    assert worker_probe["tcpSocket"] == {"port": 52365} and worker_probe["failureThreshold"] * 10 >= 1800 + 600
+    assert rayjob["spec"]["activeDeadlineSeconds"] >= 2 * 7200
+    assert plan.checkpoint_shared == {"claim": "ckpt-pvc"}
+    assert providers.get("kuberay").shared_storage_warning(plan) is None
+
+
+@pytest.mark.parametrize("scheduler,labels", [
+    ("kueue", {"kueue.x-k8s.io/queue-name": "q1"}),
+    ("volcano", {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": "q1"}),
+    ("yunikorn", {"ray.io/gang-scheduling-enabled": "true", "yunikorn.apache.org/app-id": "everything",
+                  "yunikorn.apache.org/queue": "q1"}),
+])
+def test_a_named_queue_gives_its_schedulers_labels(scheduler, labels):
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"].update(scheduler=scheduler, queue="q1")
+    _, _, rayjob, _ = render(data)
+    own = {k: v for k, v in rayjob["metadata"]["labels"].items() if not k.startswith(("app.kubernetes", "rlhf-"))}
+    assert own == labels
+    data["placement"]["kuberay"].pop("queue")
+    data["placement"]["kuberay"].pop("scheduler")
+    assert "kueue.x-k8s.io/queue-name" not in render(data)[2]["metadata"]["labels"]
+
+
+def test_amd_gpus_are_amd_resources():
+    _, _, rayjob, _ = render(ROOT / "tasks" / "verl-ppo-gsm8k-mi300x.yaml")
+    (container,) = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["amd.com/gpu"] == "8" and "nvidia.com/gpu" not in \
+        container["resources"]["limits"]
+
+
+def test_rendered_files_hold_no_secret_values(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret-value")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret-value")
+    for source in [*RAY_TASKS, FULL]:
+        text = render(source)[3]
+        assert not re.search("wandb-secret-value|hf-secret-value|ray-secret-value", text)
+    assert "secretKeyRef" in render(FULL)[3]
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"namspace": "rl"}, "placement.kuberay.namspace: unknown field (did you mean namespace?)"),
+    ({"namespace": "RL_team"}, "placement.kuberay.namespace"),
+    ({"queue": "a b"}, "placement.kuberay.queue"),
+    ({"scheduler": "volcano"}, "placement.kuberay"),
+    ({"scheduler": "slurm", "queue": "q"}, "placement.kuberay.scheduler"),
+    ({"tolerations": [{"effect": "Sometimes"}]}, "placement.kuberay.tolerations[0].effect"),
+    ({"node_selector": {"bad key!": "x"}}, "placement.kuberay.node_selector"),
+    ({"ray_version": "2.46.0"}, "placement.kuberay.ray_version"),
+    ({"ray_version": "latest"}, "placement.kuberay.ray_version"),
+])
+def test_bad_provider_options_name_their_field(change, field):
+    data = {"name": "bad", "nodes": 2, "placement": {"kuberay": change},
+            "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    with pytest.raises(BadInput, match=re.escape(field)):
+        render(data)
+
+
+def test_bad_input_is_exit_2_at_the_cli(tmp_path):
+    task = tmp_path / "bad.yaml"
+    task.write_text(yaml.safe_dump({"name": "bad", "nodes": 2, "placement": {"kuberay": {"secret": "No_Such"}},
+                                    "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "render", str(task), "--provider", "kuberay"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "placement.kuberay.secret" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "render", str(ROOT / "tasks" / sorted(NO_RAY)[0]),
+                          "--provider", "kuberay"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "KubeRay always starts Ray" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"ray": {"dashboard_port": 8300}}, "ray.dashboard_port"),
+    ({"ray": {"dashboard_public": True}}, "ray.dashboard_public"),
+    ({"checkpoints": {"path": "/c", "shared": {"kuberay": {"volume": "v"}}}}, "checkpoints.shared.kuberay"),
+])
+def test_what_kuberay_cannot_do_is_refused_naming_the_field(change, field):
+    data = {"name": "bad", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}, **change}
+    with pytest.raises(BadInput, match=re.escape(field)):
+        render(data)
+
+
+def test_launch_says_not_yet():
+    provider = providers.get("kuberay")
+    plan = provider.plan(parse_task(FULL))
+    with pytest.raises(BadInput, match="not yet"):
+        provider.apply(plan, {})
+
+
+# --- the contract and the agent's attached roles ---------------------------------------------
+
+def pod_env(rayjob: dict, head: bool, **operator) -> dict[str, str]:
+    """A pod's plain environment as rendered (fieldRefs filled as the kubelet would), plus
+    what KubeRay injects (`operator`)."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    group = cluster["headGroupSpec"] if head else cluster["workerGroupSpecs"][0]
+    (container,) = group["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env["RLHF_TASKS_POD_IP"] = "127.0.0.1"
+    return {**env, **operator}
+
+
+def test_the_contract_reads_rank_and_node_count_from_the_group():
+    plan, _, rayjob, _ = render(ROOT / "tasks" / "tiny-grpo.yaml")
+    contract = json.loads(plan.to_json())["contract"]
+    head = read_contract(contract, pod_env(rayjob, True, RAY_CLUSTER_NAME="tiny-grpo-abcde"))
+    assert (head.rank, head.nodes, head.head, head.node_addr, head.cluster_id) == \
+        (0, 3, None, "127.0.0.1", "tiny-grpo-abcde")
+    fqdn = "tiny-grpo-abcde-head-svc.default.svc.cluster.local"
+    worker = read_contract(contract, pod_env(rayjob, False, FQ_RAY_IP=fqdn))
+    assert (worker.rank, worker.nodes, worker.head) == (1, 3, fqdn)
+
+
+def test_ray_env_lines_hold_only_what_the_agent_adds_and_never_the_token():
+    base = {"PATH": "/bin", "RAY_AUTH_TOKEN": "tok", "WANDB_API_KEY": "w"}
+    env = {**base, "NCCL_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/opt/x y", "RAY_AUTH_TOKEN": "other"}
+    text = ray_env_lines(env, base)
+    assert text == "export NCCL_SOCKET_IFNAME=eth0\nexport PYTHONPATH='/opt/x y'\n"
+    assert ray_env_lines(base, base) == ""
+
+
+def agent_plan(tmp_path: Path, **extra) -> tuple[Path, dict]:
+    data = {"name": "attached", "nodes": 2, "checkpoints": {"path": str(tmp_path / "ckpt")},
+            "prepare": [f"echo prepared > {tmp_path}/prepared.txt"],
+            "setup": [f"echo set-up >> {tmp_path}/setup.txt"],
+            "job": {"recipe": "command", "args": {"entrypoint": "true"}}, **extra}
+    plan, _, rayjob, _ = render(data)
+    path = tmp_path / "attached.plan.json"
+    path.write_text(plan.to_json())
+    return path, rayjob
+
+
+def run_agent(plan: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
+    env = {**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan), *flags], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_prepare_only_runs_setup_and_prepare_on_the_head_without_resolving_its_service(tmp_path):
+    plan, rayjob = agent_plan(tmp_path)
+    # The head's init container has KubeRay's FQ_RAY_IP (a name not resolvable yet) and no token.
+    env = pod_env(rayjob, True, FQ_RAY_IP="nowhere-head-svc.invalid")
+    out = run_agent(plan, env, "--prepare-only", "--state-dir", str(tmp_path / "state"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "prepared.txt").read_text() == "prepared\n"
+    assert (tmp_path / "setup.txt").read_text() == "set-up\n"
+    worker = run_agent(plan, pod_env(rayjob, False, FQ_RAY_IP="127.0.0.1"), "--prepare-only",
+                       "--state-dir", str(tmp_path / "state"))
+    assert worker.returncode == 2 and "runs on the head" in worker.stdout
+
+
+def test_before_ray_leaves_a_workers_ready_services_running_and_writes_rays_environment(tmp_path):
+    service = {"name": "echo", "where": "every_node", "ready": {"tcp": 18923}, "timeout": "1m",
+               "command": f"exec {sys.executable} -m http.server 18923 --bind 127.0.0.1"}
+    plan, rayjob = agent_plan(tmp_path, services=[service])
+    env_file = tmp_path / "ray.env"
+    env = pod_env(rayjob, False, FQ_RAY_IP="127.0.0.1", RAY_AUTH_TOKEN="the-token-value")
+    out = run_agent(plan, env, "--before-ray", str(env_file), "--state-dir", str(tmp_path / "state"))
+    pgid_files = list((tmp_path / "state").glob("*service-echo.pgid"))
+    try:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "service echo ready" in out.stdout
+        (pgid_file,) = pgid_files
+        os.kill(int(pgid_file.read_text()), 0)  # still running after the agent exited
+        text = env_file.read_text()
+        assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+        assert "export RLHF_TASKS_NODE_RANK=1" in text and "export RLHF_TASKS_NUM_NODES=2" in text
+        assert "export RAY_AUTH_MODE=token" in text and "the-token-value" not in text
+        assert (tmp_path / "setup.txt").read_text() == "set-up\n"
+        # What the pod's shell does next: source it (KubeRay's `ray start` would then see it).
+        shown = subprocess.run(["bash", "-c", f". {env_file} && echo $RLHF_TASKS_HEAD_ADDR"], capture_output=True,
+                               text=True, env={"PATH": os.environ["PATH"]})
+        assert shown.stdout.strip() == "127.0.0.1"
+    finally:
+        for pgid_file in pgid_files:
+            try:
+                os.killpg(int(pgid_file.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def test_before_ray_on_the_head_starts_no_service(tmp_path):
+    service = {"name": "echo", "where": "every_node", "ready": {"tcp": 18924}, "timeout": "1m",
+               "command": "exit 1"}
+    plan, rayjob = agent_plan(tmp_path, services=[service])
+    env = pod_env(rayjob, True, RAY_AUTH_TOKEN="t")
+    out = run_agent(plan, env, "--before-ray", str(tmp_path / "ray.env"), "--state-dir", str(tmp_path / "state"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "export RLHF_TASKS_NODE_RANK=0" in (tmp_path / "ray.env").read_text()
+    assert "starting service" not in out.stdout  # the head's services are the job runner's
