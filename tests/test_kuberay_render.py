@@ -29,9 +29,8 @@ from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT
 
-SCHEMAS = Path("/work/shared/kuberay")
-if not (SCHEMAS / "rayjobs-v1.schema.json").exists():  # the repository's copy, when there is one
-    SCHEMAS = ROOT / "providers" / "kuberay" / "crd"
+#: KubeRay v1.7.0's RayJob CRD schema (its openAPIV3Schema), as KubeRay publishes it.
+RAYJOB_SCHEMA = ROOT / "tests" / "data" / "kuberay-rayjobs-v1.schema.json"
 TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
 #: Tasks whose recipe runs without Ray (torchrun): KubeRay always starts Ray, so they are refused.
 NO_RAY = {"openrlhf-dpo-llama3-8b.yaml"}
@@ -56,7 +55,7 @@ def strict(schema):
 
 @functools.lru_cache(maxsize=1)
 def spec_validator():
-    schema = strict(json.loads((SCHEMAS / "rayjobs-v1.schema.json").read_text()))["properties"]["spec"]
+    schema = strict(json.loads(RAYJOB_SCHEMA.read_text()))["properties"]["spec"]
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     return cls(schema)
