@@ -37,6 +37,8 @@ FOLLOW_SLACK_S = 600.0
 NO_TIMEOUT_S = 7 * 86400.0
 #: How long the head's agent may take to exit after its result line (it has stopped Ray by then).
 HEAD_EXIT_S = 30.0
+#: Who stops a job (Ray's status STOPPED), as the summary says it.
+STOPPED_BY = "by `rlhf-tasks stop` or Ray's Jobs API"
 
 
 def collect_secrets(task: Task) -> dict[str, str]:
@@ -349,7 +351,8 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
     also holds the rows of the runs before it, on other clusters), the restarts, and what the
     provider tells of its machines."""
     sid = outcome.submission_id or f"{plan.name}-{cluster.cluster_id if cluster else '?'}"
-    lines = [f"job {sid}: {outcome.status or 'not run'} in {time.monotonic() - started:.0f}s wall time"]
+    lines = [f"job {sid}: {outcome.status or 'not run'} in {time.monotonic() - started:.0f}s wall time"
+             + (f" (stopped before it finished, {STOPPED_BY})" if outcome.status == "STOPPED" else "")]
     if len(outcome.attempts) > 1:
         lines.append(f"attempts: {len(outcome.attempts)} (" + "; ".join(
             f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")
@@ -369,9 +372,12 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
             lines.append(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over steps "
                          f"{first['step']}..{last['step']}{resumed} (world size {last.get('world_size')}, "
                          f"{len(nodes)} nodes took part)")
-        elif rows and outcome.node_ids:
+        elif rows and outcome.node_ids and outcome.status == "SUCCEEDED":
             lines.append(f"trained nothing: the checkpoint was already at step {rows[-1]['step']} "
                          f"(raise job.args.steps to train further)")
+        elif rows and outcome.node_ids:  # stopped or failed before its first row: not "nothing to train"
+            lines.append(f"it wrote no metrics row before it ended {outcome.status or 'without running'} "
+                         f"(the file's last row, step {rows[-1]['step']}, is an earlier run's)")
         lines.append(f"metrics: {metrics_path}")
     if cluster is not None:
         lines += cluster.describe()
@@ -397,6 +403,8 @@ def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
         step = outcome.failed_step or "running the task"
         error = (outcome.error or "the job did not run").replace(f"{step} failed: ", "", 1)
         raise StepFailed(step, f"{error} ({where})")
+    if outcome.status == "STOPPED":
+        raise StepFailed(f"running job {outcome.submission_id}", f"it was STOPPED before it finished ({STOPPED_BY})")
     raise StepFailed(f"running job {outcome.submission_id}", f"it ended {outcome.status or 'without running'} "
                      f"({where})")
 

@@ -104,3 +104,23 @@ def test_every_node_mode_fails_with_the_commands_exit_code(tmp_path):
     assert outcome == Outcome(None, "FAILED", exit_code=3)
     with pytest.raises(StepFailed, match="running the job: exit code 3"):
         verdict(plan, outcome, True)
+
+
+def test_a_stopped_job_is_said_stopped_not_that_it_had_nothing_to_train(tmp_path, capsys):
+    """`rlhf-tasks stop JOB` before the job's first metrics row: the summary says STOPPED, and
+    not that the checkpoint was already at its last step (issue 20, item 7)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 476, "mean_reward": 0.9, "world_size": 2, "node_ids": ["x", "y"]}) + "\n")
+    plan = plan_of()
+    plan = plan.replace(job=plan.job.model_copy(update={"summary": {"metrics": str(metrics)}}))
+    (tmp_path / "node-0.log").write_text(result_line(
+        exit_code=1, error="running job t-c1 failed: it ended STOPPED", failed_step="running job t-c1",
+        node_ids=["p", "q"], job={"submission_id": "t-c1", "status": "STOPPED"}))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    summarise(plan, outcome, 0.0)
+    out = capsys.readouterr().out
+    assert "job t-c1: STOPPED" in out and "stopped before it finished, by `rlhf-tasks stop`" in out
+    assert "trained nothing" not in out and "already at step" not in out
+    assert "no metrics row before it ended STOPPED (the file's last row, step 476, is an earlier run's)" in out
+    with pytest.raises(StepFailed, match="running job t-c1: it was STOPPED before it finished"):
+        verdict(plan, outcome, True)
