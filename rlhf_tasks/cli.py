@@ -127,7 +127,13 @@ def _ended(name: str, record: dict) -> str:
     from . import state
 
     job = record.get("job") or {}
-    how = f"; its job {job['submission_id']} ended {job['status']}" if job.get("status") else ""
+    how = ""
+    if job.get("status"):
+        from .agent.protocol import TERMINAL_JOB_STATES
+
+        how = f"; its job {job['submission_id']} " + (f"ended {job['status']}" if job["status"] in TERMINAL_JOB_STATES
+                                                     else f"was last seen {job['status']}")
+        how += f" ({job['how']})" if job.get("how") else ""
     logs = state.run_dir(name) / "nodes"
     where = f"; node logs: {logs}" if logs.is_dir() else ""
     return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"
@@ -158,7 +164,7 @@ def _jobs(args):
 def cmd_submit(args) -> int:
     from . import state
     from .jobs import Jobs
-    from .agent.protocol import head_address, submission_id
+    from .agent.protocol import TERMINAL_JOB_STATES, head_address, next_submission_id, submission_id
 
     task = _task(args.task)
     plan = _provider(args.provider).plan(task)
@@ -167,10 +173,24 @@ def cmd_submit(args) -> int:
     sid = submission_id(task.name, cluster_key)
     token = _token(args, task.name)
     jobs = Jobs(args.address, token)
+    where = f"--address {args.address}"
+    if args.again:  # the next id of the chain; never beside a run of the same task (one checkpoint dir)
+        runs = jobs.runs_of(sid)
+        running = [(run, status) for run, status in runs if status not in TERMINAL_JOB_STATES]
+        if running:
+            run, status = running[-1]
+            raise BadInput(f"--again: job {run} of {task.name} is still {status} on this cluster; follow it "
+                           f"(rlhf-tasks logs {run} --follow {where}) or stop it first (rlhf-tasks stop {run} {where})")
+        sid = next_submission_id(runs[-1][0]) if runs else sid
     if jobs.submit(plan, sid, head_address(args.address, token), dict(os.environ)):
         print(f"submitted {sid}")
     else:
-        print(f"{sid} is already on this cluster")
+        status = jobs.status(sid)
+        if status in TERMINAL_JOB_STATES and not args.follow:
+            print(f"{sid} is already on this cluster and ended {status}; its log: rlhf-tasks logs {sid} {where}; "
+                  f"run it again (as the next submission id) with: rlhf-tasks submit {args.task} {where} --again")
+            return 0
+        print(f"{sid} is already on this cluster, {status}")
     if args.follow:
         status = jobs.follow(sid, plan.job.timeout_s)
         print(f"job {sid}: {status}")
@@ -225,7 +245,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_down(args) -> int:
+    """Stop a cluster; say which job that stops, and keep the job's last known state in the record."""
     from . import state
+    from .agent.protocol import TERMINAL_JOB_STATES
+    from .jobs import last_job
 
     name = args.target
     if name.endswith((".yaml", ".yml")):
@@ -237,8 +260,20 @@ def cmd_down(args) -> int:
     if record and record.get("ended") and not args.provider:
         print(f"{name}: {_ended(name, record)}")
         return 0
+    job = last_job(name, record, _token(args, name)) if record and not record.get("ended") else None
+    running = job is not None and job["status"] not in TERMINAL_JOB_STATES
+    if running:
+        said = f"was last seen {job['status']} (the dashboard did not answer)" if job.get("seen") else \
+            f"is {job['status']}"
+        print(f"{name}: job {job['submission_id']} {said}: stopping the cluster stops it", flush=True)
     print(f"stopping {name} on {provider_name} ...", flush=True)
     print(_provider(provider_name).down(name))
+    if job is not None:  # the record keeps how the job ended
+        if running:
+            print(f"stopped job {job['submission_id']} with the cluster (it was {job['status']})")
+            job = {"submission_id": job["submission_id"], "status": "STOPPED",
+                   "how": f"stopped by `rlhf-tasks down` while {job['status']}"}
+        state.update(name, job={k: v for k, v in job.items() if k != "seen"})
     return 0
 
 
@@ -356,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", required=True, help="e.g. http://localhost:8265")
     p.add_argument("--provider", default="local", help="provider whose plan to use (paths, checkpoint dir)")
     p.add_argument("--follow", action="store_true")
+    p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
+                   "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
                                    "from here, on providers that report it: runpod, slurm)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):

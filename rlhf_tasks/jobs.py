@@ -11,7 +11,8 @@ import sys
 from typing import Callable
 
 from . import workdir
-from .agent.protocol import DashboardJobs, JobFollower, auth_headers, http_request, job_argv
+from .agent.protocol import (TERMINAL_JOB_STATES, DashboardJobs, JobFollower, auth_headers, http_request,
+                             is_submission_of, job_argv, next_submission_id)
 from .errors import BadInput, StepFailed
 from .plan import Plan
 from .workdir import upload_limit  # noqa: F401 - where callers found it
@@ -83,6 +84,15 @@ class Jobs:
             self._ask(f"submitting job {submission_id}", self.api.submit, submission_id, argv)
         return True
 
+    def runs_of(self, sid: str) -> list[tuple[str, str]]:
+        """The jobs of the chain `sid`, `sid-r1`, `sid-r2`, ... (next_submission_id) already on
+        this cluster, with their status, up to the first free id (`submit --again` takes it)."""
+        taken = []
+        while (status := self.status(sid)) is not None:
+            taken.append((sid, status))
+            sid = next_submission_id(sid)
+        return taken
+
     def submit_with_working_dir(self, submission_id: str, argv: list[str], working_dir: str,
                                 excludes: list[str] = ()) -> None:
         """Pack and upload `working_dir` with the job: Ray's own SDK does that."""
@@ -120,3 +130,22 @@ class Jobs:
                 print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
                       f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)
             raise
+
+
+def last_job(name: str, record: dict, token: str | None) -> dict | None:
+    """Task `name`'s last job on a cluster launched from here: {"submission_id", "status"}, as
+    its dashboard says now (one still running first), or, when the dashboard does not answer
+    here, as the launcher last recorded it (with "seen": "last seen"); None when neither knows."""
+    if record.get("dashboard"):
+        try:
+            jobs = [job for job in Jobs(record["dashboard"], token).list()
+                    if is_submission_of(name, job.get("submission_id") or "")]
+        except (StepFailed, ValueError):
+            jobs = None
+        if jobs:
+            jobs.sort(key=lambda job: (job.get("status") not in TERMINAL_JOB_STATES, job.get("start_time") or 0))
+            return {"submission_id": jobs[-1]["submission_id"], "status": jobs[-1].get("status")}
+        if jobs is not None:
+            return None
+    job = record.get("job") or {}
+    return {**job, "seen": "last seen"} if job.get("submission_id") and job.get("status") else None

@@ -1,0 +1,146 @@
+"""Messages that must be true (issue 20, items 6-8): what `submit` says of a job that already
+ran and how to run it again, what `down` says of the job it stops and what the record keeps,
+and what Ctrl-C before the job's command started does. No cluster: a stand-in for the
+dashboard's Jobs and State API, and the head agent's log as a file."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlhf_tasks import state
+from rlhf_tasks.cli import main
+
+
+class FakeDashboard:
+    """Ray's Jobs API (submit, status, list, logs, stop) and the State API's nodes, in memory."""
+
+    def __init__(self):
+        self.jobs: dict[str, str] = {}
+        self.submitted: list[str] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                path = self.path.split("?")[0].rstrip("/")
+                if path == "/api/v0/nodes":
+                    return self.answer(200, {"data": {"result": {"result": [
+                        {"node_ip": "127.0.0.1", "node_id": "h", "is_head_node": True}]}}})
+                if path == "/api/jobs":
+                    return self.answer(200, [{"submission_id": sid, "status": status, "start_time": i}
+                                             for i, (sid, status) in enumerate(fake.jobs.items())])
+                parts = path.split("/")
+                sid = parts[3] if len(parts) > 3 else ""
+                if sid not in fake.jobs:
+                    return self.answer(404, {})
+                if path.endswith("/logs"):
+                    return self.answer(200, {"logs": ""})
+                return self.answer(200, {"status": fake.jobs[sid]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                path = self.path.rstrip("/")
+                if path == "/api/jobs":
+                    fake.jobs[body["submission_id"]] = "RUNNING"
+                    fake.submitted.append(body["submission_id"])
+                    return self.answer(200, {"submission_id": body["submission_id"]})
+                sid = path.split("/")[3]
+                if sid not in fake.jobs:
+                    return self.answer(404, {})
+                fake.jobs[sid] = "STOPPED"
+                return self.answer(200, {"stopped": True})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def dashboard():
+    fake = FakeDashboard()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def task_file(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("name: t\nnodes: 2\njob:\n  recipe: command\n  submit: client\n  working_dir: null\n  args: {entrypoint: 'true'}\n")
+    return str(path)
+
+
+def test_submit_of_a_job_that_ended_says_its_state_and_how_to_run_it_again(dashboard, task_file, rlhf_home, capsys):
+    state.save("t", {"provider": "local", "cluster_id": "c1", "dashboard": dashboard.url})
+    dashboard.jobs["t-c1"] = "SUCCEEDED"
+    assert main(["submit", task_file, "--address", dashboard.url]) == 0
+    out = capsys.readouterr().out
+    assert "t-c1 is already on this cluster and ended SUCCEEDED" in out and "follow it with" not in out
+    assert f"run it again (as the next submission id) with: rlhf-tasks submit {task_file} --address " \
+           f"{dashboard.url} --again" in out
+    assert dashboard.submitted == []
+
+    assert main(["submit", task_file, "--address", dashboard.url, "--again"]) == 0
+    assert "submitted t-c1-r1" in capsys.readouterr().out and dashboard.submitted == ["t-c1-r1"]
+    # while that one runs, --again refuses a second run beside it (one checkpoint directory)
+    assert main(["submit", task_file, "--address", dashboard.url, "--again"]) == 2
+    assert "--again: job t-c1-r1 of t is still RUNNING on this cluster" in capsys.readouterr().err
+    assert main(["submit", task_file, "--address", dashboard.url]) == 0
+    assert "t-c1 is already on this cluster and ended SUCCEEDED" in capsys.readouterr().out
+    dashboard.jobs["t-c1-r1"] = "FAILED"
+    assert main(["submit", task_file, "--address", dashboard.url, "--again"]) == 0
+    assert "submitted t-c1-r2" in capsys.readouterr().out and dashboard.submitted == ["t-c1-r1", "t-c1-r2"]
+
+
+def local_record(dashboard_url: str, tmp_path) -> dict:
+    """A local cluster's record whose agents are gone already: `down` has nothing to kill."""
+    return {"provider": "local", "cluster_id": "c1", "pids": [], "temp_dir": str(tmp_path / "ray"),
+            "dashboard": dashboard_url, "run_dir": str(tmp_path / "run")}
+
+
+def test_down_says_which_job_it_stops_and_the_record_keeps_it(dashboard, tmp_path, rlhf_home, capsys):
+    state.save("t", local_record(dashboard.url, tmp_path))
+    dashboard.jobs.update({"preflight_c1": "SUCCEEDED", "t-c1": "RUNNING"})
+    assert main(["down", "t"]) == 0
+    out = capsys.readouterr().out
+    assert "t: job t-c1 is RUNNING: stopping the cluster stops it" in out
+    assert "stopped job t-c1 with the cluster (it was RUNNING)" in out
+    record = state.load("t")
+    assert record["ended"] and record["job"] == {"submission_id": "t-c1", "status": "STOPPED",
+                                                 "how": "stopped by `rlhf-tasks down` while RUNNING"}
+    assert main(["down", "t"]) == 0  # what is known of it afterwards
+    assert "its job t-c1 ended STOPPED (stopped by `rlhf-tasks down` while RUNNING)" in capsys.readouterr().out
+
+
+def test_down_after_the_job_ended_keeps_its_end_and_claims_no_stop(dashboard, tmp_path, rlhf_home, capsys):
+    state.save("t", local_record(dashboard.url, tmp_path))
+    dashboard.jobs.update({"t-c1": "FAILED", "t-c1-r1": "SUCCEEDED"})
+    assert main(["down", "t"]) == 0
+    assert "stopped job" not in capsys.readouterr().out
+    assert state.load("t")["job"] == {"submission_id": "t-c1-r1", "status": "SUCCEEDED"}
+
+
+def test_down_without_an_answering_dashboard_names_the_job_last_seen(tmp_path, rlhf_home, capsys):
+    record = local_record("http://127.0.0.1:9", tmp_path)  # nothing listens there
+    state.save("t", {**record, "job": {"submission_id": "t-c1", "status": "RUNNING"}})
+    assert main(["down", "t"]) == 0
+    assert "job t-c1 was last seen RUNNING (the dashboard did not answer): stopping the cluster stops it" in \
+        capsys.readouterr().out
+    assert state.load("t")["job"]["status"] == "STOPPED"
