@@ -23,10 +23,10 @@ from typing import Callable
 
 from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers,
                              cluster_check, head_address, http_check, http_request, is_submission_of,
-                             next_submission_id, parse_result, preflight_submission_id, submission_id,
-                             wait_for)
+                             next_submission_id, parse_result, preflight_submission_id, started_job,
+                             submission_id, wait_for)
 from .console import say
-from .errors import HeadLost, StepFailed
+from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
 from .providers import Cluster, Provider
 from .spec import Task
@@ -129,9 +129,12 @@ def job_said(log: str) -> str | None:
 # ------------------------------------------------------------------ through the head's log
 
 
-def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail) -> Outcome:
+def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
+                    on_start: Callable[[str], None] = lambda sid: None) -> Outcome:
     """Echo the node agents' logs until the head agent's result line: the job's end (or the
-    head's failure, which the line names). A head gone without its line is a lost head."""
+    head's failure, which the line names). A head gone without its line is a lost head.
+    `on_start(id)` once the head says the job's command runs (agent.protocol.JOB_STARTS)."""
+    started = []
     attempts = plan.job.max_restarts + 1 if plan.job.submit == "head" else 1
     budget = plan.wait.head_s + plan.wait.nodes_s + plan.preflight.timeout_s + FOLLOW_SLACK_S + \
         attempts * (plan.job.timeout_s or NO_TIMEOUT_S)
@@ -140,7 +143,11 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail) -> Outcome:
         tail.pump()
         for message in cluster.tend():
             say(message)
-        result = parse_result(cluster.read_head_log())
+        log = cluster.read_head_log()
+        if not started and started_job(log):
+            started.append(started_job(log))
+            on_start(started[0])
+        result = parse_result(log)
         if result is None and not cluster.head_alive():
             tail.pump()
             result = parse_result(cluster.read_head_log())
@@ -427,6 +434,32 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     raise AssertionError("unreachable")
 
 
+def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "") -> int:
+    """Ctrl-C before the job's command started cancels the launch. The head would start the
+    job on its own (behind its gate, once every node is in) with nobody following, and
+    neither its gate nor, on every provider, its dashboard can be reached from here; `down`
+    can: it stops the cluster, and the job never runs. (`made`: this launch got as far as
+    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile.)"""
+    if not made:
+        say(f"interrupted before a cluster was made for {name}: nothing runs")
+        return 130
+    again = f"the cluster may still be running, and its head start the job: stop it with: rlhf-tasks down {name}"
+    say(f"interrupted before the job's command started: stopping the cluster {name}, so that the job does not run "
+        f"(Ctrl-C again leaves it running)")
+    try:
+        say(provider.down(name))
+    except KeyboardInterrupt:
+        say(f"interrupted again: {again}")
+        return 130
+    except (StepFailed, BadInput, AgentError) as exc:
+        say(f"could not stop it ({exc}): {again}")
+        return 130
+    sid = started_job(head_log())
+    say(f"job {sid} had just started; it stopped with the cluster" if sid else
+        f"the job of {name} did not run; launch it again to run it")
+    return 130
+
+
 def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     from . import state
 
@@ -439,7 +472,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None
-    job_started = interrupted = False
+    job_started = interrupted = command_started = False
     try:
         cluster = provider.apply(plan, secrets)
         tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log)
@@ -447,29 +480,37 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         if via_head_log:  # the head runs the job: from here on the cluster is the user's, to `down`
             job_started = True
             say("every node runs the job's command (no Ray); following the node agents' logs" if plan.job.mode ==
-                "every_node" else "following the head's log (Ctrl-C stops following, not the job)")
-            outcome = follow_head_log(cluster, plan, tail)
+                "every_node" else "following the head's log (Ctrl-C before the job's command starts cancels the "
+                "launch and stops the cluster; after, it stops following, not the job)")
+            outcome = follow_head_log(cluster, plan, tail, on_start=lambda sid: state.update(
+                plan.name, job={"submission_id": sid, "status": "RUNNING"}))
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
-            job_started = True
+            job_started = command_started = True
             outcome = follow_dashboard(cluster, plan, tail, sid, node_ids)
-        state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
+        if outcome.status is not None or not (state.load(plan.name) or {}).get("job"):  # not over `down`'s word
+            state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         summarise(plan, outcome, started, cluster)
         if keep:
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
                 f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")
         return verdict(plan, outcome, via_head_log)
-    except KeyboardInterrupt:  # wherever it lands: while waiting for the cluster, the submission or the job
+    except KeyboardInterrupt:  # wherever it lands: while bringing the cluster up, submitting, or following the job
         interrupted = True
         print(file=sys.stderr)
-        sid = ((state.load(task.name) or {}).get("job") or {}).get("submission_id")
-        if not sid and cluster is not None and cluster.dashboard:  # the head may have submitted it already
-            found, value = head_submission(cluster.dashboard, cluster.token, task.name)
-            sid = value if found else None
-        if sid:
-            say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} --cluster {task.name}")
-        say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
-        return 130
+        said = started_job(cluster.read_head_log()) if cluster is not None else None
+        if command_started or said:
+            sid = ((state.load(task.name) or {}).get("job") or {}).get("submission_id") or said
+            if not sid and cluster is not None and cluster.dashboard:
+                found, value = head_submission(cluster.dashboard, cluster.token, task.name)
+                sid = value if found else None
+            if sid:
+                say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} "
+                    f"--cluster {task.name}")
+            say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
+            return 130
+        made = cluster is not None or state.before_launch(task.name, before.staged).record != before.record
+        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "")
     except BaseException:
         if not job_started and not provider.stop_after_job:
             undone = provider.abandon(before)

@@ -144,3 +144,90 @@ def test_down_without_an_answering_dashboard_names_the_job_last_seen(tmp_path, r
     assert "job t-c1 was last seen RUNNING (the dashboard did not answer): stopping the cluster stops it" in \
         capsys.readouterr().out
     assert state.load("t")["job"]["status"] == "STOPPED"
+
+
+def fake_provider(tmp_path, head_log: str):
+    """A dstack-planned provider whose cluster is two log files on this machine: Ctrl-C lands
+    while the launcher follows the head's log (its `tend`), after `head_log` was written."""
+    from rlhf_tasks.providers import Cluster
+    from rlhf_tasks.providers.dstack import DstackProvider
+
+    logs = [tmp_path / "node-0.log", tmp_path / "node-1.log"]
+    logs[0].write_text(head_log)
+
+    class Fake(DstackProvider):
+        downs: list[str] = []
+
+        def ready(self, plan):
+            pass
+
+        def apply(self, plan, secrets):
+            state.save(plan.name, {"provider": "dstack", "cluster_id": "c1"})
+
+            def tend():
+                raise KeyboardInterrupt
+            return Cluster(name=plan.name, cluster_id="c1", token=None, head_alive=lambda: True,
+                           node_logs=[str(p) for p in logs], tend=tend)
+
+        def down(self, name):
+            self.downs.append(name)
+            state.end(name)
+            return f"stopped {name}"
+
+    return Fake()
+
+
+def ctrl_c_task():
+    from rlhf_tasks.spec import parse_task
+
+    return parse_task({"name": "t", "nodes": 2, "wait": {"head": "1m", "nodes": "1m"},
+                       "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+
+
+def test_ctrl_c_before_the_job_started_cancels_it_by_stopping_the_cluster(tmp_path, rlhf_home, capsys):
+    """The head would submit and run the job on its own with nobody following: the launch is
+    cancelled instead, and says so (issue 20, item 6)."""
+    from rlhf_tasks.launch import launch
+
+    provider = fake_provider(tmp_path, "[10:00:00] node0: Ray head up\n[10:00:01] node0: waiting for 2 nodes\n")
+    assert launch(ctrl_c_task(), provider) == 130
+    out = capsys.readouterr().out
+    assert provider.downs == ["t"]
+    assert "interrupted before the job's command started: stopping the cluster t, so that the job does not run" in out
+    assert "stopped t" in out and "the job of t did not run" in out
+    assert "keeps running" not in out
+    assert state.load("t")["ended"]
+
+
+def test_ctrl_c_once_the_job_runs_stops_following_only(tmp_path, rlhf_home, capsys):
+    from rlhf_tasks.agent.protocol import JOB_STARTS
+    from rlhf_tasks.launch import launch
+
+    provider = fake_provider(tmp_path, "[10:00:00] node0: Ray head up\n[10:00:05] node0: "
+                             + JOB_STARTS % "t-c1" + " (it was submitted while the nodes joined)\n")
+    assert launch(ctrl_c_task(), provider) == 130
+    out = capsys.readouterr().out
+    assert provider.downs == []
+    assert "stopped following; job t-c1 keeps running. Stop it with: rlhf-tasks stop t-c1 --cluster t" in out
+    assert "the cluster keeps running; stop it with: rlhf-tasks down t" in out
+
+
+def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_path):
+    """What `down` falls back on where the dashboard does not answer from here (item 8)."""
+    from rlhf_tasks.agent.protocol import JOB_STARTS, started_job
+    from rlhf_tasks.launch import LogTail, follow_head_log
+
+    provider = fake_provider(tmp_path, "[10:00:00] node0: waiting for 2 nodes\n")
+    plan = provider.plan(ctrl_c_task())
+    assert started_job((tmp_path / "node-0.log").read_text()) is None
+    with open(tmp_path / "node-0.log", "a") as handle:
+        handle.write(f"[10:00:05] node0: {JOB_STARTS % 't-c1'} (it was submitted while the nodes joined)\n"
+                     "RLHF_TASKS_RESULT " + json.dumps({"exit_code": 0, "job": {"submission_id": "t-c1",
+                                                                                 "status": "SUCCEEDED"}}) + "\n")
+    from rlhf_tasks.providers import Cluster
+
+    seen = []
+    cluster = Cluster(name="t", cluster_id="c1", token=None, head_alive=lambda: False,
+                      node_logs=[str(tmp_path / "node-0.log")])
+    assert follow_head_log(cluster, plan, LogTail([]), on_start=seen.append).status == "SUCCEEDED"
+    assert seen == ["t-c1"]

@@ -15,8 +15,8 @@ import time
 from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
-from .protocol import (PREFLIGHT_GRACE_S, TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower, alive_nodes,
-                       job_argv, log, submission_id, wait_for)
+from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower,
+                       alive_nodes, job_argv, log, submission_id, wait_for)
 from .raynode import Node
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
@@ -211,10 +211,11 @@ class JobRunner(object):
         node, job, jobs = self.node, self.plan["job"], self.jobs
         with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
             if gate is not None:
-                log("starting job %s: it was submitted while the nodes joined; its command runs now" % sid)
+                log(JOB_STARTS % sid + " (it was submitted while the nodes joined)")
                 gate.open()
             elif jobs.status(sid) is not None:
-                log("job %s was already submitted to this cluster; following it" % sid)
+                log((JOB_STARTS % sid if attempt == 0 else "job %s" % sid)
+                    + " (it was already submitted to this cluster; following it)")
             else:
                 self.submit(sid)
         log("following job %s" % sid)

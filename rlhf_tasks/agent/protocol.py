@@ -28,6 +28,15 @@ PREFLIGHT_PREFIX = "RLHF_TASKS_PREFLIGHT "
 PREFLIGHT_GRACE_S = 15.0  # beyond the checks' own deadline: for the Ray job to start and end
 #: The preflight job's module (`python3 -m ...`), in the agent's package.
 PREFLIGHT_MODULE = "rlhf_tasks.agent.preflight"
+#: The head agent's log line when the job's command is let run (its gate opens; with job.mode
+#: every_node, when the head runs it): before this line a launch can still cancel the job.
+JOB_STARTS = "starting job %s: its command runs now"
+
+
+def started_job(text: str) -> Optional[str]:
+    """The id of the job whose command the head let run, from its log `text`; None before that."""
+    found = re.findall(re.escape(JOB_STARTS).replace("%s", r"(\S+)"), text)
+    return found[-1] if found else None
 
 
 class _Log(object):

@@ -15,7 +15,7 @@ from typing import List, Optional
 from .beacon import ReadyBeacon, probe_ready, reachable
 from .contract import NodeInfo
 from .processes import Child
-from .protocol import AgentError, log, wait_for
+from .protocol import JOB_STARTS, AgentError, log, submission_id, wait_for
 from .raynode import Node
 
 
@@ -97,6 +97,8 @@ class EveryNodeFlow(object):
                 log("head ready after %.1fs" % (time.monotonic() - started))
             node.start_services(("every_node",))
         argv = every_node_argv(plan["job"], info)
+        if info.rank == 0:  # the launcher's word that Ctrl-C no longer cancels the job
+            log(JOB_STARTS % submission_id(plan["name"], node.cluster_key()) + " on every node")
         log("running the job on node %d: %s" % (info.rank, " ".join(shlex.quote(a) for a in argv)))
         started = time.monotonic()
         with node.step("job"):
