@@ -358,8 +358,10 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
     also holds the rows of the runs before it, on other clusters), the restarts, and what the
     provider tells of its machines."""
     sid = outcome.submission_id or f"{plan.name}-{cluster.cluster_id if cluster else '?'}"
-    lines = [f"job {sid}: {outcome.status or 'not run'} in {time.monotonic() - started:.0f}s wall time"
-             + (f" (stopped before it finished, {STOPPED_BY})" if outcome.status == "STOPPED" else "")]
+    how = outcome.status or ("not run" if not outcome.submission_id else "cut short, with no end state")
+    lines = [f"job {sid}: {how} in {time.monotonic() - started:.0f}s wall time"
+             + (f" (stopped before it finished, {STOPPED_BY})" if outcome.status == "STOPPED" else
+                f" ({outcome.error})" if outcome.submission_id and not outcome.status and outcome.error else "")]
     if len(outcome.attempts) > 1:
         lines.append(f"attempts: {len(outcome.attempts)} (" + "; ".join(
             f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")

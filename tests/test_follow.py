@@ -124,3 +124,16 @@ def test_a_stopped_job_is_said_stopped_not_that_it_had_nothing_to_train(tmp_path
     assert "no metrics row before it ended STOPPED (the file's last row, step 476, is an earlier run's)" in out
     with pytest.raises(StepFailed, match="running job t-c1: it was STOPPED before it finished"):
         verdict(plan, outcome, True)
+
+
+def test_a_job_cut_short_by_its_cluster_stopping_is_not_said_never_to_have_run(tmp_path, capsys):
+    """`rlhf-tasks down` (or the provider) stops the cluster under a running job: the head's
+    result line names the job with no end state; the summary says it was cut short, and why."""
+    (tmp_path / "node-0.log").write_text(result_line(
+        exit_code=143, error="stopped by signal 15", job={"submission_id": "t-c1", "status": None, "attempts": []}))
+    plan = plan_of()
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    summarise(plan, outcome, 0.0)
+    out = capsys.readouterr().out
+    assert "job t-c1: cut short, with no end state in " in out and "s wall time (stopped by signal 15)" in out
+    assert "not run" not in out
