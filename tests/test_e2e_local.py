@@ -259,3 +259,77 @@ def test_a_lost_head_relaunches_the_task_which_resumes(tmp_path, cli_env, rlhf_h
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert any(r.get("resumed_from", 0) >= 40 for r in rows)  # the new cluster resumed from the checkpoint
     assert no_leftovers(json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"])
+
+
+def _launch_until(task: Path, cwd: Path, env: dict, until) -> tuple[subprocess.Popen, list[str]]:
+    """Start `launch TASK` and read its output until a line for which `until(line)` holds."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(task)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if until(line):
+            break
+    return proc, seen
+
+
+def test_ctrl_c_before_the_job_started_stops_the_cluster_and_the_job_never_runs(tmp_path, cli_env, rlhf_home):
+    """Ctrl-C after the head submitted the job behind its gate, while a head service keeps the
+    cluster forming: the launch is cancelled, nothing of it keeps running (issue 20, item 6)."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: the service never answers
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ran = tmp_path / "ran"
+    task = tmp_path / "early.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "early", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "services": [{"name": "hold", "where": "head", "command": "sleep 600", "ready": {"tcp": port}, "timeout": "5m"}],
+        "job": {"recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": f"touch {ran}"}}}))
+    proc, seen = _launch_until(task, tmp_path, cli_env, lambda line: "starting service hold" in line)
+    try:
+        assert any("submitting job early-" in line for line in seen), "".join(seen)  # the gated job is in Ray
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130, rest
+        assert "interrupted before the job's command started: stopping the cluster early" in rest, rest
+        assert "stopped local cluster early" in rest and "the job of early did not run" in rest, rest
+        assert "keeps running" not in rest, rest
+        record = json.loads((rlhf_home / "clusters" / "early" / "cluster.json").read_text())
+        assert record.get("ended") and no_leftovers(record["cluster_id"])
+        assert not ran.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "down", "early"], cwd=tmp_path, env=cli_env,
+                       capture_output=True, timeout=120)
+
+
+def test_down_while_the_job_runs_says_so_and_the_record_keeps_it(tmp_path, cli_env, rlhf_home):
+    """`down` names the job it stops, and the record keeps it (issue 20, item 8)."""
+    import signal
+
+    task = tmp_path / "busy.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "busy", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "job": {"recipe": "command", "submit": "head", "working_dir": None,
+                "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
+    proc, seen = _launch_until(task, tmp_path, cli_env, lambda line: line.startswith("started"))
+    try:
+        proc.send_signal(signal.SIGINT)  # the job runs on, with nobody following
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130 and "keeps running" in rest, "".join(seen) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        down = cli(tmp_path, cli_env, "down", "busy")
+    record = json.loads((rlhf_home / "clusters" / "busy" / "cluster.json").read_text())
+    sid = f"busy-{record['cluster_id']}"
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"busy: job {sid} is RUNNING: stopping the cluster stops it" in down.stdout, down.stdout
+    assert f"stopped job {sid} with the cluster (it was RUNNING)" in down.stdout, down.stdout
+    assert record["ended"] and record["job"] == {"submission_id": sid, "status": "STOPPED",
+                                                 "how": "stopped by `rlhf-tasks down` while RUNNING"}
+    assert no_leftovers(record["cluster_id"])

@@ -71,6 +71,27 @@ def left_on_its_own(log: Path) -> bool:
     return said.get("exit_code") == 0 or str(said.get("error") or "").startswith(("stopped by signal", "interrupted"))
 
 
+def groups_below(groups: set[int], pids: list[int]) -> set[int]:
+    """The process groups of every process below the members of `groups` and the processes
+    `pids` (from `ps`): Ray's workers, and a job's driver, run in sessions of their own, outside
+    the groups the agents recorded; the driver would outlive them for a while (Ray kills it
+    only a second or so after its supervisor dies). Never this process's own group."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,pgid="], capture_output=True, text=True).stdout
+    rows = [tuple(int(f) for f in line.split()) for line in out.splitlines() if len(line.split()) == 3]
+    children: dict[int, list[tuple[int, int]]] = {}
+    for pid, ppid, pgid in rows:
+        children.setdefault(ppid, []).append((pid, pgid))
+    todo = [pid for pid, _, pgid in rows if pgid in groups] + list(pids)
+    seen, found = set(todo), set()
+    while todo:
+        for child, pgid in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.add(pgid)
+                todo.append(child)
+    return found - {0, 1, os.getpgrp()}
+
+
 class LocalProvider(Provider):
     name = "local"
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
@@ -198,7 +219,8 @@ class LocalProvider(Provider):
         started = time.monotonic()
         pids = [pid for pid in record.get("pids", []) if pid_alive(pid)]
         groups = self._recorded_groups(record.get("temp_dir"))
-        for pgid in groups:
+        below = groups_below(groups, pids) - groups  # found before their parents die and they are reparented
+        for pgid in groups | below:
             signal_group(pgid, signal.SIGKILL)
         for pid in pids:  # each agent then finds its children gone and exits at once
             signal_group(pid, signal.SIGTERM)
@@ -208,7 +230,8 @@ class LocalProvider(Provider):
         leftovers = self._kill_leftovers(pids, record.get("temp_dir"))
         state.end(name)
         return (f"stopped local cluster {name}: {len(pids)} node agents, {len(groups)} Ray and service process "
-                f"groups in {time.monotonic() - started:.1f}s{leftovers}")
+                f"groups" + (f" and {len(below)} under them (Ray's workers, a job's driver)" if below else "")
+                + f" in {time.monotonic() - started:.1f}s{leftovers}")
 
     @staticmethod
     def _recorded_groups(temp_dir: str | None) -> set[int]:
