@@ -484,8 +484,10 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             say("every node runs the job's command (no Ray); following the node agents' logs" if plan.job.mode ==
                 "every_node" else "following the head's log (Ctrl-C before the job's command starts cancels the "
                 "launch and stops the cluster; after, it stops following, not the job)")
-            outcome = follow_head_log(cluster, plan, tail, on_start=lambda sid: state.update(
-                plan.name, job={"submission_id": sid, "status": "RUNNING"}))
+            def record_start(sid: str) -> None:  # what `down` knows where the dashboard does not answer
+                if plan.job.mode != "every_node":  # every_node runs no Ray job to name
+                    state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
+            outcome = follow_head_log(cluster, plan, tail, on_start=record_start)
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
             job_started = command_started = True
@@ -506,7 +508,9 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             if not sid and cluster is not None and cluster.dashboard:
                 found, value = head_submission(cluster.dashboard, cluster.token, task.name)
                 sid = value if found else None
-            if sid:
+            if plan.job.mode == "every_node":  # no Ray job to stop: the command runs on every node
+                say("stopped following; the job's command keeps running on every node")
+            elif sid:
                 say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} "
                     f"--cluster {task.name}")
             say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
