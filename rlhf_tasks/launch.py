@@ -484,9 +484,11 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             say("every node runs the job's command (no Ray); following the node agents' logs" if plan.job.mode ==
                 "every_node" else "following the head's log (Ctrl-C before the job's command starts cancels the "
                 "launch and stops the cluster; after, it stops following, not the job)")
+
             def record_start(sid: str) -> None:  # what `down` knows where the dashboard does not answer
                 if plan.job.mode != "every_node":  # every_node runs no Ray job to name
                     state.update(plan.name, job={"submission_id": sid, "status": "RUNNING"})
+
             outcome = follow_head_log(cluster, plan, tail, on_start=record_start)
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
