@@ -269,6 +269,11 @@ class Plan(StrictModel):
         """What travels to the nodes (field names as the agent reads them)."""
         return self.model_dump_json(indent=2, by_alias=True) + "\n"
 
+    @property
+    def unshared_checkpoints(self) -> bool:
+        """The job resumes from a checkpoint directory no shared storage backs (each node has its own)."""
+        return bool(self.resume and self.checkpoint_dir and not self.checkpoint_shared)
+
     def replace(self, **changes: Any) -> "Plan":
         """A copy with some fields changed (and `ray=` merged field by field)."""
         if "ray" in changes and isinstance(changes["ray"], dict):

@@ -35,6 +35,14 @@ def no_leftovers(cluster_id: str) -> bool:
     return f"rlhf-{cluster_id}" not in out
 
 
+def sleeping_task(path: Path, name: str) -> None:
+    """A 2-node task whose job prints "started" and then sleeps for 10 minutes."""
+    path.write_text(yaml.safe_dump({
+        "name": name, "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "job": {"recipe": "command", "submit": "head", "working_dir": None,
+                "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
+
+
 def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_home):
     task = ROOT / "tasks" / "tiny-grpo.yaml"
     first = launch([str(task)], tmp_path, cli_env)
@@ -146,10 +154,7 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
     import signal
 
     task = tmp_path / "long.yaml"
-    task.write_text(yaml.safe_dump({
-        "name": "long", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
-        "job": {"recipe": "command", "submit": "head", "working_dir": None,
-                "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
+    sleeping_task(task, "long")
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=tmp_path, env=cli_env,
@@ -312,10 +317,7 @@ def test_down_while_the_job_runs_says_so_and_the_record_keeps_it(tmp_path, cli_e
     import signal
 
     task = tmp_path / "busy.yaml"
-    task.write_text(yaml.safe_dump({
-        "name": "busy", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
-        "job": {"recipe": "command", "submit": "head", "working_dir": None,
-                "args": {"entrypoint": "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'"}}}))
+    sleeping_task(task, "busy")
     proc, seen = _launch_until(task, tmp_path, cli_env, lambda line: line.startswith("started"))
     try:
         proc.send_signal(signal.SIGINT)  # the job runs on, with nobody following

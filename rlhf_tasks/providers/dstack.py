@@ -59,7 +59,7 @@ class DstackProvider(Provider):
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """A line for `check` and `render` when a multi-node run resumes from per-host directories."""
-        if plan.nodes < 2 or not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+        if plan.nodes < 2 or not plan.unshared_checkpoints:
             return None
         return (f"checkpoints {plan.checkpoint_dir} is a directory on each dstack host (instance_path): "
                 f"the {plan.nodes} nodes do not share it, and a resumed run may land on other hosts; add "

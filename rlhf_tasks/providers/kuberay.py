@@ -191,7 +191,7 @@ class KubeRayProvider(Provider):
         return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
-        if plan.nodes < 2 or not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+        if plan.nodes < 2 or not plan.unshared_checkpoints:
             return None
         return (f"checkpoints {plan.checkpoint_dir} is an emptyDir in each pod: the {plan.nodes} pods do not share "
                 f"it, and a replaced pod starts without it; add checkpoints.shared.kuberay: {{claim: PVC}} "

@@ -83,7 +83,7 @@ class RunPodProvider(Provider):
             raise BadInput(f"{task.source}: {exc}") from None
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
-        if not plan.resume or not plan.checkpoint_dir or plan.checkpoint_shared:
+        if not plan.unshared_checkpoints:
             return None
         nodes = f"the {plan.nodes} pods do not share it, and " if plan.nodes > 1 else ""
         return (f"checkpoints {plan.checkpoint_dir} is on each RunPod pod's own disk: {nodes}resume works only on "
