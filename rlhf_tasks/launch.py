@@ -53,7 +53,9 @@ def collect_secrets(task: Task) -> dict[str, str]:
 class LogTail:
     """Echo the complete lines that the node agents' logs gain, each line once. A result line
     is never shown (the summary says it), and a log ends at its result line: what its agent
-    prints after it (keeping the cluster up) is not this launch's business."""
+    prints after it (keeping the cluster up) is not this launch's business. What the head's
+    log (the first) says on the way, the job's start and the head's result, is kept here, so
+    that nobody reads a long log again from its beginning."""
 
     def __init__(self, paths: list[str] = (), text: Callable[[], str] | None = None, out=None):
         self.paths = [Path(p) for p in paths]
@@ -61,6 +63,9 @@ class LogTail:
         self.offsets: dict[object, int] = {}
         self.ended: set[object] = set()
         self.out = out or sys.stdout
+        self.head = self.paths[0] if self.paths else "text"
+        self.head_started: str | None = None  # the job whose command the head let run (agent.protocol.JOB_STARTS)
+        self.head_result: dict | None = None  # the head agent's result line
 
     def pump(self) -> None:
         for path in self.paths:
@@ -84,7 +89,11 @@ class LogTail:
         self.offsets[key] = self.offsets.get(key, 0) + len(complete)
         shown = []
         for line in complete.decode("utf-8", "replace").splitlines(keepends=True):
+            if key == self.head and self.head_started is None:
+                self.head_started = started_job(line)
             if RESULT_PREFIX in line:
+                if key == self.head:
+                    self.head_result = parse_result(line)
                 self.ended.add(key)
                 break
             shown.append(line)
@@ -131,8 +140,9 @@ def job_said(log: str) -> str | None:
 
 def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
                     on_start: Callable[[str], None] = lambda sid: None) -> Outcome:
-    """Echo the node agents' logs until the head agent's result line: the job's end (or the
-    head's failure, which the line names). A head gone without its line is a lost head.
+    """Echo the node agents' logs (`tail`: the head's first) until the head agent's result line:
+    the job's end (or the head's failure, which the line names). A head gone without its line
+    is a lost head.
     `on_start(id)` once the head says the job's command runs (agent.protocol.JOB_STARTS)."""
     started = []
     attempts = plan.job.max_restarts + 1 if plan.job.submit == "head" else 1
@@ -143,14 +153,13 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
         tail.pump()
         for message in cluster.tend():
             say(message)
-        log = cluster.read_head_log()
-        if not started and started_job(log):
-            started.append(started_job(log))
-            on_start(started[0])
-        result = parse_result(log)
+        if not started and tail.head_started:
+            started.append(tail.head_started)
+            on_start(tail.head_started)
+        result = tail.head_result
         if result is None and not cluster.head_alive():
             tail.pump()
-            result = parse_result(cluster.read_head_log())
+            result = tail.head_result
             if result is None:
                 told = "; ".join(cluster.describe())
                 raise HeadLost("running the task", "the head's node agent ended without reporting the job's end "

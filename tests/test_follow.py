@@ -45,6 +45,11 @@ def test_every_line_once_no_result_line_and_nothing_after_it(tmp_path):
     assert RESULT not in shown and "stays up" not in shown  # the line ends the head's log for us
 
 
+def quiet(tmp_path) -> LogTail:
+    """The follower's tail of the head's log, showing nothing here."""
+    return LogTail([str(tmp_path / "node-0.log")], out=io.StringIO())
+
+
 def cluster_on(tmp_path, alive, **extra) -> Cluster:
     return Cluster(name="t", cluster_id="c1", token=None, head_alive=alive,
                    node_logs=[str(tmp_path / "node-0.log"), str(tmp_path / "node-1.log")], **extra)
@@ -73,7 +78,7 @@ def test_a_failed_job_names_its_last_line_and_fails_the_launch(tmp_path, capsys)
         exit_code=1, error="running job t-c1 failed: it ended FAILED", failed_step="running job t-c1",
         job={"submission_id": "t-c1", "status": "FAILED"}, job_log_tail=log))
     plan = plan_of()
-    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     summarise(plan, outcome, 0.0)
     assert "the job's last line: AssertionError: 2 nodes" in capsys.readouterr().out
     with pytest.raises(StepFailed, match="running job t-c1: it ended FAILED"):
@@ -84,7 +89,7 @@ def test_a_step_the_head_failed_before_the_job_is_named(tmp_path):
     (tmp_path / "node-0.log").write_text(result_line(
         exit_code=1, error="preflight (pairs) failed: node 2 unreachable", failed_step="preflight (pairs)", job=None))
     plan = plan_of()
-    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     with pytest.raises(StepFailed, match=r"^preflight \(pairs\): node 2 unreachable \(the head's log is above\)$"):
         verdict(plan, outcome, True)
 
@@ -93,14 +98,14 @@ def test_a_head_gone_without_its_line_is_a_lost_head_with_the_providers_word(tmp
     (tmp_path / "node-0.log").write_text("[10:00:00] node0: Ray head up\n")
     with pytest.raises(HeadLost, match="Slurm job 7 NODE_FAIL with exit code 0"):
         follow_head_log(cluster_on(tmp_path, lambda: False, describe=lambda: ["Slurm job 7 NODE_FAIL with exit code 0"]),
-                        plan_of(), LogTail([]))
+                        plan_of(), quiet(tmp_path))
 
 
 def test_every_node_mode_fails_with_the_commands_exit_code(tmp_path):
     (tmp_path / "node-0.log").write_text(result_line(exit_code=3, job={"status": "FAILED", "exit_code": 3}))
     plan = get("dstack").plan(parse_task({"name": "t", "nodes": 2, "job": {"recipe": "torchrun", "args": {
         "script": "train.py"}}}))
-    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     assert outcome == Outcome(None, "FAILED", exit_code=3)
     with pytest.raises(StepFailed, match="running the job: exit code 3"):
         verdict(plan, outcome, True)
@@ -116,7 +121,7 @@ def test_a_stopped_job_is_said_stopped_not_that_it_had_nothing_to_train(tmp_path
     (tmp_path / "node-0.log").write_text(result_line(
         exit_code=1, error="running job t-c1 failed: it ended STOPPED", failed_step="running job t-c1",
         node_ids=["p", "q"], job={"submission_id": "t-c1", "status": "STOPPED"}))
-    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     summarise(plan, outcome, 0.0)
     out = capsys.readouterr().out
     assert "job t-c1: STOPPED" in out and "stopped before it finished, by `rlhf-tasks stop`" in out
@@ -132,7 +137,7 @@ def test_a_job_cut_short_by_its_cluster_stopping_is_not_said_never_to_have_run(t
     (tmp_path / "node-0.log").write_text(result_line(
         exit_code=143, error="stopped by signal 15", job={"submission_id": "t-c1", "status": None, "attempts": []}))
     plan = plan_of()
-    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, LogTail([]))
+    outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     summarise(plan, outcome, 0.0)
     out = capsys.readouterr().out
     assert "job t-c1: cut short, with no end state in " in out and "s wall time (stopped by signal 15)" in out

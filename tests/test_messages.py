@@ -5,6 +5,7 @@ dashboard's Jobs and State API, and the head agent's log as a file."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -229,5 +230,6 @@ def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_pa
     seen = []
     cluster = Cluster(name="t", cluster_id="c1", token=None, head_alive=lambda: False,
                       node_logs=[str(tmp_path / "node-0.log")])
-    assert follow_head_log(cluster, plan, LogTail([]), on_start=seen.append).status == "SUCCEEDED"
+    tail = LogTail(cluster.node_logs, out=io.StringIO())
+    assert follow_head_log(cluster, plan, tail, on_start=seen.append).status == "SUCCEEDED"
     assert seen == ["t-c1"]

@@ -68,11 +68,26 @@ def cluster(client: RunPodClient, plan: Plan, members: list[dict], token: str | 
             f"-p {direct['port']} (after this launch: rlhf-tasks forward {plan.name})")
         # Where `rlhf-tasks forward NAME` puts it, for `env`, `list --cluster` and `submit` later.
         state.update(plan.name, dashboard=f"http://127.0.0.1:{plan.ray.dashboard_port}")
-    checked = {"at": 0.0, "alive": True}
+    checked = {"at": 0.0, "alive": True, "read": 0}
+
+    def head_agent_ended() -> bool:
+        """Whether the head agent's result line is in its log (read on from where it was left)."""
+        try:
+            with open(logs / "node-0.log", "rb") as handle:
+                handle.seek(checked["read"])
+                chunk = handle.read()
+        except OSError:
+            return False
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        checked["read"] += len(complete)
+        if parse_result(complete.decode("utf-8", "replace")) is not None:
+            checked["alive"], checked["at"] = False, float("inf")  # for good
+            return True
+        return False
 
     def head_alive() -> bool:
         """Until the head agent's result line (the pod itself stays up after it), and while its pod runs."""
-        if parse_result(_read(logs / "node-0.log")) is not None:
+        if head_agent_ended():
             return False
         if time.monotonic() - checked["at"] > 3:
             checked["at"] = time.monotonic()
@@ -98,10 +113,3 @@ def cluster(client: RunPodClient, plan: Plan, members: list[dict], token: str | 
     return Cluster(name=plan.name, cluster_id=head["id"], dashboard=dashboard, token=token, head_alive=head_alive,
                    node_logs=[str(logs / f"node-{rank}.log") for rank in range(len(members))], describe=describe,
                    tend=tunnel.tend if tunnel else (lambda: []), close=close)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
