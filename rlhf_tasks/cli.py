@@ -101,13 +101,28 @@ def cmd_render(args) -> int:
         if others:
             print(f"(with -o PATH, also written beside it: {', '.join(others)})", file=sys.stderr)
         return 0
-    main_path = Path(args.output)
-    targets = {name: (main_path if i == 0 else main_path.parent / name) for i, name in enumerate(files)}
+    output = Path(args.output)
+    if output.is_dir() or args.output.endswith(os.sep):  # a directory: every file under its own name
+        targets = {name: output / name for name in files}
+    else:
+        targets = {name: (output if i == 0 else output.parent / name) for i, name in enumerate(files)}
+        files = _renamed(files, next(iter(files)), output.name)
     for name, content in files.items():
         targets[name].parent.mkdir(parents=True, exist_ok=True)
         targets[name].write_text(content)
         print(f"wrote {targets[name]}", file=sys.stderr)
     return 0
+
+
+def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
+    """The rendered files name each other by their default names (`sky launch ... NAME.sky.yaml`,
+    `sbatch NAME.sbatch`); written under another name, the main file is named as written."""
+    import re
+
+    if old == new:
+        return files
+    whole = re.compile(rf"(?<![\w./-]){re.escape(old)}(?![\w.-])")
+    return {name: whole.sub(lambda _: new, text) for name, text in files.items()}
 
 
 def cmd_launch(args) -> int:
@@ -188,6 +203,12 @@ def cmd_status(args) -> int:
         if said is not None:
             print(said)
             return 0
+    if record:  # a cluster's name where a job's was expected: say so, and what to ask instead
+        name, where = args.job, f"{args.job} is a cluster launched from here (on {record.get('provider', '?')}), not a job"
+        if record.get("ended"):
+            raise BadInput(f"JOB: {where}; {_ended(name, record)}")
+        raise BadInput(f"JOB: {where}. Its jobs: rlhf-tasks list --cluster {name}; one job's status: "
+                       f"rlhf-tasks status JOB --cluster {name}")
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(f"JOB: no job {args.job} on this cluster")
@@ -412,12 +433,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from .agent.protocol import AgentError
 
     try:
         args = _parse(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a pipe's reader that left early shows here, not at exit
+        return code
+    except BrokenPipeError:
+        if not _reader_left():
+            raise  # a connection's broken pipe, not ours
+        # `rlhf-tasks schema | head`: the reader has what it wanted and left; no traceback, and
+        # nothing left to write at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

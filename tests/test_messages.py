@@ -1,0 +1,82 @@
+"""Messages that must be true (issue 20, items 9-17): what the CLI says of itself, of a task
+file's mistakes, of a cluster and of the files it writes is what is so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_tasks import state
+from rlhf_tasks.cli import main
+
+from conftest import ROOT
+
+TINY = str(ROOT / "tasks" / "tiny-grpo.yaml")
+
+
+# ---------------------------------------------------------------- status NAME of a cluster (item 11)
+
+def test_status_of_a_clusters_name_says_it_is_a_cluster_and_what_to_ask(rlhf_home, capsys):
+    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9"})
+    assert main(["status", "tiny-grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
+    assert "rlhf-tasks list --cluster tiny-grpo" in err and "rlhf-tasks status JOB --cluster tiny-grpo" in err
+    assert "no job tiny-grpo" not in err
+
+
+def test_status_of_an_ended_clusters_name_says_how_it_ended(rlhf_home, capsys):
+    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9",
+                             "job": {"submission_id": "tiny-grpo-c1", "status": "SUCCEEDED"},
+                             "ended": "2026-11-24 12:00:00"})
+    assert main(["status", "tiny-grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
+    assert "the cluster ended at 2026-11-24 12:00:00; its job tiny-grpo-c1 ended SUCCEEDED" in err
+
+
+# ---------------------------------------------------------------- render -o (item 12)
+
+def test_render_into_an_existing_directory_writes_each_file_under_its_name(tmp_path, capsys, rlhf_home):
+    out = tmp_path / "rendered"
+    out.mkdir()
+    assert main(["render", TINY, "--provider", "dstack", "-o", str(out)]) == 0
+    assert {"tiny-grpo.dstack.yml", "tiny-grpo-fleet.dstack.yml"} <= {p.name for p in out.iterdir()}
+    assert "type: task" in (out / "tiny-grpo.dstack.yml").read_text()
+    assert f"wrote {out / 'tiny-grpo.dstack.yml'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("provider, old, says", [
+    ("sky", "tiny-grpo.sky.yaml", "sky launch -c tiny-grpo x.out"),
+    ("slurm", "tiny-grpo.sbatch", "sbatch x.out"),
+    ("runpod", "tiny-grpo.runpod.json", "see the args of\n# x.out"),
+    ("local", "start-nodes.sh", "Usage: x.out [RANK ...]"),
+])
+def test_render_under_another_name_names_the_files_written(provider, old, says, tmp_path, capsys, rlhf_home):
+    main_file = tmp_path / "x.out"
+    assert main(["render", TINY, "--provider", provider, "-o", str(main_file)]) == 0
+    written = [main_file, *(p for p in tmp_path.iterdir() if p != main_file and p.is_file())]
+    texts = "".join(p.read_text() for p in written)
+    assert says in texts
+    assert old not in texts
+
+
+# ---------------------------------------------------------------- a pipe's reader that leaves (item 13)
+
+@pytest.mark.parametrize("argv", [["schema"], ["check", TINY], ["recipes"]])
+def test_a_closed_pipe_on_stdout_ends_quietly(argv, tmp_path):
+    """`rlhf-tasks schema | head`: the reader leaves; no traceback, exit 0."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as after `head` has left
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+                              env=dict(os.environ, RLHF_TASKS_HOME=str(tmp_path)))
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
