@@ -80,3 +80,17 @@ def test_a_closed_pipe_on_stdout_ends_quietly(argv, tmp_path):
         os.close(write_end)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+
+
+# ---------------------------------------------------------------- check --provider slurm (item 16)
+
+def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsys, rlhf_home):
+    assert main(["check", TINY, "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: checkpoints /checkpoints/tiny-grpo is the default path" in err, err
+    assert "set checkpoints.path" in err
+    task = tmp_path / "t.yaml"
+    task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": "/shared/ckpt/t"},
+                                "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["check", str(task), "--provider", "slurm"]) == 0
+    assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
