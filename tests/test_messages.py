@@ -94,3 +94,18 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
+
+
+# ---------------------------------------------------------------- RunPod pods made by hand (item 15)
+
+def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path, rlhf_home):
+    """README, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
+    story = "on each worker its own rank, 1 to N-1 (the create requests give worker-k RAY_WORKER=k)"
+    main_file = tmp_path / "tiny-grpo.runpod.json"
+    assert main(["render", TINY, "--provider", "runpod", "-o", str(main_file)]) == 0
+    requests = json.loads(main_file.read_text())
+    assert [w["env"]["RAY_WORKER"] for w in requests["workers"]] == ["1", "2"]
+    assert requests["head"]["env"]["RAY_WORKER"] == "0"
+    flat = lambda text: " ".join(text.replace("#", " ").replace("`", "").split())  # noqa: E731
+    assert story in flat((tmp_path / "tiny-grpo.start.sh").read_text())
+    assert story in flat((ROOT / "README.md").read_text())
