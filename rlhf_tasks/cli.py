@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted")
     p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
     p.add_argument("task")
-    p.add_argument("--provider", default="local")
+    p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
@@ -422,15 +422,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """Parse twice for `launch`: first to learn the provider, then with the options it declares."""
+    """For `launch`, the provider's own options first: every provider's for --help, else the
+    chosen provider's (a first look at --provider says which)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args, _ = parser.parse_known_args(argv)
-    if args.command == "launch":
-        from . import providers
-
-        for option in providers.provider_class(args.provider).options:
-            args.launch_parser.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+    if argv[:1] == ["launch"]:
+        _launch_options(parser.get_default("launch_parser"), argv[1:])
     return parser.parse_args(argv)
+
+
+def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> None:
+    """--provider's choices, and the providers' own `launch` options, each group naming its provider."""
+    from . import providers
+
+    names = providers.names()
+    provider = next(action for action in launch_parser._actions if action.dest == "provider")
+    provider.choices = names
+    if "-h" in rest or "--help" in rest:
+        shown = ["local"] + [name for name in names if name != "local"]
+    else:
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--provider", default="local")
+        shown = [name for name in [first.parse_known_args(rest)[0].provider] if name in names]
+    flags: set[str] = set()
+    for name in shown:
+        options = [option for option in providers.provider_class(name).options if option.flag not in flags]
+        if options:
+            group = launch_parser.add_argument_group(f"options of --provider {name}")
+            for option in options:
+                flags.add(option.flag)
+                group.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
 
 
 def _reader_left() -> bool:

@@ -109,3 +109,24 @@ def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path,
     flat = lambda text: " ".join(text.replace("#", " ").replace("`", "").split())  # noqa: E731
     assert story in flat((tmp_path / "tiny-grpo.start.sh").read_text())
     assert story in flat((ROOT / "README.md").read_text())
+
+
+# ---------------------------------------------------------------- launch --help (item 9)
+
+def test_launch_help_lists_every_flag_each_providers_own_named(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["launch", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--provider {dstack,kuberay,local,runpod,sky,slurm}" in out
+    for provider, flag in (("local", "--retry N"), ("runpod", "-y"), ("sky", "--managed")):
+        assert f"options of --provider {provider}: {flag} " in out, out
+    assert "--keep" in out
+
+
+def test_launch_help_imports_nothing_heavy():
+    code = ("import sys\nfrom rlhf_tasks.cli import main\ntry:\n    main(['launch', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('ray', 'torch', 'sky', 'dstack', 'runpod', 'httpx')), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stderr, out.stderr
