@@ -130,3 +130,28 @@ def test_launch_help_imports_nothing_heavy():
             "('ray', 'torch', 'sky', 'dstack', 'runpod', 'httpx')), file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- a task file's mistakes in its own words (item 14)
+
+INTERNALS = ("String should match", "instance of", "NoneType", "top level", "Input should be a valid")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "the file is empty; a task file is a mapping of fields"),
+    ("- a\n- b\n", "a task file is a mapping of fields (name: ..., nodes: ..., job: ...), not a list"),
+    ("name: Tiny_GRPO\nnodes: 1\njob: {recipe: tiny-grpo}\n", "name: 'Tiny_GRPO': use lowercase letters, digits and dashes"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\n  args: 3\n", "job.args: expected a mapping of tiny-grpo's arguments"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\n  args:\n", "job.args: no value; expected a mapping of tiny-grpo's"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\nargs:\n  steps: 3\n", "args: unknown field here; it belongs under job:"),
+    ("name: t\nnodes:\njob: {recipe: tiny-grpo}\n", "nodes: no value; expected a whole number"),
+    ("name: t\nnodes: 1\njob:\n", "job: no value; expected a mapping: recipe: NAME and its args:"),
+    ("name: t\nnodes: 1\nenv: {A: b}\nsecrets: [A]\njob: {recipe: tiny-grpo}\n", "env.A: also under secrets"),
+])
+def test_task_file_errors_are_in_the_task_files_words(text, says, tmp_path, capsys, rlhf_home):
+    task = tmp_path / "t.yaml"
+    task.write_text(text)
+    assert main(["check", str(task)]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert not [word for word in INTERNALS if word in err], err
