@@ -151,7 +151,7 @@ def _ended(name: str, record: dict) -> str:
 def _jobs(args):
     """A Jobs client for --address (or the cluster named by --cluster / the only known one)."""
     from . import state
-    from .jobs import Jobs
+    from .jobs import Jobs, dashboard_from_env
 
     name = args.cluster
     if name is None and not args.address and len(state.known()) == 1:
@@ -163,7 +163,7 @@ def _jobs(args):
                            f"(known: {', '.join(state.known()) or 'none'})")
         if record.get("ended"):
             raise StepFailed(f"asking cluster {name}", _ended(name, record))
-    address = args.address or os.environ.get("RAY_ADDRESS") or (record or {}).get("dashboard")
+    address = args.address or dashboard_from_env() or (record or {}).get("dashboard")
     if not address:
         raise BadInput("--address: no dashboard address given (e.g. --address http://localhost:8265 through "
                        "your port forward), and no single known cluster to use")
@@ -289,14 +289,24 @@ def cmd_env(args) -> int:
         raise StepFailed(f"setting up a shell for {args.name}", _ended(args.name, record))
     if not record.get("dashboard"):
         raise StepFailed(f"setting up a shell for {args.name}", "its dashboard address is not known here; "
-                         "export RAY_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
+                         "export RAY_API_SERVER_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
     token = state.token(args.name)
-    lines = [f"export RAY_ADDRESS={shlex.quote(record['dashboard'])}"]
+    # Ray's job CLI reads RAY_API_SERVER_ADDRESS before RAY_ADDRESS; `ray status` and `ray.init()`
+    # read RAY_ADDRESS as the GCS's host:port.
+    lines = [f"export RAY_API_SERVER_ADDRESS={shlex.quote(record['dashboard'])}"]
+    if record.get("gcs"):
+        lines.append(f"export RAY_ADDRESS={shlex.quote(record['gcs'])}")
+    else:
+        lines.append("unset RAY_ADDRESS")
     if token:
         lines += ["export RAY_AUTH_MODE=token", f"export RAY_AUTH_TOKEN={shlex.quote(token)}"]
     else:
         lines += ["export RAY_AUTH_MODE=disabled", "unset RAY_AUTH_TOKEN"]
     print("\n".join(lines))
+    if not record.get("gcs"):
+        print(f"# {args.name} on {record.get('provider', '?')}: Ray's job CLI (ray job list, logs, submit) works "
+              f"through the dashboard; its GCS is not reachable from here, so RAY_ADDRESS is left unset: run "
+              f"`ray status` and `ray.init()` on the head", file=sys.stderr)
     if sys.stdout.isatty():
         print(f"# use it as: eval \"$(rlhf-tasks env {args.name})\"", file=sys.stderr)
     return 0
@@ -400,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="local port (default: the task's ray.dashboard_port)")
     p.add_argument("--provider")
     p = add("env", cmd_env, "shell lines for Ray's own CLI against a cluster launched from here: "
-            "eval \"$(rlhf-tasks env NAME)\" sets RAY_ADDRESS, RAY_AUTH_MODE and RAY_AUTH_TOKEN")
+            "eval \"$(rlhf-tasks env NAME)\" sets RAY_API_SERVER_ADDRESS (the dashboard, for `ray job`), RAY_ADDRESS (the "
+            "GCS, for `ray status` and `ray.init()`, where it is reachable from here: the local provider), "
+            "RAY_AUTH_MODE and RAY_AUTH_TOKEN")
     p.add_argument("name", metavar="NAME")
     p = add("token", cmd_token, "print the cluster's Ray token (made once, kept with mode 0600) for applying a "
             "rendered file by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)")

@@ -155,3 +155,26 @@ def test_task_file_errors_are_in_the_task_files_words(text, says, tmp_path, caps
     err = capsys.readouterr().err
     assert says in err, err
     assert not [word for word in INTERNALS if word in err], err
+
+
+# ---------------------------------------------------------------- rlhf-tasks env NAME (item 10)
+
+def test_env_gives_the_dashboard_to_rays_job_cli_and_the_gcs_where_reachable(rlhf_home, capsys, monkeypatch):
+    state.save("here", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:8265",
+                        "gcs": "127.1.2.1:6379"})
+    state.save("far", {"provider": "dstack", "cluster_id": "far", "dashboard": "http://127.0.0.1:8266"})
+    assert main(["env", "here"]) == 0
+    out = capsys.readouterr().out
+    assert "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265" in out and "export RAY_ADDRESS=127.1.2.1:6379" in out
+    assert main(["env", "far"]) == 0
+    said = capsys.readouterr()
+    assert "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8266" in said.out and "unset RAY_ADDRESS" in said.out
+    assert "its GCS is not reachable from here" in said.err and "`ray status` and `ray.init()` on the head" in said.err
+    # rlhf-tasks itself, after the eval, asks the dashboard, not the GCS's host:port.
+    from rlhf_tasks.jobs import dashboard_from_env
+
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8265")
+    monkeypatch.setenv("RAY_ADDRESS", "127.1.2.1:6379")
+    assert dashboard_from_env() == "http://127.0.0.1:8265"
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
+    assert dashboard_from_env() is None

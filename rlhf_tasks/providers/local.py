@@ -168,7 +168,8 @@ class LocalProvider(Provider):
         agents = self._start(run_dir, env, list(range(plan.nodes)))
         dashboard = f"http://127.0.0.1:{plan.ray.dashboard_port}"
         record = {"provider": self.name, "cluster_id": plan.cluster_id, "pids": [agents[r] for r in sorted(agents)],
-                  "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir)}
+                  "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir),
+                  "gcs": f"{node_address(plan.cluster_id, 0)}:{plan.ray.port}"}  # reachable here: `rlhf-tasks env`
         state.save(name, record)
 
         def tend() -> list[str]:
