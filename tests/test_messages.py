@@ -178,3 +178,13 @@ def test_env_gives_the_dashboard_to_rays_job_cli_and_the_gcs_where_reachable(rlh
     assert dashboard_from_env() == "http://127.0.0.1:8265"
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
     assert dashboard_from_env() is None
+
+
+# ---------------------------------------------------------------- small ones (item 17)
+
+def test_forward_on_a_local_cluster_says_its_dashboard_is_here_already(rlhf_home, capsys):
+    state.save("here", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:8265"})
+    assert main(["forward", "here"]) == 2
+    err = capsys.readouterr().err
+    assert "its dashboard is at http://127.0.0.1:8265 already" in err, err
+    assert "dstack attach" not in err and "ssh -L" not in err

@@ -190,6 +190,12 @@ class LocalProvider(Provider):
                        head_alive=lambda: pid_alive(agents[0]),
                        node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
 
+    def forward(self, name: str, port: int | None = None) -> int:
+        """Nothing to forward: a local cluster's dashboard is on this machine already."""
+        dashboard = (state.load(name) or {}).get("dashboard") or "its recorded address (none is known here)"
+        raise BadInput(f"forward: the local cluster {name} runs on this machine; its dashboard is at {dashboard} "
+                       f"already (for Ray's CLI: eval \"$(rlhf-tasks env {name})\")")
+
     def down(self, name: str) -> str:
         """Stop the cluster now: its Ray and services first, without letting raylets drain
         (the whole cluster is going away), then the node agents, by process group."""
