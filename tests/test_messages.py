@@ -188,3 +188,16 @@ def test_forward_on_a_local_cluster_says_its_dashboard_is_here_already(rlhf_home
     err = capsys.readouterr().err
     assert "its dashboard is at http://127.0.0.1:8265 already" in err, err
     assert "dstack attach" not in err and "ssh -L" not in err
+
+
+def test_preflight_names_nodes_of_one_machine_by_rank():
+    """The local provider's nodes share a hostname: the report names them node0, node1, ... (as
+    README shows), each with its address, not by the address alone."""
+    from rlhf_tasks.agent.preflight import name_nodes
+
+    nodes = [{"hostname": "box", "address": "127.9.9.%d" % (r + 1), "rank": r} for r in range(3)]
+    name_nodes(nodes)
+    assert [n["label"] for n in nodes] == ["node0 (127.9.9.1)", "node1 (127.9.9.2)", "node2 (127.9.9.3)"]
+    apart = [{"hostname": "h%d" % r, "address": "10.0.0.%d" % r, "rank": r} for r in range(2)]
+    name_nodes(apart)
+    assert [n["name"] for n in apart] == ["h0", "h1"]
