@@ -101,13 +101,28 @@ def cmd_render(args) -> int:
         if others:
             print(f"(with -o PATH, also written beside it: {', '.join(others)})", file=sys.stderr)
         return 0
-    main_path = Path(args.output)
-    targets = {name: (main_path if i == 0 else main_path.parent / name) for i, name in enumerate(files)}
+    output = Path(args.output)
+    if output.is_dir() or args.output.endswith(os.sep):  # a directory: every file under its own name
+        targets = {name: output / name for name in files}
+    else:
+        targets = {name: (output if i == 0 else output.parent / name) for i, name in enumerate(files)}
+        files = _renamed(files, next(iter(files)), output.name)
     for name, content in files.items():
         targets[name].parent.mkdir(parents=True, exist_ok=True)
         targets[name].write_text(content)
         print(f"wrote {targets[name]}", file=sys.stderr)
     return 0
+
+
+def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
+    """The rendered files name each other by their default names (`sky launch ... NAME.sky.yaml`,
+    `sbatch NAME.sbatch`); written under another name, the main file is named as written."""
+    import re
+
+    if old == new:
+        return files
+    whole = re.compile(rf"(?<![\w./-]){re.escape(old)}(?![\w.-])")
+    return {name: whole.sub(lambda _: new, text) for name, text in files.items()}
 
 
 def cmd_launch(args) -> int:
@@ -142,7 +157,7 @@ def _ended(name: str, record: dict) -> str:
 def _jobs(args):
     """A Jobs client for --address (or the cluster named by --cluster / the only known one)."""
     from . import state
-    from .jobs import Jobs
+    from .jobs import Jobs, dashboard_from_env
 
     name = args.cluster
     if name is None and not args.address and len(state.known()) == 1:
@@ -154,7 +169,7 @@ def _jobs(args):
                            f"(known: {', '.join(state.known()) or 'none'})")
         if record.get("ended"):
             raise StepFailed(f"asking cluster {name}", _ended(name, record))
-    address = args.address or os.environ.get("RAY_ADDRESS") or (record or {}).get("dashboard")
+    address = args.address or dashboard_from_env() or (record or {}).get("dashboard")
     if not address:
         raise BadInput("--address: no dashboard address given (e.g. --address http://localhost:8265 through "
                        "your port forward), and no single known cluster to use")
@@ -208,6 +223,12 @@ def cmd_status(args) -> int:
         if said is not None:
             print(said)
             return 0
+    if record:  # a cluster's name where a job's was expected: say so, and what to ask instead
+        name, where = args.job, f"{args.job} is a cluster launched from here (on {record.get('provider', '?')}), not a job"
+        if record.get("ended"):
+            raise BadInput(f"JOB: {where}; {_ended(name, record)}")
+        raise BadInput(f"JOB: {where}. Its jobs: rlhf-tasks list --cluster {name}; one job's status: "
+                       f"rlhf-tasks status JOB --cluster {name}")
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(f"JOB: no job {args.job} on this cluster")
@@ -303,14 +324,24 @@ def cmd_env(args) -> int:
         raise StepFailed(f"setting up a shell for {args.name}", _ended(args.name, record))
     if not record.get("dashboard"):
         raise StepFailed(f"setting up a shell for {args.name}", "its dashboard address is not known here; "
-                         "export RAY_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
+                         "export RAY_API_SERVER_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
     token = state.token(args.name)
-    lines = [f"export RAY_ADDRESS={shlex.quote(record['dashboard'])}"]
+    # Ray's job CLI reads RAY_API_SERVER_ADDRESS before RAY_ADDRESS; `ray status` and `ray.init()`
+    # read RAY_ADDRESS as the GCS's host:port.
+    lines = [f"export RAY_API_SERVER_ADDRESS={shlex.quote(record['dashboard'])}"]
+    if record.get("gcs"):
+        lines.append(f"export RAY_ADDRESS={shlex.quote(record['gcs'])}")
+    else:
+        lines.append("unset RAY_ADDRESS")
     if token:
         lines += ["export RAY_AUTH_MODE=token", f"export RAY_AUTH_TOKEN={shlex.quote(token)}"]
     else:
         lines += ["export RAY_AUTH_MODE=disabled", "unset RAY_AUTH_TOKEN"]
     print("\n".join(lines))
+    if not record.get("gcs"):
+        print(f"# {args.name} on {record.get('provider', '?')}: Ray's job CLI (ray job list, logs, submit) works "
+              f"through the dashboard; its GCS is not reachable from here, so RAY_ADDRESS is left unset: run "
+              f"`ray status` and `ray.init()` on the head", file=sys.stderr)
     if sys.stdout.isatty():
         print(f"# use it as: eval \"$(rlhf-tasks env {args.name})\"", file=sys.stderr)
     return 0
@@ -383,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted")
     p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
     p.add_argument("task")
-    p.add_argument("--provider", default="local")
+    p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
@@ -416,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="local port (default: the task's ray.dashboard_port)")
     p.add_argument("--provider")
     p = add("env", cmd_env, "shell lines for Ray's own CLI against a cluster launched from here: "
-            "eval \"$(rlhf-tasks env NAME)\" sets RAY_ADDRESS, RAY_AUTH_MODE and RAY_AUTH_TOKEN")
+            "eval \"$(rlhf-tasks env NAME)\" sets RAY_API_SERVER_ADDRESS (the dashboard, for `ray job`), RAY_ADDRESS (the "
+            "GCS, for `ray status` and `ray.init()`, where it is reachable from here: the local provider), "
+            "RAY_AUTH_MODE and RAY_AUTH_TOKEN")
     p.add_argument("name", metavar="NAME")
     p = add("token", cmd_token, "print the cluster's Ray token (made once, kept with mode 0600) for applying a "
             "rendered file by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)")
@@ -438,15 +471,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """Parse twice for `launch`: first to learn the provider, then with the options it declares."""
+    """For `launch`, the provider's own options first: every provider's for --help, else the
+    chosen provider's (a first look at --provider says which)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args, _ = parser.parse_known_args(argv)
-    if args.command == "launch":
-        from . import providers
-
-        for option in providers.provider_class(args.provider).options:
-            args.launch_parser.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+    if argv[:1] == ["launch"]:
+        _launch_options(parser.get_default("launch_parser"), argv[1:])
     return parser.parse_args(argv)
+
+
+def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> None:
+    """--provider's choices, and the providers' own `launch` options, each group naming its provider."""
+    from . import providers
+
+    names = providers.names()
+    provider = next(action for action in launch_parser._actions if action.dest == "provider")
+    provider.choices = names
+    if "-h" in rest or "--help" in rest:
+        shown = ["local"] + [name for name in names if name != "local"]
+    else:
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--provider", default="local")
+        shown = [name for name in [first.parse_known_args(rest)[0].provider] if name in names]
+    flags: set[str] = set()
+    for name in shown:
+        options = [option for option in providers.provider_class(name).options if option.flag not in flags]
+        if options:
+            group = launch_parser.add_argument_group(f"options of --provider {name}")
+            for option in options:
+                flags.add(option.flag)
+                group.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,7 +520,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = _parse(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a pipe's reader that left early shows here, not at exit
+        return code
+    except BrokenPipeError:
+        if not _reader_left():
+            raise  # a connection's broken pipe, not ours
+        # `rlhf-tasks schema | head`: the reader has what it wanted and left; no traceback, and
+        # nothing left to write at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

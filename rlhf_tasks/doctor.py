@@ -77,7 +77,9 @@ def resolve(target: str, address: str | None, provider_name: str | None) -> Targ
         plan = saved_plan(name)
     if record.get("ended") and not address:
         raise StepFailed(f"checking {name}", f"the cluster ended at {record['ended']}")
-    url = address or record.get("dashboard") or os.environ.get("RAY_ADDRESS")
+    from .jobs import dashboard_from_env
+
+    url = address or record.get("dashboard") or dashboard_from_env()
     if not url:
         raise BadInput("--address: no dashboard address known for this cluster (e.g. --address "
                        "http://localhost:8265 through your port forward)")

@@ -18,6 +18,16 @@ from .plan import Plan
 from .workdir import upload_limit  # noqa: F401 - where callers found it
 
 
+def dashboard_from_env() -> str | None:
+    """The dashboard named by the environment, read as Ray's job CLI reads it:
+    RAY_API_SERVER_ADDRESS first, then RAY_ADDRESS when that is a URL (`rlhf-tasks env` puts the
+    GCS's host:port there, for `ray status` and `ray.init()`)."""
+    import os
+
+    ray_address = os.environ.get("RAY_ADDRESS") or ""
+    return os.environ.get("RAY_API_SERVER_ADDRESS") or (ray_address if "://" in ray_address else None)
+
+
 def working_dir_size(path: str, excludes: list[str]) -> int:
     """Bytes Ray would pack from `path` (workdir.measure: Ray's own traversal and exclude rules)."""
     return workdir.measure(path, excludes).size

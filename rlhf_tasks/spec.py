@@ -182,6 +182,8 @@ PreflightField = Annotated[Preflight, BeforeValidator(_preflight_shorthand), Wit
 
 
 _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
+#: The fields of `job:`, which a task written one indentation short has at the top.
+_JOB_FIELDS = {name for m in JOB_MODELS for name in m.model_fields}
 
 
 class Placement(StrictModel):
@@ -294,7 +296,7 @@ class Task(StrictModel):
     def _cross_checks(self):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
-            raise ValueError(f"env and secrets both define {clash}: a secret's value must not be in the task file")
+            raise _entry_error("env", clash, "also under secrets: a secret's value must not be in the task file")
         stray = [key for key in self.env_not_secret if key not in self.env]
         if stray:
             raise _entry_error("env_not_secret", stray, "not under env (env_not_secret only lets a name under env "
@@ -318,7 +320,7 @@ def _field_path(loc: tuple) -> str:
             continue  # union tags are not field names
         else:
             path += f".{part}" if path else str(part)
-    return path or "(top level)"
+    return path
 
 
 def _unwrap(tp: Any) -> list:
@@ -371,6 +373,8 @@ def _message(err: dict, root: type[BaseModel] = Task) -> tuple[str, str]:
         return "job.recipe", f"missing {did_you_mean('', sorted(_RECIPES))}"
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1], root)
+        if root is Task and len(loc) == 1 and loc[0] in _JOB_FIELDS:
+            return path, f"unknown field here; it belongs under job: (job.{loc[0]}): indent it below `job:`"
         if model is not None:
             names = [f.alias or name for name, f in model.model_fields.items()]
             if len(loc) >= 3 and loc[-2] == "args" and loc[-3] in _RECIPES:
@@ -382,19 +386,40 @@ def _message(err: dict, root: type[BaseModel] = Task) -> tuple[str, str]:
         return path, f"{_yaml_scalar(value)} is {what}; write it as \"{_yaml_scalar(value)}\""
     if kind == "string_type" and err.get("input") is None:
         return path, 'no value; write one in quotes (e.g. "")'
+    none = "no value; " if err.get("input", ...) is None else ""
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        if len(loc) >= 2 and loc[-1] == "args" and loc[-2] in _RECIPES:
+            return path, f"{none}expected a mapping of {loc[-2]}'s arguments (rlhf-tasks recipes lists them)"
+        if loc == ("job",):
+            return path, f"{none}expected a mapping: recipe: NAME and its args: (rlhf-tasks recipes lists them)"
+        model = _model_at(loc, root)
+        fields = f" ({', '.join(f.alias or n for n, f in model.model_fields.items())})" if model else ""
+        return path, f"{none}expected a mapping of fields{fields}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return path, f"{none}expected a whole number"
+    if kind in ("bool_type", "bool_parsing"):
+        return path, f"{none}expected true or false"
+    if kind == "list_type":
+        return path, f"{none}expected a list"
+    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NAME_PATTERN:
+        return path, (f"{err.get('input')!r}: use lowercase letters, digits and dashes (at most 40, beginning and "
+                      f"ending with a letter or digit), e.g. tiny-grpo")
     return path, msg
 
 
 def parse_task(data: Any, source: str = "<task>") -> Task:
     """Validate a task mapping; BadInput lists every problem with its field path."""
+    if data is None:
+        raise BadInput(f"{source}: the file is empty; a task file is a mapping of fields (name, nodes, job, ...)")
     if not isinstance(data, dict):
-        raise BadInput(f"{source}: a task file must be a mapping of fields, got {type(data).__name__}")
+        what = "a list" if isinstance(data, list) else f"the single value {data!r}"
+        raise BadInput(f"{source}: a task file is a mapping of fields (name: ..., nodes: ..., job: ...), not {what}")
     try:
         task = Task.model_validate(data)
         task._source = source
         return task
     except ValidationError as exc:
-        lines = ["  %s: %s" % _message(err) for err in exc.errors()]
+        lines = ["  " + ": ".join(part for part in _message(err) if part) for err in exc.errors()]
         raise BadInput(f"{source}: invalid task\n" + "\n".join(dict.fromkeys(lines))) from None
 
 
@@ -411,7 +436,7 @@ def provider_part(model: type[Part], data: Any, where: str) -> Part:
         problems = []
         for err in exc.errors():
             path, message = _message(err, model)
-            path = where if path == "(top level)" else where + (path if path.startswith("[") else f".{path}")
+            path = where if not path else where + (path if path.startswith("[") else f".{path}")
             problems.append(f"{path}: {message}")
         raise BadInput("; ".join(dict.fromkeys(problems))) from None
 

@@ -122,18 +122,23 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
         shell = cli(tmp_path, cli_env, "env", "auth")
         assert shell.returncode == 0 and "RAY_AUTH_MODE=token" in shell.stdout, shell.stderr
         ray_cli = {k: v for k, v in cli_env.items() if not k.startswith("RAY_")}
-        for command in ("ray job list", f"ray job status {sid}", f"ray job logs {sid}"):
+        init = "python3 -c 'import ray; ray.init(); print(len(ray.nodes()), \"nodes\")'"
+        for command in ("ray job list", f"ray job status {sid}", f"ray job logs {sid}", "ray status", init):
             ours = subprocess.run(["bash", "-c", f'eval "$({sys.executable} -m rlhf_tasks.cli env auth)" && {command}'],
                                   cwd=tmp_path, env=ray_cli, capture_output=True, text=True, timeout=120)
             assert ours.returncode == 0, (command, ours.stdout[-2000:], ours.stderr[-2000:])
-        assert "SUCCEEDED" in ours.stdout or "hello from the working_dir" in ours.stdout
+            if command == init:  # the GCS in RAY_ADDRESS: ray.init() joins the cluster from here
+                assert "2 nodes" in ours.stdout, ours.stdout[-2000:]
+            if command.startswith("ray job logs"):
+                assert "hello from the working_dir" in ours.stdout
 
         # A retried submission finds the first job instead of starting a second one.
         again = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "submit", str(task), "--address",
                                 record["dashboard"]], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                                timeout=60)
         assert again.returncode == 0 and "already on this cluster" in again.stdout, again.stdout + again.stderr
-        assert len(json.loads(urllib.request.urlopen(authed, timeout=10).read())) == 2  # still the job and preflight
+        submitted = [j for j in json.loads(urllib.request.urlopen(authed, timeout=10).read()) if j["type"] == "SUBMISSION"]
+        assert len(submitted) == 2  # still the job and preflight (ray.init() above left a driver's entry too)
 
         logs = "".join(p.read_text() for p in (rlhf_home / "runs" / "auth" / "nodes").glob("*.log"))
         assert token not in out and token not in logs

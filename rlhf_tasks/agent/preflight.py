@@ -221,11 +221,7 @@ class Preflight(object):
                                                               self.nodes[i]["address"]))
         self.nodes = [self.nodes[i] for i in order]
         self.actors = [self.actors[i] for i in order]
-        unique = len({n["hostname"] for n in self.nodes}) == len(self.nodes)
-        for node in self.nodes:
-            name = node["hostname"] if unique else node["address"]
-            node["name"] = name
-            node["label"] = "%s (%s)" % (name, node["address"]) if name != node["address"] else name
+        name_nodes(self.nodes)
         say("%d nodes answered: %s" % (len(self.nodes), ", ".join(n["label"] for n in self.nodes)))
 
     def step_versions(self) -> None:
@@ -569,6 +565,21 @@ class Preflight(object):
                 ray.kill(actor)
             except Exception:
                 pass
+
+
+def name_nodes(nodes: List[dict]) -> None:
+    """Each node's name in the report: its hostname; where hostnames repeat (several nodes on
+    one machine, as the local provider runs them) node<rank>, else its address."""
+    ranks = [node.get("rank") for node in nodes]
+    if len({n["hostname"] for n in nodes}) == len(nodes):
+        names = [n["hostname"] for n in nodes]
+    elif None not in ranks and len(set(ranks)) == len(nodes):
+        names = ["node%s" % rank for rank in ranks]
+    else:
+        names = [n["address"] for n in nodes]
+    for node, name in zip(nodes, names):
+        node["name"] = name
+        node["label"] = "%s (%s)" % (name, node["address"]) if name != node["address"] else name
 
 
 def _rank(node: dict) -> int:

@@ -189,7 +189,8 @@ class LocalProvider(Provider):
         agents = self._start(run_dir, env, list(range(plan.nodes)))
         dashboard = f"http://127.0.0.1:{plan.ray.dashboard_port}"
         record = {"provider": self.name, "cluster_id": plan.cluster_id, "pids": [agents[r] for r in sorted(agents)],
-                  "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir)}
+                  "temp_dir": plan.ray.temp_dir, "dashboard": dashboard, "run_dir": str(run_dir),
+                  "gcs": f"{node_address(plan.cluster_id, 0)}:{plan.ray.port}"}  # reachable here: `rlhf-tasks env`
         state.save(name, record)
 
         def tend() -> list[str]:
@@ -209,6 +210,12 @@ class LocalProvider(Provider):
         return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
                        head_alive=lambda: pid_alive(agents[0]),
                        node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """Nothing to forward: a local cluster's dashboard is on this machine already."""
+        dashboard = (state.load(name) or {}).get("dashboard") or "its recorded address (none is known here)"
+        raise BadInput(f"forward: the local cluster {name} runs on this machine; its dashboard is at {dashboard} "
+                       f"already (for Ray's CLI: eval \"$(rlhf-tasks env {name})\")")
 
     def down(self, name: str) -> str:
         """Stop the cluster now: its Ray and services first, without letting raylets drain

@@ -280,6 +280,16 @@ class SlurmProvider(Provider):
         if not task.image and slurm.mounts:
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
 
+    def shared_storage_warning(self, plan: Plan) -> str | None:
+        """A line for `check` and `render` when checkpoints go to the default /checkpoints/NAME,
+        which the script makes with `mkdir -p` under `set -e` before the nodes start."""
+        if not plan.checkpoint_dir or plan.checkpoint_dir != f"/checkpoints/{plan.name}":
+            return None
+        nodes = f"; the {plan.nodes} nodes must all see it (a shared filesystem) to resume" if plan.nodes > 1 else ""
+        return (f"checkpoints {plan.checkpoint_dir} is the default path: the script makes it with mkdir -p before "
+                f"the nodes start, and the job fails at once where you may not write /checkpoints{nodes}; set "
+                f"checkpoints.path to a directory on the cluster's shared filesystem")
+
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
         slurm = slurm_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them

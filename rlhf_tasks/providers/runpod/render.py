@@ -172,7 +172,8 @@ def start_script(plan: Plan) -> str:
     else:
         lines += [
             "# Pods with Global Networking (the OpenRLHF-M guide's variables), every pod:",
-            "#   RAY_WORKER        unset or 0 on the head, 1 (or another rank > 0) on each worker",
+            "#   RAY_WORKER        unset or 0 on the head; on each worker its own rank, 1 to N-1 (the create",
+            "#                     requests give worker-k RAY_WORKER=k)",
             "#   HEAD_POD_ID       on the workers: the head pod's id (they reach it as <id>.runpod.internal)",
             f"#   EXPECTED_WORKERS  optional: how many workers the head waits for ({plan.nodes - 1} in this plan)",
         ]

@@ -1,0 +1,203 @@
+"""Messages that must be true (issue 20, items 9-17): what the CLI says of itself, of a task
+file's mistakes, of a cluster and of the files it writes is what is so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_tasks import state
+from rlhf_tasks.cli import main
+
+from conftest import ROOT
+
+TINY = str(ROOT / "tasks" / "tiny-grpo.yaml")
+
+
+# ---------------------------------------------------------------- status NAME of a cluster (item 11)
+
+def test_status_of_a_clusters_name_says_it_is_a_cluster_and_what_to_ask(rlhf_home, capsys):
+    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9"})
+    assert main(["status", "tiny-grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
+    assert "rlhf-tasks list --cluster tiny-grpo" in err and "rlhf-tasks status JOB --cluster tiny-grpo" in err
+    assert "no job tiny-grpo" not in err
+
+
+def test_status_of_an_ended_clusters_name_says_how_it_ended(rlhf_home, capsys):
+    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9",
+                             "job": {"submission_id": "tiny-grpo-c1", "status": "SUCCEEDED"},
+                             "ended": "2026-11-24 12:00:00"})
+    assert main(["status", "tiny-grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
+    assert "the cluster ended at 2026-11-24 12:00:00; its job tiny-grpo-c1 ended SUCCEEDED" in err
+
+
+# ---------------------------------------------------------------- render -o (item 12)
+
+def test_render_into_an_existing_directory_writes_each_file_under_its_name(tmp_path, capsys, rlhf_home):
+    out = tmp_path / "rendered"
+    out.mkdir()
+    assert main(["render", TINY, "--provider", "dstack", "-o", str(out)]) == 0
+    assert {"tiny-grpo.dstack.yml", "tiny-grpo-fleet.dstack.yml"} <= {p.name for p in out.iterdir()}
+    assert "type: task" in (out / "tiny-grpo.dstack.yml").read_text()
+    assert f"wrote {out / 'tiny-grpo.dstack.yml'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("provider, old, says", [
+    ("sky", "tiny-grpo.sky.yaml", "sky launch -c tiny-grpo x.out"),
+    ("slurm", "tiny-grpo.sbatch", "sbatch x.out"),
+    ("runpod", "tiny-grpo.runpod.json", "see the args of\n# x.out"),
+    ("local", "start-nodes.sh", "Usage: x.out [RANK ...]"),
+])
+def test_render_under_another_name_names_the_files_written(provider, old, says, tmp_path, capsys, rlhf_home):
+    main_file = tmp_path / "x.out"
+    assert main(["render", TINY, "--provider", provider, "-o", str(main_file)]) == 0
+    written = [main_file, *(p for p in tmp_path.iterdir() if p != main_file and p.is_file())]
+    texts = "".join(p.read_text() for p in written)
+    assert says in texts
+    assert old not in texts
+
+
+# ---------------------------------------------------------------- a pipe's reader that leaves (item 13)
+
+@pytest.mark.parametrize("argv", [["schema"], ["check", TINY], ["recipes"]])
+def test_a_closed_pipe_on_stdout_ends_quietly(argv, tmp_path):
+    """`rlhf-tasks schema | head`: the reader leaves; no traceback, exit 0."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as after `head` has left
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+                              env=dict(os.environ, RLHF_TASKS_HOME=str(tmp_path)))
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
+# ---------------------------------------------------------------- check --provider slurm (item 16)
+
+def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsys, rlhf_home):
+    assert main(["check", TINY, "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: checkpoints /checkpoints/tiny-grpo is the default path" in err, err
+    assert "set checkpoints.path" in err
+    task = tmp_path / "t.yaml"
+    task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": "/shared/ckpt/t"},
+                                "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["check", str(task), "--provider", "slurm"]) == 0
+    assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
+
+
+# ---------------------------------------------------------------- RunPod pods made by hand (item 15)
+
+def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path, rlhf_home):
+    """README, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
+    story = "on each worker its own rank, 1 to N-1 (the create requests give worker-k RAY_WORKER=k)"
+    main_file = tmp_path / "tiny-grpo.runpod.json"
+    assert main(["render", TINY, "--provider", "runpod", "-o", str(main_file)]) == 0
+    requests = json.loads(main_file.read_text())
+    assert [w["env"]["RAY_WORKER"] for w in requests["workers"]] == ["1", "2"]
+    assert requests["head"]["env"]["RAY_WORKER"] == "0"
+    flat = lambda text: " ".join(text.replace("#", " ").replace("`", "").split())  # noqa: E731
+    assert story in flat((tmp_path / "tiny-grpo.start.sh").read_text())
+    assert story in flat((ROOT / "README.md").read_text())
+
+
+# ---------------------------------------------------------------- launch --help (item 9)
+
+def test_launch_help_lists_every_flag_each_providers_own_named(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["launch", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--provider {dstack,kuberay,local,runpod,sky,slurm}" in out
+    for provider, flag in (("local", "--retry N"), ("runpod", "-y"), ("sky", "--managed")):
+        assert f"options of --provider {provider}: {flag} " in out, out
+    assert "--keep" in out
+
+
+def test_launch_help_imports_nothing_heavy():
+    code = ("import sys\nfrom rlhf_tasks.cli import main\ntry:\n    main(['launch', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('ray', 'torch', 'sky', 'dstack', 'runpod', 'httpx')), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- a task file's mistakes in its own words (item 14)
+
+INTERNALS = ("String should match", "instance of", "NoneType", "top level", "Input should be a valid")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "the file is empty; a task file is a mapping of fields"),
+    ("- a\n- b\n", "a task file is a mapping of fields (name: ..., nodes: ..., job: ...), not a list"),
+    ("name: Tiny_GRPO\nnodes: 1\njob: {recipe: tiny-grpo}\n", "name: 'Tiny_GRPO': use lowercase letters, digits and dashes"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\n  args: 3\n", "job.args: expected a mapping of tiny-grpo's arguments"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\n  args:\n", "job.args: no value; expected a mapping of tiny-grpo's"),
+    ("name: t\nnodes: 1\njob:\n  recipe: tiny-grpo\nargs:\n  steps: 3\n", "args: unknown field here; it belongs under job:"),
+    ("name: t\nnodes:\njob: {recipe: tiny-grpo}\n", "nodes: no value; expected a whole number"),
+    ("name: t\nnodes: 1\njob:\n", "job: no value; expected a mapping: recipe: NAME and its args:"),
+    ("name: t\nnodes: 1\nenv: {A: b}\nsecrets: [A]\njob: {recipe: tiny-grpo}\n", "env.A: also under secrets"),
+])
+def test_task_file_errors_are_in_the_task_files_words(text, says, tmp_path, capsys, rlhf_home):
+    task = tmp_path / "t.yaml"
+    task.write_text(text)
+    assert main(["check", str(task)]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert not [word for word in INTERNALS if word in err], err
+
+
+# ---------------------------------------------------------------- rlhf-tasks env NAME (item 10)
+
+def test_env_gives_the_dashboard_to_rays_job_cli_and_the_gcs_where_reachable(rlhf_home, capsys, monkeypatch):
+    state.save("here", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:8265",
+                        "gcs": "127.1.2.1:6379"})
+    state.save("far", {"provider": "dstack", "cluster_id": "far", "dashboard": "http://127.0.0.1:8266"})
+    assert main(["env", "here"]) == 0
+    out = capsys.readouterr().out
+    assert "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265" in out and "export RAY_ADDRESS=127.1.2.1:6379" in out
+    assert main(["env", "far"]) == 0
+    said = capsys.readouterr()
+    assert "export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8266" in said.out and "unset RAY_ADDRESS" in said.out
+    assert "its GCS is not reachable from here" in said.err and "`ray status` and `ray.init()` on the head" in said.err
+    # rlhf-tasks itself, after the eval, asks the dashboard, not the GCS's host:port.
+    from rlhf_tasks.jobs import dashboard_from_env
+
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8265")
+    monkeypatch.setenv("RAY_ADDRESS", "127.1.2.1:6379")
+    assert dashboard_from_env() == "http://127.0.0.1:8265"
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
+    assert dashboard_from_env() is None
+
+
+# ---------------------------------------------------------------- small ones (item 17)
+
+def test_forward_on_a_local_cluster_says_its_dashboard_is_here_already(rlhf_home, capsys):
+    state.save("here", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:8265"})
+    assert main(["forward", "here"]) == 2
+    err = capsys.readouterr().err
+    assert "its dashboard is at http://127.0.0.1:8265 already" in err, err
+    assert "dstack attach" not in err and "ssh -L" not in err
+
+
+def test_preflight_names_nodes_of_one_machine_by_rank():
+    """The local provider's nodes share a hostname: the report names them node0, node1, ... (as
+    README shows), each with its address, not by the address alone."""
+    from rlhf_tasks.agent.preflight import name_nodes
+
+    nodes = [{"hostname": "box", "address": "127.9.9.%d" % (r + 1), "rank": r} for r in range(3)]
+    name_nodes(nodes)
+    assert [n["label"] for n in nodes] == ["node0 (127.9.9.1)", "node1 (127.9.9.2)", "node2 (127.9.9.3)"]
+    apart = [{"hostname": "h%d" % r, "address": "10.0.0.%d" % r, "rank": r} for r in range(2)]
+    name_nodes(apart)
+    assert [n["name"] for n in apart] == ["h0", "h1"]
