@@ -340,3 +340,17 @@ def test_down_while_the_job_runs_says_so_and_the_record_keeps_it(tmp_path, cli_e
     assert record["ended"] and record["job"] == {"submission_id": sid, "status": "STOPPED",
                                                  "how": "stopped by `rlhf-tasks down` while RUNNING"}
     assert no_leftovers(record["cluster_id"])
+
+
+def test_setup_runs_once_where_every_node_shares_the_environment(tmp_path, cli_env):
+    """A setup such as `pip install ...` must not run three times at once into one environment
+    (issue 20, item 5): on the local provider it runs on the head only."""
+    ran = tmp_path / "setup-ran"
+    task = tmp_path / "setup.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "setup", "nodes": 3, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "preflight": "off", "setup": [f"echo ran >> {ran}"],
+        "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}))
+    run = launch([str(task)], tmp_path, cli_env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    assert ran.read_text().splitlines() == ["ran"]

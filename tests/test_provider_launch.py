@@ -239,3 +239,19 @@ def test_each_local_cluster_has_its_own_loopback_addresses():
     assert node_address("00ab12cd", 0) == "127.1.171.1" and node_address("00ab12cd", 2) == "127.1.171.3"
     heads = {node_address(f"{i:02x}{j:02x}0000", 0) for i in range(0, 256, 7) for j in range(0, 256, 5)}
     assert len(heads) > 1500 and not any(h.startswith("127.0.") for h in heads)  # never 127.0.0.1's /24
+
+
+def test_local_setup_runs_once_on_the_head_where_every_node_shares_the_environment():
+    """Every local node is a process of this machine, in one environment: the task's setup
+    (e.g. `pip install ...`) runs once, on the head, not once per node at the same time.
+    The workers wait for the head's beacon, which opens after its setup (issue 20, item 5)."""
+    from rlhf_tasks.providers.local import LocalProvider
+    from rlhf_tasks.spec import parse_task
+
+    task = parse_task({"name": "t", "nodes": 3, "setup": ["pip install numpy"],
+                       "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    provider = LocalProvider()
+    script = provider.render(provider.plan(task))["start-nodes.sh"]
+    lines = {rank: next(line for line in script.splitlines() if line.strip().startswith(f"{rank})")) for rank in range(3)}
+    assert "--skip-setup" not in lines[0]
+    assert all("--skip-setup" in lines[rank] for rank in (1, 2))

@@ -135,7 +135,8 @@ class LocalProvider(Provider):
                  f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
                  "# per cluster). Usage: start-nodes.sh [RANK ...] (default: every node); appends",
                  "# 'RANK PID' lines to pids. The launcher runs it again for one rank to replace a node",
-                 "# agent that died, as a cloud provider replaces a machine.",
+                 "# agent that died, as a cloud provider replaces a machine. Every node shares this",
+                 "# machine's environment, so the task's setup runs once, on the head (the others skip it).",
                  "set -euo pipefail",
                  f"mkdir -p {shlex.quote(str(logs))} {shlex.quote(plan.ray.temp_dir + '/tmp')}",
                  "start_node() {",
@@ -145,6 +146,8 @@ class LocalProvider(Provider):
                         NODE_ADDR: node_address(plan.cluster_id, rank),
                         "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
             argv = ["setsid", sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan_path), "--log-dir", str(logs)]
+            if rank:  # one environment for every node: setup runs once, on the head, before its beacon opens
+                argv.append("--skip-setup")
             lines.append(f"    {rank}) " + " ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)
                          + f" >> {shlex.quote(str(logs / f'node-{rank}.log'))} 2>&1 < /dev/null & ;;")
         lines += ['    *) echo "no node of rank $1" >&2; exit 2 ;;', "  esac",
