@@ -168,7 +168,7 @@ def test_rendered_files_hold_no_secret_values(provider_name, monkeypatch):
             assert "wandb-secret-value" not in text and "ray-secret-value" not in text
 
 
-@pytest.mark.parametrize("provider_name", ["dstack", "sky", "slurm"])
+@pytest.mark.parametrize("provider_name", ["dstack", "sky", "slurm", "kuberay"])
 def test_golden_files_are_current(provider_name):
     directory = GOLDEN[provider_name]
     expected = {}
