@@ -192,15 +192,20 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
 
 
 def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
+    """Also: a setup such as `pip install ...` must not run once per node at the same time into the
+    one environment the local nodes share; it runs on the head only (issue 20, item 5)."""
+    ran = tmp_path / "setup-ran"
     task = tmp_path / "failing.yaml"
     task.write_text(yaml.safe_dump({
         "name": "failing", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "setup": [f"echo ran >> {ran}"],
         "job": {"recipe": "command", "working_dir": None, "max_restarts": 0,  # restarts have their own tests
                 "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
     run = launch([str(task)], tmp_path, cli_env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "failed: running job failing-" in run.stderr and "ended FAILED" in run.stderr
     assert "stopped local cluster failing" in run.stdout  # torn down after a failure too
+    assert ran.read_text().splitlines() == ["ran"]
 
 
 def _lose_node(rlhf_home: Path, name: str, rank: int) -> None:
@@ -341,16 +346,3 @@ def test_down_while_the_job_runs_says_so_and_the_record_keeps_it(tmp_path, cli_e
                                                  "how": "stopped by `rlhf-tasks down` while RUNNING"}
     assert no_leftovers(record["cluster_id"])
 
-
-def test_setup_runs_once_where_every_node_shares_the_environment(tmp_path, cli_env):
-    """A setup such as `pip install ...` must not run three times at once into one environment
-    (issue 20, item 5): on the local provider it runs on the head only."""
-    ran = tmp_path / "setup-ran"
-    task = tmp_path / "setup.yaml"
-    task.write_text(yaml.safe_dump({
-        "name": "setup", "nodes": 3, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
-        "preflight": "off", "setup": [f"echo ran >> {ran}"],
-        "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}))
-    run = launch([str(task)], tmp_path, cli_env)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    assert ran.read_text().splitlines() == ["ran"]
