@@ -72,12 +72,7 @@ class Jobs:
 
     def list(self) -> list[dict]:
         """Every job on the cluster, as Ray's REST API gives them (dicts)."""
-        def jobs():
-            status, body = http_request(f"{self.address}/api/jobs/", headers=auth_headers(self.token), timeout=10.0)
-            if status != 200:
-                raise OSError(f"HTTP {status}: {body.decode('utf-8', 'replace')[:500]}")
-            return json.loads(body)
-        return self._ask("listing jobs", jobs)
+        return self._ask("listing jobs", self.api.jobs)
 
     def submit(self, plan: Plan, submission_id: str, head_addr: str, env: dict[str, str]) -> bool:
         """Submit the plan's job once: False when a job with this id is already there (a

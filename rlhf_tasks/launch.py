@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, alive_nodes, auth_headers,
-                             cluster_check, head_address, http_check, http_request, is_submission_of,
-                             next_submission_id, parse_result, preflight_submission_id, started_job,
-                             submission_id, wait_for)
+from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes,
+                             cluster_check, head_address, http_check, is_submission_of, next_submission_id,
+                             parse_result, preflight_submission_id, started_job, submission_id, wait_for)
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
@@ -214,15 +213,14 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
     log (the table, or the reasons). With `submit: client` the job is submitted after it;
     with `submit: head` the head's job is already submitted, behind a gate that opens now."""
     sid = preflight_submission_id(cluster.cluster_id)
-    jobs_url = f"{cluster.dashboard}/api/jobs/"
+    api = DashboardJobs(cluster.dashboard, cluster.token)
 
     def check():
         try:
-            status, body = http_request(jobs_url, headers=auth_headers(cluster.token))
+            jobs = api.jobs()
         except OSError as exc:
             return False, str(exc)
-        ours = [job for job in (json.loads(body) if status == 200 else [])
-                if (job.get("submission_id") or "").startswith(sid)]
+        ours = [job for job in jobs if (job.get("submission_id") or "").startswith(sid)]
         state = ours[-1]["status"] if ours else "not submitted yet"
         return state in TERMINAL_JOB_STATES, state
 
@@ -236,10 +234,10 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
 def head_submission(dashboard: str, token: str | None, name: str):
     """A wait_for check: the id of the job the head agent submitted (see agent.protocol.submission_id)."""
     try:
-        status, body = http_request(dashboard + "/api/jobs/", headers=auth_headers(token))
+        jobs = DashboardJobs(dashboard, token).jobs()
     except OSError as exc:
         return False, str(exc)
-    ids = [job.get("submission_id") or "" for job in (json.loads(body) if status == 200 else [])]
+    ids = [job.get("submission_id") or "" for job in jobs]
     ours = [sid for sid in ids if is_submission_of(name, sid)]
     return (True, ours[-1]) if ours else (False, "not submitted yet")
 

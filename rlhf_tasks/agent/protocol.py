@@ -218,6 +218,13 @@ class DashboardJobs(object):
     def __init__(self, dashboard: str, token: Optional[str]):
         self.dashboard, self.token = dashboard, token
 
+    def jobs(self) -> List[dict]:
+        """Every job on the cluster (submission_id, status, entrypoint, ...), as the API gives them."""
+        status, body = http_request(self.dashboard + "/api/jobs/", headers=auth_headers(self.token), timeout=10.0)
+        if status != 200:
+            raise OSError("HTTP %d listing jobs: %s" % (status, body.decode("utf-8", "replace")[:500]))
+        return json.loads(body)
+
     def status(self, sid: str) -> Optional[str]:
         """The job's status, or None when no such job exists."""
         status, body = http_request("%s/api/jobs/%s" % (self.dashboard, sid), headers=auth_headers(self.token))
