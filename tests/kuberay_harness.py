@@ -365,6 +365,43 @@ _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sy
 # --------------------------------------------------------------------------- the kubelet's part
 
 
+class _Booter(object):
+    """Boots testbed hosts again from one thread that lives as long as the test process: a host's
+    init dies with the thread that started it (PR_SET_PDEATHSIG), and the controller's thread
+    ends with the controller, while the testbed (module-scoped, say) may outlive it."""
+
+    _lock = threading.Lock()
+    _thread = None
+    _requests: list = []
+    _wake = threading.Condition(_lock)
+
+    @classmethod
+    def reboot(cls, tb, host: int) -> None:
+        done, box = threading.Event(), {}
+        with cls._lock:
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._serve, name="kuberay-harness-booter", daemon=True)
+                cls._thread.start()
+            cls._requests.append((tb, host, done, box))
+            cls._wake.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            with cls._lock:
+                while not cls._requests:
+                    cls._wake.wait()
+                tb, host, done, box = cls._requests.pop(0)
+            try:
+                tb.reboot(host)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            done.set()
+
+
 class ContainerRun:
     """One container of a pod: its process on the pod's host and its state as the kubelet reports it."""
 
@@ -689,7 +726,7 @@ class PodRun:
             return
         self.deleted = True
         self.events["deleted"] = time.time()
-        self.ctrl.tb.reboot(self.host)
+        _Booter.reboot(self.ctrl.tb, self.host)
         try:
             (self.ctrl.dir / "pods" / self.ns / ("%s.json" % self.name)).unlink()
         except FileNotFoundError:
@@ -724,6 +761,7 @@ class JobRun:
         self.poll_proc, self.next_poll = None, 0.0
         self.ended = None
         self.torn_down = False
+        self.history: list[tuple[float, str]] = []  # (when, jobDeploymentStatus) as it changed
         cspec = spec["rayClusterSpec"]
         if (cspec.get("authOptions") or {}).get("mode") == "token":  # rcc.go createAuthSecret
             self.token = base64.b64encode(secrets.token_bytes(32)).decode()
@@ -764,6 +802,9 @@ class JobRun:
         return next((p for p in self.live() if p.slot == 0), None)
 
     def write_status(self) -> None:
+        state = self.status["jobDeploymentStatus"]
+        if not self.history or self.history[-1][1] != state:
+            self.history.append((time.time(), state))
         write_json(self.ctrl.dir / "status" / self.ns / "rayjob" / ("%s.json" % self.name), self.status)
 
     def fail(self, reason: str, message: str) -> None:
@@ -909,6 +950,7 @@ class KubeRayController:
         self.notes.append((time.time(), message))
 
     def script(self, name: str, source: str) -> Path:
+        (self.dir / "probes").mkdir(parents=True, exist_ok=True)  # where the probes' output goes
         path = self.dir / "bin" / ("%s.py" % name)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -1034,19 +1076,19 @@ class KubeRayController:
 
     def wait_status(self, rayjob: str, predicate: Callable[[dict], bool], timeout: float,
                     ns: str = "default") -> dict:
-        """The RayJob's status once `predicate(status)` holds; TimeoutError naming the last one."""
-        def check():
+        """The RayJob's status once `predicate(status)` holds; TimeoutError naming the last one
+        (RuntimeError at once if the harness itself failed)."""
+        deadline = time.monotonic() + timeout
+        while True:
             if self.error is not None:
                 raise RuntimeError("the KubeRay harness failed: %r" % self.error) from self.error
             status = self.status(rayjob, ns)
-            return status if status and predicate(status) else None
-        try:
-            return tbmod.poll(check, timeout, "RayJob %s's status" % rayjob, 0.2)
-        except TimeoutError as exc:
-            if self.error is not None:
-                raise RuntimeError("the KubeRay harness failed: %r" % self.error) from self.error
-            raise TimeoutError("%s; last status %s; harness notes %s" % (exc, self.status(rayjob, ns),
-                                                                       self.notes[-10:])) from None
+            if status and predicate(status):
+                return status
+            if time.monotonic() >= deadline:
+                raise TimeoutError("RayJob %s: no status as expected after %.0fs; last %s; harness notes %s"
+                                   % (rayjob, timeout, status, self.notes[-10:]))
+            time.sleep(0.2)
 
     def describe(self, ns: str = "default") -> str:
         """Every pod's phase and containers, and the tail of each container's log (for a failing test's message)."""

@@ -216,6 +216,9 @@ def test_tiny_grpo_on_kuberay_pods_late_and_lost_workers(testbed3, tmp_path):
         joined = ctrl.line_seen(late.name, "ray-worker", "Ray runtime started")
         command = ctrl.line_seen(head.name, "ray-job-submitter", "its command runs now")
         assert joined and command and command >= joined - 0.5, (joined, command, submitter[-3000:])
+        # the RayJob: Initializing until every pod was Ready (the late one too), then Running, then Complete
+        assert [state for _, state in job.history] == ["Initializing", "Running", "Complete"]
+        assert job.history[1][0] >= late.events["ready"]
         # the operator's Secret carries the token; no pod's log shows it
         token = ctrl.object_value("default", "secret", final["rayClusterName"], "auth_token")
         assert token and all(token not in ctrl.log(p["metadata"]["name"], c["name"])
