@@ -225,3 +225,7 @@ def test_tiny_grpo_on_kuberay_pods_late_and_lost_workers(testbed3, tmp_path):
                              for p in ctrl.pods() for c in p["spec"]["containers"])
         pods = ctrl.pods()
         assert len(pods) == 3 and {p["status"]["phase"] for p in pods} == {"Running"}
+        # `kubectl delete rayjob`: the cluster's pods stop and their files go, the status too
+        ctrl.delete("rayjob", "tiny")
+        tbmod.poll(lambda: not ctrl.pods() and ctrl.status("tiny") is None, 60, "the RayJob's pods to go")
+        assert not tb.processes(1) and not tb.processes(2)
