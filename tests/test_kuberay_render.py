@@ -101,7 +101,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     for group in [cluster["headGroupSpec"], *workers]:
         (container,) = group["template"]["spec"]["containers"]
         assert "ray start" not in container["args"][0]  # KubeRay appends its own
-        assert container["args"][0].endswith(f"--before-ray {RAY_ENV_FILE} && . {RAY_ENV_FILE}")
+        assert container["args"][0].endswith(f"--before-ray {RAY_ENV_FILE} && . {RAY_ENV_FILE} || exit")
         assert container["image"] == (plan.image or "rayproject/ray:2.52.0")
         assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] \
             >= plan.wait.head_s

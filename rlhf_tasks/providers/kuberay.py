@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import shlex
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -301,8 +302,10 @@ class KubeRayProvider(Provider):
         container: dict = {
             "name": "ray-head" if head else "ray-worker",
             "image": image,
-            # KubeRay runs this, then (`&&`) its own `ray start`, in one shell.
-            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE) + f" && . {RAY_ENV_FILE}"],
+            # KubeRay runs this, then its own `ray start`, in one shell: `OURS && ulimit ...; ray start ...`.
+            # `;` binds looser than `&&`, so a failure here must end the shell itself (`|| exit`), or Ray
+            # would start (and the node join) without its setup and environment.
+            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE) + f" && . {RAY_ENV_FILE} || exit"],
             "env": env,
             "volumeMounts": mounts,
             "startupProbe": self.startup_probe(plan, head),
@@ -373,7 +376,9 @@ class KubeRayProvider(Provider):
                 "groupName": WORKER_GROUP, "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
                 "rayStartParams": self.ray_start_params(plan, False),
                 "template": self.pod_template(plan, options, False, files)}]
-        entrypoint = self.agent_shell(plan, "--ray-started", "--skip-setup")
+        # KubeRay pastes the entrypoint unquoted into the submitter's `bash -c` line: one quoted `bash -c`
+        # word keeps our `&&` and `${PYTHONPATH...}` for the job's shell (Ray's CLI joins the words back).
+        entrypoint = shlex.join(["bash", "-c", self.agent_shell(plan, "--ray-started", "--skip-setup")])
         spec: dict = {
             "entrypoint": entrypoint,
             "submissionMode": "SidecarMode",
