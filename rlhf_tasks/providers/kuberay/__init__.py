@@ -165,7 +165,10 @@ class KubeRayProvider(KubeRayRender):
             def tend_and_token() -> list[str]:  # the operator's token Secret exists once the cluster does
                 lines = tend()
                 if made.token is None and watch.head() is not None:
-                    made.token = self._token(kube, plan.name, cluster)
+                    try:
+                        made.token = self._token(kube, plan.name, cluster)
+                    except StepFailed:
+                        pass  # asked again at the next wait
                 return lines
             made.tend = tend_and_token
         keep = plan.keep_cluster

@@ -205,15 +205,23 @@ class Watch:
         self.slots: dict[str, int] = {}  # worker pod -> its node-K.log
         self.head_seen = self.runner_seen = False
         self.ended_at: float | None = None
+        self.error: str | None = None
 
     # ------------------------------------------------------------------ asking kubectl
 
     def refresh(self, force: bool = False) -> None:
+        """Ask again (unless asked just now); when kubectl fails, the last answer stands and the
+        failure is said once (a passing API hiccup is no reason to give up on the job)."""
         if not force and time.monotonic() - self.asked < REFRESH_S:
             return
         self.asked = time.monotonic()
-        self.rayjob = self.kube.get("rayjob", self.name)
-        self.pods = {p["metadata"]["name"]: p for p in self.kube.pods(f"ray.io/cluster={self.cluster}")}
+        try:
+            rayjob = self.kube.get("rayjob", self.name)
+            pods = {p["metadata"]["name"]: p for p in self.kube.pods(f"ray.io/cluster={self.cluster}")}
+        except (StepFailed, ValueError) as exc:
+            self.error = f"kubectl did not answer: {exc}"
+            return
+        self.rayjob, self.pods, self.error = rayjob, pods, None
         for name, pod in sorted(self.pods.items()):
             self._follow(name, pod)
 
@@ -253,9 +261,11 @@ class Watch:
         self.refresh()
         self.failed_before_start()
         now = {"rayjob": rayjob_words(self.rayjob, self.name)}
+        if self.error:
+            now["error"] = self.error
         now.update({f"pod {n}": f"pod {n} ({role(p)}): {pod_words(p)}" for n, p in self.pods.items()})
         lines = [words for key, words in now.items() if self.shown.get(key) != words]
-        lines += [f"{key} is gone" for key in self.shown if key not in now]
+        lines += [f"{key} is gone" for key in self.shown if key not in now and key != "error"]
         self.shown = now
         if self.forward is not None and (self.head() or {}).get("status", {}).get("phase") == "Running":
             lines += self.forward.keep()
@@ -294,10 +304,9 @@ class Watch:
         return stream is not None and stream.running and time.monotonic() - self.ended_at < DRAIN_S
 
     def describe(self) -> list[str]:
-        try:
-            self.refresh(force=True)
-        except StepFailed as exc:
-            return [f"RayJob {self.name}: kubectl did not answer ({exc})"]
+        self.refresh(force=True)
+        if self.error:
+            return [f"RayJob {self.name}: {self.error}"]
         lines = [rayjob_words(self.rayjob, self.name) + f" in namespace {self.kube.namespace} "
                  f"(context {self.kube.context})"]
         phases: dict[str, int] = {}
