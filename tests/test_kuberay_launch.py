@@ -276,6 +276,36 @@ def test_context_and_namespace_reach_every_kubectl_call(kube, tmp_path, capsys):
     assert "--namespace: 'Bad_NS' is not a DNS label" in capsys.readouterr().err
 
 
+def test_ctrl_c_while_the_pods_are_pending_deletes_what_the_launch_applied(kube, tmp_path):
+    """Ctrl-C before the job's command starts cancels the launch: `down`, which deletes the
+    objects and waits until the operator has removed the pods."""
+    import signal
+
+    def pods_go(root):
+        for path in (root / "pods" / "default").glob("*.json"):
+            path.unlink()
+
+    env = dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    gone = lambda root: not applied(root) and asked(root, "delete") > 0  # noqa: E731
+    with Operator(kube, [(applied, initializing), (gone, pods_go)]):
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", task_file(tmp_path), "--provider",
+                                 "kuberay"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if UNSCHEDULABLE in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    said = "".join(seen) + rest
+    assert proc.returncode == 130, said
+    assert "interrupted before the job's command started: stopping the cluster kr" in said
+    assert "kr: deleted rayjob kr, configmap kr-rlhf-tasks, secret kr-secrets" in said
+    assert f"the pods of {CLUSTER} are gone" in said
+    assert not any((kube / "objects").rglob("*.json")) and not any((kube / "pods").rglob("*.json"))
+
+
 # ------------------------------------------------------------------ status, down
 
 
@@ -396,11 +426,15 @@ def test_launch_status_down_through_kubectl_on_the_harness(harness, testbed3, tm
         argvs = [c["argv"] for c in calls(root)]
         assert ["kubectl", "--context", "standin", "-n", "default", "apply", "-f", "-"] in argvs
         status = run_cli(["status", "tiny-grpo"], env)
+        (tmp_path / "status.out").write_text(status.stdout + status.stderr)
         assert status.returncode == 0, status.stderr
         assert "jobStatus SUCCEEDED" in status.stdout and "(head)" in status.stdout
         down = run_cli(["down", "tiny-grpo"], env)
+        (tmp_path / "down.out").write_text(down.stdout + down.stderr)
         assert down.returncode == 0, down.stdout + down.stderr
         assert "deleted rayjob tiny-grpo, configmap tiny-grpo-rlhf-tasks" in down.stdout
-        assert not any((root / "objects").rglob("*.json")) and not any((root / "pods").rglob("*.json"))
+        # What launch applied is gone (the operator's token Secret goes with its RayCluster), and the pods.
+        assert not [p for kind in ("rayjob", "configmap") for p in (root / "objects" / "default" / kind).glob("*.json")]
+        assert not any((root / "pods").rglob("*.json")) and "pods of tiny-grpo-" in down.stdout
     for host in range(3):
         assert testbed3.processes(host) == []
