@@ -380,6 +380,36 @@ def test_forward_runs_kubectl_port_forward_to_the_head_service(kube, rlhf_home, 
                            "18265:8265"]
 
 
+def test_the_standins_port_forward_relays_to_the_head_pods_ip(kube):
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    remote = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"hello " + conn.recv(100))
+    threading.Thread(target=echo, daemon=True).start()
+    running(kube)
+    with open(kube / "pods" / "default" / f"{HEAD}.json") as handle:
+        data = json.load(handle)
+    data["status"]["podIP"] = "127.0.0.1"  # the head pod's address, as the kubelet reports it
+    write_pod(kube, data)
+    local = kuberay_cluster.free_port()
+    proc = subprocess.Popen(["kubectl", "port-forward", f"svc/{CLUSTER}-head-svc", f"{local}:{remote}"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"Forwarding from 127.0.0.1:{local} -> {remote}"
+        with socket.create_connection(("127.0.0.1", local), timeout=10) as sock:
+            sock.sendall(b"there")
+            assert sock.recv(100) == b"hello there"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        server.close()
+
+
 def test_the_standin_refuses_what_it_does_not_implement(kube):
     out = subprocess.run(["kubectl", "get", "rayjob", "kr", "-o", "yaml"], capture_output=True, text=True)
     assert out.returncode == 1 and "-o json" in out.stderr
