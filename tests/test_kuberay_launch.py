@@ -380,6 +380,29 @@ def test_forward_runs_kubectl_port_forward_to_the_head_service(kube, rlhf_home, 
                            "18265:8265"]
 
 
+def test_a_pods_progress_names_what_holds_it():
+    spec_image = {"spec": {"containers": [{"name": "ray-worker", "image": "verlai/verl:ngc"}], "initContainers": []}}
+
+    def words(phase, containers, conditions=()):
+        data = pod("p", CLUSTER, False, phase, containers=containers, conditions=list(conditions))
+        data["spec"] = spec_image["spec"]
+        return kuberay_cluster.pod_words(data)
+
+    assert words("Pending", {"ray-worker": {"waiting": {"reason": "ContainerCreating"}}}) == \
+        "Pending (ray-worker ContainerCreating (image verlai/verl:ngc))"
+    assert words("Pending", {"ray-worker": {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}}) \
+        == "Pending (ray-worker ErrImagePull: manifest unknown (image verlai/verl:ngc))"
+    assert words("Pending", {"ray-worker": {"waiting": {"reason": "CreateContainerConfigError", "message":
+                                                        "secret \"kr-secrets\" not found"}}}) == \
+        'Pending (ray-worker CreateContainerConfigError: secret "kr-secrets" not found)'
+    assert words("Pending", {}, [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                  "message": UNSCHEDULABLE}]) == f"Pending (not scheduled: Unschedulable: {UNSCHEDULABLE})"
+    crashed = pod("p", CLUSTER, False, "Running", containers={"ray-worker": {"running": {}}},
+                  conditions=[{"type": "Ready", "status": "False"}])
+    crashed["status"]["containerStatuses"][0]["restartCount"] = 3
+    assert kuberay_cluster.pod_words(crashed) == "Running (ray-worker restarted 3x; not Ready yet)"
+
+
 def test_the_standins_port_forward_relays_to_the_head_pods_ip(kube):
     import socket
 

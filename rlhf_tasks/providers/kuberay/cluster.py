@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ...agent.protocol import started_job
+from ...agent.protocol import RESULT_PREFIX, started_job
 from ...errors import StepFailed
 from ...plan import Plan
 from ..base import Cluster
@@ -123,10 +123,15 @@ def rayjob_words(rayjob: dict | None, name: str) -> str:
 class LogStream:
     """One container's log appended to a file by `kubectl logs -f` in a thread. When kubectl's
     stream ends before the container has, it is asked again and what was already written is
-    skipped (kubectl prints a container's log from its beginning)."""
+    skipped (kubectl prints a container's log from its beginning). `to_result`: the stream ends
+    at the agent's result line (a Ray container's `--before-ray` role: what follows is KubeRay's
+    `ray start`, which the launcher does not show), so that a big cluster's follow holds one
+    kubectl per pod only while its pod comes up."""
 
-    def __init__(self, kube: Kubectl, pod: str, container: str, path: Path, ended: Callable[[], bool]):
+    def __init__(self, kube: Kubectl, pod: str, container: str, path: Path, ended: Callable[[], bool],
+                 to_result: bool = False):
         self.kube, self.pod, self.container, self.path, self.ended = kube, pod, container, path, ended
+        self.to_result = to_result
         self.stop = threading.Event()
         self.proc: subprocess.Popen | None = None
         self.thread = threading.Thread(target=self._run, name=f"kubectl-logs-{pod}-{container}", daemon=True)
@@ -145,6 +150,10 @@ class LogStream:
                         out.write(line[max(0, len(line) - (read - seen)):])
                         out.flush()
                         seen = read
+                    if self.to_result and RESULT_PREFIX.encode() in line:
+                        self.proc.terminate()
+                        self.proc.wait()
+                        return
             self.proc.wait()
             if self.ended() or self.stop.wait(1.0):
                 return
@@ -244,7 +253,8 @@ class Watch:
         for container, file in files.items():
             if container and (name, container) not in self.streams and started(states.get(container)):
                 self.streams[(name, container)] = LogStream(self.kube, name, container, self.logs / file,
-                                                            self._ended(name, container))
+                                                            self._ended(name, container),
+                                                            to_result=container not in (SUBMITTER, PREPARE))
                 if container == SUBMITTER:
                     self.runner_seen = True
 
