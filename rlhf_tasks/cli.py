@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
                    "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
-                                   "from here, on providers that report it: runpod, slurm)"), ("logs", cmd_logs, "a job's logs"),
+                                   "from here, on providers that report it: runpod, slurm, kuberay)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
         p.add_argument("job", metavar="JOB")
@@ -442,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TASK.yaml|NAME")
     p.add_argument("--provider")
     p = add("forward", cmd_forward, "forward the head's dashboard to 127.0.0.1:PORT through the provider's tunnel "
-            "(RunPod: ssh to the head pod), for submit, logs, Ray's CLI and a browser; until Ctrl-C")
+            "(RunPod: ssh to the head pod; KubeRay: kubectl port-forward), for submit, logs, Ray's CLI and a browser; "
+            "until Ctrl-C")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--port", type=int, help="local port (default: the task's ray.dashboard_port)")
     p.add_argument("--provider")

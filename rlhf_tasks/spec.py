@@ -199,7 +199,7 @@ class Placement(StrictModel):
         "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
     kuberay: dict[str, Any] = Field({}, description=(
-        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay.py): namespace, "
+        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
         "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
 
 

@@ -266,13 +266,6 @@ def test_what_kuberay_cannot_do_is_refused_naming_the_field(change, field):
         render(data)
 
 
-def test_launch_says_not_yet():
-    provider = providers.get("kuberay")
-    plan = provider.plan(parse_task(FULL))
-    with pytest.raises(BadInput, match="not yet"):
-        provider.apply(plan, {})
-
-
 # --- the contract and the agent's attached roles ---------------------------------------------
 
 def pod_env(rayjob: dict, head: bool, **operator) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""KubeRay: one file for `kubectl apply -f`: a ConfigMap with the node agent and the plan, and
+"""KubeRay's pure half (the package's `__init__` adds `launch`, `status`, `down` through kubectl):
+one file for `kubectl apply -f`: a ConfigMap with the node agent and the plan, and
 a RayJob (`ray.io/v1`) whose cluster has a head group and one worker group of nodes - 1.
 
 KubeRay forms the cluster: its own `ray start` in every pod, its `wait-gcs-ready` init
@@ -37,13 +38,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..errors import BadInput
-from ..models import Duration, StrictModel, size_bytes
-from ..plan import Contract, Plan, env, gpu_vendor
-from ..recipes.base import Shape
-from ..spec import Placement, Task, provider_part
-from .base import Cluster, Provider
-from .shipping import AGENT, LIB, NODE_DIR, dump_yaml, module_files, shared_entry
+from ...errors import BadInput
+from ...models import Duration, StrictModel, size_bytes
+from ...plan import Contract, Plan, env, gpu_vendor
+from ...recipes.base import Shape
+from ...spec import Placement, Task, provider_part
+from ..base import Provider
+from ..shipping import AGENT, LIB, NODE_DIR, dump_yaml, module_files, shared_entry
 
 RANK_ENV, POD_IP_ENV, WORKERS_ENV = "RLHF_TASKS_RANK", "RLHF_TASKS_POD_IP", "RLHF_TASKS_WORKER_REPLICAS"
 WORKER_GROUP = "workers"
@@ -150,7 +151,9 @@ def configmap_key(path: str) -> str:
     return path.replace("/", ".")
 
 
-class KubeRayProvider(Provider):
+class KubeRayRender(Provider):
+    """The provider's pure part: options, checks, plan, render."""
+
     name = "kuberay"
     contract = Contract(
         rank=env(RANK_ENV),
@@ -407,12 +410,3 @@ class KubeRayProvider(Provider):
                   f"-c ray-job-submitter\n")
         text = dump_yaml(configmap, header) + "---\n" + dump_yaml(rayjob)
         return {f"{plan.name}.rayjob.yaml": text}
-
-    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
-        raise BadInput("launch --provider kuberay: not yet; render it and apply it yourself: "
-                       f"rlhf-tasks render TASK --provider kuberay -o {plan.name}.rayjob.yaml && "
-                       f"kubectl apply -f {plan.name}.rayjob.yaml")
-
-    def down(self, name: str) -> str:
-        raise BadInput(f"down --provider kuberay: not yet; kubectl delete rayjob {name} && "
-                       f"kubectl delete configmap {name}-rlhf-tasks")

@@ -1,0 +1,278 @@
+"""KubeRay: a RayJob that `kubectl apply -f` runs (`render.py`, pure), and `launch`, `status`,
+`down`, `forward` through the user's own kubectl (`kubectl.py`; the handle the launcher follows
+is `cluster.py`'s).
+
+`launch` pins the kubeconfig context and namespace (`--context`, `--namespace`, else the
+kubeconfig's), checks that KubeRay's CRDs are there, refuses a RayJob of the same name that
+already exists, and applies: first, unless `placement.kuberay.secret` names a Secret of the
+user's, the Secret `<name>-secrets` made from the launcher's environment (server-side apply, the
+values on kubectl's stdin only), then exactly what `render` prints (`kubectl apply -f -`). It
+waits for the operator to name the RayJob's cluster, then hands the launcher the pods' logs and
+progress. What fails before the job runner starts (and, unless --keep, a launch whose job never
+ran) deletes what the launch applied; Ctrl-C before the job's command starts is the launcher's
+`down`. KubeRay deletes the cluster itself `ttl_after_finished` after the job
+(`shutdownAfterJobFinishes`); `down` deletes the RayJob, the ConfigMap and the Secret it made.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+from typing import Any
+
+from ... import state
+from ...agent.protocol import AgentError, wait_for
+from ...console import say
+from ...errors import BadInput, StepFailed
+from ...plan import Plan
+from ...spec import Task
+from ..base import Cluster, Option, write_files
+from . import cluster as watching
+from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
+from .render import (AGENT_PORT, CONFIGMAP_LIMIT, GPU_RESOURCE, POD_IP_ENV, PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE,
+                     SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV, KubeRayPlacement, KubeRayRender,
+                     KubeRayShared, Toleration, _dns, configmap_key, kuberay_placement)
+
+#: How long the operator may take to give a new RayJob its cluster's name.
+OPERATOR_S = 120.0
+
+
+class Undo:
+    """Deletes what one launch applied, once (its failure before the job, or a job that never
+    ran); what it did, in words. The record of the cluster is marked ended."""
+
+    def __init__(self, kube: Kubectl, name: str, objects: list):
+        self.kube, self.name, self.objects = kube, name, [tuple(o) for o in objects]
+        self.done: str | None = None
+
+    def __call__(self) -> str:
+        if self.done is None:
+            try:
+                self.kube.delete(self.objects)
+                self.done = "deleted " + ", ".join(f"{kind} {n}" for kind, n in self.objects)
+                state.end(self.name)
+            except StepFailed as exc:
+                self.done = f"could not delete what it applied ({exc}); rlhf-tasks down {self.name}"
+        return self.done
+
+
+class KubeRayProvider(KubeRayRender):
+    options = (Option("--context", "the kubeconfig context to launch in (default: its current one)",
+                      {"metavar": "CONTEXT"}),
+               Option("--namespace", "the namespace (default: placement.kuberay.namespace, else the context's)",
+                      {"metavar": "NAMESPACE"}))
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self._kube: Kubectl | None = None
+        self._undo: dict[str, Any] = {}
+
+    def plan(self, task: Task) -> Plan:
+        """The plan, with `--namespace` as the rendered objects' namespace."""
+        plan = super().plan(task)
+        chosen = self.chosen.get("namespace")
+        if not chosen:
+            return plan
+        try:
+            _dns(chosen)
+        except ValueError as exc:
+            raise BadInput(f"--namespace: {exc}") from None
+        named = plan.placement.kuberay.get("namespace")
+        if named not in (None, chosen):
+            raise BadInput(f"--namespace: {chosen} is not the task's placement.kuberay.namespace ({named})")
+        options = {**plan.placement.kuberay, "namespace": chosen}
+        return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
+
+    # ------------------------------------------------------------------ launch
+
+    def ready(self, plan: Plan) -> None:
+        """kubectl, the context, and KubeRay's CRDs in it; BadInput (nothing launched) otherwise."""
+        self._kube = resolve(self.chosen.get("context"), kuberay_placement(plan.placement).namespace)
+        require_crds(self._kube)
+
+    def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
+        if self._kube is None:
+            self.ready(plan)
+        kube, name = self._kube, plan.name
+        options = kuberay_placement(plan.placement)
+        found = kube.get("rayjob", name)
+        if found is not None:
+            raise BadInput(f"name: {watching.rayjob_words(found, name)} already exists in namespace {kube.namespace}; "
+                           f"`rlhf-tasks down {name}` (or kubectl delete rayjob {name}) first")
+        secret = None if options.secret else f"{name}-secrets"
+        missing = [key for key in plan.secrets if key not in secrets]
+        if secret and missing:
+            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; every pod reads the task's "
+                           f"secrets from Secret {secret}, which launch makes from your environment, and a pod "
+                           f"whose key is missing does not start: export them, or name a Secret of yours in "
+                           f"placement.kuberay.secret")
+        files = self.render(plan)
+        directory = state.run_dir(name) / self.name
+        write_files(directory, files)
+        objects = [("rayjob", name), ("configmap", self.configmap_name(plan))] + \
+            ([("secret", secret)] if secret and plan.secrets else [])
+        state.save(name, {"provider": self.name, "context": kube.context, "namespace": kube.namespace,
+                          "objects": objects, "cluster_id": None, "dashboard": None,
+                          "dashboard_port": plan.ray.dashboard_port, "directory": str(directory)})
+        undo = self._undo[name] = Undo(kube, name, objects)  # a failure from here on: the launcher's abandon()
+        if secret and plan.secrets:
+            for line in apply_secret(kube, secret, secret_object(secret, name, secrets)).splitlines():
+                say(f"kubectl: {line}")
+        out = kube.must("kubectl apply", "apply", "-f", "-", stdin=files[f"{name}.rayjob.yaml"])
+        for line in out.strip().splitlines():
+            say(f"kubectl: {line}")
+        try:
+            cluster = self._cluster_name(kube, name)
+        except AgentError as exc:
+            raise StepFailed("waiting for the KubeRay operator", str(exc)) from None
+        state.update(name, cluster_id=cluster)
+        return self._handle(kube, plan, cluster, undo)
+
+    def _cluster_name(self, kube: Kubectl, name: str) -> str:
+        """The RayCluster's name once the operator has given it (`status.rayClusterName`)."""
+        def named():
+            rayjob = kube.get("rayjob", name)
+            status = (rayjob or {}).get("status") or {}
+            if rayjob is None:
+                raise StepFailed("waiting for the KubeRay operator", f"RayJob {name} is gone")
+            if status.get("jobDeploymentStatus") in ("Failed", "ValidationFailed"):
+                raise StepFailed("waiting for the KubeRay operator", watching.rayjob_words(rayjob, name))
+            return bool(status.get("rayClusterName")), status.get("rayClusterName") or \
+                "RayJob has no status yet (is the KubeRay operator running, and watching this namespace?)"
+        cluster = wait_for(f"the KubeRay operator to take RayJob {name}", named, OPERATOR_S, interval=0.3,
+                           max_interval=2.0, report=say)
+        say(f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): cluster {cluster}")
+        return cluster
+
+    def _handle(self, kube: Kubectl, plan: Plan, cluster: str, undo) -> Cluster:
+        logs = state.run_dir(plan.name) / "nodes"
+        logs.mkdir(parents=True, exist_ok=True)
+        for old in logs.glob("node-*.log"):
+            old.unlink()
+        forward = token = dashboard = None
+        if plan.job.submit == "client":
+            local = watching.free_port()
+            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, SIDECAR_DASHBOARD_PORT,
+                                           state.run_dir(plan.name) / self.name / "port-forward.log")
+            dashboard = f"http://127.0.0.1:{local}"
+            state.update(plan.name, dashboard=f"http://127.0.0.1:{plan.ray.dashboard_port}")
+        watch = watching.Watch(kube, plan, cluster, logs, undo, forward)
+        made = watching.handle(watch, token, dashboard)
+        if plan.token_env and plan.job.submit == "client":
+            tend = made.tend
+
+            def tend_and_token() -> list[str]:  # the operator's token Secret exists once the cluster does
+                lines = tend()
+                if made.token is None and watch.head() is not None:
+                    try:
+                        made.token = self._token(kube, plan.name, cluster)
+                    except StepFailed:
+                        pass  # asked again at the next wait
+                return lines
+            made.tend = tend_and_token
+        keep = plan.keep_cluster
+
+        def close() -> None:
+            watch.close()
+            if not keep and not undo.done and not watching.job_started(plan.name, logs / "node-0.log") and \
+                    not (state.load(plan.name) or {}).get("ended"):
+                say(f"the job of {plan.name} never ran: {undo()}")
+        made.close = close
+        return made
+
+    def _token(self, kube: Kubectl, name: str, cluster: str) -> str | None:
+        """The Ray token KubeRay made (Secret <cluster>, key auth_token), kept here with mode 0600
+        for the launcher, `env`, `submit`; None while the operator has not made it."""
+        secret = kube.get("secret", cluster)
+        value = ((secret or {}).get("data") or {}).get("auth_token")
+        if not value:
+            return None
+        token = base64.b64decode(value).decode()
+        directory = state.cluster_dir(name)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(directory / "token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token)
+        return token
+
+    def abandon(self, before: state.Before) -> list[str]:
+        """A launch that failed before its job: delete what it applied, then its local files."""
+        undo = self._undo.get(before.name)
+        said = [undo()] if undo is not None and not undo.done else []
+        return said + super().abandon(before)
+
+    # ------------------------------------------------------------------ status, down, forward
+
+    def _target(self, name: str) -> tuple[Kubectl, dict]:
+        """kubectl pinned where `launch` put cluster `name` (else the kubeconfig's current context)."""
+        record = state.load(name) or {}
+        if record.get("provider") == self.name:
+            return resolve(record.get("context"), record.get("namespace")), record
+        return resolve(self.chosen.get("context"), self.chosen.get("namespace")), {}
+
+    def status(self, name: str) -> str:
+        kube, record = self._target(name)
+        rayjob = kube.get("rayjob", name)
+        if rayjob is None:
+            return f"RayJob {name}: not found in namespace {kube.namespace} (context {kube.context})"
+        status = rayjob.get("status") or {}
+        lines = [f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): jobDeploymentStatus "
+                 f"{status.get('jobDeploymentStatus') or '-'}, jobStatus {status.get('jobStatus') or '-'}"
+                 + (f" ({': '.join(x for x in (status.get('reason'), status.get('message')) if x)})"
+                    if status.get("reason") or status.get("message") else "")]
+        cluster = status.get("rayClusterName") or record.get("cluster_id")
+        if cluster:
+            pods = sorted(kube.pods(f"ray.io/cluster={cluster}"), key=lambda p: (watching.role(p) != "head",
+                                                                                p["metadata"]["name"]))
+            lines.append(f"cluster {cluster}: {len(pods)} pod(s)")
+            lines += [f"  pod {p['metadata']['name']} ({watching.role(p)}): {watching.pod_words(p)}" for p in pods]
+        return "\n".join(lines)
+
+    def down(self, name: str) -> str:
+        kube, record = self._target(name)
+        objects = [tuple(o) for o in record.get("objects") or [("rayjob", name), ("configmap", f"{name}-rlhf-tasks")]]
+        cluster = record.get("cluster_id") or (((kube.get("rayjob", name) or {}).get("status") or {})
+                                               .get("rayClusterName"))
+        said = kube.delete(objects)
+        gone = ""
+        if cluster:
+            def pods_gone():
+                pods = kube.pods(f"ray.io/cluster={cluster}")
+                return not pods, f"{len(pods)} pod(s) left"
+            try:
+                wait_for(f"the pods of {cluster} to go", pods_gone, 120, interval=0.3, max_interval=2.0, report=say)
+                gone = f"; the pods of {cluster} are gone"
+            except AgentError as exc:
+                gone = f"; {exc}"
+        state.end(name)
+        left = "" if record else f" (the Secret {name}-secrets, if you made it, is left)"
+        return (f"{name}: deleted " + ", ".join(f"{k} {n}" for k, n in objects)
+                + f" in namespace {kube.namespace} (context {kube.context}){gone}{left}"
+                + (f"\n{said}" if said else ""))
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """`kubectl port-forward svc/<cluster>-head-svc PORT:8265` until Ctrl-C (`job.submit: client`)."""
+        kube, record = self._target(name)
+        rayjob = kube.get("rayjob", name)
+        cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName") or record.get("cluster_id")
+        if not cluster:
+            raise BadInput(f"NAME: no RayJob {name} with a cluster in namespace {kube.namespace} "
+                           f"(context {kube.context})")
+        local = port or SIDECAR_DASHBOARD_PORT
+        dashboard = f"http://127.0.0.1:{local}"
+        if record:
+            state.update(name, dashboard=dashboard)
+            self._token(kube, name, cluster)
+        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{SIDECAR_DASHBOARD_PORT}")
+        say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
+            f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks submit TASK --provider kuberay --address {dashboard}")
+        try:
+            return subprocess.run(argv, stdin=subprocess.DEVNULL).returncode
+        except KeyboardInterrupt:
+            return 0
+
+
+__all__ = ["AGENT_PORT", "CONFIGMAP_LIMIT", "GPU_RESOURCE", "POD_IP_ENV", "PROBE_PERIOD_S", "RANK_ENV",
+           "RAY_ENV_FILE", "SIDECAR_DASHBOARD_PORT", "WORKER_GROUP", "WORKERS_ENV", "KubeRayPlacement",
+           "KubeRayProvider", "KubeRayShared", "Toleration", "configmap_key", "kuberay_placement"]
