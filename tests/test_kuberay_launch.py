@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+import kuberay_harness
 import testbed as tbmod
+from test_kuberay_harness import tiny_grpo as kuberay_harness_task
 from conftest import ROOT
 from kubectl_standin import append_log, calls, install, pod, write_pod, write_status
 from rlhf_tasks import providers
@@ -447,47 +449,77 @@ def test_the_standin_refuses_what_it_does_not_implement(kube):
 testbed3 = tbmod.make_testbed_fixture(3)
 
 
-@pytest.fixture
-def harness():
-    # Until the merge brings tests/kuberay_harness.py (the merger removes this guard).
-    return pytest.importorskip("kuberay_harness")
-
-
 def run_cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def test_launch_status_down_through_kubectl_on_the_harness(harness, testbed3, tmp_path):
+def test_launch_through_kubectl_on_the_harness_with_a_late_and_a_lost_worker(testbed3, tmp_path):
+    """One cluster run, the issue's claims through the product's own path: `launch` applies the
+    render with kubectl; worker slot 2 is scheduled 20 s after the others and the job's command
+    starts only once it joined; worker slot 1's pod is killed mid-run, KubeRay replaces it, the
+    runner resumes the job from its checkpoint with every step once; the launcher follows and
+    summarises; then `status` and `down` through kubectl."""
     env = install(tmp_path, dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
                                  PYTHONUNBUFFERED="1"))
     env.pop("RAY_AUTH_TOKEN", None)
-    root = Path(env["KUBE_STANDIN_DIR"])
-    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
-    task["job"]["args"].update(steps=20, save_every=10, num_prompts=200)
-    task["preflight"] = "off"
-    path = tmp_path / "tiny-grpo.yaml"
+    root, ckpt, steps = Path(env["KUBE_STANDIN_DIR"]), tmp_path / "ckpt", 300
+    task = kuberay_harness_task(ckpt, steps, save_every=10)
+    path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(task))
-    with harness.KubeRayController(testbed3, root):
-        out = run_cli(["launch", str(path), "--provider", "kuberay"], env, timeout=900)
-        said = out.stdout + out.stderr
+    with kuberay_harness.KubeRayController(testbed3, root, worker_delays={2: 20}, claims={"ckpt": ckpt}) as ctrl:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay"],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            tbmod.poll(lambda: (proc.poll() is None or (_ for _ in ()).throw(AssertionError(proc.stdout.read())))
+                       and len(metrics(ckpt / "metrics.jsonl")) >= 20, 420, "step 20", 0.2)
+            job = ctrl.job("tiny")
+            (lost,) = [p for p in job.live() if p.slot == 1]
+            ctrl.kill_pod(lost.name)
+            said = proc.communicate(timeout=600)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
         (tmp_path / "launch.out").write_text(said)
-        assert out.returncode == 0, said[-6000:]
-        assert "done: steps 1..20" in out.stdout and "RLHF_TASKS_RESULT" not in out.stdout
-        assert "== summary ==" in out.stdout and "job tiny-grpo-tiny-grpo-" in out.stdout
-        assert "SUCCEEDED in " in out.stdout
-        argvs = [c["argv"] for c in calls(root)]
-        assert ["kubectl", "--context", "standin", "-n", "default", "apply", "-f", "-"] in argvs
-        status = run_cli(["status", "tiny-grpo"], env)
-        (tmp_path / "status.out").write_text(status.stdout + status.stderr)
+        assert proc.returncode == 0, said[-6000:]
+        assert "== summary ==" in said and "SUCCEEDED in " in said and "RLHF_TASKS_RESULT" not in said
+        assert ["kubectl", "--context", "standin", "-n", "default", "apply", "-f", "-"] in [c["argv"] for c in calls(root)]
+        final, head = ctrl.status("tiny"), job.head()
+        submitter = ctrl.log(head.name, "ray-job-submitter")
+        assert final["jobDeploymentStatus"] == "Complete" and final["jobStatus"] == "SUCCEEDED", ctrl.describe()
+        # the lost pod was replaced (a new name, same slot) and the runner restarted the job from its checkpoint
+        (replacement,) = [p for p in job.live() if p.slot == 1]
+        assert replacement.name != lost.name and re.match(r"^tiny-[a-z0-9]{5}-workers-worker-[a-z0-9]{5}$",
+                                                          replacement.name)
+        assert "restarting the job, attempt 1" in submitter and "restarting the job, attempt 1" in said
+        rows = metrics(ckpt / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step lost, none counted twice
+        assert [r for r in rows if r.get("resumed_from", 0) >= 10]
+        # the late worker: scheduled 20 s after the head, and the job's command started after it joined
+        (late,) = [p for p in job.pods if p.slot == 2]
+        assert late.events["scheduled"] - head.events["scheduled"] >= 19.5
+        joined = ctrl.line_seen(late.name, "ray-worker", "Ray runtime started")
+        command = ctrl.line_seen(head.name, "ray-job-submitter", "its command runs now")
+        assert joined and command and command >= joined - 0.5, (joined, command, submitter[-3000:])
+        # the RayJob: Initializing until every pod was Ready (the late one too), then Running, then Complete
+        assert [state for _, state in job.history] == ["Initializing", "Running", "Complete"]
+        assert job.history[1][0] >= late.events["ready"]
+        # the operator's Secret carries the token; no pod's log and nothing the launcher said shows it
+        token = ctrl.object_value("default", "secret", final["rayClusterName"], "auth_token")
+        assert token and token not in said and all(token not in ctrl.log(p["metadata"]["name"], c["name"])
+                                                   for p in ctrl.pods() for c in p["spec"]["containers"])
+        status = run_cli(["status", "tiny"], env)
         assert status.returncode == 0, status.stderr
         assert "jobStatus SUCCEEDED" in status.stdout and "(head)" in status.stdout
-        down = run_cli(["down", "tiny-grpo"], env)
-        (tmp_path / "down.out").write_text(down.stdout + down.stderr)
+        down = run_cli(["down", "tiny"], env)
         assert down.returncode == 0, down.stdout + down.stderr
-        assert "deleted rayjob tiny-grpo, configmap tiny-grpo-rlhf-tasks" in down.stdout
+        assert "deleted rayjob tiny, configmap tiny-rlhf-tasks" in down.stdout
         # What launch applied is gone (the operator's token Secret goes with its RayCluster), and the pods.
         assert not [p for kind in ("rayjob", "configmap") for p in (root / "objects" / "default" / kind).glob("*.json")]
-        assert not any((root / "pods").rglob("*.json")) and "pods of tiny-grpo-" in down.stdout
+        assert not any((root / "pods").rglob("*.json")) and "pods of tiny-" in down.stdout
     for host in range(3):
         assert testbed3.processes(host) == []
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
