@@ -248,7 +248,7 @@ def _launch_until_step(tmp_path, cli_env, rlhf_home, args, step):
 
 
 def test_a_lost_worker_is_replaced_and_the_head_restarts_the_job(tmp_path, cli_env, rlhf_home):
-    steps = 1500  # long enough (about 30 ms a step) that the node is lost mid-job on a fast machine
+    steps = 600  # long enough (20-30 ms a step: 12 s or more after step 45) that the node is lost mid-job
     proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home, [str(_loss_task(tmp_path, steps))], 45)
     _lose_node(rlhf_home, "loss", 2)
     out = proc.communicate(timeout=600)[0]
@@ -263,7 +263,7 @@ def test_a_lost_worker_is_replaced_and_the_head_restarts_the_job(tmp_path, cli_e
 
 
 def test_a_lost_head_relaunches_the_task_which_resumes(tmp_path, cli_env, rlhf_home):
-    steps = 1500
+    steps = 600
     proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home,
                                     [str(_loss_task(tmp_path, steps)), "--retry", "1"], 45)
     _lose_node(rlhf_home, "loss", 0)
