@@ -24,6 +24,7 @@ from typing import Callable
 from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes,
                              cluster_check, head_address, http_check, is_submission_of, next_submission_id,
                              parse_result, preflight_submission_id, started_job, submission_id, wait_for)
+from .agent import forensics
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
@@ -114,6 +115,7 @@ class Outcome:
     steps: list[dict] = field(default_factory=list)
     node_ids: set[str] = field(default_factory=set)
     last_line: str | None = None        # the job's own last line
+    forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.forensics)
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -122,7 +124,7 @@ class Outcome:
         return cls(submission_id=job.get("submission_id"), status=job.get("status"), error=result.get("error"),
                    failed_step=result.get("failed_step"), exit_code=code, attempts=job.get("attempts") or [],
                    steps=result.get("steps") or [], node_ids=set(result.get("node_ids") or []),
-                   last_line=job_said(result.get("job_log_tail") or ""))
+                   last_line=job_said(result.get("job_log_tail") or ""), forensics=result.get("forensics"))
 
 
 def job_said(log: str) -> str | None:
@@ -401,7 +403,33 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
         lines.append(f"checkpoints: {plan.checkpoint_dir}")
     if cluster is not None and cluster.logs_dir:
         lines.append(f"node logs: {cluster.logs_dir}")
+    if outcome.forensics:
+        lines += forensics.summary_lines(fetch_bundle(plan, cluster, outcome.forensics))
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
+
+
+def fetch_bundle(plan: Plan, cluster: Cluster | None, found: dict) -> dict:
+    """The head's failure bundle where this machine has it: its own path when the head's logs
+    are here (local, Slurm's shared directory), else fetched through the dashboard while the
+    head is still up, into the run's directory; else it is said to be on the head."""
+    from . import state
+
+    path = found.get("bundle")
+    if not path or Path(path).exists():
+        return found
+    name = Path(path).name
+    if cluster is not None and cluster.dashboard:
+        try:
+            data = forensics.RayLogs(cluster.dashboard, cluster.token).fetch_head(f"{forensics.OWN}/{name}")
+            local = state.run_dir(plan.name) / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+            local.chmod(0o600)
+            return {**found, "bundle": str(local), "where": f"fetched from the head's {path}"}
+        except (OSError, ValueError, KeyError):
+            pass
+    return {**found, "where": f"on the head node; `rlhf-tasks logs {plan.name} --bundle` makes one from here while "
+            f"the cluster is up"}
 
 
 def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
