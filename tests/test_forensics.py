@@ -162,5 +162,9 @@ def test_the_summary_names_each_node_then_the_bundle():
 
 
 def test_preflight_failures_land_on_the_node_they_name():
-    found = fx.preflight_findings({"failures": [{"step": "interfaces", "message": "node2 (10.0.0.3): Gloo on lo"}]}, {})
+    found = fx.preflight_findings({"failures": [{"step": "interfaces", "message": "node2 (10.0.0.3): Gloo on lo"}]},
+                                  "14:00:00")
     assert list(found) == ["10.0.0.3"] and found["10.0.0.3"][0]["error"] == "preflight (interfaces): node2 (10.0.0.3): Gloo on lo"
+    # preflight's verdict names the node's failure better than an exit its own log shows
+    exit_line = fx.find_errors("[13:59:00] node2: the raylet exited (code 1); rejoining (1/3)\n", "rlhf-tasks/agent-node2.log")
+    assert fx.first_error(exit_line + found["10.0.0.3"])["kind"] == "preflight"

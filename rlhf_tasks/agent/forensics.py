@@ -42,7 +42,8 @@ FACTS_EVERY_S = 5.0
 RAY_FILES = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard_agent.log", "dashboard.err",
              "monitor.log")
 #: How bad a finding is, for choosing a node's first error: lower wins, then the earliest.
-PRIORITY = {"oom": 0, "dead": 0, "disk": 1, "exit": 1, "preflight": 1, "traceback": 2, "agent": 3, "ray": 4}
+#: Preflight's verdict on a node is its diagnosis of why the run failed: it comes first.
+PRIORITY = {"oom": 0, "dead": 0, "preflight": 0, "disk": 1, "exit": 1, "traceback": 2, "agent": 3, "ray": 4}
 #: The kinds the summary names (Ray's own ERROR lines only when nothing else was found).
 MEANINGFUL = ("oom", "dead", "disk", "exit", "preflight", "traceback", "agent")
 
@@ -616,19 +617,20 @@ def bundle_from(dashboard: str, token: Optional[str], secrets: Dict[str, str], d
 # ------------------------------------------------------------------ the head, when the run fails
 
 
-def preflight_findings(result: Optional[dict], addresses: Dict[str, str]) -> Dict[str, List[dict]]:
-    """Preflight's failures, on the node each one names first (`nodeN (address)`)."""
+def preflight_findings(result: Optional[dict], at: Optional[str] = None) -> Dict[str, List[dict]]:
+    """Preflight's failures (its verdict came at `at`), on the node each one names first (`nodeN (address)`)."""
     found = {}  # type: Dict[str, List[dict]]
     for failure in (result or {}).get("failures") or []:
         match = re.match(r"^(node\d+) \(([^)]+)\)", failure.get("message", ""))
         if match:
             found.setdefault(match.group(2), []).append(_finding(
-                "preflight", "preflight (%s): %s" % (failure["step"], failure["message"]), time.strftime("%H:%M:%S"),
+                "preflight", "preflight (%s): %s" % (failure["step"], failure["message"]), at,
                 "preflight.json", 0))
     return found
 
 
-def on_failure(node, reason: str, preflight: Optional[dict] = None, started_ms: int = 0) -> dict:
+def on_failure(node, reason: str, preflight: Optional[dict] = None, started_ms: int = 0,
+               preflight_at: Optional[str] = None) -> dict:
     """The head, when the run failed and before anything is torn down: gather every node's
     files, write the bundle beside the head's logs, log each node's first error; the part
     of the result line that says so. Never raises."""
@@ -641,7 +643,7 @@ def on_failure(node, reason: str, preflight: Optional[dict] = None, started_ms: 
         started = time.monotonic()
         ray = RayLogs(node.dashboard, node.token) if node.ray is not None and node.ray.alive() else None
         gathered = gather(ray, secrets, reason, local=(node.info.node_addr, ray_logs_dir(plan, node.info.rank)),
-                          started_ms=started_ms, extra=preflight_findings(preflight, {}))
+                          started_ms=started_ms, extra=preflight_findings(preflight, preflight_at))
         bundle = write_bundle(gathered, node.log_dir, plan["name"])
         own = os.path.join(ray_logs_dir(plan, node.info.rank), OWN)
         if os.path.isdir(own):  # where the launcher can fetch it through the dashboard

@@ -36,6 +36,7 @@ class HeadFlow(object):
         self.runner = None  # type: Optional[JobRunner]
         self.forensics = None  # type: Optional[dict]  (a failure's first errors and bundle: forensics.py)
         self.preflight_result = None  # type: Optional[dict]
+        self.preflight_at = None  # type: Optional[str]  (when preflight's result came)
         self.started_ms = int(time.time() * 1000)
 
     def run(self) -> int:
@@ -87,7 +88,7 @@ class HeadFlow(object):
             keeper(node).tick()  # the head's files where Ray's log API reads them
             if preflight is not None:
                 with node.step("preflight"):
-                    self.preflight_result = preflight.follow(keep=lambda r: setattr(self, "preflight_result", r))
+                    self.preflight_result = preflight.follow(keep=self.keep_preflight)
         except BaseException as exc:
             if gate is not None:
                 gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
@@ -113,10 +114,15 @@ class HeadFlow(object):
             log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
             self.supervise()
 
+    def keep_preflight(self, result: dict) -> None:
+        """Preflight's result, and when it came: a failure's forensics name the nodes it blames."""
+        self.preflight_result, self.preflight_at = result, time.strftime("%H:%M:%S")
+
     def gather_forensics(self, reason: str) -> None:
         """Once, before anything is torn down: every node's logs in a bundle, each node's first error."""
         if self.forensics is None:
-            self.forensics = on_failure(self.node, reason, self.preflight_result, self.started_ms)
+            self.forensics = on_failure(self.node, reason, self.preflight_result, self.started_ms,
+                                        self.preflight_at)
 
     def supervise(self) -> int:
         while self.node.ray.alive():
