@@ -344,8 +344,10 @@ def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
     return sid, node_ids
 
 
-def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node_ids: set[str]) -> Outcome:
-    """Follow job `sid`'s log through the dashboard, through the head's restarts."""
+def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node_ids: set[str],
+                     secrets: dict[str, str] | None = None) -> Outcome:
+    """Follow job `sid`'s log through the dashboard, through the head's restarts. When it
+    failed, every node's logs are gathered from here at once, while the cluster is still up."""
     from . import state
     from .jobs import Jobs
 
@@ -353,10 +355,40 @@ def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node
     tail.pump()
     say(f"following job {sid} (Ctrl-C stops following, not the job)")
     status, sid = follow_attempts(Jobs(cluster.dashboard, cluster.token), cluster, plan, sid, tail)
+    here = dashboard_bundle(cluster, plan, secrets or {}, f"job {sid} ended {status}") if status != "SUCCEEDED" \
+        else None
     said = head_result(cluster, sid) if plan.job.submit == "head" else None
     outcome = Outcome.from_result(said) if said else Outcome(sid, status)
     outcome.submission_id, outcome.status, outcome.node_ids = sid, status, node_ids
+    outcome.forensics = merge_forensics(outcome.forensics, here)
     return outcome
+
+
+def dashboard_bundle(cluster: Cluster, plan: Plan, secrets: dict[str, str], reason: str) -> dict | None:
+    """Every node's logs gathered from here through the dashboard (where the head's own
+    bundle stays on the head machine); None when nothing could be read."""
+    from . import state
+
+    scrub = {**secrets, **({"RAY_AUTH_TOKEN": cluster.token} if cluster.token else {})}
+    try:
+        gathered = forensics.gather(forensics.RayLogs(cluster.dashboard, cluster.token), scrub, reason)
+        if not gathered["files"]:
+            return None
+        bundle = forensics.write_bundle(gathered, str(state.run_dir(plan.name)), plan.name)
+    except (OSError, ValueError, KeyError):
+        return None
+    return {**forensics.result_part(gathered, bundle), "where": "gathered from here through the dashboard"}
+
+
+def merge_forensics(head: dict | None, here: dict | None) -> dict | None:
+    """The head's first errors (it saw the failure first, and knows preflight's verdict) with
+    a bundle this machine has: the head's own when it is here, else the one gathered from here."""
+    if not head or not head.get("gathered"):
+        return here or head
+    if here and not (head.get("bundle") and Path(head["bundle"]).exists()):
+        return {**head, "bundle": here["bundle"], "where": f"{here['where']}; the head's own is {head.get('bundle')} "
+                f"on the head machine"}
+    return head
 
 
 # ------------------------------------------------------------------ the summary
@@ -415,7 +447,7 @@ def fetch_bundle(plan: Plan, cluster: Cluster | None, found: dict) -> dict:
     from . import state
 
     path = found.get("bundle")
-    if not path or Path(path).exists():
+    if not path or Path(path).exists() or found.get("where"):
         return found
     name = Path(path).name
     if cluster is not None and cluster.dashboard:
@@ -528,7 +560,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
             job_started = command_started = True
-            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids)
+            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids, secrets)
         if outcome.status is not None or not (state.load(plan.name) or {}).get("job"):  # not over `down`'s word
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         summarise(plan, outcome, started, cluster)

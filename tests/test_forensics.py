@@ -168,3 +168,17 @@ def test_preflight_failures_land_on_the_node_they_name():
     # preflight's verdict names the node's failure better than an exit its own log shows
     exit_line = fx.find_errors("[13:59:00] node2: the raylet exited (code 1); rejoining (1/3)\n", "rlhf-tasks/agent-node2.log")
     assert fx.first_error(exit_line + found["10.0.0.3"])["kind"] == "preflight"
+
+
+def test_the_launcher_keeps_the_heads_first_errors_with_a_bundle_it_has(tmp_path):
+    from rlhf_tasks.launch import merge_forensics
+
+    head = {"gathered": True, "bundle": "/opt/rlhf-tasks/logs/forensics-x.tar.gz", "first_errors": [{"label": "node2"}]}
+    here = {"gathered": True, "bundle": str(tmp_path / "f.tar.gz"), "first_errors": [], "where": "gathered from here"}
+    merged = merge_forensics(head, here)
+    assert merged["first_errors"] == [{"label": "node2"}] and merged["bundle"] == here["bundle"]
+    assert merged["where"] == "gathered from here; the head's own is /opt/rlhf-tasks/logs/forensics-x.tar.gz on the head machine"
+    local = tmp_path / "head.tar.gz"
+    local.write_bytes(b"")
+    assert merge_forensics(dict(head, bundle=str(local)), here)["bundle"] == str(local)  # the head's, when it is here
+    assert merge_forensics(None, here) is here and merge_forensics(head, None) is head
