@@ -187,6 +187,15 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         # The promise holds: the cluster keeps running after its job was stopped, until `down`.
         listed = cli("list", "--cluster", "long")
         assert listed.returncode == 0 and "STOPPED" in listed.stdout, listed.stdout + listed.stderr
+        # Every node's logs of the running cluster, on demand (issue 22), through its dashboard.
+        made = cli("logs", "long", "--bundle")
+        assert made.returncode == 0, made.stdout + made.stderr
+        bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", made.stdout).group(1)
+        assert bundle.startswith(str(rlhf_home / "runs" / "long"))
+        with tarfile.open(bundle) as tar:
+            names = tar.getnames()
+        assert any("/node0/rlhf-tasks/agent-node0.log" in n for n in names), names
+        assert any("/node1/rlhf-tasks/agent-node1.log" in n for n in names), names
     finally:
         if proc.poll() is None:
             proc.kill()
