@@ -182,3 +182,28 @@ def test_the_launcher_keeps_the_heads_first_errors_with_a_bundle_it_has(tmp_path
     local.write_bytes(b"")
     assert merge_forensics(dict(head, bundle=str(local)), here)["bundle"] == str(local)  # the head's, when it is here
     assert merge_forensics(None, here) is here and merge_forensics(head, None) is head
+
+
+def test_a_node_keeps_its_files_where_rays_log_api_reads_them_and_says_when_a_service_exits(tmp_path, capsys):
+    import types
+
+    from rlhf_tasks.agent.processes import Child
+
+    logs = tmp_path / "ray" / "n1" / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (tmp_path / "agent-node1.log").write_text("[14:00:00] node1: hello\n")
+    service = Child("reward", "echo 'CUDA error' >&2; exit 3", {"PATH": "/usr/bin:/bin"},
+                    str(tmp_path / "service-reward-node1.log"), shell=True)
+    service.proc.wait()
+    node = types.SimpleNamespace(info=types.SimpleNamespace(rank=1), log_dir=str(tmp_path), services=[service],
+                                 plan={"ray": {"temp_dir": str(tmp_path / "ray")}, "services": [{"name": "reward"}]})
+    keeper = fx.keeper(node)
+    assert fx.keeper(node) is keeper
+    keeper.tick()
+    keeper.tick()  # said once
+    said = capsys.readouterr().out
+    assert said.count("service reward exited with code 3") == 1 and "CUDA error" in said
+    own = logs / fx.OWN
+    assert sorted(p.name for p in own.iterdir()) == ["agent-node1.log", "node-facts.txt", "service-reward-node1.log"]
+    assert (own / "service-reward-node1.log").read_text().strip() == "CUDA error"
+    assert "disk /dev/shm:" in (own / "node-facts.txt").read_text()

@@ -303,12 +303,14 @@ class Keeper(object):
             return
         self.linked = own
 
-    def facts(self) -> str:
-        """Disk, /dev/shm and memory usage, and the kernel's OOM kills since this agent started."""
+    def facts(self, shared: bool = False) -> str:
+        """Disk, /dev/shm and memory usage, and the kernel's OOM kills since this agent started
+        (`shared`: the checkpoint directory too, whose network filesystem could hang a
+        supervising loop, so only when gathering)."""
         node = self.node
         stamp = "[%s] node%d: " % (time.strftime("%H:%M:%S"), self.rank)
         lines = ["%sfacts at %s on %s" % (stamp, time.strftime("%Y-%m-%d %H:%M:%S %Z"), os.uname()[1])]
-        places = ["/", "/tmp", "/dev/shm", node.log_dir, node.plan.get("checkpoint_dir") or "",
+        places = ["/", "/tmp", "/dev/shm", node.log_dir, (node.plan.get("checkpoint_dir") or "") if shared else "",
                   os.path.dirname(os.path.dirname(ray_logs_dir(node.plan, self.rank)))]
         seen = set()
         for place in places:
@@ -347,7 +349,7 @@ class Keeper(object):
                 self.facts_at = now
                 path = os.path.join(self.node.log_dir, FACTS)
                 with open(path + ".tmp", "w") as handle:
-                    handle.write(self.facts())
+                    handle.write(self.facts(shared=force))
                 os.replace(path + ".tmp", path)
             if self.linked is None or force:
                 self.link()
@@ -364,16 +366,20 @@ class Keeper(object):
                 log("service %s exited with code %s; its last lines:\n%s" % (child.name, code, child.tail(10)))
 
 
+_DMESG_REFUSED = []  # type: List[bool]
+
+
 def oom_lines(since_uptime: Optional[float]) -> List[str]:
     """The kernel's lines about OOM kills since `since_uptime` (seconds since boot), where
     `dmesg` is readable; [] otherwise."""
-    if not shutil.which("dmesg"):
+    if _DMESG_REFUSED or not shutil.which("dmesg"):
         return []
     try:
         out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return []
-    if out.returncode != 0:
+        out = None
+    if out is None or out.returncode != 0:  # not readable here (a container without CAP_SYSLOG): stop asking
+        _DMESG_REFUSED.append(True)
         return []
     found = []
     for line in out.stdout.splitlines():
