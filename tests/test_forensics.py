@@ -60,6 +60,10 @@ def test_a_process_the_agent_started_that_exits_non_zero_is_an_error_and_zero_is
     assert first["at"] == "14:01:07" and first["error"].startswith("service reward exited with code 3")
 
 
+def test_a_traceback_the_agent_relays_is_found_in_its_own_file_not_the_agents_log():
+    assert fx.find_errors("[14:00:00] node0: following job x\n" + DRIVER, "rlhf-tasks/agent-node0.log") == []
+
+
 def test_a_traceback_in_rays_own_logs_is_rays_noise_not_a_cause():
     text = "Traceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
     assert [f["kind"] for f in fx.find_errors(text, "monitor.log")] == ["ray"]

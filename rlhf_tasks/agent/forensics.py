@@ -73,6 +73,9 @@ def find_errors(text: str, where: str, node_ip: Optional[str] = None, since_upti
     `node_ip`) are that node's, not this file's."""
     found = []  # type: List[dict]
     internal = where in RAY_FILES  # Ray's own components: their tracebacks are Ray's noise more often than a cause
+    # The agent's log relays the job's log and a dead service's last lines: their tracebacks are
+    # found in the files they come from (the job's driver log, the service's log).
+    relay = re.search(r"(^|/)agent-node\d+\.log$", where) is not None
     at = None  # the latest timestamp seen: an untimed line (a traceback) happened then or later
     lines = text.splitlines()
     index = 0
@@ -114,8 +117,9 @@ def find_errors(text: str, where: str, node_ip: Optional[str] = None, since_upti
                     continue
                 exception = nxt
                 break
-            found.append(_finding("ray" if internal else "traceback",
-                                  exception or "a traceback without its exception line", at, where, len(found)))
+            if not relay:
+                found.append(_finding("ray" if internal else "traceback",
+                                      exception or "a traceback without its exception line", at, where, len(found)))
             continue
         if stamp is not None and stamp.re is _AGENT_TS:
             if body.startswith("ERROR: "):
