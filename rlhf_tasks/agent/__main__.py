@@ -14,9 +14,9 @@ import signal
 import sys
 from typing import List, Optional
 
-from .forensics import tee_stdout
 from .attached import BeforeRayFlow, PrepareFlow, StartedHeadFlow
 from .contract import locate, read_contract
+from .forensics import tee_stdout
 from .head import HeadFlow
 from .jobrunner import gate_main
 from .protocol import PLAN_VERSION, AgentError, log, result_line

@@ -12,8 +12,8 @@ import os
 import time
 from typing import Optional
 
-from .forensics import keeper, on_failure
 from .beacon import ReadyBeacon, reachable
+from .forensics import keeper, on_failure
 from .jobrunner import JobRunner
 from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
                        http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
@@ -119,8 +119,9 @@ class HeadFlow(object):
         self.preflight_result, self.preflight_at = result, time.strftime("%H:%M:%S")
 
     def gather_forensics(self, reason: str) -> None:
-        """Once, before anything is torn down: every node's logs in a bundle, each node's first error."""
-        if self.forensics is None:
+        """Once, before anything is torn down: every node's logs in a bundle, each node's first
+        error (not for a job someone STOPPED: that is no failure to explain)."""
+        if self.forensics is None and (self.runner is None or self.runner.job.get("status") != "STOPPED"):
             self.forensics = on_failure(self.node, reason, self.preflight_result, self.started_ms,
                                         self.preflight_at)
 

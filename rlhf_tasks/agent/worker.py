@@ -12,9 +12,9 @@ import subprocess
 import time
 from typing import List, Optional
 
-from .forensics import keeper
 from .beacon import ReadyBeacon, probe_ready, reachable
 from .contract import NodeInfo
+from .forensics import keeper
 from .processes import Child
 from .protocol import JOB_STARTS, AgentError, log, submission_id, wait_for
 from .raynode import Node
