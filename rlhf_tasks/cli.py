@@ -237,12 +237,36 @@ def cmd_status(args) -> int:
 
 
 def cmd_logs(args) -> int:
+    if args.bundle:
+        return _bundle(args)
     jobs = _jobs(args)
     if args.follow:
         status = jobs.follow(args.job)
         print(f"job {args.job}: {status}", file=sys.stderr)
         return 0 if status == "SUCCEEDED" else 1
     sys.stdout.write(jobs.logs(args.job))
+    return 0
+
+
+def _bundle(args) -> int:
+    """`logs NAME --bundle`: every node's logs of a running cluster in one .tar.gz, through its dashboard."""
+    from . import state
+    from .agent import forensics
+
+    args.cluster = args.cluster or args.job
+    jobs = _jobs(args)
+    names = set()  # the task's secrets, by the plans rendered for it here: their values are scrubbed
+    for plan in state.run_dir(args.cluster).rglob("plan.json"):
+        try:
+            names.update(json.loads(plan.read_text()).get("secrets") or [])
+        except (OSError, ValueError):
+            pass
+    secrets = {n: os.environ[n] for n in sorted(names) if os.environ.get(n)}
+    if jobs.token:
+        secrets["RAY_AUTH_TOKEN"] = jobs.token
+    bundle, found = forensics.bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
+                                          args.cluster, "asked for with `rlhf-tasks logs --bundle`")
+    print("\n".join(forensics.summary_lines(found)))
     return 0
 
 
@@ -433,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument("--bundle", action="store_true", help="JOB is a cluster's NAME: every node's logs (the "
+                           "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":
             p.add_argument("--wait", type=float, default=120, metavar="SECONDS", help="how long to wait for it to stop")
     p = add("list", cmd_list, "list the jobs on a cluster")

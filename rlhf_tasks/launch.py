@@ -24,6 +24,7 @@ from typing import Callable
 from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes,
                              cluster_check, head_address, http_check, is_submission_of, next_submission_id,
                              parse_result, preflight_submission_id, started_job, submission_id, wait_for)
+from .agent import forensics
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
@@ -114,6 +115,7 @@ class Outcome:
     steps: list[dict] = field(default_factory=list)
     node_ids: set[str] = field(default_factory=set)
     last_line: str | None = None        # the job's own last line
+    forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.forensics)
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -122,7 +124,7 @@ class Outcome:
         return cls(submission_id=job.get("submission_id"), status=job.get("status"), error=result.get("error"),
                    failed_step=result.get("failed_step"), exit_code=code, attempts=job.get("attempts") or [],
                    steps=result.get("steps") or [], node_ids=set(result.get("node_ids") or []),
-                   last_line=job_said(result.get("job_log_tail") or ""))
+                   last_line=job_said(result.get("job_log_tail") or ""), forensics=result.get("forensics"))
 
 
 def job_said(log: str) -> str | None:
@@ -342,8 +344,10 @@ def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
     return sid, node_ids
 
 
-def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node_ids: set[str]) -> Outcome:
-    """Follow job `sid`'s log through the dashboard, through the head's restarts."""
+def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node_ids: set[str],
+                     secrets: dict[str, str] | None = None) -> Outcome:
+    """Follow job `sid`'s log through the dashboard, through the head's restarts. When it
+    failed, every node's logs are gathered from here at once, while the cluster is still up."""
     from . import state
     from .jobs import Jobs
 
@@ -351,10 +355,40 @@ def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node
     tail.pump()
     say(f"following job {sid} (Ctrl-C stops following, not the job)")
     status, sid = follow_attempts(Jobs(cluster.dashboard, cluster.token), cluster, plan, sid, tail)
+    here = dashboard_bundle(cluster, plan, secrets or {}, f"job {sid} ended {status}") if status != "SUCCEEDED" \
+        else None
     said = head_result(cluster, sid) if plan.job.submit == "head" else None
     outcome = Outcome.from_result(said) if said else Outcome(sid, status)
     outcome.submission_id, outcome.status, outcome.node_ids = sid, status, node_ids
+    outcome.forensics = merge_forensics(outcome.forensics, here)
     return outcome
+
+
+def dashboard_bundle(cluster: Cluster, plan: Plan, secrets: dict[str, str], reason: str) -> dict | None:
+    """Every node's logs gathered from here through the dashboard (where the head's own
+    bundle stays on the head machine); None when nothing could be read."""
+    from . import state
+
+    scrub = {**secrets, **({"RAY_AUTH_TOKEN": cluster.token} if cluster.token else {})}
+    try:
+        gathered = forensics.gather(forensics.RayLogs(cluster.dashboard, cluster.token), scrub, reason)
+        if not gathered["files"]:
+            return None
+        bundle = forensics.write_bundle(gathered, str(state.run_dir(plan.name)), plan.name)
+    except (OSError, ValueError, KeyError):
+        return None
+    return {**forensics.result_part(gathered, bundle), "where": "gathered from here through the dashboard"}
+
+
+def merge_forensics(head: dict | None, here: dict | None) -> dict | None:
+    """The head's first errors (it saw the failure first, and knows preflight's verdict) with
+    a bundle this machine has: the head's own when it is here, else the one gathered from here."""
+    if not head or not head.get("gathered"):
+        return here or head
+    if here and not (head.get("bundle") and Path(head["bundle"]).exists()):
+        return {**head, "bundle": here["bundle"], "where": f"{here['where']}; the head's own is {head.get('bundle')} "
+                f"on the head machine"}
+    return head
 
 
 # ------------------------------------------------------------------ the summary
@@ -401,7 +435,33 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
         lines.append(f"checkpoints: {plan.checkpoint_dir}")
     if cluster is not None and cluster.logs_dir:
         lines.append(f"node logs: {cluster.logs_dir}")
+    if outcome.forensics:
+        lines += forensics.summary_lines(fetch_bundle(plan, cluster, outcome.forensics))
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
+
+
+def fetch_bundle(plan: Plan, cluster: Cluster | None, found: dict) -> dict:
+    """The head's failure bundle where this machine has it: its own path when the head's logs
+    are here (local, Slurm's shared directory), else fetched through the dashboard while the
+    head is still up, into the run's directory; else it is said to be on the head."""
+    from . import state
+
+    path = found.get("bundle")
+    if not path or Path(path).exists() or found.get("where"):
+        return found
+    name = Path(path).name
+    if cluster is not None and cluster.dashboard:
+        try:
+            data = forensics.RayLogs(cluster.dashboard, cluster.token).fetch_head(f"{forensics.OWN}/{name}")
+            local = state.run_dir(plan.name) / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+            local.chmod(0o600)
+            return {**found, "bundle": str(local), "where": f"fetched from the head's {path}"}
+        except (OSError, ValueError, KeyError):
+            pass
+    return {**found, "where": f"on the head node; `rlhf-tasks logs {plan.name} --bundle` makes one from here while "
+            f"the cluster is up"}
 
 
 def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
@@ -500,7 +560,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         else:
             sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
             job_started = command_started = True
-            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids)
+            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids, secrets)
         if outcome.status is not None or not (state.load(plan.name) or {}).get("job"):  # not over `down`'s word
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         summarise(plan, outcome, started, cluster)

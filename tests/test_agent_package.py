@@ -42,7 +42,9 @@ def test_ray_and_torch_are_imported_only_inside_functions():
 
 def test_the_launcher_imports_only_the_agents_protocol():
     """What the launcher and the agent both speak is one module; local.py may also use the
-    agent's process groups (it runs agents on this machine and stops them the same way)."""
+    agent's process groups (it runs agents on this machine and stops them the same way), and
+    the launcher the agent's forensics (the same gathering and wording for `logs --bundle`
+    and the summary)."""
     offenders = []
     for path in sorted((ROOT / "rlhf_tasks").rglob("*.py")):
         if AGENT in path.parents:
@@ -57,7 +59,8 @@ def test_the_launcher_imports_only_the_agents_protocol():
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:
-                if name.startswith("rlhf_tasks.agent") and not name.startswith("rlhf_tasks.agent.protocol") \
+                if name.startswith("rlhf_tasks.agent") and not name.startswith(("rlhf_tasks.agent.protocol",
+                                                                               "rlhf_tasks.agent.forensics")) \
                         and name != "rlhf_tasks.agent" and not (path.name == "local.py" and
                                                               name.startswith("rlhf_tasks.agent.processes")):
                     offenders.append((str(path.relative_to(ROOT)), name))

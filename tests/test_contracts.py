@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 
 import testbed as tbmod
 from rlhf_tasks import providers
+from rlhf_tasks.agent.protocol import parse_result
 from rlhf_tasks.spec import parse_task
 
 from conftest import ROOT
@@ -68,10 +70,10 @@ def place(tb, host: int, sources: dict[str, Path]) -> None:
     tb.sh(host, " && ".join(script))
 
 
-def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str]) -> dict[str, str]:
+def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str], secrets: dict | None = None) -> dict[str, str]:
     """What dstack's runner sets on a node, plus the configuration's `env` (bare names filled
-    from the user's environment at `dstack apply`)."""
-    local = {"WANDB_API_KEY": "", "RAY_AUTH_TOKEN": TOKEN}
+    from the user's environment at `dstack apply`, `secrets` among them)."""
+    local = {"WANDB_API_KEY": "", "RAY_AUTH_TOKEN": TOKEN, **(secrets or {})}
     env = {}
     for entry in rendered_env:
         key, sep, value = entry.partition("=")
@@ -83,7 +85,7 @@ def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str]) -> dict[str, 
                   DSTACK_RUN_NAME="contract-run")
 
 
-def start_dstack(tb, tmp_path: Path, task: dict) -> list:
+def start_dstack(tb, tmp_path: Path, task: dict, secrets: dict | None = None) -> list:
     files = render("dstack", task, tmp_path / "rendered")
     config = yaml.safe_load(files[f"{task['name']}.dstack.yml"])
     assert TOKEN not in json.dumps(config)
@@ -91,7 +93,7 @@ def start_dstack(tb, tmp_path: Path, task: dict) -> list:
     procs = []
     for rank in range(task["nodes"]):
         place(tb, rank, mounts)
-        env = dstack_env(tb, rank, task["nodes"], config["env"])
+        env = dstack_env(tb, rank, task["nodes"], config["env"], secrets)
         procs.append(tb.run(rank, " && ".join(config["commands"]), env=env, name=f"dstack-node{rank}"))
     return procs
 
@@ -110,13 +112,37 @@ def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
 
 
 def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):
+    """Also the failure's forensics (issue 22): node1's task prints a traceback and exits, the
+    head's service dies; the head's result names each node's first error, and its bundle
+    holds both nodes' files without the secret the job printed or the Ray token."""
     task = contract_task(tmp_path, 2, "head", service=False)
-    task["job"]["args"]["entrypoint"] = "python3 -c 'raise SystemExit(3)'"
+    die = tmp_path / "die"
+    task["job"]["args"]["entrypoint"] = f"python3 {ROOT / 'tests' / 'data' / 'fail_on_last_rank.py'} {die}"
     task["job"]["max_restarts"] = 0  # the failure path itself; restarts have their own tests
-    procs = start_dstack(testbed2, tmp_path, task)
+    task["secrets"] = ["FX_SECRET"]
+    task["services"] = [{"name": "reward", "where": "head", "timeout": "1m", "ready": {"http": "http://{node_addr}:23111/"},
+                         "command": f"python3 -m http.server --bind {{node_addr}} 23111 & s=$!; "
+                                    f"while [ ! -e {die} ]; do sleep 0.2; done; kill $s; "
+                                    f"echo 'reward: CUDA error: an illegal memory access' >&2; exit 3"}]
+    secret = "fx-secret-value-0123456789"
+    procs = start_dstack(testbed2, tmp_path, task, {"FX_SECRET": secret})
     assert procs[0].wait(240) == 1, procs[0].output[-4000:]
     assert "FAILED" in procs[0].output
     assert procs[1].wait(90) == 0
+    found = parse_result(procs[0].output)["forensics"]
+    firsts = {e["label"]: e for e in found["first_errors"]}
+    assert firsts["node1"]["error"] == "RuntimeError: bad shard on rank 1", found
+    assert firsts["node0"]["error"].startswith("service reward exited with code 3"), found
+    assert found["bundle"].startswith("/opt/rlhf-tasks/logs/forensics-contract-head-")
+    testbed2.sh(0, f"cp {found['bundle']} {tmp_path}/bundle.tar.gz")  # /opt is the head host's own
+    with tarfile.open(tmp_path / "bundle.tar.gz") as tar:
+        members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert {"node0/rlhf-tasks/agent-node0.log", "node0/rlhf-tasks/service-reward-node0.log", "node0/raylet.out",
+            "node0/gcs_server.out", "node1/rlhf-tasks/agent-node1.log", "node1/raylet.out"} <= set(members), sorted(members)
+    assert "CUDA error: an illegal memory access" in members["node0/rlhf-tasks/service-reward-node0.log"]
+    assert any(n.startswith("node1/worker-") and n.endswith(".err") for n in members)
+    assert "shard with key [secret FX_SECRET]" in "".join(members.values())
+    assert not any(secret in text or TOKEN in text for text in members.values())
 
 
 def test_dstack_client_submission_through_a_forwarded_port(testbed2, tmp_path):

@@ -4,8 +4,10 @@ a relaunch that resumes from the checkpoint, and token auth on the Jobs API."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tarfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,6 +35,10 @@ def no_leftovers(cluster_id: str) -> bool:
     """No process of ours still runs: our temp dir names the cluster in every Ray command line."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return f"rlhf-{cluster_id}" not in out
+
+
+#: A job that prints the secret FX_SECRET (which no failure bundle may hold), then fails with a traceback.
+FAIL_WITH_SECRET = "python3 -c 'import json, os; print(\"the key is\", os.environ[\"FX_SECRET\"], flush=True); json.loads(\"{\")'"
 
 
 def sleeping_task(path: Path, name: str) -> None:
@@ -185,6 +191,15 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         # The promise holds: the cluster keeps running after its job was stopped, until `down`.
         listed = cli("list", "--cluster", "long")
         assert listed.returncode == 0 and "STOPPED" in listed.stdout, listed.stdout + listed.stderr
+        # Every node's logs of the running cluster, on demand (issue 22), through its dashboard.
+        made = cli("logs", "long", "--bundle")
+        assert made.returncode == 0, made.stdout + made.stderr
+        bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", made.stdout).group(1)
+        assert bundle.startswith(str(rlhf_home / "runs" / "long"))
+        with tarfile.open(bundle) as tar:
+            names = tar.getnames()
+        assert any("/node0/rlhf-tasks/agent-node0.log" in n for n in names), names
+        assert any("/node1/rlhf-tasks/agent-node1.log" in n for n in names), names
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -193,19 +208,37 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
 
 def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
     """Also: a setup such as `pip install ...` must not run once per node at the same time into the
-    one environment the local nodes share; it runs on the head only (issue 20, item 5)."""
+    one environment the local nodes share; it runs on the head only (issue 20, item 5). And the
+    failure's forensics (issue 22): the summary names the head's first error (its driver's
+    traceback; a worker's own traceback is tests/test_contracts.py's) and the bundle holds both
+    nodes' logs, without the secret the job printed."""
     ran = tmp_path / "setup-ran"
     task = tmp_path / "failing.yaml"
+    secret = "fx-secret-value-0123456789"
     task.write_text(yaml.safe_dump({
         "name": "failing", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
-        "setup": [f"echo ran >> {ran}"],
+        "setup": [f"echo ran >> {ran}"], "secrets": ["FX_SECRET"],
         "job": {"recipe": "command", "working_dir": None, "max_restarts": 0,  # restarts have their own tests
-                "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
-    run = launch([str(task)], tmp_path, cli_env)
+                "args": {"entrypoint": FAIL_WITH_SECRET}}}))
+    run = launch([str(task)], tmp_path, dict(cli_env, FX_SECRET=secret))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "failed: running job failing-" in run.stderr and "ended FAILED" in run.stderr
     assert "stopped local cluster failing" in run.stdout  # torn down after a failure too
     assert ran.read_text().splitlines() == ["ran"]
+    summary = run.stdout[run.stdout.index("== summary =="):]
+    firsts = summary[summary.index("first error on each node:"):].splitlines()
+    assert firsts[1].strip().startswith("node0 (") and "json.decoder.JSONDecodeError: Expecting" in firsts[1], summary
+    assert "[job-driver-failing-" in firsts[1], summary
+    bundle = Path(re.search(r"every node's logs: (\S+\.tar\.gz)", summary).group(1))
+    with tarfile.open(bundle) as tar:
+        members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert {"node0/rlhf-tasks/agent-node0.log", "node1/rlhf-tasks/agent-node1.log", "node0/gcs_server.out",
+            "node1/raylet.out", "index.json", "index.txt"} <= set(members), sorted(members)
+    assert any(n.startswith("node0/job-driver-") for n in members)
+    assert "the key is [secret FX_SECRET]" in "".join(members.values())  # the job printed it: scrubbed
+    assert not any(secret in text for text in members.values())
+    index = json.loads(members["index.json"])
+    assert {f["node"] for f in index["files"]} == {"node0", "node1"}
 
 
 def _lose_node(rlhf_home: Path, name: str, rank: int) -> None:

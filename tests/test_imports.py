@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "rlhf_tasks"
 AGENT = "rlhf_tasks.agent"
 #: What code outside the agent may import of it (importer None: any importer).
-AGENT_FACES = {(None, "rlhf_tasks.agent.protocol"), ("rlhf_tasks.providers.local", "rlhf_tasks.agent.processes")}
+AGENT_FACES = {(None, "rlhf_tasks.agent.protocol"), (None, "rlhf_tasks.agent.forensics"), ("rlhf_tasks.providers.local", "rlhf_tasks.agent.processes")}
 
 
 def modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:

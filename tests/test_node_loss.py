@@ -95,6 +95,11 @@ def test_a_worker_that_never_comes_back_fails_the_run_naming_it(testbed3, tmp_pa
     out = nodes.head.output
     assert "node 10.77.0.12 left the cluster" in out
     assert "waiting for every node to be ALIVE again" in out and "missing: 10.77.0.12" in out
+    # The failure's forensics (issue 22): the lost node is named with Ray's word on its death.
+    found = json.loads(out.strip().splitlines()[-1].split(" ", 1)[1])["forensics"]  # the head's result line
+    lost = next(e for e in found["first_errors"] if e["ip"] == "10.77.0.12")
+    assert lost["kind"] == "dead" and lost["error"].startswith("lost: Ray marked the node DEAD"), found
+    assert found["bundle"].startswith("/opt/rlhf-tasks/logs/forensics-")
 
 
 def test_a_stalled_job_is_restarted_then_fails_naming_the_stall(testbed3, tmp_path):

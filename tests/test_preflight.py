@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,14 @@ def test_a_host_whose_gloo_interface_cannot_reach_the_others_fails_preflight_and
     assert result["exit_code"] == 1 and result["failed_step"] == "preflight (interfaces)"
     assert "the job's command was not started" in result["error"]
     assert {s["step"]: s["seconds"] for s in result["steps"]}["preflight"] < 60 + protocol.PREFLIGHT_GRACE_S
+    # The failure's forensics (issue 22): node2 is named with preflight's verdict, every node's files are in the bundle.
+    firsts = {e["label"]: e for e in result["forensics"]["first_errors"]}
+    assert firsts["node2"]["error"].startswith("preflight (interfaces): node2 (10.77.0.12)"), result["forensics"]
+    assert "forensics: " in out and "every node's logs: /opt/rlhf-tasks/logs/forensics-" in out
+    tb.sh(0, f"cp {result['forensics']['bundle']} {tmp_path}/bundle.tar.gz")
+    with tarfile.open(tmp_path / "bundle.tar.gz") as tar:
+        nodes = {m.name.split("/")[1] for m in tar.getmembers() if m.name.count("/") >= 2}
+    assert nodes == {"node0", "node1", "node2"}, nodes
 
 
 def test_a_throttled_host_among_five_passes_with_a_bandwidth_warning_naming_it(testbed5, tmp_path):

@@ -19,6 +19,7 @@ import re
 import shlex
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ import yaml
 import slurm_testbed as stmod
 import testbed as tbmod
 from conftest import ROOT, need
+from test_e2e_local import FAIL_WITH_SECRET
 
 slurm = stmod.make_slurm_fixture(3)
 
@@ -143,12 +145,15 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
     task.write_text(yaml.safe_dump({
         "name": "fail", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
         "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "3m"},
+        "secrets": ["FX_SECRET"],
         "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
-                "args": {"entrypoint": "python3 -c 'raise SystemExit(3)'"}}}))
+                "args": {"entrypoint": FAIL_WITH_SECRET}}}))
     home = tmp_path / "home"
+    secret = "fx-secret-value-0123456789"
     try:
         slurm.wait_running(blocking)
-        launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
+        launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True,
+                     FX_SECRET=secret)
         tbmod.poll(lambda: re.search(r"Slurm job \d+: PENDING \((Resources|Priority)\)", launch.output), 60,
                    "the launcher to show the job PENDING with Slurm's reason")
     finally:
@@ -159,6 +164,15 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
     assert slurm.job_state(job) == ("FAILED", 1), slurm.job_info(job)
     assert f"job fail-{job}: FAILED" in out and f"Slurm job {job} FAILED with exit code 1" in out
     assert f"failed: running job fail-{job}: it ended FAILED" in out  # the launcher's one verdict
+    # The failure's forensics (issue 22): the head's driver raised; the bundle is on the shared filesystem.
+    firsts = out[out.index("first error on each node:"):].splitlines()
+    assert firsts[1].strip().startswith("node0 (") and "json.decoder.JSONDecodeError" in firsts[1], out[-3000:]
+    bundle = Path(re.search(r"every node's logs: (\S+\.tar\.gz)", out).group(1))
+    with tarfile.open(bundle) as tar:
+        members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert {"node0/rlhf-tasks/agent-node0.log", "node1/rlhf-tasks/agent-node1.log", "index.json"} <= set(members)
+    assert "the key is [secret FX_SECRET]" in "".join(members.values())
+    assert not any(secret in text for text in members.values())
     no_strays(slurm)
 
 

@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from .attached import BeforeRayFlow, PrepareFlow, StartedHeadFlow
 from .contract import locate, read_contract
+from .forensics import tee_stdout
 from .head import HeadFlow
 from .jobrunner import gate_main
 from .protocol import PLAN_VERSION, AgentError, log, result_line
@@ -81,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log_dir = args.log_dir or state_dir
         for directory in (state_dir, log_dir):
             os.makedirs(directory, exist_ok=True)
+        tee_stdout(log_dir, info.rank)  # the agent's log, for a failure's bundle
         node = Node(plan, info, env, state_dir, log_dir)
         if plan["setup"] and not args.skip_setup:
             node.run_commands("setup", plan["setup"])
@@ -117,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         result.update(exit_code=exc.code, error="stopped by signal %d" % (exc.code - 128))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if flow is not None and result["exit_code"] and not signalled and hasattr(flow, "gather_forensics"):
+            flow.gather_forensics(result.get("error") or "exit code %s" % result["exit_code"])  # before any teardown
         if flow is not None:
             flow.stop(signalled=signalled)
             result.update(flow.result())

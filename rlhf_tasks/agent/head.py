@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from .beacon import ReadyBeacon, reachable
+from .forensics import keeper, on_failure
 from .jobrunner import JobRunner
 from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
                        http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
@@ -33,6 +34,10 @@ class HeadFlow(object):
         self.node, self.plan, self.info = node, node.plan, node.info
         self.beacon = None  # type: Optional[ReadyBeacon]
         self.runner = None  # type: Optional[JobRunner]
+        self.forensics = None  # type: Optional[dict]  (a failure's first errors and bundle: forensics.py)
+        self.preflight_result = None  # type: Optional[dict]
+        self.preflight_at = None  # type: Optional[str]  (when preflight's result came)
+        self.started_ms = int(time.time() * 1000)
 
     def run(self) -> int:
         node, plan = self.node, self.plan
@@ -80,9 +85,10 @@ class HeadFlow(object):
                                                              (plan["ray"].get("num_gpus") or 0) * nodes)),
                                 plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
             log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
+            keeper(node).tick()  # the head's files where Ray's log API reads them
             if preflight is not None:
                 with node.step("preflight"):
-                    preflight.follow()
+                    self.preflight_result = preflight.follow(keep=self.keep_preflight)
         except BaseException as exc:
             if gate is not None:
                 gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
@@ -97,11 +103,27 @@ class HeadFlow(object):
 
     def finish(self) -> None:
         """The job is over: say so in a result line now (the launcher reads it), and keep the
-        cluster up when the plan says so."""
+        cluster up when the plan says so. A failed job's logs are gathered first."""
+        job = self.runner.job if self.runner else {}
+        if job.get("status") != "SUCCEEDED":
+            attempts = job.get("attempts") or [{}]
+            self.gather_forensics("job %s ended %s%s" % (job.get("submission_id"), job.get("status") or "early", (
+                ": %s" % attempts[-1]["cause"]) if attempts[-1].get("cause") else ""))
         if self.plan.get("keep_cluster"):
             print(result_line(dict(self.result(), exit_code=None, rank=0, steps=self.node.steps)), flush=True)
             log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
             self.supervise()
+
+    def keep_preflight(self, result: dict) -> None:
+        """Preflight's result, and when it came: a failure's forensics name the nodes it blames."""
+        self.preflight_result, self.preflight_at = result, time.strftime("%H:%M:%S")
+
+    def gather_forensics(self, reason: str) -> None:
+        """Once, before anything is torn down: every node's logs in a bundle, each node's first
+        error (not for a job someone STOPPED: that is no failure to explain)."""
+        if self.forensics is None and (self.runner is None or self.runner.job.get("status") != "STOPPED"):
+            self.forensics = on_failure(self.node, reason, self.preflight_result, self.started_ms,
+                                        self.preflight_at)
 
     def supervise(self) -> int:
         while self.node.ray.alive():
@@ -115,6 +137,8 @@ class HeadFlow(object):
         if runner is not None and runner.follower is not None:
             out["job_log_chars"] = runner.follower.shown
             out["job_log_tail"] = runner.follower.log_text[-JOB_LOG_TAIL_CHARS:]
+        if self.forensics is not None:
+            out["forensics"] = self.forensics
         return out
 
     def stop(self, signalled: bool = False) -> None:
@@ -162,10 +186,12 @@ class HeadPreflight(object):
         self.jobs.submit(self.sid, preflight_argv(settings, node.plan["nodes"], settings["timeout_s"],
                                                   wait_nodes=node.plan["wait"]["nodes_s"]))
 
-    def follow(self) -> dict:
-        """Once every node is ALIVE: its checks have `preflight.timeout` from now."""
+    def follow(self, keep=lambda result: None) -> dict:
+        """Once every node is ALIVE: its checks have `preflight.timeout` from now (`keep(result)`
+        before a failure is raised: the failure's forensics name the nodes it blames)."""
         node = self.node
         result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log)
+        keep(result)
         path = os.path.join(node.log_dir, "preflight.json")
         with open(path, "w") as handle:
             json.dump(result, handle, indent=2, sort_keys=True)

@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from .beacon import ReadyBeacon, probe_ready, reachable
 from .contract import NodeInfo
+from .forensics import keeper
 from .processes import Child
 from .protocol import JOB_STARTS, AgentError, log, submission_id, wait_for
 from .raynode import Node
@@ -62,6 +63,7 @@ class WorkerFlow(object):
                 rejoins += 1
                 log("the raylet exited (code %s); rejoining (%d/%d)" % (node.ray.proc.returncode, rejoins, max_rejoins))
                 node.start_ray(head=False)
+            keeper(node).tick()  # this node's evidence where the head can read it
             time.sleep(1.0)
 
     def result(self) -> dict:

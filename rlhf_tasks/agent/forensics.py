@@ -1,0 +1,671 @@
+"""Failure forensics: what went wrong on which node, and every node's logs in one bundle.
+
+Every node agent keeps its own evidence where Ray's log API can read it (a `rlhf-tasks/`
+directory inside the node's Ray logs directory: the agent's log, `ray start`'s and the
+services' output, a facts file with disk, /dev/shm and memory usage and the kernel's OOM
+kills since the agent started), so one path reads any node's files through the head's
+dashboard (`/api/v0/logs?node_id=...`, `/api/v0/logs/file?...`) on every provider. When the
+run fails, the head gathers, before anything is torn down: those files, Ray's logs that
+matter (raylet, GCS, dashboard agent, the job's driver and its workers' .err/.out), each
+tail-capped, and the cluster's state (every node, and why Ray says a dead one died). It
+finds the first error on each node, scrubs the task's secrets and the Ray token out of
+everything, and writes one .tar.gz with an index beside its own logs. `rlhf-tasks logs
+NAME --bundle` runs the same gathering from the launcher's side.
+
+Standard library only, Python >= 3.8 (it runs on the nodes).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.parse
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .protocol import auth_headers, http_request, log
+
+#: Our directory inside each node's Ray logs directory.
+OWN = "rlhf-tasks"
+FACTS = "node-facts.txt"
+TAIL_LINES = 2000          # per file, from its end
+TAIL_BYTES = 256 * 1024    # per file, from its end, after TAIL_LINES
+MAX_WORKER_FILES = 24      # per node: the job's workers' .err/.out (errors first)
+FACTS_EVERY_S = 5.0
+#: Ray's own files that matter for a failure (names in the node's Ray logs directory).
+RAY_FILES = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err", "dashboard_agent.log", "dashboard.err",
+             "monitor.log")
+#: How bad a finding is, for choosing a node's first error: lower wins, then the earliest.
+#: Preflight's verdict on a node is its diagnosis of why the run failed: it comes first.
+PRIORITY = {"oom": 0, "dead": 0, "preflight": 0, "disk": 1, "exit": 1, "traceback": 2, "agent": 3, "ray": 4}
+#: The kinds the summary names (Ray's own ERROR lines only when nothing else was found).
+MEANINGFUL = ("oom", "dead", "disk", "exit", "preflight", "traceback", "agent")
+
+_AGENT_TS = re.compile(r"^\[(\d\d:\d\d:\d\d)\] (node\d+|node|\S+): ")
+_RAY_TS = re.compile(r"^\[(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)[,.]\d+ ([IWEF]) ")
+_PY_TS = re.compile(r"^(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)[,.]\d+\s+(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_PREFIX = re.compile(r"^\((?:[^()]*?)(?:pid=\d+)?(?:, ip=([\d.]+))?\)\s")
+_OOM = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+) \(([^)]*)\)")
+_RAY_OOM = re.compile(r"(killed due to the node running low on memory|OutOfMemoryError)")
+_EXIT = re.compile(r"(exited with code (-?\d+)|exited \(code (-?\d+)\)|exit code (-?\d+))")
+_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Fault)|[A-Za-z_][\w.]*\.\w+Error)\b:?(.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# ------------------------------------------------------------------ finding errors (pure)
+
+
+def _finding(kind: str, message: str, at: Optional[str], where: str, order: int) -> dict:
+    return {"kind": kind, "error": message.strip()[:500], "at": at, "file": where, "order": order}
+
+
+def find_errors(text: str, where: str, node_ip: Optional[str] = None, since_uptime: Optional[float] = None) -> List[dict]:
+    """Every error in one file's `text` (`where`: its name), in file order: kernel OOM kills
+    (a dmesg line "[seconds]" counts only after `since_uptime`), a non-zero exit the agent
+    reported, a traceback (its exception line), the agent's own ERROR line, Ray's ERROR or
+    FATAL lines. Lines a driver relays from another node (`(pid=.., ip=X)` with X not
+    `node_ip`) are that node's, not this file's."""
+    found = []  # type: List[dict]
+    internal = where in RAY_FILES  # Ray's own components: their tracebacks are Ray's noise more often than a cause
+    # The agent's log relays the job's log and a dead service's last lines: their tracebacks are
+    # found in the files they come from (the job's driver log, the service's log).
+    relay = re.search(r"(^|/)agent-node\d+\.log$", where) is not None
+    at = None  # the latest timestamp seen: an untimed line (a traceback) happened then or later
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        raw = _ANSI.sub("", lines[index]).rstrip()
+        index += 1
+        prefix = _PREFIX.match(raw)
+        if prefix:
+            if prefix.group(1) and node_ip and prefix.group(1) != node_ip:
+                continue
+            raw = raw[prefix.end():]
+        stamp = _AGENT_TS.match(raw) or _RAY_TS.match(raw) or _PY_TS.match(raw)
+        body = raw
+        level = None
+        if stamp is not None:
+            at = stamp.group(1) if stamp.re is _AGENT_TS else stamp.group(2)
+            level = stamp.group(3) if stamp.re is not _AGENT_TS else None
+            body = raw[stamp.end():].strip()
+        oom = _OOM.search(raw)
+        if oom:
+            boot = re.match(r"^\[\s*(\d+\.\d+)\]", raw)
+            if since_uptime is None or boot is None or float(boot.group(1)) >= since_uptime:
+                found.append(_finding("oom", "the kernel killed %s (pid %s): out of memory" % (oom.group(2), oom.group(1)),
+                                      at, where, len(found)))
+            continue
+        if _RAY_OOM.search(body) and (level in ("E", "F", "ERROR", "CRITICAL", None)):
+            found.append(_finding("oom", "Ray killed a worker: the node ran low on memory (%s)" % body[:300], at, where,
+                                  len(found)))
+            continue
+        if raw.startswith("Traceback (most recent call last):"):
+            exception = None
+            while index < len(lines):
+                nxt = _ANSI.sub("", lines[index]).rstrip()
+                pre = _PREFIX.match(nxt)
+                if pre:
+                    nxt = nxt[pre.end():]
+                index += 1
+                if not nxt or nxt.startswith((" ", "\t")) or nxt.startswith("Traceback"):
+                    continue
+                exception = nxt
+                break
+            if not relay:
+                found.append(_finding("ray" if internal else "traceback",
+                                      exception or "a traceback without its exception line", at, where, len(found)))
+            continue
+        if stamp is not None and stamp.re is _AGENT_TS:
+            if body.startswith("ERROR: "):
+                found.append(_finding("agent", body[len("ERROR: "):], at, where, len(found)))
+            elif _EXIT.search(body) and re.search(r"\b(exited|exit code)\b", body) and not re.search(
+                    r"exit(ed with)? code 0\b|\(code 0\)", body) and "ended with exit code 0" not in body:
+                found.append(_finding("exit", body, at, where, len(found)))
+            elif body.startswith("disk full: "):
+                found.append(_finding("disk", body[len("disk full: "):], at, where, len(found)))
+            continue
+        if level in ("E", "F", "ERROR", "CRITICAL"):
+            found.append(_finding("ray", body, at, where, len(found)))
+            continue
+        if stamp is None:
+            exc = _EXC.match(raw)
+            if exc and where.endswith((".err", ".log", ".out")) and "worker" in where and not raw.startswith("["):
+                found.append(_finding("traceback", raw, at, where, len(found)))
+    return found
+
+
+def first_error(findings: List[dict]) -> Optional[dict]:
+    """The one finding that says best what went wrong first: the most telling kind (an OOM
+    kill or a node's death, then a process's exit or a full disk, then a traceback, then
+    the agent's own error, then Ray's ERROR lines), and of that kind the earliest."""
+    if not findings:
+        return None
+    return min(findings, key=lambda f: (PRIORITY.get(f["kind"], 9), f.get("at") or "99", f.get("seq", 0),
+                                        f.get("order", 0)))
+
+
+def describe(entry: dict) -> str:
+    """One node's first error as the summary says it: `node2 (10.0.0.3) at 14:02:11: ... [file]`."""
+    who = entry["label"] + (" (%s)" % entry["ip"] if entry.get("ip") and entry["ip"] not in entry["label"] else "")
+    at = " at %s" % entry["at"] if entry.get("at") else ""
+    short = re.sub(r"^worker-[0-9a-f]{12,}-[0-9a-f]+-(\d+)\.", r"worker-...-\1.", entry.get("file") or "")
+    where = " [%s]" % short if short else ""
+    return "%s%s: %s%s" % (who, at, entry["error"], where)
+
+
+def summary_lines(forensics: Optional[dict]) -> List[str]:
+    """The summary's lines about a failure: each node's first error, earliest first, then
+    where the bundle is."""
+    if not forensics:
+        return []
+    lines = []
+    named = [n for n in forensics.get("first_errors") or []]
+    if named:
+        lines.append("first error on each node:")
+        lines += ["  " + describe(n) for n in named]
+    elif forensics.get("gathered"):
+        lines.append("no node's logs name an error (the bundle holds them all)")
+    if forensics.get("bundle"):
+        lines.append("every node's logs: %s%s" % (forensics["bundle"], " (%s)" % forensics["where"]
+                                                  if forensics.get("where") else ""))
+    if forensics.get("problem"):
+        lines.append("gathering the logs: %s" % forensics["problem"])
+    return lines
+
+
+def node_order(nodes: List[dict]) -> List[dict]:
+    """The nodes whose first error the summary names, earliest first (an error with no time,
+    such as a worker's traceback, first of all: a worker's failure is what a driver's later
+    error usually reports); only telling kinds (Ray's own ERROR lines only when no node has
+    anything else)."""
+    named = [n for n in nodes if n.get("first_error") and n["first_error"]["kind"] in MEANINGFUL]
+    if not named:
+        named = [n for n in nodes if n.get("first_error")]
+    return sorted(named, key=lambda n: (n["first_error"].get("at") or "", PRIORITY.get(n["first_error"]["kind"], 9),
+                                        n.get("rank", 99)))
+
+
+def scrub(text: str, secrets: Dict[str, str]) -> str:
+    """`text` with every secret's value replaced by `[secret NAME]` (values of 4 characters
+    or more: a shorter one would blank out ordinary words)."""
+    for name, value in sorted(secrets.items(), key=lambda kv: -len(kv[1] or "")):
+        if value and len(value) >= 4:
+            text = text.replace(value, "[secret %s]" % name)
+    return text
+
+
+def tail(data: bytes, max_bytes: int = TAIL_BYTES) -> Tuple[bytes, bool]:
+    """The last `max_bytes` of `data`, from a line's start; whether it was cut."""
+    if len(data) <= max_bytes:
+        return data, False
+    cut = data[-max_bytes:]
+    newline = cut.find(b"\n")
+    return (cut[newline + 1:] if 0 <= newline < 4096 else cut), True
+
+
+def wanted(files: List[str], job_ids: Optional[List[str]] = None) -> List[str]:
+    """Of a node's Ray log files: ours, Ray's own that matter, the job drivers' logs, and
+    the job's workers' .err/.out (not idle workers', whose job id is ffffffff), at most
+    MAX_WORKER_FILES of them, .err first."""
+    keep = [f for f in files if f.startswith(OWN + "/") and not f.endswith("/") and not f.endswith(".tar.gz")]
+    keep += [f for f in files if f in RAY_FILES or re.match(r"^job-driver-.*\.log$", f)]
+    workers = []
+    for name in files:
+        match = re.match(r"^worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(err|out)$", name)
+        if match and match.group(1) != "ffffffff" and (not job_ids or match.group(1) in job_ids):
+            workers.append((match.group(2) != "err", name))
+    keep += [name for _, name in sorted(workers)[:MAX_WORKER_FILES]]
+    return keep
+
+
+# ------------------------------------------------------------------ every node keeps its evidence
+
+
+def ray_logs_dir(plan: dict, rank: int) -> str:
+    """This node's Ray logs directory (its current session's)."""
+    temp = ("%s/n%d" % (plan["ray"]["temp_dir"], rank)) if plan["ray"].get("temp_dir") else "/tmp/ray"
+    return os.path.join(temp, "session_latest", "logs")
+
+
+def uptime() -> Optional[float]:
+    try:
+        with open("/proc/uptime") as handle:
+            return float(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Tee(object):
+    """The agent's stdout, also written to a file (its log, for the bundle)."""
+
+    def __init__(self, stream, path: str):
+        self.stream, self.file = stream, open(path, "a")
+
+    def write(self, text: str) -> int:
+        try:
+            self.file.write(text)
+        except (OSError, ValueError):
+            pass
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except (OSError, ValueError):
+            pass
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def tee_stdout(log_dir: str, rank: int) -> str:
+    """From now on the agent's own lines also go to `agent-node<rank>.log` in its log directory."""
+    path = os.path.join(log_dir, "agent-node%d.log" % rank)
+    if not isinstance(sys.stdout, Tee):
+        sys.stdout = Tee(sys.stdout, path)
+    return path
+
+
+class Keeper(object):
+    """On every node: link the agent's files into Ray's logs directory (where the log API
+    reads them), keep the facts file current, and say when a service the agent started
+    has exited (a non-zero exit is a first error)."""
+
+    def __init__(self, node):
+        self.node = node
+        self.rank = node.info.rank
+        self.linked = None  # type: Optional[str]
+        self.started_uptime = uptime()
+        self.facts_at = 0.0
+        self.told = set()  # services whose exit was said
+
+    def own_files(self) -> List[str]:
+        node, rank = self.node, self.rank
+        names = ["agent-node%d.log" % rank, "ray-node%d.log" % rank, FACTS, "preflight.json"]
+        names += ["service-%s-node%d.log" % (s["name"], rank) for s in node.plan["services"]]
+        return [os.path.join(node.log_dir, n) for n in names]
+
+    def link(self) -> None:
+        logs = ray_logs_dir(self.node.plan, self.rank)
+        if not os.path.isdir(logs):
+            return
+        own = os.path.join(logs, OWN)
+        try:
+            os.makedirs(own, exist_ok=True)
+            for path in self.own_files():
+                target = os.path.join(own, os.path.basename(path))
+                if os.path.exists(path) and not os.path.lexists(target):
+                    os.symlink(os.path.abspath(path), target)
+        except OSError:
+            return
+        self.linked = own
+
+    def facts(self, shared: bool = False) -> str:
+        """Disk, /dev/shm and memory usage, and the kernel's OOM kills since this agent started
+        (`shared`: the checkpoint directory too, whose network filesystem could hang a
+        supervising loop, so only when gathering)."""
+        node = self.node
+        stamp = "[%s] node%d: " % (time.strftime("%H:%M:%S"), self.rank)
+        lines = ["%sfacts at %s on %s" % (stamp, time.strftime("%Y-%m-%d %H:%M:%S %Z"), os.uname()[1])]
+        places = ["/", "/tmp", "/dev/shm", node.log_dir, (node.plan.get("checkpoint_dir") or "") if shared else "",
+                  os.path.dirname(os.path.dirname(ray_logs_dir(node.plan, self.rank)))]
+        seen = set()
+        for place in places:
+            if not place or not os.path.isdir(place):
+                continue
+            try:
+                st = os.statvfs(place)
+            except OSError:
+                continue
+            key = (st.f_blocks, st.f_bfree, st.f_files)
+            if key in seen and place != "/dev/shm":
+                continue
+            seen.add(key)
+            total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+            used = 100.0 * (total - free) / total if total else 0.0
+            lines.append("%sdisk %s: %.1f of %.1f GiB used (%.0f%%), %.1f GiB free" % (
+                stamp, place, (total - free) / 2.0 ** 30, total / 2.0 ** 30, used, free / 2.0 ** 30))
+            if total and free < 64 * 2 ** 20:
+                lines.append("%sdisk full: %s has %.0f MiB left of %.1f GiB" % (stamp, place, free / 2.0 ** 20,
+                                                                                 total / 2.0 ** 30))
+        try:
+            with open("/proc/meminfo") as handle:
+                mem = dict((l.split(":")[0], l.split(":")[1].strip()) for l in handle if ":" in l)
+            lines.append("%smemory: %s total, %s available" % (stamp, mem.get("MemTotal"), mem.get("MemAvailable")))
+        except OSError:
+            pass
+        lines += ["%skernel: %s" % (stamp, line) for line in oom_lines(self.started_uptime)]
+        return "\n".join(lines) + "\n"
+
+    def tick(self, force: bool = False) -> None:
+        """Cheap; call it from a supervising loop. Never raises."""
+        try:
+            self.say_exits()
+            now = time.monotonic()
+            if force or now - self.facts_at >= FACTS_EVERY_S:
+                self.facts_at = now
+                path = os.path.join(self.node.log_dir, FACTS)
+                with open(path + ".tmp", "w") as handle:
+                    handle.write(self.facts(shared=force))
+                os.replace(path + ".tmp", path)
+            if self.linked is None or force:
+                self.link()
+        except Exception as exc:  # forensics must never fail the run
+            if force:
+                log("forensics: could not keep this node's facts: %s" % exc)
+
+    def say_exits(self) -> None:
+        for child in self.node.services:
+            if child.name not in self.told and not child.alive():
+                self.told.add(child.name)
+                code = child.proc.returncode
+                code = code if code >= 0 else "%d (killed by signal %d)" % (code, -code)
+                log("service %s exited with code %s; its last lines:\n%s" % (child.name, code, child.tail(10)))
+
+
+_DMESG_REFUSED = []  # type: List[bool]
+
+
+def oom_lines(since_uptime: Optional[float]) -> List[str]:
+    """The kernel's lines about OOM kills since `since_uptime` (seconds since boot), where
+    `dmesg` is readable; [] otherwise."""
+    if _DMESG_REFUSED or not shutil.which("dmesg"):
+        return []
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is None or out.returncode != 0:  # not readable here (a container without CAP_SYSLOG): stop asking
+        _DMESG_REFUSED.append(True)
+        return []
+    found = []
+    for line in out.stdout.splitlines():
+        if not re.search(r"Out of memory|oom-kill|oom_reaper|invoked oom-killer", line):
+            continue
+        boot = re.match(r"^\[\s*(\d+\.\d+)\]", line)
+        if since_uptime is not None and boot is not None and float(boot.group(1)) < since_uptime:
+            continue
+        found.append(line)
+    return found[-50:]
+
+
+def keeper(node) -> Keeper:
+    """The node's Keeper (made once)."""
+    kept = getattr(node, "_forensics_keeper", None)
+    if kept is None:
+        kept = Keeper(node)
+        node._forensics_keeper = kept
+    return kept
+
+
+# ------------------------------------------------------------------ reading nodes' files
+
+
+class RayLogs(object):
+    """Any node's log files through the head's dashboard (Ray's log API)."""
+
+    def __init__(self, dashboard: str, token: Optional[str], timeout: float = 15.0):
+        self.dashboard, self.headers, self.timeout = dashboard.rstrip("/"), auth_headers(token), timeout
+
+    def nodes(self) -> List[dict]:
+        """Every node Ray knows, dead ones too (with why they died)."""
+        status, body = http_request(self.dashboard + "/api/v0/nodes?limit=1000&detail=true", headers=self.headers,
+                                    timeout=self.timeout)
+        if status != 200:
+            raise OSError("HTTP %d listing Ray's nodes" % status)
+        return json.loads(body)["data"]["result"]["result"]
+
+    def jobs(self) -> List[dict]:
+        status, body = http_request(self.dashboard + "/api/jobs/", headers=self.headers, timeout=self.timeout)
+        return json.loads(body) if status == 200 else []
+
+    def files(self, node_id: str) -> List[str]:
+        names = []
+        for pattern in ("*", OWN + "/*"):
+            url = "%s/api/v0/logs?%s" % (self.dashboard, urllib.parse.urlencode({"node_id": node_id, "glob": pattern}))
+            status, body = http_request(url, headers=self.headers, timeout=self.timeout)
+            if status != 200:
+                raise OSError("HTTP %d listing node %s's logs: %s" % (status, node_id[:8], body[:200]))
+            for group in (json.loads(body).get("data", {}).get("result") or {}).values():
+                names += [n for n in group if n not in names]
+        return names
+
+    def fetch_head(self, name: str) -> bytes:
+        """A whole file of the head's (e.g. its bundle, linked into its Ray logs directory)."""
+        head = [n for n in self.nodes() if n.get("is_head_node") and n.get("state") == "ALIVE"]
+        if not head:
+            raise OSError("no head node is alive")
+        return self.read(head[0]["node_id"], name, lines=-1)
+
+    def read(self, node_id: str, name: str, lines: int = TAIL_LINES) -> bytes:
+        query = urllib.parse.urlencode({"node_id": node_id, "filename": name, "lines": lines})
+        status, body = http_request("%s/api/v0/logs/file?%s" % (self.dashboard, query), headers=self.headers,
+                                    timeout=self.timeout)
+        if status != 200:
+            raise OSError("HTTP %d reading %s" % (status, name))
+        return body
+
+
+def read_local(logs_dir: str, name: str) -> bytes:
+    """The tail of a file in this node's Ray logs directory (the head reads its own files
+    without the dashboard, which may be what failed)."""
+    with open(os.path.join(logs_dir, name), "rb") as handle:
+        handle.seek(0, 2)
+        size = handle.tell()
+        handle.seek(max(0, size - TAIL_BYTES * 2))
+        data = handle.read()
+    lines = data.split(b"\n")
+    return b"\n".join(lines[-TAIL_LINES - 1:])
+
+
+def list_local(logs_dir: str) -> List[str]:
+    names = []
+    for entry in sorted(os.listdir(logs_dir)):
+        if os.path.isdir(os.path.join(logs_dir, entry)):
+            if entry == OWN:
+                names += [OWN + "/" + e for e in sorted(os.listdir(os.path.join(logs_dir, OWN)))]
+        else:
+            names.append(entry)
+    return names
+
+
+def _job_ids(jobs: List[dict]) -> List[str]:
+    """Ray's hex job ids of the submitted jobs (worker files carry them)."""
+    return [j["job_id"] for j in jobs if j.get("job_id")]
+
+
+def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: Optional[Tuple[str, str]] = None,
+           started_ms: int = 0, extra: Optional[Dict[str, List[dict]]] = None, deadline_s: float = 90.0) -> dict:
+    """Read every node's files (`ray`: through the dashboard; `local`: (the head's address,
+    its own Ray logs directory) read here) and find each node's errors. `extra`: findings the
+    caller knows of, by node address (e.g. preflight's verdict). The result's "files" hold the
+    scrubbed contents, for write_bundle."""
+    deadline = time.monotonic() + deadline_s
+    problems = []  # type: List[str]
+    try:
+        known = ray.nodes() if ray is not None else []
+    except (OSError, ValueError, KeyError) as exc:
+        known, problems = [], ["Ray's node list: %s" % exc]
+    jobs = []  # type: List[dict]
+    try:
+        jobs = ray.jobs() if ray is not None else []
+    except (OSError, ValueError):
+        pass
+    job_ids = _job_ids(jobs)
+    if local and not any(n.get("is_head_node") and n.get("state") == "ALIVE" for n in known):
+        known = [{"node_id": "", "node_ip": local[0], "is_head_node": True, "state": "ALIVE"}] + \
+            [n for n in known if not n.get("is_head_node")]
+    nodes, files = [], []  # type: List[dict], List[dict]
+    alive_ips = {n.get("node_ip") for n in known if n.get("state") == "ALIVE"}
+    for node in sorted(known, key=lambda n: (not n.get("is_head_node"), n.get("state") != "ALIVE", n.get("node_ip"))):
+        ip, state = node.get("node_ip"), node.get("state")
+        entry = {"node_id": node.get("node_id"), "ip": ip, "state": state, "head": bool(node.get("is_head_node")),
+                 "label": "node0" if node.get("is_head_node") else ip, "files": [], "findings": []}
+        if state != "ALIVE":
+            if (node.get("end_time_ms") or 0) < started_ms or ip in alive_ips:
+                continue  # an earlier run's node, or one that came back
+            why = node.get("state_message") or "no reason given"
+            entry["findings"].append(_finding("dead", "lost: Ray marked the node DEAD (%s)" % why,
+                                              _clock(node.get("end_time_ms")), "Ray's node list", 0))
+            nodes.append(entry)
+            continue
+        head_here = bool(local) and bool(node.get("is_head_node"))
+        try:
+            names = list_local(local[1]) if head_here else ray.files(node["node_id"])
+        except (OSError, ValueError) as exc:
+            problems.append("listing %s's logs: %s" % (ip, exc))
+            names = []
+        for name in wanted(names, None):
+            if time.monotonic() > deadline:
+                problems.append("the gathering's deadline of %.0fs passed; some files are left out" % deadline_s)
+                break
+            try:
+                data = read_local(local[1], name) if head_here else ray.read(node["node_id"], name)
+            except (OSError, ValueError) as exc:
+                problems.append("reading %s on %s: %s" % (name, ip, exc))
+                continue
+            data, cut = tail(data)
+            text = scrub(data.decode("utf-8", "replace"), secrets)
+            rank = re.match(r"^%s/agent-node(\d+)\.log$" % OWN, name)
+            if rank:
+                entry["label"], entry["rank"] = "node%s" % rank.group(1), int(rank.group(1))
+            found = find_errors(text, name, ip)
+            for f in found:
+                f["seq"] = len(entry["files"])
+            entry["files"].append(name)
+            entry["findings"] += found
+            files.append({"node": ip, "name": name, "text": text, "truncated": cut or len(text.splitlines()) >= TAIL_LINES,
+                          "found": [f["kind"] + ": " + f["error"] for f in found][:20]})
+        nodes.append(entry)
+    for ip, found in (extra or {}).items():
+        for entry in nodes:
+            if entry["ip"] == ip:
+                entry["findings"] = list(found) + entry["findings"]
+    labels = {}  # the file entries carry their node's label once it is known
+    for entry in nodes:
+        entry["first_error"] = first_error(entry["findings"])
+        if entry["first_error"]:
+            entry["first_error"]["error"] = scrub(entry["first_error"]["error"], secrets)
+        labels[entry["ip"]] = entry["label"]
+    for f in files:
+        f["label"] = labels.get(f["node"], f["node"])
+    named = node_order(nodes)
+    return {"reason": scrub(reason or "", secrets), "made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "nodes": [{k: v for k, v in n.items() if k != "findings"} for n in nodes],
+            "first_errors": [{"label": n["label"], "ip": n["ip"], "error": n["first_error"]["error"],
+                              "kind": n["first_error"]["kind"], "at": n["first_error"]["at"],
+                              "file": n["first_error"]["file"]} for n in named],
+            "files": files, "state": scrub(json.dumps(known, indent=2, sort_keys=True), secrets),
+            "problems": [scrub(p, secrets) for p in problems]}
+
+
+def _clock(ms) -> Optional[str]:
+    return time.strftime("%H:%M:%S", time.localtime(ms / 1000.0)) if ms else None
+
+
+def write_bundle(gathered: dict, directory: str, name: str) -> str:
+    """One .tar.gz in `directory`: every file under <node label>/, index.json and index.txt
+    (which file came from which node, what was found in it), nodes.json (Ray's view)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stem = "forensics-%s-%s" % (re.sub(r"[^A-Za-z0-9_.-]+", "-", name), stamp)
+    path = os.path.join(directory, stem + ".tar.gz")
+    index = {"reason": gathered["reason"], "made_at": gathered["made_at"], "problems": gathered["problems"],
+             "first_errors": gathered["first_errors"],
+             "nodes": [{"label": n["label"], "ip": n["ip"], "state": n["state"], "head": n["head"],
+                        "first_error": n.get("first_error")} for n in gathered["nodes"]], "files": []}
+    members = []  # (arcname, bytes)
+    for f in gathered["files"]:
+        arc = "%s/%s" % (f["label"], f["name"])
+        members.append((arc, f["text"].encode("utf-8")))
+        index["files"].append({"file": arc, "node": f["label"], "address": f["node"], "from": f["name"],
+                               "truncated": f["truncated"], "found": f["found"]})
+    text = ["rlhf-tasks failure bundle, made %s" % gathered["made_at"], "why: %s" % gathered["reason"], ""]
+    text += summary_lines({"first_errors": gathered["first_errors"], "gathered": True})
+    text += ["", "nodes:"] + ["  %s %s %s%s" % (n["label"], n["ip"], n["state"], " (head)" if n["head"] else "")
+                               for n in gathered["nodes"]]
+    text += ["", "files (node, file, what was found):"]
+    for entry in index["files"]:
+        text.append("  %s%s" % (entry["file"], " (tail)" if entry["truncated"] else ""))
+        text += ["      " + line for line in entry["found"][:5]]
+    if gathered["problems"]:
+        text += ["", "not gathered:"] + ["  " + p for p in gathered["problems"]]
+    members += [("index.json", json.dumps(index, indent=2, sort_keys=True).encode()),
+                ("index.txt", ("\n".join(text) + "\n").encode()), ("nodes.json", gathered["state"].encode())]
+    os.makedirs(directory, exist_ok=True)
+    with tarfile.open(path + ".tmp", "w:gz") as tar:
+        for arc, data in members:
+            info = tarfile.TarInfo("%s/%s" % (stem, arc))
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o600
+            tar.addfile(info, io.BytesIO(data))
+    os.replace(path + ".tmp", path)
+    os.chmod(path, 0o600)
+    return path
+
+
+def result_part(gathered: dict, bundle: Optional[str]) -> dict:
+    """What the head's result line carries: each node's first error and the bundle's path."""
+    return {"bundle": bundle, "gathered": True, "problem": "; ".join(gathered["problems"][:3]) or None,
+            "first_errors": gathered["first_errors"]}
+
+
+def bundle_from(dashboard: str, token: Optional[str], secrets: Dict[str, str], directory: str, name: str,
+                reason: str) -> Tuple[str, dict]:
+    """A bundle of a running cluster made from outside it (`rlhf-tasks logs NAME --bundle`):
+    every node through the dashboard. Its path, and the summary's part."""
+    gathered = gather(RayLogs(dashboard, token), secrets, reason)
+    bundle = write_bundle(gathered, directory, name)
+    return bundle, result_part(gathered, bundle)
+
+
+# ------------------------------------------------------------------ the head, when the run fails
+
+
+def preflight_findings(result: Optional[dict], at: Optional[str] = None) -> Dict[str, List[dict]]:
+    """Preflight's failures (its verdict came at `at`), on the node each one names first (`nodeN (address)`)."""
+    found = {}  # type: Dict[str, List[dict]]
+    for failure in (result or {}).get("failures") or []:
+        match = re.match(r"^(node\d+) \(([^)]+)\)", failure.get("message", ""))
+        if match:
+            found.setdefault(match.group(2), []).append(_finding(
+                "preflight", "preflight (%s): %s" % (failure["step"], failure["message"]), at,
+                "preflight.json", 0))
+    return found
+
+
+def on_failure(node, reason: str, preflight: Optional[dict] = None, started_ms: int = 0,
+               preflight_at: Optional[str] = None) -> dict:
+    """The head, when the run failed and before anything is torn down: gather every node's
+    files, write the bundle beside the head's logs, log each node's first error; the part
+    of the result line that says so. Never raises."""
+    try:
+        keeper(node).tick(force=True)
+        plan = node.plan
+        secrets = {name: node.env.get(name, "") for name in plan.get("secrets") or []}
+        if node.token:
+            secrets["RAY_AUTH_TOKEN"] = node.token
+        started = time.monotonic()
+        ray = RayLogs(node.dashboard, node.token) if node.ray is not None and node.ray.alive() else None
+        gathered = gather(ray, secrets, reason, local=(node.info.node_addr, ray_logs_dir(plan, node.info.rank)),
+                          started_ms=started_ms, extra=preflight_findings(preflight, preflight_at))
+        bundle = write_bundle(gathered, node.log_dir, plan["name"])
+        own = os.path.join(ray_logs_dir(plan, node.info.rank), OWN)
+        if os.path.isdir(own):  # where the launcher can fetch it through the dashboard
+            try:
+                os.symlink(os.path.abspath(bundle), os.path.join(own, os.path.basename(bundle)))
+            except OSError:
+                pass
+        part = result_part(gathered, bundle)
+        log("forensics: %d files from %d nodes in %.1fs; first errors: %s; every node's logs: %s" % (
+            len(gathered["files"]), len(gathered["nodes"]), time.monotonic() - started,
+            "; ".join(describe(e) for e in gathered["first_errors"]) or "none found", bundle))
+        return part
+    except Exception as exc:  # the run's own failure is what matters: never hide it behind this one
+        log("forensics: gathering the nodes' logs failed: %s" % exc)
+        return {"bundle": None, "gathered": False, "problem": str(exc), "first_errors": []}
