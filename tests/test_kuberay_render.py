@@ -117,6 +117,9 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
         "lib/rlhf_tasks/agent/attached.py"
     assert configmap["data"]["lib.rlhf_tasks.agent.attached.py"] == \
         (ROOT / "rlhf_tasks" / "agent" / "attached.py").read_text()
+    # `kubectl apply -f` (client-side) keeps the whole object as JSON in an annotation, which the API
+    # server caps at 256 KiB: the agent's sources must leave room (say so before they outgrow it).
+    assert len(json.dumps(configmap, separators=(",", ":"))) < 256 * 1024 - 8 * 1024
 
 
 def test_the_strict_schema_refuses_what_kuberay_would_drop_or_reject():
