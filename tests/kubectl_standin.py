@@ -234,7 +234,8 @@ class Kubectl:
                               f'to perform this operation.')
             if not flags.get("--server-side"):  # client-side apply keeps the object in an annotation; the server caps them
                 kept = sum(len(k) + len(str(v)) for k, v in (meta.get("annotations") or {}).items())
-                if kept + len(LAST_APPLIED) + len(json.dumps(doc, separators=(",", ":"))) > ANNOTATIONS_LIMIT:
+                text = json.dumps(doc, separators=(",", ":"))  # as Go writes it: <, >, & as 6-byte escapes
+                if kept + len(LAST_APPLIED) + len(text.encode()) + 5 * sum(map(text.count, "<>&")) > ANNOTATIONS_LIMIT:
                     raise Refused(f'The {doc["kind"]} "{meta["name"]}" is invalid: metadata.annotations: Too long: '
                                   f'must have at most {ANNOTATIONS_LIMIT} bytes')
             ns = meta.get("namespace") or self.ns()

@@ -29,7 +29,8 @@ from rlhf_tasks.agent.attached import ray_env_lines
 from rlhf_tasks.agent.contract import read_contract
 from rlhf_tasks.errors import BadInput
 from rlhf_tasks.providers.kuberay import CONFIGMAP_DIR, LIB_ARCHIVE, RAY_ENV_FILE, pack
-from rlhf_tasks.providers.kuberay.render import unpack_shell
+from rlhf_tasks.providers.kuberay import render as kuberay_render
+from rlhf_tasks.providers.kuberay.render import last_applied_size, unpack_shell
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT
@@ -137,10 +138,10 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     assert "tarfile" not in head["containers"][0]["args"][0]  # its init container unpacked into the shared emptyDir
     # `kubectl apply -f` (client-side) keeps the whole object as JSON in an annotation, which the API
     # server caps at 256 KiB: the packed agent keeps a clear margin below it.
-    assert len(json.dumps(configmap, separators=(",", ":"))) < 128 * 1024
+    assert last_applied_size(configmap) < 128 * 1024
 
 
-def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tmp_path):
+def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tmp_path, monkeypatch):
     """Render stays pure (the same file for the same task), and the rendered unpack line, run with
     this machine's python3, puts back every shipped source byte for byte."""
     provider = providers.get("kuberay")
@@ -159,6 +160,10 @@ def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tm
     assert out.returncode == 0 and not out.stderr, out.stderr
     assert {p.relative_to(tmp_path / "node").as_posix(): p.read_text()
             for p in (tmp_path / "node").rglob("*") if p.is_file()} == files
+    # a ConfigMap that client-side apply could not annotate is refused at render, naming why
+    monkeypatch.setattr(kuberay_render, "ANNOTATIONS_LIMIT", 64 * 1024)
+    with pytest.raises(BadInput, match="kubectl apply -f.*last-applied-configuration.*65536"):
+        provider.render(plan)
 
 
 def test_the_strict_schema_refuses_what_kuberay_would_drop_or_reject():

@@ -62,8 +62,10 @@ AGENT_PORT = 52365
 PROBE_PERIOD_S = 10
 #: KubeRay's SidecarMode submitter asks http://127.0.0.1:8265, whatever the head's dashboard port.
 SIDECAR_DASHBOARD_PORT = 8265
-#: The API server's cap on an object's annotations, where client-side `kubectl apply -f` keeps the whole object.
+#: The API server's cap on an object's annotations (keys and values), and the one where client-side
+#: `kubectl apply -f` keeps the whole object.
 ANNOTATIONS_LIMIT = 256 * 1024
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 #: Where the pods mount the ConfigMap (read-only): the plan, and lib/ as one archive that each pod
 #: unpacks into NODE_DIR (an emptyDir: the agent runs from there as on every provider).
 CONFIGMAP_DIR = "/opt/rlhf-tasks-configmap"
@@ -174,6 +176,13 @@ def pack(files: dict[str, str]) -> bytes:
     return out.getvalue()
 
 
+def last_applied_size(obj: dict) -> int:
+    """The bytes of annotations `kubectl apply -f` gives an object: its key and the object as compact
+    JSON, which Go writes with `<`, `>`, `&` as 6-byte escapes."""
+    text = json.dumps(obj, separators=(",", ":"))
+    return len(LAST_APPLIED) + len(text.encode()) + 5 * sum(text.count(c) for c in "<>&")
+
+
 def unpack_shell() -> str:
     """A shell command that unpacks the ConfigMap's archive into NODE_DIR with the image's python3
     (tarfile, the data filter where the Python has it)."""
@@ -247,10 +256,11 @@ class KubeRayRender(Provider):
                      "metadata": self.metadata(plan, options, self.configmap_name(plan)),
                      "data": {f"{plan.name}.plan.json": plan.to_json()},
                      "binaryData": {LIB_ARCHIVE: base64.b64encode(pack(self.shipped(plan))).decode()}}
-        size = len(json.dumps(configmap, separators=(",", ":")))
-        if size > ANNOTATIONS_LIMIT // 2:  # the annotation holds it once; keep a clear margin
-            raise BadInput(f"--provider kuberay: the ConfigMap (plan and packed agent) takes {size} bytes; "
-                           f"`kubectl apply -f` keeps it in an annotation the API server caps at {ANNOTATIONS_LIMIT}")
+        size = last_applied_size(configmap)
+        if size > ANNOTATIONS_LIMIT:
+            raise BadInput(f"--provider kuberay: the ConfigMap (plan and packed agent) would take {size} bytes of "
+                           f"annotations once `kubectl apply -f` keeps it in {LAST_APPLIED}; the API server "
+                           f"caps them at {ANNOTATIONS_LIMIT}")
         return configmap
 
     @staticmethod
