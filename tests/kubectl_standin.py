@@ -11,6 +11,8 @@ It plays the API server's client side over one state directory, `$KUBE_STANDIN_D
     logs/<ns>/<pod>/<container>.log      containers' output (the controller's)
     argv.jsonl                           one line per invocation: {"argv", "stdin"} (Secret values "<redacted>")
 
+Client-side `apply` refuses, as the API server does, an object too big for the
+`last-applied-configuration` annotation it would carry (256 KiB).
 It implements only the verbs and flags rlhf-tasks uses and exits 1 naming anything else, so the
 product never leans on something this file silently ignores. Run as a program through the
 `kubectl` shim that :func:`install` puts first on PATH; the rest are helpers for tests that play
@@ -36,6 +38,10 @@ KINDS = {"rayjob": "rayjob", "rayjobs": "rayjob", "rayjobs.ray.io": "rayjob", "c
 PLURAL = {"rayjob": "rayjobs.ray.io", "configmap": "configmaps", "secret": "secrets", "pod": "pods",
           "crd": "customresourcedefinitions.apiextensions.k8s.io"}
 REDACTED = "<redacted>"
+#: Client-side `kubectl apply` keeps the whole object (compact JSON) in this annotation; the API server caps an
+#: object's annotations at 256 KiB (ValidateAnnotations: keys and values together).
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+ANNOTATIONS_LIMIT = 256 * 1024
 
 
 class Refused(Exception):
@@ -226,6 +232,12 @@ class Kubectl:
                 raise Refused(f'error: the namespace from the provided object "{meta["namespace"]}" does not match '
                               f'the namespace "{self.namespace}". You must pass \'--namespace={meta["namespace"]}\' '
                               f'to perform this operation.')
+            if not flags.get("--server-side"):  # client-side apply keeps the object in an annotation; the server caps them
+                kept = sum(len(k) + len(str(v)) for k, v in (meta.get("annotations") or {}).items())
+                text = json.dumps(doc, separators=(",", ":"))  # as Go writes it: <, >, & as 6-byte escapes
+                if kept + len(LAST_APPLIED) + len(text.encode()) + 5 * sum(map(text.count, "<>&")) > ANNOTATIONS_LIMIT:
+                    raise Refused(f'The {doc["kind"]} "{meta["name"]}" is invalid: metadata.annotations: Too long: '
+                                  f'must have at most {ANNOTATIONS_LIMIT} bytes')
             ns = meta.get("namespace") or self.ns()
             path = self._path(kind, meta["name"], ns)
             existed = path.exists()

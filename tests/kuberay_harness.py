@@ -9,7 +9,7 @@ shared/kuberay/README.md; ray-project/kuberay @ feeaf72f):
   container on workers, the token Secret and env of `authOptions: {mode: token}`, the
   SidecarMode submitter `ray-job-submitter` in the head pod, the /dev/shm emptyDir;
 - the kubelet: one pod per testbed host (the head on host 0, worker slot k on host k),
-  volumes materialised at their mountPath (ConfigMap items, emptyDirs as tmpfs, a
+  volumes materialised at their mountPath (ConfigMap data and binaryData, items, emptyDirs as tmpfs, a
   PersistentVolumeClaim as a directory the test names), env resolved (fieldRef,
   secretKeyRef), init containers in order, then the containers, restartPolicy (Never on the
   SidecarMode head, Always on workers, with back-off), the startup and readiness probes;
@@ -565,15 +565,17 @@ class PodRun:
                     if volume["configMap"].get("optional"):
                         continue
                     return 'configmap "%s" not found' % volume["configMap"]["name"]
-                data = cm.get("data", {})
-                items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
+                # the kubelet projects both maps: data as UTF-8 text, binaryData base64-decoded, byte for byte
+                data = {k: v.encode() for k, v in (cm.get("data") or {}).items()}
+                data.update({k: base64.b64decode(v, validate=True) for k, v in (cm.get("binaryData") or {}).items()})
+                items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in sorted(data)]
                 root = staged / mount["name"]
                 for item in items:
                     if item["key"] not in data:
                         return "configmap %s has no key %s" % (volume["configMap"]["name"], item["key"])
                     dest = root / item["path"]
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_text(data[item["key"]])
+                    dest.write_bytes(data[item["key"]])
                 script += ["mkdir -p %s" % target, "mount --bind %s %s" % (shlex.quote(str(root)), target),
                            "mount -o remount,bind,ro %s" % target]
             elif "emptyDir" in volume:

@@ -143,8 +143,8 @@ def test_the_submitter_hands_ray_an_entrypoint_that_runs_the_job_runner_in_the_j
     done = subprocess.run(["/bin/sh", "-c", job_line], env={**env, "PYTHONPATH": "/image/lib"}, capture_output=True,
                           text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    assert ran.read_text() == ("/opt/rlhf-tasks/lib:/image/lib -m rlhf_tasks.agent --plan /opt/rlhf-tasks/tiny.plan.json "
-                               "--ray-started --skip-setup\n")
+    assert ran.read_text() == ("/opt/rlhf-tasks/lib:/image/lib -m rlhf_tasks.agent "
+                               "--plan /opt/rlhf-tasks-configmap/tiny.plan.json --ray-started --skip-setup\n")
 
 
 def test_a_failing_setup_stops_the_pod_before_kuberays_ray_start(tmp_path):

@@ -442,6 +442,14 @@ def test_the_standin_refuses_what_it_does_not_implement(kube):
     assert out.returncode == 1 and "kubectl rollout" in out.stderr
     out = subprocess.run(["kubectl", "delete", "rayjob/kr", "--wait=false"], capture_output=True, text=True)
     assert out.returncode == 1 and "--wait" in out.stderr
+    # what the API server refuses of a client-side apply: an object over the 256 KiB its annotation may hold
+    big = yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big"},
+                          "data": {"x": "y" * 256 * 1024}})
+    out = subprocess.run(["kubectl", "apply", "-f", "-"], input=big, capture_output=True, text=True)
+    assert out.returncode == 1 and "metadata.annotations: Too long" in out.stderr
+    assert not (kube / "objects" / "default" / "configmap" / "big.json").exists()
+    out = subprocess.run(["kubectl", "apply", "--server-side", "-f", "-"], input=big, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
 
 
 # ------------------------------------------------------------------ on the harness (cluster)

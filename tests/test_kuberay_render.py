@@ -1,19 +1,23 @@
 """KubeRay: every task renders a RayJob that KubeRay v1.7.0's own CRD schema accepts (with
 unknown fields refused, as `kubectl apply --validate=strict` would), beside a ConfigMap that
-carries the agent and the plan; the options are the provider's own and bad ones name their
+carries the plan and the agent packed in one gzipped tar; the options are the provider's own and bad ones name their
 field; no secret's value is ever rendered; and the agent's attached roles (prepare before
 KubeRay's Ray, a node's services and environment before its `ray start`) do what the pods need."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
+import gzip
+import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import jsonschema
@@ -24,7 +28,9 @@ from rlhf_tasks import providers
 from rlhf_tasks.agent.attached import ray_env_lines
 from rlhf_tasks.agent.contract import read_contract
 from rlhf_tasks.errors import BadInput
-from rlhf_tasks.providers.kuberay import RAY_ENV_FILE
+from rlhf_tasks.providers.kuberay import CONFIGMAP_DIR, LIB_ARCHIVE, RAY_ENV_FILE, pack
+from rlhf_tasks.providers.kuberay import render as kuberay_render
+from rlhf_tasks.providers.kuberay.render import last_applied_size, unpack_shell
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT
@@ -107,19 +113,57 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
             >= plan.wait.head_s
         if plan.checkpoint_dir:
             assert {"name": "checkpoints", "mountPath": plan.checkpoint_dir} in container["volumeMounts"]
-    # The ConfigMap carries the plan and the agent; the pods mount every key at its path.
+    # The ConfigMap carries the plan (readable) and lib/ as one gzipped tar, which every pod that runs
+    # the agent before Ray unpacks into the emptyDir at /opt/rlhf-tasks.
     assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["name"] == f"{plan.name}-rlhf-tasks"
-    assert all(_CONFIGMAP_KEY.match(key) for key in configmap["data"])
+    assert set(configmap["data"]) == {f"{plan.name}.plan.json"} and set(configmap["binaryData"]) == {LIB_ARCHIVE}
+    assert all(_CONFIGMAP_KEY.match(key) for key in [*configmap["data"], *configmap["binaryData"]])
     assert json.loads(configmap["data"][f"{plan.name}.plan.json"])["provider"] == "kuberay"
-    (volume,) = [v for v in head["volumes"] if v["name"] == "rlhf-tasks"]
-    items = {item["key"]: item["path"] for item in volume["configMap"]["items"]}
-    assert set(items) == set(configmap["data"]) and items["lib.rlhf_tasks.agent.attached.py"] == \
-        "lib/rlhf_tasks/agent/attached.py"
-    assert configmap["data"]["lib.rlhf_tasks.agent.attached.py"] == \
-        (ROOT / "rlhf_tasks" / "agent" / "attached.py").read_text()
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(configmap["binaryData"][LIB_ARCHIVE]))) as tar:
+        names = tar.getnames()
+        assert names == sorted(names) and "lib/rlhf_tasks/agent/attached.py" in names
+        assert tar.extractfile("lib/rlhf_tasks/agent/attached.py").read().decode() == \
+            (ROOT / "rlhf_tasks" / "agent" / "attached.py").read_text()
+    for group in [cluster["headGroupSpec"], *workers]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["rlhf-tasks"]["configMap"] == {"name": configmap["metadata"]["name"]}
+        assert volumes["rlhf-tasks-node"] == {"name": "rlhf-tasks-node", "emptyDir": {}}
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert {"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True} in container["volumeMounts"]
+            assert {"name": "rlhf-tasks-node", "mountPath": "/opt/rlhf-tasks"} in container["volumeMounts"]
+    unpack = f"{CONFIGMAP_DIR}/{LIB_ARCHIVE} /opt/rlhf-tasks && export PYTHONPATH=/opt/rlhf-tasks/lib"
+    assert unpack in head["initContainers"][0]["args"][0]
+    assert all(unpack in g["template"]["spec"]["containers"][0]["args"][0] for g in workers)
+    assert "tarfile" not in head["containers"][0]["args"][0]  # its init container unpacked into the shared emptyDir
     # `kubectl apply -f` (client-side) keeps the whole object as JSON in an annotation, which the API
-    # server caps at 256 KiB: the agent's sources must leave room (say so before they outgrow it).
-    assert len(json.dumps(configmap, separators=(",", ":"))) < 256 * 1024 - 8 * 1024
+    # server caps at 256 KiB: the packed agent keeps a clear margin below it.
+    assert last_applied_size(configmap) < 128 * 1024
+
+
+def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tmp_path, monkeypatch):
+    """Render stays pure (the same file for the same task), and the rendered unpack line, run with
+    this machine's python3, puts back every shipped source byte for byte."""
+    provider = providers.get("kuberay")
+    plan = provider.plan(load_task(RAY_TASKS[0]))
+    assert provider.render(plan) == provider.render(plan)
+    files = provider.shipped(plan)
+    archive = pack(files)
+    assert archive == pack(dict(reversed(list(files.items()))))
+    assert gzip.decompress(archive) and archive[4:8] == b"\0\0\0\0"  # gzip mtime 0
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        assert {(m.mtime, m.uid, m.gid, m.mode, m.uname, m.gname) for m in tar.getmembers()} == {(0, 0, 0, 0o644, "", "")}
+    (tmp_path / "cm").mkdir()
+    (tmp_path / "cm" / LIB_ARCHIVE).write_bytes(archive)
+    line = unpack_shell().replace(f"{CONFIGMAP_DIR}/", f"{tmp_path}/cm/").replace(" /opt/rlhf-tasks", f" {tmp_path}/node")
+    out = subprocess.run(["bash", "-c", line], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert {p.relative_to(tmp_path / "node").as_posix(): p.read_text()
+            for p in (tmp_path / "node").rglob("*") if p.is_file()} == files
+    # a ConfigMap that client-side apply could not annotate is refused at render, naming why
+    monkeypatch.setattr(kuberay_render, "ANNOTATIONS_LIMIT", 64 * 1024)
+    with pytest.raises(BadInput, match="kubectl apply -f.*last-applied-configuration.*65536"):
+        provider.render(plan)
 
 
 def test_the_strict_schema_refuses_what_kuberay_would_drop_or_reject():

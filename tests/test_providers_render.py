@@ -64,13 +64,12 @@ def without_agent(script: str) -> str:
 
 
 def without_configmap_sources(text: str) -> str:
-    """A rendered KubeRay file with the ConfigMap's shipped sources left out (as for Slurm)."""
+    """A rendered KubeRay file with the ConfigMap's shipped sources (the packed lib/) left out (as for Slurm)."""
     from rlhf_tasks.providers.shipping import dump_yaml
 
     header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     configmap, *rest = yaml.load_all(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    configmap["data"] = {key: AGENT_LEFT_OUT if key.endswith(".py") else value
-                         for key, value in configmap["data"].items()}
+    configmap["binaryData"] = {key: AGENT_LEFT_OUT for key in configmap["binaryData"]}
     return dump_yaml(configmap, header) + "".join("---\n" + dump_yaml(doc) for doc in rest)
 
 

@@ -30,9 +30,9 @@ from ...spec import Task
 from ..base import Cluster, Option, write_files
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
-from .render import (AGENT_PORT, CONFIGMAP_LIMIT, GPU_RESOURCE, POD_IP_ENV, PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE,
-                     SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV, KubeRayPlacement, KubeRayRender,
-                     KubeRayShared, Toleration, _dns, configmap_key, kuberay_placement)
+from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
+                     PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
+                     KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement, pack)
 
 #: How long the operator may take to give a new RayJob its cluster's name.
 OPERATOR_S = 120.0
@@ -273,6 +273,6 @@ class KubeRayProvider(KubeRayRender):
             return 0
 
 
-__all__ = ["AGENT_PORT", "CONFIGMAP_LIMIT", "GPU_RESOURCE", "POD_IP_ENV", "PROBE_PERIOD_S", "RANK_ENV",
-           "RAY_ENV_FILE", "SIDECAR_DASHBOARD_PORT", "WORKER_GROUP", "WORKERS_ENV", "KubeRayPlacement",
-           "KubeRayProvider", "KubeRayShared", "Toleration", "configmap_key", "kuberay_placement"]
+__all__ = ["AGENT_PORT", "ANNOTATIONS_LIMIT", "CONFIGMAP_DIR", "GPU_RESOURCE", "LIB_ARCHIVE", "POD_IP_ENV",
+           "PROBE_PERIOD_S", "RANK_ENV", "RAY_ENV_FILE", "SIDECAR_DASHBOARD_PORT", "WORKER_GROUP", "WORKERS_ENV",
+           "KubeRayPlacement", "KubeRayProvider", "KubeRayShared", "Toleration", "kuberay_placement", "pack"]

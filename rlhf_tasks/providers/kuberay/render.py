@@ -1,6 +1,8 @@
 """KubeRay's pure half (the package's `__init__` adds `launch`, `status`, `down` through kubectl):
-one file for `kubectl apply -f`: a ConfigMap with the node agent and the plan, and
-a RayJob (`ray.io/v1`) whose cluster has a head group and one worker group of nodes - 1.
+one file for `kubectl apply -f`: a ConfigMap with the plan (readable `data`) and the agent's package
+as one gzipped tar (`binaryData`, so the object stays far below the 256 KiB `kubectl apply -f` keeps
+of it in its last-applied annotation; each pod unpacks it into an emptyDir at NODE_DIR), and a
+RayJob (`ray.io/v1`) whose cluster has a head group and one worker group of nodes - 1.
 
 KubeRay forms the cluster: its own `ray start` in every pod, its `wait-gcs-ready` init
 container on the workers, its probes, the head service `<cluster>-head-svc`. rlhf-tasks keeps
@@ -30,10 +32,15 @@ No value of either is ever in the rendered file.
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
+import io
+import json
 import math
 import re
 import shlex
+import tarfile
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -55,8 +62,15 @@ AGENT_PORT = 52365
 PROBE_PERIOD_S = 10
 #: KubeRay's SidecarMode submitter asks http://127.0.0.1:8265, whatever the head's dashboard port.
 SIDECAR_DASHBOARD_PORT = 8265
-#: A ConfigMap holds at most 1 MiB.
-CONFIGMAP_LIMIT = 1024 * 1024
+#: The API server's cap on an object's annotations (keys and values), and the one where client-side
+#: `kubectl apply -f` keeps the whole object.
+ANNOTATIONS_LIMIT = 256 * 1024
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+#: Where the pods mount the ConfigMap (read-only): the plan, and lib/ as one archive that each pod
+#: unpacks into NODE_DIR (an emptyDir: the agent runs from there as on every provider).
+CONFIGMAP_DIR = "/opt/rlhf-tasks-configmap"
+#: The ConfigMap's binaryData key of that archive.
+LIB_ARCHIVE = "lib.tar.gz"
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -145,10 +159,36 @@ def kuberay_placement(placement: Placement) -> KubeRayPlacement:
     return provider_part(KubeRayPlacement, placement.kuberay, "placement.kuberay")
 
 
-def configmap_key(path: str) -> str:
-    """A shipped file's key in the ConfigMap (keys hold no `/`): `lib/rlhf_tasks/agent/head.py`
-    -> `lib.rlhf_tasks.agent.head.py`; the volume's items put it back at its path."""
-    return path.replace("/", ".")
+def pack(files: dict[str, str]) -> bytes:
+    """Path -> text as a gzipped tar that is the same bytes for the same files (sorted members,
+    fixed times, owners and modes, gzip mtime 0): render stays pure, a re-apply changes nothing."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(files):
+            data = files[path].encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
+            tar.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as zipped:
+        zipped.write(raw.getvalue())
+    return out.getvalue()
+
+
+def last_applied_size(obj: dict) -> int:
+    """The bytes of annotations `kubectl apply -f` gives an object: its key and the object as compact
+    JSON, which Go writes with `<`, `>`, `&` as 6-byte escapes."""
+    text = json.dumps(obj, separators=(",", ":"))
+    return len(LAST_APPLIED) + len(text.encode()) + 5 * sum(text.count(c) for c in "<>&")
+
+
+def unpack_shell() -> str:
+    """A shell command that unpacks the ConfigMap's archive into NODE_DIR with the image's python3
+    (tarfile, the data filter where the Python has it)."""
+    program = ("import sys, tarfile; t = tarfile.open(sys.argv[1]); "
+               "t.extraction_filter = getattr(tarfile, \"data_filter\", None); t.extractall(sys.argv[2])")
+    return shlex.join(["python3", "-c", program, f"{CONFIGMAP_DIR}/{LIB_ARCHIVE}", NODE_DIR])
 
 
 class KubeRayRender(Provider):
@@ -204,21 +244,24 @@ class KubeRayRender(Provider):
     # ------------------------------------------------------------------ render
 
     def shipped(self, plan: Plan) -> dict[str, str]:
-        """Path below NODE_DIR -> content: the plan and the agent's package (with what the recipe imports)."""
-        files = {f"{plan.name}.plan.json": plan.to_json()}
-        files.update({f"{LIB}/{path}": text for path, text in module_files([AGENT, *plan.modules]).items()})
-        return files
+        """Path below NODE_DIR -> content: the agent's package (with what the recipe imports) under lib/."""
+        return {f"{LIB}/{path}": text for path, text in module_files([AGENT, *plan.modules]).items()}
+
+    @staticmethod
+    def plan_path(plan: Plan) -> str:
+        return f"{CONFIGMAP_DIR}/{plan.name}.plan.json"
 
     def configmap(self, plan: Plan, options: KubeRayPlacement) -> dict:
-        files = self.shipped(plan)
-        data = {configmap_key(path): text for path, text in files.items()}
-        if len(data) != len(files):
-            raise BadInput(f"--provider kuberay: two shipped files share a ConfigMap key: {sorted(files)}")
-        size = sum(len(key) + len(text.encode()) for key, text in data.items())
-        if size > CONFIGMAP_LIMIT:
-            raise BadInput(f"--provider kuberay: the agent and the plan take {size} bytes, over a ConfigMap's 1 MiB")
-        return {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": self.metadata(plan, options, self.configmap_name(plan)), "data": data}
+        configmap = {"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": self.metadata(plan, options, self.configmap_name(plan)),
+                     "data": {f"{plan.name}.plan.json": plan.to_json()},
+                     "binaryData": {LIB_ARCHIVE: base64.b64encode(pack(self.shipped(plan))).decode()}}
+        size = last_applied_size(configmap)
+        if size > ANNOTATIONS_LIMIT:
+            raise BadInput(f"--provider kuberay: the ConfigMap (plan and packed agent) would take {size} bytes of "
+                           f"annotations once `kubectl apply -f` keeps it in {LAST_APPLIED}; the API server "
+                           f"caps them at {ANNOTATIONS_LIMIT}")
+        return configmap
 
     @staticmethod
     def configmap_name(plan: Plan) -> str:
@@ -266,11 +309,14 @@ class KubeRayRender(Provider):
         out += [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}} for name in plan.secrets]
         return out
 
-    def volumes(self, plan: Plan, files: list[str]) -> tuple[list[dict], list[dict]]:
-        """(the pod's volumes, the containers' mounts): the agent and plan, the checkpoints, /dev/shm."""
-        items = [{"key": configmap_key(path), "path": path} for path in files]
-        volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan), "items": items}}]
-        mounts = [{"name": "rlhf-tasks", "mountPath": NODE_DIR, "readOnly": True}]
+    def volumes(self, plan: Plan) -> tuple[list[dict], list[dict]]:
+        """(the pod's volumes, the containers' mounts): the ConfigMap (plan, packed agent) and the
+        emptyDir the agent is unpacked into (shared by the head's init and Ray containers), the
+        checkpoints, /dev/shm."""
+        volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan)}},
+                   {"name": "rlhf-tasks-node", "emptyDir": {}}]
+        mounts = [{"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True},
+                  {"name": "rlhf-tasks-node", "mountPath": NODE_DIR}]
         if plan.checkpoint_dir:
             shared = shared_entry(KubeRayShared, plan.checkpoint_shared, self.name)
             volumes.append({"name": "checkpoints", **({"persistentVolumeClaim": {"claimName": shared.claim}}
@@ -282,12 +328,12 @@ class KubeRayRender(Provider):
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         return volumes, mounts
 
-    def agent_shell(self, plan: Plan, *flags: str) -> str:
-        """A shell line that runs the agent from the mounted ConfigMap with one of its attached roles."""
-        from shlex import join
-
-        agent = join(["python3", "-m", AGENT, "--plan", f"{NODE_DIR}/{plan.name}.plan.json", *flags])
-        return f"export PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} && {agent}"
+    def agent_shell(self, plan: Plan, *flags: str, unpack: bool = False) -> str:
+        """A shell line that runs the agent (unpacked from the ConfigMap first, with `unpack`) with one
+        of its attached roles."""
+        agent = shlex.join(["python3", "-m", AGENT, "--plan", self.plan_path(plan), *flags])
+        line = f"export PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} && {agent}"
+        return f"{unpack_shell()} && {line}" if unpack else line
 
     def startup_probe(self, plan: Plan, head: bool) -> dict:
         """How long the container may take before its Ray answers (setup, a worker's services):
@@ -298,9 +344,9 @@ class KubeRayRender(Provider):
         return {"tcpSocket": {"port": plan.ray.port if head else AGENT_PORT}, "periodSeconds": PROBE_PERIOD_S,
                 "failureThreshold": max(1, math.ceil(budget / PROBE_PERIOD_S))}
 
-    def pod_template(self, plan: Plan, options: KubeRayPlacement, head: bool, files: list[str]) -> dict:
+    def pod_template(self, plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
         image = plan.image or f"rayproject/ray:{options.ray_version}"
-        volumes, mounts = self.volumes(plan, files)
+        volumes, mounts = self.volumes(plan)
         env = self.env(plan, options, 0 if head else 1)
         container: dict = {
             "name": "ray-head" if head else "ray-worker",
@@ -308,7 +354,9 @@ class KubeRayRender(Provider):
             # KubeRay runs this, then its own `ray start`, in one shell: `OURS && ulimit ...; ray start ...`.
             # `;` binds looser than `&&`, so a failure here must end the shell itself (`|| exit`), or Ray
             # would start (and the node join) without its setup and environment.
-            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE) + f" && . {RAY_ENV_FILE} || exit"],
+            # The head's init container has unpacked the agent into the pod's emptyDir; a worker unpacks it here.
+            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE, unpack=not head)
+                     + f" && . {RAY_ENV_FILE} || exit"],
             "env": env,
             "volumeMounts": mounts,
             "startupProbe": self.startup_probe(plan, head),
@@ -323,7 +371,7 @@ class KubeRayRender(Provider):
         spec: dict = {"containers": [container], "volumes": volumes}
         if head:
             prepare = {"name": "rlhf-tasks-prepare", "image": image, "command": ["/bin/bash", "-c", "--"],
-                       "args": [self.agent_shell(plan, "--prepare-only")], "env": copy.deepcopy(env),
+                       "args": [self.agent_shell(plan, "--prepare-only", unpack=True)], "env": copy.deepcopy(env),
                        "volumeMounts": copy.deepcopy(mounts)}
             if resources:
                 prepare["resources"] = copy.deepcopy(resources)  # copies: the YAML has no anchors
@@ -364,7 +412,7 @@ class KubeRayRender(Provider):
             out["activeDeadlineSeconds"] = math.ceil(pre + services + preflight + attempts)
         return out
 
-    def rayjob(self, plan: Plan, options: KubeRayPlacement, files: list[str]) -> dict:
+    def rayjob(self, plan: Plan, options: KubeRayPlacement) -> dict:
         cluster: dict = {"rayVersion": options.ray_version}
         if plan.token_env:
             cluster["authOptions"] = {"mode": "token"}
@@ -372,13 +420,13 @@ class KubeRayRender(Provider):
         # operator, the submitter) only; the dashboard it binds to 0.0.0.0 is not the namespace's.
         cluster["networkPolicy"] = {"mode": "DenyAllIngress"}
         cluster["headGroupSpec"] = {"rayStartParams": self.ray_start_params(plan, True),
-                                    "template": self.pod_template(plan, options, True, files)}
+                                    "template": self.pod_template(plan, options, True)}
         workers = plan.nodes - 1
         if workers:
             cluster["workerGroupSpecs"] = [{
                 "groupName": WORKER_GROUP, "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
                 "rayStartParams": self.ray_start_params(plan, False),
-                "template": self.pod_template(plan, options, False, files)}]
+                "template": self.pod_template(plan, options, False)}]
         # KubeRay pastes the entrypoint unquoted into the submitter's `bash -c` line: one quoted `bash -c`
         # word keeps our `&&` and `${PYTHONPATH...}` for the job's shell (Ray's CLI joins the words back).
         entrypoint = shlex.join(["bash", "-c", self.agent_shell(plan, "--ray-started", "--skip-setup")])
@@ -398,8 +446,7 @@ class KubeRayRender(Provider):
     def render(self, plan: Plan) -> dict[str, str]:
         options = kuberay_placement(plan.placement)
         configmap = self.configmap(plan, options)
-        files = list(self.shipped(plan))
-        rayjob = self.rayjob(plan, options, files)
+        rayjob = self.rayjob(plan, options)
         secret = options.secret or f"{plan.name}-secrets"
         header = f"# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply -f <this file>\n"
         if plan.secrets:
