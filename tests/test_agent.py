@@ -216,6 +216,21 @@ def test_task_env_overrides_presets_and_token_is_required():
     assert off["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN" not in off
 
 
+def test_the_head_sets_rays_health_checks_so_a_silent_node_is_declared_dead_within_node_silence():
+    plan = plan_for(wait={"node_silence": "12s"})
+    head = node_env(plan, NodeInfo(0, 3, "10.0.0.1", "10.0.0.1"), {"RAY_AUTH_TOKEN": "t"})
+    assert (head["RAY_health_check_period_ms"], head["RAY_health_check_timeout_ms"],
+            head["RAY_health_check_failure_threshold"]) == ("2000", "2000", "3")
+    assert jobrunner.silence_bound(head)[0] == 12.0 and "within 12s" in jobrunner.silence_bound(head)[1]
+    worker = node_env(plan, NodeInfo(1, 3, "10.0.0.1", "10.0.0.2"), {"RAY_AUTH_TOKEN": "t"})
+    assert not any(key.startswith("RAY_health_check") for key in worker)  # only the GCS reads them
+    own = node_env(plan, NodeInfo(0, 3, "10.0.0.1", "10.0.0.1"), {"RAY_AUTH_TOKEN": "t",
+                                                                  "RAY_health_check_timeout_ms": "9000"})
+    assert own["RAY_health_check_timeout_ms"] == "9000" and jobrunner.silence_bound(own)[0] == 33.0  # the node's wins
+    assert jobrunner.silence_bound({})[0] == 65.0  # Ray's defaults: 5 x (3 s + 10 s)
+    assert plan_for()["wait"]["node_silence_s"] == 30.0  # the default
+
+
 @pytest.mark.parametrize("debug,variable,flag", [("legacy", "RAY_DEBUG", True), ("post_mortem", "RAY_DEBUG_POST_MORTEM", False)])
 def test_debug_presets(debug, variable, flag):
     plan = plan_for(ray={"debug": debug})
