@@ -331,7 +331,13 @@ class JobRunner(object):
                                     if gone else "")
         have = wait_for("%d nodes to be ALIVE again" % nodes, self.node.ray_alive(progress), plan["wait"]["nodes_s"],
                         interval=0.5, max_interval=2.0)
-        alive = alive_nodes(self.node.dashboard, self.node.token)
+
+        def listed():
+            try:
+                return True, alive_nodes(self.node.dashboard, self.node.token)
+            except OSError as exc:
+                return False, str(exc)
+        alive = wait_for("Ray's list of nodes", listed, 60, interval=0.5)
         self.expected = dict((n["node_id"], n["node_ip"]) for n in alive)
         new = sorted(ip for node_id, ip in self.expected.items() if node_id not in before)
         self.node_ids = sorted(set(self.node_ids) | set(self.expected))
