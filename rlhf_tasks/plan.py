@@ -183,6 +183,7 @@ class WaitPlan(StrictModel):
     head_s: float
     nodes_s: float
     node_loss_s: float = 40.0
+    node_silence_s: float | None = None  # the head's Ray health checks declare a silent node dead within it
 
 
 class PreflightPlan(StrictModel):
@@ -291,7 +292,8 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     check_contract_env(task, contract, provider)
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
     shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
-                  checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto")
+                  checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto",
+                  node_silence_s=task.wait.node_silence)
     out = task.job.build(shape)
 
     services = list(out.services) + list(task.services)
@@ -338,7 +340,8 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         prepare=out.prepare + list(task.prepare),
         services=services,
         ray=ray,
-        wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes, node_loss_s=task.wait.node_loss),
+        wait=WaitPlan(head_s=task.wait.head, nodes_s=task.wait.nodes, node_loss_s=task.wait.node_loss,
+                      node_silence_s=task.wait.node_silence),
         checkpoint_dir=checkpoint_dir,
         preflight=PreflightPlan(enabled=task.preflight.enabled, timeout_s=task.preflight.timeout,
                                 min_bandwidth_bits=task.preflight.min_bandwidth_bits,

@@ -142,6 +142,10 @@ class Wait(StrictModel):
     nodes: Duration = Field(1200.0, description="how long the head waits for every node to join")
     node_loss: Duration = Field(40.0, description="after a failed job, how long the head looks for a node Ray has "
                                 "not yet declared dead, before it blames the job itself")
+    node_silence: Duration = Field(30.0, ge=6.0, le=86400.0, description=(
+        "a node that stops answering (a reclaimed machine: its connections are not closed) is declared dead "
+        "within this long: the head sets Ray's health checks from it, and tiny-grpo's collective timeout is "
+        "max(this, 60s); the job then restarts on the nodes there are, a replacement's address may differ"))
 
 
 def _bandwidth_text(value: Any) -> Any:

@@ -216,6 +216,47 @@ def test_task_env_overrides_presets_and_token_is_required():
     assert off["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN" not in off
 
 
+def test_the_head_sets_rays_health_checks_so_a_silent_node_is_declared_dead_within_node_silence():
+    plan = plan_for(wait={"node_silence": "12s"})
+    head = node_env(plan, NodeInfo(0, 3, "10.0.0.1", "10.0.0.1"), {"RAY_AUTH_TOKEN": "t"})
+    assert (head["RAY_health_check_period_ms"], head["RAY_health_check_timeout_ms"],
+            head["RAY_health_check_failure_threshold"]) == ("2000", "2000", "3")
+    assert jobrunner.silence_bound(head)[0] == 12.0 and "within 12s" in jobrunner.silence_bound(head)[1]
+    worker = node_env(plan, NodeInfo(1, 3, "10.0.0.1", "10.0.0.2"), {"RAY_AUTH_TOKEN": "t"})
+    assert not any(key.startswith("RAY_health_check") for key in worker)  # only the GCS reads them
+    own = node_env(plan, NodeInfo(0, 3, "10.0.0.1", "10.0.0.1"), {"RAY_AUTH_TOKEN": "t",
+                                                                  "RAY_health_check_timeout_ms": "9000"})
+    assert own["RAY_health_check_timeout_ms"] == "9000" and jobrunner.silence_bound(own)[0] == 33.0  # the node's wins
+    assert jobrunner.silence_bound({})[0] == 65.0  # Ray's defaults: 5 x (3 s + 10 s)
+    assert plan_for()["wait"]["node_silence_s"] == 30.0  # the default
+
+
+def test_after_a_loss_the_head_counts_nodes_rather_than_matching_addresses(monkeypatch):
+    """A replacement with another address makes the count; a lost node Ray still lists ALIVE
+    (one too many) is waited out; the lost node is found by its node id, not its address."""
+    def node(node_id, ip):
+        return {"node_id": node_id, "node_ip": ip, "resources_total": {"CPU": 1.0}}
+    answers = [[node("h", "10.0.0.1"), node("b", "10.0.0.3")],                                  # b lost
+               [node("h", "10.0.0.1"), node("b", "10.0.0.3"), node("b2", "10.0.0.9"), node("x", "10.0.0.3")],
+               [node("h", "10.0.0.1"), node("b2", "10.0.0.9"), node("x", "10.0.0.3")]]        # x: same address as c
+    seen = []
+
+    def alive_nodes(dashboard, token):
+        seen.append(len(seen))
+        return answers[min(len(seen) // 2, len(answers) - 1)]
+    monkeypatch.setattr(protocol, "alive_nodes", alive_nodes)
+    monkeypatch.setattr(jobrunner, "alive_nodes", alive_nodes)
+    monkeypatch.setattr(protocol.time, "sleep", lambda s: None)
+    runner = jobrunner.JobRunner.__new__(jobrunner.JobRunner)
+    runner.node = type("N", (), {"dashboard": "http://d", "token": None, "ray_alive": staticmethod(lambda c: c)})()
+    runner.plan = {"nodes": 3, "ray": {"num_cpus": 1}, "wait": {"nodes_s": 60}}
+    runner.expected, runner.node_ids = {"h": "10.0.0.1", "a": "10.0.0.2", "c": "10.0.0.3"}, ["a", "c", "h"]
+    assert runner.missing_nodes() == ["10.0.0.2", "10.0.0.3"]  # c's address is there, but as node b, not c
+    runner.wait_for_every_node()
+    assert runner.expected == {"h": "10.0.0.1", "b2": "10.0.0.9", "x": "10.0.0.3"}
+    assert set(runner.node_ids) == {"a", "c", "h", "b2", "x"}  # every node a metrics row may name
+
+
 @pytest.mark.parametrize("debug,variable,flag", [("legacy", "RAY_DEBUG", True), ("post_mortem", "RAY_DEBUG_POST_MORTEM", False)])
 def test_debug_presets(debug, variable, flag):
     plan = plan_for(ray={"debug": debug})

@@ -16,11 +16,36 @@ from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
 from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower,
-                       alive_nodes, job_argv, log, submission_id, wait_for)
+                       alive_nodes, cluster_check, job_argv, log, submission_id, wait_for)
 from .raynode import Node
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
 FAST_FAILURE_S = 120.0
+
+
+#: Ray 2.60's health-check defaults (ray_config_def.h): period, timeout (ms), misses.
+RAY_HEALTH_CHECK_DEFAULTS = {"RAY_health_check_period_ms": 3000, "RAY_health_check_timeout_ms": 10000,
+                             "RAY_health_check_failure_threshold": 5}
+
+
+def silence_bound(env: dict, stall_s: Optional[float] = None) -> Tuple[float, str]:
+    """How long Ray's GCS takes at most to declare a silent node dead, with the head's
+    environment `env` (see raynode.health_check_env), and that said in a line for the log."""
+    values = {}
+    for key, default in RAY_HEALTH_CHECK_DEFAULTS.items():
+        try:
+            values[key] = float(env.get(key) or default)
+        except ValueError:
+            values[key] = float(default)
+    period, timeout = values["RAY_health_check_period_ms"] / 1000.0, values["RAY_health_check_timeout_ms"] / 1000.0
+    misses = values["RAY_health_check_failure_threshold"]
+    bound = misses * (period + timeout)
+    text = ("a node that goes silent is declared dead within %.0fs (Ray's health checks on the head: every %.1fs, "
+            "timeout %.1fs, %g misses; wait.node_silence sets them), then the job restarts on the nodes there are"
+            % (bound, period, timeout, misses))
+    if stall_s:
+        text += "; a job whose log stops growing for %.0fs restarts too (job.stall_timeout)" % stall_s
+    return bound, text
 
 
 class Restart(Exception):
@@ -145,7 +170,7 @@ class JobRunner(object):
         self.node, self.plan, self.info, self.jobs, self.finish = node, node.plan, node.info, jobs, finish
         self.job = {}  # type: dict  (submission_id, status, attempts; for the result line)
         self.follower = None  # type: Optional[JobFollower]
-        self.expected_ips = []  # type: List[str]
+        self.expected = {}  # type: dict  (node id -> address: the nodes the running attempt started with)
         self.node_ids = []  # type: List[str]
 
     def submit_gated(self) -> Optional[Gate]:
@@ -169,8 +194,9 @@ class JobRunner(object):
         node, job = self.node, self.plan["job"]
         key = self.node.cluster_key()
         alive = alive_nodes(node.dashboard, node.token)
-        self.expected_ips = sorted(n["node_ip"] for n in alive)
-        self.node_ids = sorted(n["node_id"] for n in alive)  # the launcher's summary: which metrics are this run's
+        self.expected = dict((n["node_id"], n["node_ip"]) for n in alive)
+        self.node_ids = sorted(self.expected)  # the launcher's summary: which metrics are this run's
+        log(silence_bound(node.env, job.get("stall_timeout_s"))[1])
         max_restarts = job.get("max_restarts", 0)
         attempts = []  # type: List[dict]
         self.job = {"submission_id": None, "status": None, "attempts": attempts}
@@ -252,17 +278,15 @@ class JobRunner(object):
         return status, Restart("the job FAILED", bug=True, fingerprint=last_line[-300:]), seconds
 
     def missing_nodes(self, replaced: bool = False) -> List[str]:
-        """Addresses of the nodes the cluster had when the job started that are not ALIVE now
-        (with `replaced`, also those ALIVE twice: a new machine joined before Ray noticed the old
-        one's death)."""
+        """Addresses of the nodes the attempt started with that are not ALIVE now, by Ray's
+        node id (a replacement is another node, whatever its address); with `replaced`, also
+        addresses ALIVE twice: a new machine joined before Ray noticed the old one's death."""
         try:
-            alive = [n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token)]
+            nodes = alive_nodes(self.node.dashboard, self.node.token)
         except OSError:
             return []
-        missing = list(self.expected_ips)
-        for ip in alive:
-            if ip in missing:
-                missing.remove(ip)
+        ids, alive = set(n["node_id"] for n in nodes), [n["node_ip"] for n in nodes]
+        missing = sorted(ip for node_id, ip in self.expected.items() if node_id not in ids)
         twice = sorted({ip for ip in alive if alive.count(ip) > 1}) if replaced else []
         return missing + [ip for ip in twice if ip not in missing]
 
@@ -286,22 +310,38 @@ class JobRunner(object):
         wait_for("job %s to stop" % sid, lambda: (lambda s: (s in TERMINAL_JOB_STATES, s))(jobs.status(sid)), 120)
 
     def wait_for_every_node(self) -> None:
-        """Every node the job started with ALIVE again, and no more (a lost node's stale entry gone)."""
-        expected = self.expected_ips
+        """As many nodes ALIVE as the task asks for, with their CPUs and GPUs, and no more (a
+        lost node's stale entry gone). Counted, not matched by address: a replacement machine
+        (a new pod, a new VM) usually comes back with another address."""
+        plan, before = self.plan, self.expected
+        nodes, ray = plan["nodes"], plan["ray"]
+        check = cluster_check(self.node.dashboard, self.node.token, nodes, (ray.get("num_cpus") or 0) * nodes,
+                              (ray.get("num_gpus") or 0) * nodes, exact=True)
 
-        def check():
+        def progress():
+            done, have = check()
+            if done:
+                return True, have
             try:
-                alive = sorted(n["node_ip"] for n in alive_nodes(self.node.dashboard, self.node.token))
+                ids = set(n["node_id"] for n in alive_nodes(self.node.dashboard, self.node.token))
+            except OSError:
+                return False, have
+            gone = sorted(ip for node_id, ip in before.items() if node_id not in ids)
+            return False, "%s%s" % (have, "; gone: %s (any machine may take their place)" % ", ".join(gone)
+                                    if gone else "")
+        have = wait_for("%d nodes to be ALIVE again" % nodes, self.node.ray_alive(progress), plan["wait"]["nodes_s"],
+                        interval=0.5, max_interval=2.0)
+
+        def listed():
+            try:
+                return True, alive_nodes(self.node.dashboard, self.node.token)
             except OSError as exc:
                 return False, str(exc)
-            if alive == expected:
-                return True, "%d/%d nodes alive" % (len(alive), len(expected))
-            missing = [ip for ip in expected if ip not in alive] or ["none; %d nodes alive, %d expected"
-                                                                     % (len(alive), len(expected))]
-            return False, "missing: %s" % ", ".join(missing)
-        have = wait_for("every node to be ALIVE again", self.node.ray_alive(check), self.plan["wait"]["nodes_s"],
-                        interval=0.5, max_interval=2.0)
-        log("cluster ready again: %s" % have)
+        alive = wait_for("Ray's list of nodes", listed, 60, interval=0.5)
+        self.expected = dict((n["node_id"], n["node_ip"]) for n in alive)
+        new = sorted(ip for node_id, ip in self.expected.items() if node_id not in before)
+        self.node_ids = sorted(set(self.node_ids) | set(self.expected))
+        log("cluster ready again: %s%s" % (have, "; new: %s" % ", ".join(new) if new else ""))
 
     def submit(self, sid: str, wrap: Optional[Callable[[List[str], float], List[str]]] = None,
                wait_s: float = 0.0) -> None:

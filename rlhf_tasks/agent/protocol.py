@@ -167,8 +167,10 @@ def head_address(dashboard: str, token: Optional[str]) -> str:
                      % (dashboard, len(nodes)))
 
 
-def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float = 0, gpus: float = 0):
-    """A wait_for check: every expected node ALIVE, with its CPUs and GPUs registered."""
+def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float = 0, gpus: float = 0,
+                  exact: bool = False):
+    """A wait_for check: every expected node ALIVE, with its CPUs and GPUs registered (with
+    `exact`, no more nodes than that: one more is a lost node Ray has not declared dead yet)."""
     def check():
         try:
             alive = alive_nodes(dashboard, token)
@@ -181,6 +183,8 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
         have = "%d/%d nodes alive, %g CPUs, %g GPUs" % (len(alive), nodes, total["CPU"], total["GPU"])
         if len(alive) < nodes or total["CPU"] < (cpus or 0) or total["GPU"] < (gpus or 0):
             return False, have
+        if exact and len(alive) > nodes:
+            return False, have + " (waiting for Ray to declare the lost one dead)"
         return True, have
     return check
 

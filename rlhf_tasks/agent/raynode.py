@@ -37,6 +37,23 @@ def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
     return env
 
 
+#: Health checks a silent node fails in a row before Ray's GCS declares it dead.
+HEALTH_CHECK_MISSES = 3
+
+
+def health_check_env(silence_s: Optional[float]) -> Dict[str, str]:
+    """Ray's GCS health checks (read from the head's environment; names of Ray 2.60's
+    ray_config_def.h) set so that a node that goes silent is declared dead within `silence_s`
+    (wait.node_silence). A check every p that times out after p, HEALTH_CHECK_MISSES misses
+    in a row: at most MISSES * 2p after the last answer. Ray's own defaults (3 s, 10 s, 5)
+    take about 65 s for a silent node; a killed one is seen at once (its connections close)."""
+    if not silence_s:
+        return {}
+    step_ms = max(500, int(silence_s * 1000 / (2 * HEALTH_CHECK_MISSES)))
+    return {"RAY_health_check_period_ms": str(step_ms), "RAY_health_check_timeout_ms": str(step_ms),
+            "RAY_health_check_failure_threshold": str(HEALTH_CHECK_MISSES)}
+
+
 def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]:
     """The environment for Ray and the services on this node."""
     env = dict(base)
@@ -44,6 +61,8 @@ def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]
     # sets NCCL_SOCKET_IFNAME knows its network); the task's env wins over both.
     env.update({k: v for k, v in network_env(plan["network_env"], info).items() if not base.get(k)})
     env.update(plan.get("env", {}))
+    if info.rank == 0:  # the GCS runs there; a value the node or the task sets wins
+        env.update({k: v for k, v in health_check_env(plan.get("wait", {}).get("node_silence_s")).items() if k not in env})
     env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
                 "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
     token_env = plan.get("token_env")

@@ -3,6 +3,7 @@
     python3 -m rlhf_tasks.demo.train --data DIR/prompts.jsonl --reward-url http://HEAD:PORT/score \\
         --ckpt-dir DIR --num-nodes 3 [--steps 150] [--save-every 25] [--group-size 16] \\
         [--prompts-per-step 32] [--lr 0.02] [--explore-coef 0.05] [--seed 0] [--pg-timeout 120]
+        [--collective-timeout 120]
 
 Shaped like the GPU frameworks: this process is the job driver on the head of a running
 cluster (`ray.init(address="auto")`). It reserves one CPU on each of N nodes with a
@@ -57,7 +58,6 @@ CHECKPOINT_RE = re.compile(r"^step_(\d{6,})\.pt$")
 METRICS_FILE = "metrics.jsonl"
 REWARD_TIMEOUT_S = 10.0
 REWARD_ATTEMPTS = 4
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 LOG_EVERY = 10
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -260,7 +260,8 @@ class Worker:
         interface = interface_with_address(ray.util.get_node_ip_address())
         if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=args.collective_timeout))
         self.rank, self.world_size, self.node_ids, self.shard = rank, world_size, node_ids, shard
         self.ckpt_dir = Path(args.ckpt_dir)
         torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -423,6 +424,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--explore-coef", type=float, default=0.05, help="weight of KL(uniform || policy) in the loss (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds to wait for the N nodes (default 120)")
+    parser.add_argument("--collective-timeout", type=float, default=120.0,
+                        help="seconds a rank waits in a collective for the others before it fails (Gloo's own "
+                             "default is 30 minutes; default 120)")
     args = parser.parse_args(argv)
     for name in ("num_nodes", "steps", "save_every", "prompts_per_step"):
         if getattr(args, name) < 1:

@@ -21,6 +21,8 @@ class Shape:
     checkpoint_dir: str | None
     resume: bool
     gpu_name: str | None = None
+    #: wait.node_silence: a recipe whose framework takes a collective timeout bounds it by this.
+    node_silence_s: float = 30.0
 
 
 @dataclass

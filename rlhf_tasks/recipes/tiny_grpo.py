@@ -15,6 +15,9 @@ from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
 REQUIREMENTS = ["ray[default]==2.60.0", "torch>=2.3,<=2.13.0", "numpy"]
 #: Their import names, looked up without importing them (importing torch takes seconds).
 IMPORTS = ["ray", "torch", "numpy"]
+#: The least collective timeout: a rank may wait that long for another's reward-server retries
+#: (4 attempts of up to 10 s, with back-off), which is not a silent node.
+COLLECTIVE_FLOOR_S = 60.0
 _MISSING = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))"
 #: Every node: install the demo's third-party needs unless they are there (idempotent).
 SETUP = (shlex.join(["python3", "-c", _MISSING, *IMPORTS]) + " || "
@@ -72,6 +75,8 @@ class TinyGrpoJob(JobBase):
                 "--prompts-per-step", str(a.prompts_per_step),
                 "--lr", str(a.lr),
                 "--seed", str(a.seed),
+                # a rank stuck in a collective with a silent peer fails within this (Gloo's default: 30 min)
+                "--collective-timeout", "%.0f" % max(shape.node_silence_s, COLLECTIVE_FLOOR_S),
             ],
             setup=[SETUP],
             modules=["rlhf_tasks.demo"],
