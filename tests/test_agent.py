@@ -354,10 +354,13 @@ def test_stale_process_group_of_our_own_is_stopped(tmp_path):
     assert done.wait(10) and not pgid_file.exists()
 
 
-def test_ready_beacon_answers_until_closed():
+def test_ready_beacon_answers_ready_then_done_until_closed():
     ready = beacon.ReadyBeacon("127.0.0.1", 0)
     port = ready.sock.getsockname()[1]
     assert beacon.probe_ready("127.0.0.1", port) is None
+    ready.done()  # the run is over: a worker leaves at once, none joins
+    assert beacon.probe_ready("127.0.0.1", port) == beacon.RUN_OVER
+    assert not beacon.reachable(beacon.probe_ready, "127.0.0.1", port)()[0]
     ready.close()
     assert "refused" in beacon.probe_ready("127.0.0.1", port)
 

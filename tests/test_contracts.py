@@ -106,9 +106,10 @@ def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
     out = head.output
     assert "CONTRACT alive nodes 3" in out and "SUCCEEDED" in out
     assert "service web ready" in out and TOKEN not in out
-    for worker in workers:  # the head is gone: the run is over for them too
+    for worker in workers:  # the head said the run is over: they leave at once, not after a silence
         assert worker.wait(90) == 0, worker.output[-3000:]
-        assert "the head is gone" in worker.output and TOKEN not in worker.output
+        assert "the head says the run is over: stopping this node" in worker.output and TOKEN not in worker.output
+        assert "head unreachable" not in worker.output
 
 
 def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):

@@ -1,6 +1,7 @@
 """The head's ready beacon and the waits on it: a tiny TCP server on the head that answers
-"ready" once the head's GCS serves, the probe a worker polls it with, and `reachable`,
-which turns any such probe into a wait_for check.
+"ready" once the head's GCS serves (and "done" once the run is over, so the workers leave at
+once rather than after a silence), the probe a worker polls it with, and `reachable`, which
+turns any such probe into a wait_for check.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ def reachable(probe: Callable[..., Optional[str]], *args) -> Callable[[], Tuple[
     return check
 
 
+#: What probe_ready returns when the head says the run is over: leave now.
+RUN_OVER = "the head says the run is over"
+
+
 def probe_ready(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
-    """None when the head's ready beacon at host:port answers "ready", else why not."""
+    """None when the head's ready beacon at host:port answers "ready", else why not
+    (RUN_OVER when it answers "done")."""
     reason = probe_tcp(host, port, timeout)
     if reason is not None:
         return reason
@@ -30,6 +36,8 @@ def probe_ready(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
             answer = sock.recv(16)
     except OSError as exc:
         return "the ready beacon at %s:%s failed (%s)" % (host, port, exc)
+    if answer.startswith(b"done"):
+        return RUN_OVER
     return None if answer.startswith(b"ready") else "%s:%s is not a ready beacon" % (host, port)
 
 
@@ -37,9 +45,11 @@ class ReadyBeacon(object):
     """A tiny TCP server on the head that answers "ready" once the head's GCS serves.
 
     Workers join when it answers (their `ray start` has its CLI imported by then, see
-    Node.prestart_ray), not on a port that might be anyone's, and leave when it goes."""
+    Node.prestart_ray), not on a port that might be anyone's, and leave when it says "done"
+    (`done()`) or goes."""
 
     def __init__(self, host: str, port: int):
+        self.answer = b"ready\n"
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -53,11 +63,15 @@ class ReadyBeacon(object):
             except OSError:
                 return  # closed
             try:
-                conn.sendall(b"ready\n")
+                conn.sendall(self.answer)
             except OSError:
                 pass
             finally:
                 conn.close()
+
+    def done(self) -> None:
+        """The run is over: the workers that ask now leave at once (none joins any more)."""
+        self.answer = b"done\n"
 
     def close(self) -> None:
         try:

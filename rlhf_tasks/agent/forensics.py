@@ -355,8 +355,7 @@ class Keeper(object):
                 with open(path + ".tmp", "w") as handle:
                     handle.write(self.facts(shared=force))
                 os.replace(path + ".tmp", path)
-            if self.linked is None or force:
-                self.link()
+            self.link()  # every time: a file the agent makes later (a service's log) is linked too
         except Exception as exc:  # forensics must never fail the run
             if force:
                 log("forensics: could not keep this node's facts: %s" % exc)
@@ -476,6 +475,22 @@ def list_local(logs_dir: str) -> List[str]:
     return names
 
 
+#: How long the gathering waits for a node that just joined to link its agent's files (its
+#: supervising loop does so within a second or two of its Ray starting).
+OWN_FILES_WAIT_S = 5.0
+
+
+def own_files_listed(ray: "RayLogs", node_id: str, deadline: float) -> List[str]:
+    """A node's log files, once its agent's own are among them (a job can fail within a
+    second of a node's joining), or whatever is there after OWN_FILES_WAIT_S."""
+    until = min(deadline, time.monotonic() + OWN_FILES_WAIT_S)
+    while True:
+        names = ray.files(node_id)
+        if any(n.startswith(OWN + "/agent-node") for n in names) or time.monotonic() >= until:
+            return names
+        time.sleep(0.5)
+
+
 def _job_ids(jobs: List[dict]) -> List[str]:
     """Ray's hex job ids of the submitted jobs (worker files carry them)."""
     return [j["job_id"] for j in jobs if j.get("job_id")]
@@ -518,7 +533,7 @@ def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: 
             continue
         head_here = bool(local) and bool(node.get("is_head_node"))
         try:
-            names = list_local(local[1]) if head_here else ray.files(node["node_id"])
+            names = list_local(local[1]) if head_here else own_files_listed(ray, node["node_id"], deadline)
         except (OSError, ValueError) as exc:
             problems.append("listing %s's logs: %s" % (ip, exc))
             names = []

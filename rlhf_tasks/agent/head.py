@@ -20,8 +20,8 @@ from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nod
                        result_line, wait_for)
 from .raynode import Node
 
-#: How long a head that ends on its own waits for the workers to leave (they leave ~10 s
-#: after its beacon closes) before it stops its own Ray.
+#: How long a head that ends on its own waits for the workers to leave (they look at its
+#: beacon every second, and leave when it says "done") before it stops its own Ray.
 WORKER_LEAVE_S = 20.0
 JOB_LOG_TAIL_CHARS = 64 * 1024  # how much of the job's log the result line repeats
 
@@ -142,14 +142,16 @@ class HeadFlow(object):
         return out
 
     def stop(self, signalled: bool = False) -> None:
-        """Close the beacon; unless the cluster is being torn down (a signal), let the workers
-        see it and leave before the head's Ray stops, so the head is the last to exit (a
-        scheduler that kills the rest when one task fails then kills nothing)."""
+        """Tell the workers the run is over (the beacon answers "done") and let them leave
+        before the head's Ray stops, so the head is the last to exit (a scheduler that kills
+        the rest when one task fails then kills nothing); when the cluster is being torn down
+        (a signal), just close the beacon."""
         if self.beacon is None:
             return
-        self.beacon.close()
         if signalled or self.node.ray is None or not self.node.ray.alive():
+            self.beacon.close()
             return
+        self.beacon.done()  # the workers leave at their next look (every second), not after a silence
 
         def workers_gone():
             try:
@@ -162,6 +164,7 @@ class HeadFlow(object):
                      progress_every=WORKER_LEAVE_S + 1)
         except AgentError:
             log("the workers did not leave within %.0fs; stopping anyway" % WORKER_LEAVE_S)
+        self.beacon.close()
 
 
 class HeadPreflight(object):

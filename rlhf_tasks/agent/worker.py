@@ -12,7 +12,7 @@ import subprocess
 import time
 from typing import List, Optional
 
-from .beacon import ReadyBeacon, probe_ready, reachable
+from .beacon import RUN_OVER, ReadyBeacon, probe_ready, reachable
 from .contract import NodeInfo
 from .forensics import keeper
 from .processes import Child
@@ -38,6 +38,7 @@ class WorkerFlow(object):
             log("head ready after %.1fs" % (time.monotonic() - started))
         with node.step("ray worker"):
             node.start_ray(head=False)
+        keeper(node).tick()  # this node's files where the head reads them, before a job can fail
         node.start_services(("every_node",))
         return self.supervise()
 
@@ -49,6 +50,9 @@ class WorkerFlow(object):
         while True:
             reason = probe_ready(*self.beacon)
             now = time.monotonic()
+            if reason == RUN_OVER:
+                log("%s: stopping this node" % reason)
+                return 0
             if reason is None:
                 unreachable_since = None
             elif unreachable_since is None:
