@@ -280,32 +280,38 @@ def _launch_until_step(tmp_path, cli_env, rlhf_home, args, step):
     return proc, path
 
 
-def test_a_lost_worker_is_replaced_and_the_head_restarts_the_job(tmp_path, cli_env, rlhf_home):
-    steps = 600  # long enough (20-30 ms a step: 12 s or more after step 45) that the node is lost mid-job
-    proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home, [str(_loss_task(tmp_path, steps))], 45)
-    _lose_node(rlhf_home, "loss", 2)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-6000:]
-    assert "the node agent of rank 2 died; started it again" in out  # the local provider replaced the machine
-    from rlhf_tasks.providers.local import node_address
+def _wait_step(proc: subprocess.Popen, path: Path, step: int, timeout: float = 300) -> None:
+    import time
 
-    cluster_id = json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"]
-    assert "restarting the job, attempt 1 of 2" in out and node_address(cluster_id, 2) in out  # which node
-    assert "attempts: 2 (" in out and "-r1 SUCCEEDED" in out  # the summary lists the attempts
-    assert [r["step"] for r in metrics(path)] == list(range(1, steps + 1))  # none lost, none twice
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and metrics(path) and metrics(path)[-1]["step"] >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
 
 
-def test_a_lost_head_relaunches_the_task_which_resumes(tmp_path, cli_env, rlhf_home):
-    steps = 600
+def test_a_lost_worker_is_replaced_then_a_lost_head_relaunches_the_task_which_resumes(tmp_path, cli_env, rlhf_home):
+    """One run, both losses: a worker machine lost mid-job (the local provider replaces it, the
+    head restarts the job from its checkpoint), then the head machine lost (the launcher
+    relaunches the task, which resumes); every step once."""
+    steps = 600  # long enough (20-30 ms a step) that each loss comes mid-job
     proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home,
                                     [str(_loss_task(tmp_path, steps)), "--retry", "1"], 45)
+    from rlhf_tasks.providers.local import node_address
+
+    first_cluster = json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"]
+    _lose_node(rlhf_home, "loss", 2)
+    # The restarted attempt resumes from step 40's checkpoint: once it is past step 100, lose the head.
+    _wait_step(proc, path, 100)
     _lose_node(rlhf_home, "loss", 0)
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, out[-6000:]
+    assert "the node agent of rank 2 died; started it again" in out  # the local provider replaced the machine
+    assert "restarting the job, attempt 1 of 2" in out and node_address(first_cluster, 2) in out  # which node
     assert "the head is lost" in out and "relaunching loss, 1 of 1" in out
     rows = metrics(path)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert any(r.get("resumed_from", 0) >= 40 for r in rows)  # the new cluster resumed from the checkpoint
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # none lost, none twice
+    assert any(r.get("resumed_from", 0) >= 100 for r in rows)  # the new cluster resumed from the checkpoint
+    assert no_leftovers(first_cluster)
     assert no_leftovers(json.loads((rlhf_home / "clusters" / "loss" / "cluster.json").read_text())["cluster_id"])
 
 
