@@ -207,6 +207,19 @@ def write_files(directory, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
+def end_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
+    """Stop a helper process this launcher started (a port forward, a tunnel): SIGTERM, then
+    SIGKILL after `grace` seconds; reaped either way."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def stop_with_cli(argv: list[str], name: str) -> str:
     """`down` through a provider's CLI (`dstack stop`, `sky down`): what it said, or StepFailed
     naming the command; the cluster's record is marked ended."""

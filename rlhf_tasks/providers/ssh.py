@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import StepFailed
+from .base import end_process
 
 
 def _free_port() -> int:
@@ -80,10 +81,4 @@ class SshTunnel:
     def close(self) -> None:
         with self.lock:
             self.closed.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        end_process(self.proc)

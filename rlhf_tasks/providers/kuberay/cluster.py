@@ -21,7 +21,7 @@ from typing import Callable
 from ...agent.protocol import RESULT_PREFIX, started_job
 from ...errors import StepFailed
 from ...plan import Plan
-from ..base import Cluster
+from ..base import Cluster, end_process
 from .kubectl import Kubectl
 
 SUBMITTER = "ray-job-submitter"
@@ -190,12 +190,7 @@ class PortForward:
         return [f"forwarding the head's dashboard: {' '.join(self.argv()[1:])}"] if self.starts == 1 else []
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        end_process(self.proc)
 
 
 class Watch:
