@@ -492,7 +492,10 @@ def test_launch_through_kubectl_on_the_harness_with_a_late_and_a_lost_worker(tes
         assert proc.returncode == 0, said[-6000:]
         assert "== summary ==" in said and "SUCCEEDED in " in said and "RLHF_TASKS_RESULT" not in said
         assert ["kubectl", "--context", "standin", "-n", "default", "apply", "-f", "-"] in [c["argv"] for c in calls(root)]
-        final, head = ctrl.status("tiny"), job.head()
+        # the launcher ends with the job runner; the operator marks the RayJob at its next poll of the job
+        final = tbmod.poll(lambda: (s := ctrl.status("tiny")) and s["jobDeploymentStatus"] != "Running" and s,
+                           3 * kuberay_harness.JOB_POLL_S + 5, "the RayJob's final status")
+        head = job.head()
         submitter = ctrl.log(head.name, "ray-job-submitter")
         assert final["jobDeploymentStatus"] == "Complete" and final["jobStatus"] == "SUCCEEDED", ctrl.describe()
         # the lost pod was replaced (a new name, same slot) and the runner restarted the job from its checkpoint
