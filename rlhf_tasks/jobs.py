@@ -112,14 +112,16 @@ class Jobs:
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
                final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None,
-               watch: Callable[[str], None] | None = None, hint_on_interrupt: bool = True) -> str:
+               watch: Callable[[str], None] | None = None, hint_on_interrupt: bool = True,
+               after: str | None = None) -> str:
         """Print the job's log as it grows until it ends; return the final status.
 
         When the dashboard goes away (a head that submitted the job exits as soon as it
         ends), `final_status(chars of the log shown so far)` may still know the outcome
         and the rest of the log, e.g. from the head agent's result line.
-        Ctrl-C stops following, not the job: it says how to stop it and re-raises."""
-        follower = JobFollower(self.api, submission_id, out)
+        Ctrl-C stops following, not the job: it says how to stop it and re-raises. `after`: see
+        JobFollower (a gated job's preflight part is not shown)."""
+        follower = JobFollower(self.api, submission_id, out, after)
         try:
             return follower.run(timeout_s, watch)
         except OSError as exc:

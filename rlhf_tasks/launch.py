@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .agent.protocol import (RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes,
-                             cluster_check, head_address, http_check, is_submission_of, next_submission_id,
-                             parse_result, preflight_submission_id, started_job, submission_id, wait_for)
+from .agent.protocol import (PREFLIGHT_PREFIX, RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs,
+                             alive_nodes, cluster_check, head_address, http_check, is_submission_of,
+                             next_submission_id, parse_preflight, parse_result, preflight_submission_id, started_job,
+                             submission_id, wait_for)
 from .agent import forensics
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
@@ -210,15 +211,22 @@ def wait_cluster(cluster: Cluster, plan: Plan, tail: LogTail) -> str:
                     report=say)
 
 
-def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail) -> None:
-    """Until the head's preflight has passed (its Ray job ends SUCCEEDED), echo the head's
-    log (the table, or the reasons). With `submit: client` the job is submitted after it;
-    with `submit: head` the head's job is already submitted, behind a gate that opens now."""
-    sid = preflight_submission_id(cluster.cluster_id)
+def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail, gated: str | None = None) -> None:
+    """Until the head's preflight has passed, echo the head's log (the table, or the reasons).
+    With `submit: head` the gate of the head's job `gated` runs it (that job's log carries
+    its result line) and opens once the head saw it pass; with `submit: client` it is the
+    head's Ray job `preflight_<cluster>`, and the job is submitted after it."""
     api = DashboardJobs(cluster.dashboard, cluster.token)
+    sid = preflight_submission_id(cluster.cluster_id)
 
     def check():
         try:
+            if gated:
+                result = parse_preflight(api.logs(gated))
+                if result is not None:
+                    return True, "SUCCEEDED" if result["passed"] else "FAILED"
+                state = api.status(gated)
+                return state in TERMINAL_JOB_STATES, f"job {gated} {state}"
             jobs = api.jobs()
         except OSError as exc:
             return False, str(exc)
@@ -291,9 +299,11 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
         for message in cluster.tend():
             say(message)
 
+    # The head's first job starts with preflight's run in its gate, which the head's log reports.
+    after = PREFLIGHT_PREFIX if plan.job.submit == "head" and plan.preflight.enabled else None
     while True:
         try:
-            status = jobs.follow(sid, plan.job.timeout_s, watch=tend, hint_on_interrupt=False,
+            status = jobs.follow(sid, plan.job.timeout_s, watch=tend, hint_on_interrupt=False, after=after,
                                  final_status=lambda shown: final_status_from_head(cluster, shown))
         except StepFailed as exc:
             if not cluster.head_alive():
@@ -313,7 +323,8 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
                 return True, None
             return False, f"job {following} ended {status}; the head has not restarted it yet"
         say(f"job {sid} ended {status}; waiting to see whether the head restarts it")
-        sid = wait_for(f"the head to restart job {sid}", restarted, plan.wait.nodes_s + 300, interval=0.5, report=say)
+        sid, after = wait_for(f"the head to restart job {sid}", restarted, plan.wait.nodes_s + 300, interval=0.5,
+                              report=say), None
         if sid is None:
             return status, following
         say(f"following job {sid}, the head's restart of {following} (Ctrl-C stops following, not the job)")
@@ -328,9 +339,9 @@ def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
     have = wait_cluster(cluster, plan, tail)
     say(f"cluster up: {have}")
     node_ids = {n["node_id"] for n in alive_nodes(cluster.dashboard, cluster.token)}
-    if plan.preflight.enabled:
-        wait_preflight(cluster, plan, tail)
     if plan.job.submit == "client":
+        if plan.preflight.enabled:
+            wait_preflight(cluster, plan, tail)
         sid = submission_id(plan.name, cluster.cluster_id)
         head = head_address(cluster.dashboard, cluster.token)
         if Jobs(cluster.dashboard, cluster.token).submit(plan, sid, head, {**os.environ, **secrets}):
@@ -341,6 +352,8 @@ def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
         say("waiting for the head's job")
         sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
             cluster.dashboard, cluster.token, plan.name)), 600, report=say)
+        if plan.preflight.enabled:
+            wait_preflight(cluster, plan, tail, gated=sid)
     return sid, node_ids
 
 

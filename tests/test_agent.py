@@ -3,6 +3,7 @@ deadline and a diagnosis, network and debug presets, the Ray command line."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -465,6 +466,51 @@ def test_a_gate_without_word_gives_up_at_its_deadline(tmp_path):
     gate, proc = start_gate(tmp_path, ["true"], timeout_s=1)
     assert proc.wait(30) == 1
     assert "the head gave no word within 1s" in proc.stdout.read()
+
+
+def test_a_gate_carrying_preflight_puts_its_arguments_between_the_gates_and_the_command(tmp_path):
+    checks = protocol.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, 60, wait_nodes=600)
+    gate = jobrunner.Gate(str(tmp_path / "job.gate"), checks, "t-c1")
+    command = ["python3", "train.py", "--", "--lr", "1e-6"]  # a command with its own `--`
+    assert gate.wrap(command, 100) == ["python3", "-m", "rlhf_tasks.agent", "gate", str(tmp_path / "job.gate"), "100",
+                                       "--preflight", *checks[3:], "--", *command]
+    assert checks[:3] == ["python3", "-m", protocol.PREFLIGHT_MODULE] and "--" not in checks
+
+
+class ScriptedJobs(object):
+    """A job's (status, log) at each poll, as the dashboard would answer them."""
+
+    def __init__(self, polls):
+        self.polls = list(polls)
+
+    def status(self, sid):
+        return self.polls[0][0]
+
+    def logs(self, sid):
+        status, text = self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+        return text
+
+
+def test_a_gated_jobs_followers_show_its_log_from_after_preflights_result_line():
+    line = protocol.PREFLIGHT_PREFIX + '{"passed": true}\n'
+    ran = ScriptedJobs([("RUNNING", "preflight: nodes\n"), ("RUNNING", "preflight: nodes\n" + line[:12]),
+                        ("RUNNING", "preflight: nodes\n" + line + "step 1\n"),
+                        ("SUCCEEDED", "preflight: nodes\n" + line + "step 1\nstep 2\n")])
+    out = io.StringIO()
+    follower = protocol.JobFollower(ran, "t-c1", out, after=protocol.PREFLIGHT_PREFIX)
+    assert follower.run() == "SUCCEEDED" and out.getvalue() == "step 1\nstep 2\n"
+    assert follower.shown == len("preflight: nodes\n" + line + "step 1\nstep 2\n")  # where the log is, in its chars
+    # a job whose gate ended before preflight's result (it failed to start): everything it said is shown
+    failed = ScriptedJobs([("FAILED", "Traceback ...\nModuleNotFoundError: No module named 'ray'\n")])
+    out = io.StringIO()
+    assert protocol.JobFollower(failed, "t-c1", out, after=protocol.PREFLIGHT_PREFIX).run() == "FAILED"
+    assert out.getvalue() == "Traceback ...\nModuleNotFoundError: No module named 'ray'\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["job.gate", "10"], ["job.gate", "10", "--"], ["job.gate", "--", "true"],
+                                  ["job.gate", "10", "--nodes", "3", "--", "true"]])
+def test_a_gate_refuses_a_malformed_command_line(argv, capsys):
+    assert jobrunner.gate_main(argv) == 2 and "usage: python3 -m rlhf_tasks.agent gate" in capsys.readouterr().err
 
 
 def test_a_gate_for_a_missing_command_exits_127_naming_it(tmp_path):

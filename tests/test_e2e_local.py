@@ -100,6 +100,7 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-6000:]
         assert "hello from the working_dir" in out
+        assert "RLHF_TASKS_PREFLIGHT" not in out  # the job's log is shown from after its preflight part
 
         record = json.loads((rlhf_home / "clusters" / "auth" / "cluster.json").read_text())
         token_path = rlhf_home / "clusters" / "auth" / "token"
@@ -115,16 +116,16 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
                 assert exc.code in (401, 403)
         authed = urllib.request.Request(record["dashboard"] + "/api/jobs/", headers={"Authorization": f"Bearer {token}"})
         jobs = json.loads(urllib.request.urlopen(authed, timeout=10).read())
-        # The job, and the head's preflight before it (a Ray job of its own).
-        assert sorted(j["submission_id"] for j in jobs) == [f"auth-{record['cluster_id']}",
-                                                            f"preflight_{record['cluster_id']}"]
+        # The job only: the head's preflight ran in the job's gate, before its command.
+        assert [j["submission_id"] for j in jobs] == [f"auth-{record['cluster_id']}"]
 
         # --keep keeps the cluster after a head-submitted job: our CLI and Ray's own work on it until `down`.
         sid = f"auth-{record['cluster_id']}"
         listed = cli(tmp_path, cli_env, "list", "--cluster", "auth")
         assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stderr
         assert cli(tmp_path, cli_env, "status", sid, "--cluster", "auth").stdout.strip() == "SUCCEEDED"
-        assert "hello from the working_dir" in cli(tmp_path, cli_env, "logs", sid, "--cluster", "auth").stdout
+        logged = cli(tmp_path, cli_env, "logs", sid, "--cluster", "auth").stdout
+        assert 0 <= logged.find("RLHF_TASKS_PREFLIGHT ") < logged.find("hello from the working_dir"), logged[-3000:]
         shell = cli(tmp_path, cli_env, "env", "auth")
         assert shell.returncode == 0 and "RAY_AUTH_MODE=token" in shell.stdout, shell.stderr
         ray_cli = {k: v for k, v in cli_env.items() if not k.startswith("RAY_")}

@@ -266,9 +266,13 @@ def test_preflight_passes_on_a_healthy_cluster_and_prints_the_table_before_the_j
         assert f"eth0 {host.ip}" in row and "2.60.0" in row and RATE.search(row), row
     allreduce = next(line for line in out.splitlines() if "Gloo all_reduce across 3 nodes" in line)
     assert "64 MiB" in allreduce or "16 MiB" in allreduce, allreduce
-    # Submitted while the nodes joined, its command ran once preflight passed:
+    # Submitted while the nodes joined, its gate ran preflight (no job of its own), its command ran once it passed:
     assert out.index("submitting job") < out.index("cluster ready:") < out.index("preflight passed in")
     assert out.index("preflight passed in") < out.index("starting job") < out.index("CONTRACT alive nodes 3")
+    assert re.search(r"preflight: checking 3 nodes .* in the gate of job \S+, once they are ALIVE", out)
+    shown = "\n".join(line for line in out.splitlines() if not line.startswith(protocol.RESULT_PREFIX))
+    assert protocol.PREFLIGHT_PREFIX not in shown  # the job's log is shown from after its preflight part
+    assert "preflight_" not in out
     saved = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))  # beside the job's logs
     assert saved["passed"] and len(saved["nodes"]) == 3 and len(saved["pairs"]) == 6
     assert saved["collectives"]["gloo"]["sizes"][0]["bus_bits_per_s"] > 0

@@ -8,10 +8,11 @@ provider: the plan carries the provider's environment contract as data, and the 
 only interprets it. Then:
 
   head (rank 0): prepare data, `ray start --head` on the private address, open the ready
-                 beacon once its GCS serves; once its dashboard answers, submit preflight
-                 and (job.submit: head) the job behind a gate, so that both start up while
-                 the workers join; start the services and wait until they answer, wait
-                 until every node is ALIVE and preflight passed, then open the gate,
+                 beacon once its GCS serves; once its dashboard answers, submit
+                 (job.submit: head) the job behind a gate that runs preflight first (else
+                 preflight as a job of its own), so that both start up while the workers
+                 join; start the services and wait until they answer, wait until every
+                 node is ALIVE and preflight passed, then open the gate,
                  follow the job (restarting it by its restart policy), exit with its result.
   worker:        wait for the head's ready beacon, `ray start --address`, start the
                  every-node services, supervise the raylet until the head goes away.
@@ -26,7 +27,7 @@ outside this package imports), contract (the provider's contract, addresses), pr
 (children and process groups), raynode (Ray's start command and environment, the Node),
 beacon (the head's ready beacon), head (the head's bring-up), jobrunner (submitting,
 following and restarting the job), worker (workers and every_node mode), probe and
-preflight (the preflight Ray job), attached (the roles where someone else starts Ray, as
+preflight (preflight's driver: in the job's gate, or a Ray job of its own), attached (the roles where someone else starts Ray, as
 KubeRay does: prepare before it, a node's services and environment before its `ray start`,
 the head's flow once it is up), __main__ (the entry point).
 """

@@ -27,7 +27,7 @@ import sys
 import tarfile
 import time
 import urllib.parse
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .protocol import auth_headers, http_request, log
 
@@ -209,16 +209,17 @@ def tail(data: bytes, max_bytes: int = TAIL_BYTES) -> Tuple[bytes, bool]:
     return (cut[newline + 1:] if 0 <= newline < 4096 else cut), True
 
 
-def wanted(files: List[str], job_ids: Optional[List[str]] = None) -> List[str]:
+def wanted(files: List[str]) -> List[str]:
     """Of a node's Ray log files: ours, Ray's own that matter, the job drivers' logs, and
-    the job's workers' .err/.out (not idle workers', whose job id is ffffffff), at most
-    MAX_WORKER_FILES of them, .err first."""
+    the jobs' workers' .err/.out (not idle workers', whose job id is ffffffff; every job's:
+    one submission may run several drivers, as a gated job does), at most MAX_WORKER_FILES
+    of them, .err first."""
     keep = [f for f in files if f.startswith(OWN + "/") and not f.endswith("/") and not f.endswith(".tar.gz")]
     keep += [f for f in files if f in RAY_FILES or re.match(r"^job-driver-.*\.log$", f)]
     workers = []
     for name in files:
         match = re.match(r"^worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(err|out)$", name)
-        if match and match.group(1) != "ffffffff" and (not job_ids or match.group(1) in job_ids):
+        if match and match.group(1) != "ffffffff":
             workers.append((match.group(2) != "err", name))
     keep += [name for _, name in sorted(workers)[:MAX_WORKER_FILES]]
     return keep
@@ -421,10 +422,6 @@ class RayLogs(object):
             raise OSError("HTTP %d listing Ray's nodes" % status)
         return json.loads(body)["data"]["result"]["result"]
 
-    def jobs(self) -> List[dict]:
-        status, body = http_request(self.dashboard + "/api/jobs/", headers=self.headers, timeout=self.timeout)
-        return json.loads(body) if status == 200 else []
-
     def files(self, node_id: str) -> List[str]:
         names = []
         for pattern in ("*", OWN + "/*"):
@@ -491,11 +488,6 @@ def own_files_listed(ray: "RayLogs", node_id: str, deadline: float) -> List[str]
         time.sleep(0.5)
 
 
-def _job_ids(jobs: List[dict]) -> List[str]:
-    """Ray's hex job ids of the submitted jobs (worker files carry them)."""
-    return [j["job_id"] for j in jobs if j.get("job_id")]
-
-
 def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: Optional[Tuple[str, str]] = None,
            started_ms: int = 0, extra: Optional[Dict[str, List[dict]]] = None, deadline_s: float = 90.0) -> dict:
     """Read every node's files (`ray`: through the dashboard; `local`: (the head's address,
@@ -508,12 +500,6 @@ def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: 
         known = ray.nodes() if ray is not None else []
     except (OSError, ValueError, KeyError) as exc:
         known, problems = [], ["Ray's node list: %s" % exc]
-    jobs = []  # type: List[dict]
-    try:
-        jobs = ray.jobs() if ray is not None else []
-    except (OSError, ValueError):
-        pass
-    job_ids = _job_ids(jobs)
     if local and not any(n.get("is_head_node") and n.get("state") == "ALIVE" for n in known):
         known = [{"node_id": "", "node_ip": local[0], "is_head_node": True, "state": "ALIVE"}] + \
             [n for n in known if not n.get("is_head_node")]
@@ -537,7 +523,7 @@ def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: 
         except (OSError, ValueError) as exc:
             problems.append("listing %s's logs: %s" % (ip, exc))
             names = []
-        for name in wanted(names, None):
+        for name in wanted(names):
             if time.monotonic() > deadline:
                 problems.append("the gathering's deadline of %.0fs passed; some files are left out" % deadline_s)
                 break

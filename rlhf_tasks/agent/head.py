@@ -66,16 +66,17 @@ class HeadFlow(object):
         gated job submitted, the services, every node, preflight followed, then the job."""
         node, plan = self.node, self.plan
         # What waits for the nodes is submitted now, so that its start-up overlaps their joining:
-        # preflight (it waits for them itself), then the job behind a gate that opens once preflight passed.
+        # the job behind a gate that runs preflight (it waits for the nodes itself) and opens once
+        # the head saw preflight pass; preflight as a job of its own when no gated job carries it.
         jobs = DashboardJobs(node.dashboard, node.token)
         self.runner = runner = JobRunner(node, jobs, self.finish)
         preflight = HeadPreflight(node, jobs) if plan["preflight"]["enabled"] else None
         gate = None
         try:
-            if preflight is not None:
-                preflight.submit()
             if plan["job"]["submit"] == "head":
-                gate = runner.submit_gated()
+                gate = runner.submit_gated(preflight.argv() if preflight is not None else None)
+            if preflight is not None:
+                preflight.submit(gate.sid if gate is not None else None)
             node.start_services(("head", "every_node"))
             with node.step("nodes"):
                 nodes = plan["nodes"]
@@ -168,9 +169,10 @@ class HeadFlow(object):
 
 
 class HeadPreflight(object):
-    """The head's preflight: run the agent's preflight module as a Ray job of its own across
-    every node, print its table, keep its JSON beside the node logs, and fail (naming the
-    step) before the job's command starts when a check failed. Low bandwidth is a warning.
+    """The head's preflight: run the agent's preflight module across every node (in the job's
+    gate, or as a Ray job of its own), print its table, keep its JSON beside the node logs, and
+    fail (naming the step) before the job's command starts when a check failed. Low bandwidth
+    is a warning.
 
     It is submitted as soon as the head is up and waits for the nodes itself: its driver
     and its probe on each node start while the others are still joining."""
@@ -179,15 +181,25 @@ class HeadPreflight(object):
         self.node, self.jobs = node, jobs
         self.sid = preflight_submission_id(node.cluster_key())
 
-    def submit(self) -> None:
+    def argv(self) -> list:
+        """Preflight's command line: it waits for the nodes, then its checks have their deadline."""
+        plan = self.node.plan
+        return preflight_argv(plan["preflight"], plan["nodes"], plan["preflight"]["timeout_s"],
+                              wait_nodes=plan["wait"]["nodes_s"])
+
+    def submit(self, gated: Optional[str] = None) -> None:
+        """Submit preflight as a Ray job of its own; or, when the gate of job `gated` runs it, follow that job."""
         node, settings = self.node, self.node.plan["preflight"]
-        if self.jobs.status(self.sid) is not None:
+        if gated:
+            self.sid = gated
+        elif self.jobs.status(self.sid) is not None:
             self.sid = "%s-%d" % (self.sid, int(time.time()))
-        log("preflight: checking %d nodes (versions, interfaces, %severy pair's bandwidth) as Ray job %s, once they "
-            "are ALIVE; deadline %.0fs" % (node.plan["nodes"], "a Gloo all_reduce, " if settings.get("torch", True)
-                                           else "", self.sid, settings["timeout_s"]))
-        self.jobs.submit(self.sid, preflight_argv(settings, node.plan["nodes"], settings["timeout_s"],
-                                                  wait_nodes=node.plan["wait"]["nodes_s"]))
+        log("preflight: checking %d nodes (versions, interfaces, %severy pair's bandwidth) %s %s, once they are "
+            "ALIVE; deadline %.0fs" % (node.plan["nodes"], "a Gloo all_reduce, " if settings.get("torch", True)
+                                       else "", "in the gate of job" if gated else "as Ray job", self.sid,
+                                       settings["timeout_s"]))
+        if not gated:
+            self.jobs.submit(self.sid, self.argv())
 
     def follow(self, keep=lambda result: None) -> dict:
         """Once every node is ALIVE: its checks have `preflight.timeout` from now (`keep(result)`

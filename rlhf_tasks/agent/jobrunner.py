@@ -15,8 +15,9 @@ import time
 from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
-from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower,
-                       alive_nodes, cluster_check, job_argv, log, submission_id, wait_for)
+from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_MODULE, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
+                       AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, log, submission_id,
+                       wait_for)
 from .raynode import Node
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
@@ -108,16 +109,20 @@ class Gate(object):
     """A file on the head that a job submitted early waits behind (`python3 -m rlhf_tasks.agent gate FILE ...`,
     its entrypoint's wrapper): the job's supervisor and driver start while the nodes are
     still joining, and its command runs the moment the head writes "go" (every node ALIVE,
-    preflight passed), or never, when the head writes "stop: why"."""
+    preflight passed), or never, when the head writes "stop: why". With `preflight`, the
+    gate runs preflight's checks itself first (the job's log starts with them, up to their
+    result line, which the head reads): one Ray job and its supervisor fewer while the
+    nodes join."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, preflight: Optional[List[str]] = None, sid: Optional[str] = None):
+        self.path, self.preflight, self.sid = path, preflight, sid  # sid: the gated job's submission id
         if os.path.exists(path):
             os.remove(path)
 
     def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
         """The job's command behind this gate; the agent's package is on the job's PYTHONPATH (node_env)."""
-        return ["python3", "-m", "rlhf_tasks.agent", "gate", self.path, "%.0f" % timeout_s, "--"] + argv
+        checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_MODULE) + 1:] if self.preflight else []
+        return ["python3", "-m", "rlhf_tasks.agent", "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
 
     def open(self) -> None:
         self._write("go\n")
@@ -131,14 +136,23 @@ class Gate(object):
         os.replace(self.path + ".tmp", self.path)
 
 
+GATE_USAGE = "usage: python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight PREFLIGHT_ARGS...] -- CMD..."
+
+
 def gate_main(argv: List[str]) -> int:
-    """`python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...`: wait for the head's word in FILE, then
-    become CMD (exec: the job's process is the command's), or exit 1 saying why not."""
-    if len(argv) < 4 or argv[2] != "--":
-        print("usage: python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...", file=sys.stderr)
+    """`python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight ARGS...] -- CMD...`: run preflight
+    (its module's main, here: this process is the job's first Ray driver) when asked, then
+    wait for the head's word in FILE, then become CMD (exec: the job's process is the
+    command's), or exit 1 saying why not."""
+    ours = argv[:argv.index("--")] if "--" in argv else []
+    command = argv[len(ours) + 1:]
+    if len(ours) < 2 or not command or ours[2:3] not in ([], ["--preflight"]):
+        print(GATE_USAGE, file=sys.stderr)
         return 2
-    path, timeout_s, command = argv[0], float(argv[1]), argv[3:]
+    path, timeout_s = ours[0], float(ours[1])
     deadline = time.monotonic() + timeout_s
+    if ours[2:] and not gated_preflight(ours[3:]):
+        return 1
     while True:
         try:
             with open(path) as handle:
@@ -161,6 +175,20 @@ def gate_main(argv: List[str]) -> int:
         time.sleep(0.05)
 
 
+def gated_preflight(args: List[str]) -> bool:
+    """Preflight's checks in this process, its result line in the job's log; whether they passed."""
+    from . import preflight
+
+    code = preflight.main(args)
+    import ray  # preflight connected this process to the cluster: let go before the command's driver connects
+
+    ray.shutdown()
+    if code != 0:
+        print("rlhf-tasks: preflight failed (its result above says why): the job's command was not started",
+              flush=True)
+    return code == 0
+
+
 class JobRunner(object):
     """Submits and follows the job on the head, restarting it by restart_policy. `finish()`
     runs when the job is over, before the runner returns or fails (the head's result line
@@ -173,13 +201,14 @@ class JobRunner(object):
         self.expected = {}  # type: dict  (node id -> address: the nodes the running attempt started with)
         self.node_ids = []  # type: List[str]
 
-    def submit_gated(self) -> Optional[Gate]:
-        """Submit the job's first attempt now, behind a gate (see Gate); None when this cluster
-        already has it (an agent that restarted follows it instead)."""
+    def submit_gated(self, preflight: Optional[List[str]] = None) -> Optional[Gate]:
+        """Submit the job's first attempt now, behind a gate (see Gate) that runs `preflight`
+        (its command line) first; None when this cluster already has it (an agent that
+        restarted follows it instead)."""
         sid = submission_id(self.plan["name"], self.node.cluster_key(), 0)
         if self.jobs.status(sid) is not None:
             return None
-        gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid))
+        gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid), preflight, sid)
         plan = self.plan  # the longest the head may take to say: its services, the nodes, preflight
         limit = sum(s["timeout"] for s in plan["services"] if s["where"] in ("head", "every_node")) + \
             plan["wait"]["nodes_s"] + (plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
@@ -245,7 +274,7 @@ class JobRunner(object):
             else:
                 self.submit(sid)
         log("following job %s" % sid)
-        self.follower = follower = JobFollower(jobs, sid)
+        self.follower = follower = JobFollower(jobs, sid, after=PREFLIGHT_PREFIX if gate and gate.preflight else None)
         started = checked = time.monotonic()
 
         def watch(status):

@@ -40,7 +40,7 @@ import os
 import random
 import sys
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .probe import MiB, NodeProbe
 from .protocol import PREFLIGHT_PREFIX

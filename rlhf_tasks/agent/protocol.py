@@ -284,9 +284,12 @@ class JobFollower(object):
     how much of the log has been printed, so a caller that loses the dashboard knows
     where to go on from."""
 
-    def __init__(self, jobs, sid: str, out=None):
+    def __init__(self, jobs, sid: str, out=None, after: Optional[str] = None):
         self.jobs, self.sid, self.out = jobs, sid, out or sys.stdout
         self.shown = 0
+        #: A line prefix: the log up to the end of the first such line is not shown. A gated job's
+        #: log starts with preflight's run, up to its result line; the head reports preflight itself.
+        self.after = after
         self.log_text = ""
         self.last_growth = time.monotonic()  # when the log last grew (for stall detection)
 
@@ -297,6 +300,12 @@ class JobFollower(object):
         while True:
             status = self.jobs.status(self.sid)
             text = self.jobs.logs(self.sid)
+            if self.after is not None:
+                end = line_end(text, self.after)
+                if end is None and status not in TERMINAL_JOB_STATES:
+                    text = ""  # still in its preflight part
+                else:
+                    self.shown, self.after = max(self.shown, end or 0), None
             if len(text) > self.shown:
                 self.out.write(text[self.shown:])
                 self.out.flush()
@@ -312,6 +321,14 @@ class JobFollower(object):
                 watch(status)
             time.sleep(delay)
             delay = min(delay * 1.5, 3.0)
+
+
+def line_end(text: str, prefix: str) -> Optional[int]:
+    """The offset just past the first complete line of `text` that starts with `prefix`; None
+    while there is none."""
+    start = 0 if text.startswith(prefix) else text.find("\n" + prefix) + 1
+    end = text.find("\n", start) if start or text.startswith(prefix) else -1
+    return None if end < 0 else end + 1
 
 
 def result_line(result: dict) -> str:
