@@ -251,7 +251,7 @@ def cmd_logs(args) -> int:
 def _bundle(args) -> int:
     """`logs NAME --bundle`: every node's logs of a running cluster in one .tar.gz, through its dashboard."""
     from . import state
-    from .agent import forensics
+    from .agent.protocol.bundle import bundle_from, summary_lines
 
     args.cluster = args.cluster or args.job
     jobs = _jobs(args)
@@ -264,9 +264,9 @@ def _bundle(args) -> int:
     secrets = {n: os.environ[n] for n in sorted(names) if os.environ.get(n)}
     if jobs.token:
         secrets["RAY_AUTH_TOKEN"] = jobs.token
-    bundle, found = forensics.bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
-                                          args.cluster, "asked for with `rlhf-tasks logs --bundle`")
-    print("\n".join(forensics.summary_lines(found)))
+    bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
+                                args.cluster, "asked for with `rlhf-tasks logs --bundle`")
+    print("\n".join(summary_lines(found)))
     return 0
 
 

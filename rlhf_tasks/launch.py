@@ -25,7 +25,7 @@ from .agent.protocol import (PREFLIGHT_PREFIX, RESULT_PREFIX, TERMINAL_JOB_STATE
                              alive_nodes, cluster_check, head_address, http_check, is_submission_of,
                              next_submission_id, parse_preflight, parse_result, preflight_submission_id, started_job,
                              submission_id, wait_for)
-from .agent import forensics
+from .agent.protocol.bundle import OWN, RayLogs, gather, result_part, summary_lines, write_bundle
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
@@ -116,7 +116,7 @@ class Outcome:
     steps: list[dict] = field(default_factory=list)
     node_ids: set[str] = field(default_factory=set)
     last_line: str | None = None        # the job's own last line
-    forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.forensics)
+    forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.protocol.bundle)
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -384,13 +384,13 @@ def dashboard_bundle(cluster: Cluster, plan: Plan, secrets: dict[str, str], reas
 
     scrub = {**secrets, **({"RAY_AUTH_TOKEN": cluster.token} if cluster.token else {})}
     try:
-        gathered = forensics.gather(forensics.RayLogs(cluster.dashboard, cluster.token), scrub, reason)
+        gathered = gather(RayLogs(cluster.dashboard, cluster.token), scrub, reason)
         if not gathered["files"]:
             return None
-        bundle = forensics.write_bundle(gathered, str(state.run_dir(plan.name)), plan.name)
+        bundle = write_bundle(gathered, str(state.run_dir(plan.name)), plan.name)
     except (OSError, ValueError, KeyError):
         return None
-    return {**forensics.result_part(gathered, bundle), "where": "gathered from here through the dashboard"}
+    return {**result_part(gathered, bundle), "where": "gathered from here through the dashboard"}
 
 
 def merge_forensics(head: dict | None, here: dict | None) -> dict | None:
@@ -449,7 +449,7 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
     if cluster is not None and cluster.logs_dir:
         lines.append(f"node logs: {cluster.logs_dir}")
     if outcome.forensics:
-        lines += forensics.summary_lines(fetch_bundle(plan, cluster, outcome.forensics))
+        lines += summary_lines(fetch_bundle(plan, cluster, outcome.forensics))
     print("\n== summary ==\n" + "\n".join("  " + line for line in lines), flush=True)
 
 
@@ -465,7 +465,7 @@ def fetch_bundle(plan: Plan, cluster: Cluster | None, found: dict) -> dict:
     name = Path(path).name
     if cluster is not None and cluster.dashboard:
         try:
-            data = forensics.RayLogs(cluster.dashboard, cluster.token).fetch_head(f"{forensics.OWN}/{name}")
+            data = RayLogs(cluster.dashboard, cluster.token).fetch_head(f"{OWN}/{name}")
             local = state.run_dir(plan.name) / name
             local.parent.mkdir(parents=True, exist_ok=True)
             local.write_bytes(data)

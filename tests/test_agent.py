@@ -99,7 +99,7 @@ def test_missing_contract_variable_names_it():
 
 def test_the_agent_names_no_provider():
     """Contracts are data in the plan: the agent's source names no provider and none of their variables."""
-    source = "".join(path.read_text() for path in sorted((ROOT / "rlhf_tasks" / "agent").glob("*.py")))
+    source = "".join(path.read_text() for path in sorted((ROOT / "rlhf_tasks" / "agent").rglob("*.py")))
     for word in ("DSTACK_", "SKYPILOT_", "SLURM_", "HEAD_POD_ID", "PRIMARY_ADDR", "RAY_WORKER", "EXPECTED_WORKERS",
                  "\"NODE_RANK\"", "runpod", "dstack", "skypilot", "slurm", "podnet", "ens1"):
         assert word.lower() not in source.lower(), word

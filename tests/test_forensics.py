@@ -1,13 +1,16 @@
-"""Failure forensics, the pure parts (rlhf_tasks/agent/forensics.py): finding each node's first
-error (tracebacks, OOM kills, exits), scrubbing secrets, the bundle and its index, and the
-summary's wording. The cluster tests that fail a run on purpose check the whole path."""
+"""Failure forensics, the pure parts: finding each node's first error (tracebacks, OOM kills,
+exits), scrubbing secrets, the bundle and its index, and the summary's wording
+(rlhf_tasks/agent/protocol/bundle.py, which the launcher uses too); preflight's verdict on a
+node and a node keeping its files (rlhf_tasks/agent/forensics.py, the node's side). The
+cluster tests that fail a run on purpose check the whole path."""
 
 from __future__ import annotations
 
 import json
 import tarfile
 
-from rlhf_tasks.agent import forensics as fx
+from rlhf_tasks.agent import forensics
+from rlhf_tasks.agent.protocol import bundle
 
 WORKER_ERR = """:job_id:02000000
 :task_name:shard
@@ -29,12 +32,12 @@ ray.exceptions.WorkerCrashedError: The worker died unexpectedly while executing 
 
 
 def test_a_traceback_is_named_by_its_exception_line():
-    found = fx.find_errors(WORKER_ERR, "worker-ab-02000000-412.err")
+    found = bundle.find_errors(WORKER_ERR, "worker-ab-02000000-412.err")
     assert [(f["kind"], f["error"]) for f in found] == [("traceback", "RuntimeError: bad shard on rank 2")]
 
 
 def test_lines_a_driver_relays_from_another_node_are_not_this_nodes():
-    found = fx.find_errors(DRIVER, "job-driver-x.log", node_ip="10.0.0.1")
+    found = bundle.find_errors(DRIVER, "job-driver-x.log", node_ip="10.0.0.1")
     assert [f["error"] for f in found] == [
         "ray.exceptions.WorkerCrashedError: The worker died unexpectedly while executing this task."]
     assert found[0]["at"] == "14:02:10"  # the last timestamp before it
@@ -43,10 +46,10 @@ def test_lines_a_driver_relays_from_another_node_are_not_this_nodes():
 def test_an_oom_kill_wins_over_a_later_traceback_and_old_kills_are_ignored():
     text = ("[  100.5] Out of memory: Killed process 77 (old) total-vm:1kB\n"
             "[ 5000.1] Out of memory: Killed process 4242 (VLLM::EngineCor) total-vm:10kB\n")
-    oom = fx.find_errors(text, "rlhf-tasks/node-facts.txt", since_uptime=1000.0)
+    oom = bundle.find_errors(text, "rlhf-tasks/node-facts.txt", since_uptime=1000.0)
     assert [f["error"] for f in oom] == ["the kernel killed VLLM::EngineCor (pid 4242): out of memory"]
-    later = fx.find_errors(WORKER_ERR, "worker-a-02000000-1.err")
-    assert fx.first_error(later + oom)["kind"] == "oom"
+    later = bundle.find_errors(WORKER_ERR, "worker-a-02000000-1.err")
+    assert bundle.first_error(later + oom)["kind"] == "oom"
 
 
 def test_a_process_the_agent_started_that_exits_non_zero_is_an_error_and_zero_is_not():
@@ -54,41 +57,41 @@ def test_a_process_the_agent_started_that_exits_non_zero_is_an_error_and_zero_is
             "[14:00:05] node1: the job's command ended with exit code 0 after 3.0s\n"
             "[14:01:07] node1: service reward exited with code 3; its last lines:\n"
             "[14:01:09] node1: ERROR: supervising the raylet failed: it died 4 times\n")
-    found = fx.find_errors(text, "rlhf-tasks/agent-node1.log")
+    found = bundle.find_errors(text, "rlhf-tasks/agent-node1.log")
     assert [f["kind"] for f in found] == ["exit", "agent"]
-    first = fx.first_error(found)
+    first = bundle.first_error(found)
     assert first["at"] == "14:01:07" and first["error"].startswith("service reward exited with code 3")
 
 
 def test_a_traceback_the_agent_relays_is_found_in_its_own_file_not_the_agents_log():
-    assert fx.find_errors("[14:00:00] node0: following job x\n" + DRIVER, "rlhf-tasks/agent-node0.log") == []
+    assert bundle.find_errors("[14:00:00] node0: following job x\n" + DRIVER, "rlhf-tasks/agent-node0.log") == []
 
 
 def test_a_traceback_in_rays_own_logs_is_rays_noise_not_a_cause():
     text = "Traceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
-    assert [f["kind"] for f in fx.find_errors(text, "monitor.log")] == ["ray"]
-    assert [f["kind"] for f in fx.find_errors(text, "rlhf-tasks/service-reward-node0.log")] == ["traceback"]
+    assert [f["kind"] for f in bundle.find_errors(text, "monitor.log")] == ["ray"]
+    assert [f["kind"] for f in bundle.find_errors(text, "rlhf-tasks/service-reward-node0.log")] == ["traceback"]
 
 
 def test_rays_own_error_lines_count_only_when_nothing_better_is_found():
-    ray = fx.find_errors("[2026-11-24 14:00:00,123 E 11 11] raylet.cc:99: Failed to connect\n", "raylet.out")
+    ray = bundle.find_errors("[2026-11-24 14:00:00,123 E 11 11] raylet.cc:99: Failed to connect\n", "raylet.out")
     assert ray[0]["kind"] == "ray" and ray[0]["at"] == "14:00:00"
     nodes = [{"label": "node1", "ip": "b", "first_error": ray[0]},
-             {"label": "node2", "ip": "c", "first_error": dict(fx.find_errors(WORKER_ERR, "worker-1-2-3.err")[0],
+             {"label": "node2", "ip": "c", "first_error": dict(bundle.find_errors(WORKER_ERR, "worker-1-2-3.err")[0],
                                                                at="14:05:00")}]
-    assert [n["label"] for n in fx.node_order(nodes)] == ["node2"]
-    assert [n["label"] for n in fx.node_order(nodes[:1])] == ["node1"]
+    assert [n["label"] for n in bundle.node_order(nodes)] == ["node2"]
+    assert [n["label"] for n in bundle.node_order(nodes[:1])] == ["node1"]
 
 
 def test_scrub_replaces_every_secret_value_and_leaves_short_ones():
     text = "token=tok-123456789 key=hf_abcdef again hf_abcdef; x=ab"
-    out = fx.scrub(text, {"RAY_AUTH_TOKEN": "tok-123456789", "HF_TOKEN": "hf_abcdef", "SHORT": "ab"})
+    out = bundle.scrub(text, {"RAY_AUTH_TOKEN": "tok-123456789", "HF_TOKEN": "hf_abcdef", "SHORT": "ab"})
     assert out == "token=[secret RAY_AUTH_TOKEN] key=[secret HF_TOKEN] again [secret HF_TOKEN]; x=ab"
 
 
 def test_tail_keeps_the_end_from_a_lines_start():
     data = b"".join(b"line %d\n" % i for i in range(1000))
-    kept, cut = fx.tail(data, 100)
+    kept, cut = bundle.tail(data, 100)
     assert cut and kept.endswith(b"line 999\n") and kept.startswith(b"line ") and len(kept) <= 100
 
 
@@ -96,7 +99,7 @@ def test_wanted_keeps_ours_rays_and_the_jobs_workers_not_idle_ones():
     files = ["raylet.out", "raylet.err", "gcs_server.out", "python-core-worker-1.log", "rlhf-tasks/",
              "rlhf-tasks/agent-node2.log", "rlhf-tasks/forensics-x.tar.gz", "job-driver-j-1.log",
              "worker-aa-ffffffff-1.err", "worker-bb-02000000-2.out", "worker-bb-02000000-2.err", "dashboard_agent.log"]
-    assert fx.wanted(files) == ["rlhf-tasks/agent-node2.log", "raylet.out", "raylet.err", "gcs_server.out",
+    assert bundle.wanted(files) == ["rlhf-tasks/agent-node2.log", "raylet.out", "raylet.err", "gcs_server.out",
                                 "job-driver-j-1.log", "dashboard_agent.log", "worker-bb-02000000-2.err",
                                 "worker-bb-02000000-2.out"]
 
@@ -130,12 +133,12 @@ class FakeRay:
 
 def test_the_bundle_holds_every_nodes_files_an_index_and_no_secret(tmp_path):
     secret = "s3cr3t-value-42"
-    gathered = fx.gather(FakeRay(secret), {"HF_TOKEN": secret}, "job x ended FAILED")
+    gathered = bundle.gather(FakeRay(secret), {"HF_TOKEN": secret}, "job x ended FAILED")
     firsts = {e["label"]: e for e in gathered["first_errors"]}
     assert firsts["node2"]["error"] == "RuntimeError: bad shard on rank 2 with key [secret HF_TOKEN]"
     assert firsts["node0"]["error"].startswith("ray.exceptions.WorkerCrashedError")
     assert firsts["10.0.0.2"]["kind"] == "dead" and "missing too many heartbeats" in firsts["10.0.0.2"]["error"]
-    path = fx.write_bundle(gathered, str(tmp_path), "demo")
+    path = bundle.write_bundle(gathered, str(tmp_path), "demo")
     with tarfile.open(path) as tar:
         names = tar.getnames()
         contents = {n: tar.extractfile(n).read().decode() for n in names if tar.getmember(n).isfile()}
@@ -155,23 +158,24 @@ def test_the_summary_names_each_node_then_the_bundle():
          "error": "the kernel killed VLLM::EngineCor (pid 4242): out of memory"},
         {"label": "node0", "ip": "10.0.0.1", "at": "14:02:12", "kind": "traceback", "file": "job-driver-x.log",
          "error": "ray.exceptions.RayActorError: The actor died unexpectedly"}]}
-    assert fx.summary_lines(part) == [
+    assert bundle.summary_lines(part) == [
         "first error on each node:",
         "  node2 (10.0.0.3) at 14:02:11: the kernel killed VLLM::EngineCor (pid 4242): out of memory "
         "[rlhf-tasks/node-facts.txt]",
         "  node0 (10.0.0.1) at 14:02:12: ray.exceptions.RayActorError: The actor died unexpectedly [job-driver-x.log]",
         "every node's logs: /logs/forensics-x.tar.gz"]
-    assert fx.summary_lines({"gathered": True, "first_errors": [], "bundle": None}) == [
+    assert bundle.summary_lines({"gathered": True, "first_errors": [], "bundle": None}) == [
         "no node's logs name an error (the bundle holds them all)"]
 
 
 def test_preflight_failures_land_on_the_node_they_name():
-    found = fx.preflight_findings({"failures": [{"step": "interfaces", "message": "node2 (10.0.0.3): Gloo on lo"}]},
-                                  "14:00:00")
+    found = forensics.preflight_findings(
+        {"failures": [{"step": "interfaces", "message": "node2 (10.0.0.3): Gloo on lo"}]}, "14:00:00")
     assert list(found) == ["10.0.0.3"] and found["10.0.0.3"][0]["error"] == "preflight (interfaces): node2 (10.0.0.3): Gloo on lo"
     # preflight's verdict names the node's failure better than an exit its own log shows
-    exit_line = fx.find_errors("[13:59:00] node2: the raylet exited (code 1); rejoining (1/3)\n", "rlhf-tasks/agent-node2.log")
-    assert fx.first_error(exit_line + found["10.0.0.3"])["kind"] == "preflight"
+    exit_line = bundle.find_errors("[13:59:00] node2: the raylet exited (code 1); rejoining (1/3)\n",
+                                   "rlhf-tasks/agent-node2.log")
+    assert bundle.first_error(exit_line + found["10.0.0.3"])["kind"] == "preflight"
 
 
 def test_the_launcher_keeps_the_heads_first_errors_with_a_bundle_it_has(tmp_path):
@@ -201,13 +205,13 @@ def test_a_node_keeps_its_files_where_rays_log_api_reads_them_and_says_when_a_se
     service.proc.wait()
     node = types.SimpleNamespace(info=types.SimpleNamespace(rank=1), log_dir=str(tmp_path), services=[service],
                                  plan={"ray": {"temp_dir": str(tmp_path / "ray")}, "services": [{"name": "reward"}]})
-    keeper = fx.keeper(node)
-    assert fx.keeper(node) is keeper
+    keeper = forensics.keeper(node)
+    assert forensics.keeper(node) is keeper
     keeper.tick()
     keeper.tick()  # said once
     said = capsys.readouterr().out
     assert said.count("service reward exited with code 3") == 1 and "CUDA error" in said
-    own = logs / fx.OWN
+    own = logs / bundle.OWN
     assert sorted(p.name for p in own.iterdir()) == ["agent-node1.log", "node-facts.txt", "service-reward-node1.log"]
     assert (own / "service-reward-node1.log").read_text().strip() == "CUDA error"
     assert "disk /dev/shm:" in (own / "node-facts.txt").read_text()

@@ -1,7 +1,8 @@
 """Imports run one way: the import graph of rlhf_tasks, read from the source with `ast`
 (module-level and function-level imports alike, relative imports resolved), has no
 cycle, and the node agent (rlhf_tasks/agent/) stays a separate house: the launcher
-imports only its protocol (and providers/local.py its process handling), and the agent
+imports only its protocol package (rlhf_tasks/agent/protocol/: what both speak, and the
+failure bundle both make) and providers/local.py its process handling, and the agent
 imports nothing of the launcher.
 
     python tests/test_imports.py    # prints the graph and each module's line count
@@ -19,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "rlhf_tasks"
 AGENT = "rlhf_tasks.agent"
-#: What code outside the agent may import of it (importer None: any importer).
-AGENT_FACES = {(None, "rlhf_tasks.agent.protocol"), (None, "rlhf_tasks.agent.forensics"), ("rlhf_tasks.providers.local", "rlhf_tasks.agent.processes")}
+#: What code outside the agent may import of it (importer None: any importer), each with its
+#: submodules (rlhf_tasks.agent.protocol.bundle).
+AGENT_FACES = {(None, "rlhf_tasks.agent.protocol"), ("rlhf_tasks.providers.local", "rlhf_tasks.agent.processes")}
 
 
 def modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -142,6 +144,12 @@ def _in_agent(name: str) -> bool:
     return name == AGENT or name.startswith(AGENT + ".")
 
 
+def _a_face(source: str, target: str) -> bool:
+    """Whether code outside the agent (`source`) may import `target` of it."""
+    return any(importer in (None, source) and (target == face or target.startswith(face + "."))
+               for importer, face in AGENT_FACES)
+
+
 def agent_breaches(edges: dict[str, dict[str, bool]]) -> list[str]:
     """Imports across the agent's wall that the rules do not allow."""
     breaches = []
@@ -149,10 +157,9 @@ def agent_breaches(edges: dict[str, dict[str, bool]]) -> list[str]:
         for target in sorted(targets):
             if _in_agent(source) and not _in_agent(target):
                 breaches.append(f"{source} (the agent) imports {target} (the launcher)")
-            elif not _in_agent(source) and _in_agent(target) and not (
-                    (None, target) in AGENT_FACES or (source, target) in AGENT_FACES):
+            elif not _in_agent(source) and _in_agent(target) and not _a_face(source, target):
                 breaches.append(f"{source} imports {target}: outside the agent, import only "
-                                f"{AGENT}.protocol (and {AGENT}.processes from providers/local.py)")
+                                f"{AGENT}.protocol and its submodules (and {AGENT}.processes from providers/local.py)")
     return breaches
 
 
@@ -206,14 +213,18 @@ def test_the_graph_builder_sees_late_relative_and_absolute_imports(tmp_path):
 
 
 def test_the_agent_rules_bite():
-    edges = {"rlhf_tasks.launch": {"rlhf_tasks.agent.protocol": False, "rlhf_tasks.agent.head": True},
+    edges = {"rlhf_tasks.launch": {"rlhf_tasks.agent.protocol": False, "rlhf_tasks.agent.protocol.bundle": False,
+                                   "rlhf_tasks.agent.head": True, "rlhf_tasks.agent.forensics": False},
+             "rlhf_tasks.cli": {"rlhf_tasks.agent.protocolx": True},
              "rlhf_tasks.providers.local": {"rlhf_tasks.agent.processes": False},
              "rlhf_tasks.providers.sky": {"rlhf_tasks.agent.processes": False},
              "rlhf_tasks.agent.protocol": {"rlhf_tasks.errors": True},
              "rlhf_tasks.agent.head": {"rlhf_tasks.agent.protocol": False}}
     breaches = agent_breaches(edges)
-    assert len(breaches) == 3, breaches
+    assert len(breaches) == 5, breaches
     assert any(b.startswith("rlhf_tasks.launch imports rlhf_tasks.agent.head") for b in breaches)
+    assert any(b.startswith("rlhf_tasks.launch imports rlhf_tasks.agent.forensics") for b in breaches)
+    assert any(b.startswith("rlhf_tasks.cli imports rlhf_tasks.agent.protocolx") for b in breaches)
     assert any(b.startswith("rlhf_tasks.providers.sky imports rlhf_tasks.agent.processes") for b in breaches)
     assert "rlhf_tasks.agent.protocol (the agent) imports rlhf_tasks.errors (the launcher)" in breaches
 

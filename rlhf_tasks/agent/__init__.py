@@ -1,7 +1,7 @@
 """The node agent: runs on every node of the cluster and turns it into a Ray node.
 
 Standard library only and Python >= 3.8, so it can be shipped into any training image as
-plain files beside the plan (`lib/rlhf_tasks/__init__.py` and `lib/rlhf_tasks/agent/*.py`;
+plain files beside the plan (`lib/rlhf_tasks/__init__.py` and `lib/rlhf_tasks/agent/**/*.py`;
 rlhf-tasks itself is not installed on the nodes) and started as
 `python3 -m rlhf_tasks.agent --plan plan.json` with lib/ on PYTHONPATH. It knows no
 provider: the plan carries the provider's environment contract as data, and the agent
@@ -22,12 +22,15 @@ Every step prints one timestamped line; the agent ends with one structured resul
 that the launcher reads. Secrets are passed by variable name and never printed. No fixed
 sleeps: every wait polls its condition against a deadline.
 
-Modules: protocol (what the launcher and the agent both speak; the only module code
-outside this package imports), contract (the provider's contract, addresses), processes
-(children and process groups), raynode (Ray's start command and environment, the Node),
-beacon (the head's ready beacon), head (the head's bring-up), jobrunner (submitting,
-following and restarting the job), worker (workers and every_node mode), probe and
-preflight (preflight's driver: in the job's gate, or a Ray job of its own), attached (the roles where someone else starts Ray, as
-KubeRay does: prepare before it, a node's services and environment before its `ray start`,
-the head's flow once it is up), __main__ (the entry point).
+Modules: protocol (a package: what the launcher and the agent both speak, and its bundle, a
+failure's logs of every node gathered into one .tar.gz, which the head and the launcher both
+make; the only part code outside this package imports), forensics (a node keeping its
+evidence where Ray's log API reads it, the head's gathering when the run fails), contract
+(the provider's contract, addresses), processes (children and process groups), raynode
+(Ray's start command and environment, the Node), beacon (the head's ready beacon), head (the
+head's bring-up), jobrunner (submitting, following and restarting the job), worker (workers
+and every_node mode), probe and preflight (preflight's driver: in the job's gate, or a Ray
+job of its own), attached (the roles where someone else starts Ray, as KubeRay does: prepare
+before it, a node's services and environment before its `ray start`, the head's flow once it
+is up), __main__ (the entry point).
 """

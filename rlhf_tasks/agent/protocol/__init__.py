@@ -1,5 +1,7 @@
-"""What the launcher and the agent both speak, and the only module of the agent that code
-outside rlhf_tasks/agent/ imports: the plan's version, the result lines, Ray job states,
+"""What the launcher and the agent both speak, and the only part of the agent that code
+outside rlhf_tasks/agent/ imports (this package and its submodule `bundle`, a failure's
+bundle: every node's logs read through Ray's log API, each node's first error, the .tar.gz
+and the summary's lines about it): the plan's version, the result lines, Ray job states,
 waits with a deadline, small HTTP and TCP probes, the dashboard's REST API (nodes, jobs),
 submission ids, the job's command line, and running preflight on a running cluster
 (`rlhf-tasks doctor`). Standard library only, Python >= 3.8 (it runs on the nodes too).
