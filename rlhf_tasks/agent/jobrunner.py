@@ -180,9 +180,7 @@ def gated_preflight(args: List[str]) -> bool:
     from . import preflight
 
     code = preflight.main(args)
-    import ray  # preflight connected this process to the cluster: let go before the command's driver connects
-
-    ray.shutdown()
+    preflight.disconnect()  # before the command's driver connects
     if code != 0:
         print("rlhf-tasks: preflight failed (its result above says why): the job's command was not started",
               flush=True)

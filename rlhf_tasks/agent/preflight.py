@@ -567,6 +567,14 @@ class Preflight(object):
                 pass
 
 
+def disconnect() -> None:
+    """Let go of the cluster main() connected this process to (in the job's gate, where the
+    job's command runs next in the same job)."""
+    import ray
+
+    ray.shutdown()
+
+
 def name_nodes(nodes: List[dict]) -> None:
     """Each node's name in the report: its hostname; where hostnames repeat (several nodes on
     one machine, as the local provider runs them) node<rank>, else its address."""
