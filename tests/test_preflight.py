@@ -343,14 +343,14 @@ def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):
     stub = tmp_path / "hanging-torch" / "torch"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("import time\ntime.sleep(3600)\n")  # an import that never ends
-    procs = start(tb, tmp_path, head_mode(tmp_path, nodes=2, timeout="20s"), {1: {"PYTHONPATH": str(stub.parent)}})
+    procs = start(tb, tmp_path, head_mode(tmp_path, nodes=2, timeout="15s"), {1: {"PYTHONPATH": str(stub.parent)}})
     assert procs[0].wait(300) == 1, procs[0].output[-5000:]
     out = procs[0].output
     failure = next(line for line in out.splitlines() if "preflight FAILED (torch): " in line)
     assert "node1 (10.77.0.11)" in failure and "importing torch took longer than" in failure
     assert "node0 (10.77.0.10)" not in failure and "starting job" not in out
     steps = {s["step"]: s["seconds"] for s in parse_result(out)["steps"]}
-    assert steps["preflight"] < 20 + protocol.PREFLIGHT_GRACE_S
+    assert steps["preflight"] < 15 + protocol.PREFLIGHT_GRACE_S
 
 
 def test_doctor_names_the_host_whose_checkpoint_dir_is_not_shared(tb, tmp_path):

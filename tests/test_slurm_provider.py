@@ -46,10 +46,13 @@ def cli(slurm, args: list[str], cwd: Path, home: Path, background=False, timeout
                      background=background, timeout=timeout, name=args[0])
 
 
-def tiny_grpo(tmp_path: Path, steps: int) -> Path:
-    """tasks/tiny-grpo.yaml with fewer steps and its checkpoints on the shared filesystem."""
+def tiny_grpo(tmp_path: Path, steps: int, preflight: bool = True) -> Path:
+    """tasks/tiny-grpo.yaml with fewer steps and its checkpoints on the shared filesystem
+    (`preflight=False` where a test is not about the run's start: ~8 s a cluster)."""
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["job"]["args"].update(steps=steps, save_every=10)
+    if not preflight:
+        task["preflight"] = "off"
     task["checkpoints"]["path"] = str(tmp_path / "ckpt")
     path = tmp_path / "tiny-grpo.yaml"
     path.write_text(yaml.safe_dump(task))
@@ -177,7 +180,7 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
 
 
 def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_path):
-    task = tiny_grpo(tmp_path, steps=100000)
+    task = tiny_grpo(tmp_path, steps=100000, preflight=False)
     home = tmp_path / "home"
     launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
     tbmod.poll(lambda: "submitted Slurm job" in launch.output, 60, "the launcher to submit")
@@ -356,7 +359,7 @@ slurm_pgid = stmod.make_slurm_fixture(2, proctrack="proctrack/pgid")
 
 
 def test_down_leaves_no_process_where_slurm_sees_only_the_agents(slurm_pgid, tmp_path):
-    task = tiny_grpo(tmp_path, steps=100000)
+    task = tiny_grpo(tmp_path, steps=100000, preflight=False)
     spec = yaml.safe_load(task.read_text())
     spec["nodes"] = 2
     task.write_text(yaml.safe_dump(spec))
