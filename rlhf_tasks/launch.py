@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from .agent.protocol import (PREFLIGHT_PREFIX, RESULT_PREFIX, TERMINAL_JOB_STATES, AgentError, DashboardJobs,
-                             alive_nodes, cluster_check, head_address, http_check, is_submission_of,
+                             alive_nodes, attempt_of, cluster_check, head_address, http_check, is_submission_of,
                              next_submission_id, parse_preflight, parse_result, preflight_submission_id, started_job,
                              submission_id, wait_for)
 from .agent.protocol.bundle import OWN, RayLogs, gather, result_part, summary_lines, write_bundle
@@ -241,6 +241,11 @@ def wait_preflight(cluster: Cluster, plan: Plan, tail: LogTail, gated: str | Non
         raise StepFailed("preflight", f"it ended {status}: the head's log says why (the job's command did not run)")
 
 
+def gated_preflight(plan: Plan, sid: str) -> bool:
+    """Whether job `sid`'s gate runs preflight: the head's first attempt, when preflight is on."""
+    return plan.job.submit == "head" and plan.preflight.enabled and attempt_of(sid) == 0
+
+
 def head_submission(dashboard: str, token: str | None, name: str):
     """A wait_for check: the id of the job the head agent submitted (see agent.protocol.submission_id)."""
     try:
@@ -300,7 +305,7 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
             say(message)
 
     # The head's first job starts with preflight's run in its gate, which the head's log reports.
-    after = PREFLIGHT_PREFIX if plan.job.submit == "head" and plan.preflight.enabled else None
+    after = PREFLIGHT_PREFIX if gated_preflight(plan, sid) else None
     while True:
         try:
             status = jobs.follow(sid, plan.job.timeout_s, watch=tend, hint_on_interrupt=False, after=after,
@@ -352,7 +357,7 @@ def start_through_dashboard(cluster: Cluster, plan: Plan, tail: LogTail,
         say("waiting for the head's job")
         sid = wait_for("the head to submit the job", _watching(cluster, tail, lambda: head_submission(
             cluster.dashboard, cluster.token, plan.name)), 600, report=say)
-        if plan.preflight.enabled:
+        if gated_preflight(plan, sid):
             wait_preflight(cluster, plan, tail, gated=sid)
     return sid, node_ids
 

@@ -226,6 +226,20 @@ def test_preflight_ids_never_look_like_a_jobs_own():
     assert sid == "preflight_abc123" and not protocol.is_submission_of("preflight", sid)
 
 
+def test_only_the_first_attempt_of_a_head_submitted_job_carries_preflight_in_its_gate():
+    from rlhf_tasks.launch import gated_preflight
+
+    first = protocol.submission_id("t", "c1")
+    restart = protocol.next_submission_id(first)
+    assert [protocol.attempt_of(s) for s in (first, restart, protocol.next_submission_id(restart))] == [0, 1, 2]
+    def plan_of(**fields):
+        return providers.get("dstack").plan(parse_task(task_with(**fields)))
+    head, client = (plan_of(job={"recipe": "command", "submit": submit, "args": {"entrypoint": "true"}})
+                    for submit in ("head", "client"))
+    assert gated_preflight(head, first) and not gated_preflight(head, restart) and not gated_preflight(client, first)
+    assert not gated_preflight(plan_of(preflight=False), first)
+
+
 # ------------------------------------------------------------------ on the namespace testbed
 
 

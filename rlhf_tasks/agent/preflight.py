@@ -40,7 +40,7 @@ import os
 import random
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple  # noqa: F401 - Set: in a type comment
 
 from .probe import MiB, NodeProbe
 from .protocol import PREFLIGHT_PREFIX

@@ -197,6 +197,12 @@ def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
     return "%s-r%d" % (sid, attempt) if attempt else sid
 
 
+def attempt_of(sid: str) -> int:
+    """Which attempt of its job `sid` is: 0 for the first, k for `-r<k>`."""
+    match = re.match(r"^.*-r(\d+)$", sid)
+    return int(match.group(1)) if match else 0
+
+
 def next_submission_id(sid: str) -> str:
     """The id of the restart after `sid` (`<task>-<cluster>-r<k+1>`)."""
     match = re.match(r"^(.*)-r(\d+)$", sid)
