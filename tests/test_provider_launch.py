@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT
+from rlhf_tasks.agent.protocol import RESULT_PREFIX
 
 RECORDER = """#!{python}
 import json, os, sys
@@ -130,12 +131,14 @@ def test_a_failed_launch_cleans_up_only_what_it_wrote(tmp_path):
     record, kept = earlier_run(tmp_path)
     earlier_log = tmp_path / "home" / "runs" / "boundary" / "dstack" / "dstack-apply.log"
     earlier_log.parent.mkdir(parents=True)
-    earlier_log.write_text("an earlier apply's log\n")
+    old_result = {"exit_code": 0, "rank": 0, "steps": [], "job": {"submission_id": "boundary-old", "status": "SUCCEEDED"}}
+    earlier_log.write_text("an earlier apply's log\n" + RESULT_PREFIX + json.dumps(old_result) + "\n")
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
     fake_cli(bin_dir, "dstack", log, code=1)
     out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
     assert out.returncode == 1, out.stdout + out.stderr
+    assert "boundary-old" not in out.stdout + out.stderr  # this launch's head log starts where its apply began
     assert "cleaned up what this launch created" in out.stdout and "the earlier record put back" in out.stdout
     assert json.loads(record.read_text()) == kept
     assert not (record.parent / "token").exists()

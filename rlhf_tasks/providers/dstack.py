@@ -138,15 +138,21 @@ class DstackProvider(Provider):
         """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")
         directory, token, env = self.stage(plan, secrets)
-        log = open(directory / "dstack-apply.log", "ab")
-        proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan.name}.dstack.yml"), "-y"],
-                                cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
+        path = directory / "dstack-apply.log"
+        with open(path, "ab") as log:  # an earlier launch's part stays; this one's head log starts at `start`
+            start = log.tell()
+            proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan.name}.dstack.yml"), "-y"],
+                                    cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+
+        def head_log() -> str:
+            with open(path, "rb") as handle:
+                handle.seek(start)
+                return handle.read().decode(errors="replace")
         dashboard = f"http://localhost:{plan.ray.dashboard_port}"
         state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: proc.poll() is None,
-                       head_log=lambda: (directory / "dstack-apply.log").read_text(errors="replace"),
+                       head_alive=lambda: proc.poll() is None, head_log=head_log,
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
 
     def down(self, name: str) -> str:

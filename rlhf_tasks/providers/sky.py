@@ -28,7 +28,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, require_cli, stop_with_cli
+from .base import Cluster, Option, Provider, end_process, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
@@ -177,7 +177,7 @@ class SkyProvider(Provider):
                                         stdin=subprocess.DEVNULL)
             state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "managed": True})
             return Cluster(name=plan.name, cluster_id=plan.name, token=token, head_alive=lambda: proc.poll() is None,
-                           node_logs=[str(log)], close=lambda: proc.poll() is None and proc.terminate(),
+                           node_logs=[str(log)], close=lambda: end_process(proc),
                            describe=lambda: [] if proc.poll() is None else
                            [f"sky jobs launch exited with code {proc.returncode}"])
         out = subprocess.run(argv, cwd=directory, env=env)
@@ -189,7 +189,7 @@ class SkyProvider(Provider):
         dashboard = f"http://localhost:{port}"
         state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: tunnel.poll() is None, close=lambda: tunnel.poll() is None and tunnel.terminate())
+                       head_alive=lambda: tunnel.poll() is None, close=lambda: end_process(tunnel))
 
     def down(self, name: str) -> str:
         record = state.load(name) or {}
