@@ -270,15 +270,10 @@ def _loss_task(tmp_path: Path, steps: int) -> Path:
 
 
 def _launch_until_step(tmp_path, cli_env, rlhf_home, args, step):
-    import time
-
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", *args], cwd=tmp_path, env=cli_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     path = rlhf_home / "runs" / "loss" / "checkpoints" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (path.exists() and metrics(path) and metrics(path)[-1]["step"] >= step):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
-        time.sleep(0.2)
+    _wait_step(proc, path, step)
     return proc, path
 
 

@@ -21,7 +21,6 @@ import urllib.request
 from typing import Callable, Dict, List, Optional, Tuple
 
 #: The plan format this agent reads; the launcher writes the same number.
-#: The plan format this agent reads; the launcher writes the same number.
 PLAN_VERSION = 3
 RESULT_PREFIX = "RLHF_TASKS_RESULT "
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
