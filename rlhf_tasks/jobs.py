@@ -15,7 +15,6 @@ from .agent.protocol import (TERMINAL_JOB_STATES, DashboardJobs, JobFollower, au
                              is_submission_of, job_argv, next_submission_id)
 from .errors import BadInput, StepFailed
 from .plan import Plan
-from .workdir import upload_limit  # noqa: F401 - where callers found it
 
 
 def dashboard_from_env() -> str | None:

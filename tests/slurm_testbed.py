@@ -53,7 +53,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shlex
 import signal
 import time
 from pathlib import Path

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlhf_tasks.errors import BadInput
-from rlhf_tasks.jobs import check_working_dir, upload_limit, working_dir_size
+from rlhf_tasks.jobs import check_working_dir, working_dir_size
+from rlhf_tasks.workdir import upload_limit
 from rlhf_tasks.plan import DEFAULT_EXCLUDES
 
 

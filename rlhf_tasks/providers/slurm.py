@@ -363,7 +363,7 @@ class SlurmProvider(Provider):
             "#!/bin/bash",
             "# Rendered by rlhf-tasks for Slurm. Submit it with:",
             f"#   {token_hint}sbatch {plan.name}.sbatch",
-            f"# or submit and follow it: rlhf-tasks launch TASK --provider slurm",
+            "# or submit and follow it: rlhf-tasks launch TASK --provider slurm",
             f"# From the submitting environment (--export=ALL), never written here: {', '.join(names) or 'nothing'}",
             "# Output: <name>-<job id>.out (this script), rlhf-tasks-<job id>/node<N>.out (the node agents)",
             *(f"#SBATCH {option}" for option in self.sbatch_options(plan)),

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from ..errors import BadInput
-from ..models import Duration, Service, StrictModel, parse_duration, require_absolute  # noqa: F401  (recipes use them)
+from ..models import Duration, Service, StrictModel
 
 
 @dataclass(frozen=True)

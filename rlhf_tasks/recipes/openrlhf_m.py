@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import Infeasible, JobBase, RecipeOutput, Service, Shape, StrictModel, require_absolute
+from ..models import require_absolute
+from .base import Infeasible, JobBase, RecipeOutput, Service, Shape, StrictModel
 from .openrlhf import OpenRLHFArgs, openrlhf_command
 
 #: openrlhf/models/remote_rm/math_verifier.py: Flask on 0.0.0.0:5000 (fixed), POST /get_reward only.

@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible, require_absolute
+from ..models import require_absolute
+from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.

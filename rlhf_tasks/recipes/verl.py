@@ -13,7 +13,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible, require_absolute
+from ..models import require_absolute
+from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
 
 VERL_VERSION = "0.9.1"
 VERL_REPO = "https://github.com/volcengine/verl"

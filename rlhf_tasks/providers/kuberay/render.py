@@ -448,7 +448,7 @@ class KubeRayRender(Provider):
         configmap = self.configmap(plan, options)
         rayjob = self.rayjob(plan, options)
         secret = options.secret or f"{plan.name}-secrets"
-        header = f"# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply -f <this file>\n"
+        header = "# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply -f <this file>\n"
         if plan.secrets:
             literals = " ".join(f'--from-literal={name}="${name}"' for name in plan.secrets)
             header += (f"# The task's secrets come from Secret {secret}, one key per name; create it first:\n"
