@@ -2,7 +2,7 @@
 own `ray symmetric-run`, side by side in one run (the machine is noisy: compare ratios).
 
     .venv/bin/python benchmarks/startup.py [--rounds 5] [--nodes 3,5] [--checkout DIR]   # as root
-        [--base DIR] [--floor] [--set preflight=off ...]
+        [--base DIR] [--floor] [--job-floor] [--set preflight=off ...]
 
 Hosts are the project's namespace testbed (tests/testbed.py, needs root). Per run:
 
@@ -17,14 +17,21 @@ ray-start floor (--floor): plain `ray start --block` on every host (the head wit
          its result is when the poller sees every node ALIVE. That is the cluster alone, a
          floor for anything that forms it with one `ray start` per host and runs the command
          once every node is in.
+ray job floor (--job-floor): the ray-start floor, and a Ray job the poller submits as soon as
+         the head's dashboard answers, whose driver waits for every node ALIVE, then execs CMD:
+         the least a launcher that runs the command as a Ray job once the nodes are in does
+         (a job supervisor and a driver; no agent, no checks).
 
 CMD writes the wall-clock time it starts into a directory every host sees. t0 is taken
 just before the nodes' processes are spawned; the result is t_cmd - t0. A light poller
 on the head host records when the GCS port opens, the dashboard answers, each node turns
-ALIVE and the job changes state, which splits the time. Each node's launcher (node.py,
-or symmetric-run's python) is sampled for its peak RSS (VmHWM). Every run ends with a
+ALIVE and the job changes state, which splits the time. Each node's launcher (the agent,
+or symmetric-run's python) is sampled for its peak RSS (VmHWM). Until the command starts,
+every process on the hosts is sampled for its CPU time (/proc, by what it is: Ray's daemons,
+the job supervisor, preflight's probes, ...), which says where the CPU of shared cores went;
+for ours, preflight's steps come from the result the head agent keeps. Every run ends with a
 reboot of the hosts (their whole PID namespaces are killed), so nothing carries over.
-Runs alternate ours[, base], symmetric-run[, ray-start floor], ours, ... `--base DIR` runs
+Runs alternate ours[, base], symmetric-run[, ray-start floor][, ray job floor], ours, ... `--base DIR` runs
 ours from a second checkout too (a change against what it changes), `--set KEY=VALUE`
 changes our task (a dotted key, a YAML value). Results: benchmarks/RESULTS.md.
 """
@@ -57,7 +64,7 @@ BIN = Path(sys.executable).parent
 TOKEN = secrets.token_hex(16)  # this benchmark's cluster token: in environments only, never printed
 RAY_FLAGS = ["--num-cpus", "1", "--object-store-memory", "80000000"]  # what the task renders for ours
 NAME = "startup-bench"
-KINDS = ("ours", "base", "symmetric-run", "ray-start floor")  # base: ours from --base's checkout
+KINDS = ("ours", "base", "symmetric-run", "ray-start floor", "ray job floor")  # base: ours from --base's checkout
 
 
 # --------------------------------------------------------------------------- the job
@@ -75,6 +82,8 @@ class Start:
     launcher: str                       # a string in the launcher process's argv (for its RSS)
     poll_jobs: bool                     # whether the head submits a Ray job
     started_when_alive: bool = False    # no command: the poller marks the start when all are ALIVE
+    head_exits: bool = True             # False: `ray start --block`, which runs until the host reboots
+    submit: str | None = None           # a Ray job's entrypoint the poller submits once the dashboard answers
     beacon_port: int | None = None      # the head agent's ready beacon
 
 
@@ -135,7 +144,7 @@ def prepare_ours(tb, nodes: int, run_dir: Path, started: Path, checkout: Path, o
         place(tb, rank, config)
     command = " && ".join(config["commands"])
     return Start([command] * nodes, [dstack_env(tb, r, nodes, config.get("env", [])) for r in range(nodes)],
-                 launcher="node.py", poll_jobs=True, beacon_port=plan["ray"]["ready_port"])
+                 launcher="--plan", poll_jobs=True, beacon_port=plan["ray"]["ready_port"])
 
 
 # --------------------------------------------------------------------------- symmetric-run
@@ -166,7 +175,20 @@ def prepare_floor(tb, nodes: int) -> Start:
          *(["--head", "--port", "6379"] if rank == 0 else ["--address", f"{head}:6379"])])
         for rank in range(nodes)]
     env = tb.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
-    return Start(commands, [env] * nodes, launcher="start", poll_jobs=False, started_when_alive=True)
+    return Start(commands, [env] * nodes, launcher="start", poll_jobs=False, started_when_alive=True, head_exits=False)
+
+
+def prepare_job_floor(tb, nodes: int, started: Path) -> Start:
+    """The floor with a Ray job: as soon as the head's dashboard answers, the poller submits a job
+    whose driver waits for every node ALIVE and then execs CMD; the least a launcher that runs
+    the command as a Ray job once the nodes are in can do (no agent, no checks)."""
+    floor = prepare_floor(tb, nodes)
+    script = "\n".join(["import json, os, time, ray", "ray.init()",
+                        f"while sum(1 for n in ray.nodes() if n['Alive']) < {nodes}:", "    time.sleep(0.1)",
+                        "ray.shutdown()", f"command = json.loads({json.dumps(job_command(started))!r})",
+                        "os.execvp(command[0], command)"])
+    return Start(floor.commands, floor.envs, launcher="start", poll_jobs=True, head_exits=False,
+                 submit=shlex.join([sys.executable, "-c", script]))
 
 
 # --------------------------------------------------------------------------- the poller (head host)
@@ -174,7 +196,7 @@ def prepare_floor(tb, nodes: int) -> Start:
 # Standard library only; runs inside the head host so the head's 127.0.0.1 dashboard is
 # reachable. Writes one JSON line per change it sees; exits when the command has started.
 POLLER = r'''
-import json, os, socket, sys, time, urllib.error, urllib.request
+import json, os, socket, sys, threading, time, urllib.error, urllib.request
 spec = json.loads(sys.argv[1])
 token = os.environ.get("RAY_AUTH_TOKEN")
 headers = {"Authorization": "Bearer " + token} if token else {}
@@ -184,6 +206,18 @@ def note(event, **fields):
     fields.update(t=time.time(), event=event)
     out.write(json.dumps(fields) + "\n")
     out.flush()
+
+def submit(entrypoint):  # in a thread: the dashboard answers a submission only once its supervisor is up
+    request = urllib.request.Request(spec["dashboard"] + "/api/jobs/", method="POST", headers=dict(
+        headers, **{"Content-Type": "application/json"}), data=json.dumps(
+        {"entrypoint": entrypoint, "submission_id": "job-floor"}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            note("submitted", status=r.status)
+    except urllib.error.HTTPError as e:
+        note("submitted", status=e.code)
+    except OSError as e:
+        note("submitted", status=None, error=str(e))
 
 def get(path, as_json=True, auth=True):
     request = urllib.request.Request(spec["dashboard"] + path, headers=headers if auth else {})
@@ -215,6 +249,8 @@ while time.time() < deadline and not os.path.exists(spec["started"]):
         dashboard = True
         note("dashboard_up")
         note("no_token", status=get("/api/v0/nodes?limit=1", auth=False)[0])  # is token auth enforced?
+        if spec["submit"]:
+            threading.Thread(target=submit, args=(spec["submit"],), daemon=True).start()
     if spec["beacon_port"] and not beacon and tcp(spec["beacon_port"], b"ready"):
         beacon = True
         note("beacon")
@@ -249,7 +285,7 @@ def start_poller(tb, nodes: int, start: Start, run_dir: Path, started: Path) -> 
     script.write_text(POLLER.lstrip())
     spec = {"out": str(out), "started": str(started), "head": tb.hosts[0].ip, "gcs_port": 6379,
             "dashboard": "http://127.0.0.1:8265", "nodes": nodes, "beacon_port": start.beacon_port,
-            "poll_jobs": start.poll_jobs, "started_when_alive": start.started_when_alive,
+            "poll_jobs": start.poll_jobs, "started_when_alive": start.started_when_alive, "submit": start.submit,
             "interval": 0.1, "timeout": 600}
     tb.run(0, [sys.executable, "-I", "-S", str(script), json.dumps(spec)], env=tb.env(RAY_AUTH_TOKEN=TOKEN),
            name="poller")
@@ -274,7 +310,7 @@ class RssSampler:
             except OSError:
                 continue
             # the python process itself, not the bash or nsenter that started it
-            words = [a.decode(errors="replace") for a in argv[:3]]
+            words = [a.decode(errors="replace") for a in argv[:4]]
             if "python" in Path(words[0]).name and any(self.needle in w for w in words[1:]):
                 return pid
         return None
@@ -294,6 +330,70 @@ class RssSampler:
                     self.peak_kib[rank] = max(self.peak_kib.get(rank, 0), int(line.split()[1]))
 
 
+# --------------------------------------------------------------------------- CPU time by process
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+CPU_LABELS = [("dashboard/agent.py", "dashboard agent"), ("runtime_env/agent", "runtime env agent"),
+              ("dashboard/dashboard.py", "dashboard"), ("log_monitor", "log monitor"),
+              ("autoscaler/_private/monitor", "autoscaler monitor"), ("ray-dashboard-", "dashboard modules"),
+              ("default_worker.py", "ray::IDLE"), ("rlhf_tasks.agent gate", "our job's gate (preflight's driver)"),
+              ("rlhf_tasks.agent.preflight", "preflight driver"), ("rlhf_tasks", "our node agent"),
+              ("ray.scripts.scripts import main", "ray CLI"), ("symmetric-run", "ray CLI"), ("ray start", "ray CLI"),
+              ("import time; open(", "the command"), ("poller.py", None)]
+
+
+def cpu_label(argv: str) -> str | None:
+    """What a process is, for the CPU table (None: the benchmark's own poller, not counted)."""
+    words = argv.split()
+    if not words:
+        return None  # a zombie
+    if Path(words[0]).name in ("raylet", "gcs_server"):
+        return Path(words[0]).name
+    if argv.startswith("ray::"):
+        title = words[0].split(".")[0]  # the Ray worker's title: ray::IDLE, ray::NodeProbe, ...
+        return "ray::JobSupervisor" if title.endswith("JobSupervisor") else title
+    for needle, label in CPU_LABELS:
+        if needle in argv:
+            return label
+    return " ".join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words[:3]))[:60]
+
+
+class CpuSampler:
+    """CPU seconds (user + system) the hosts' processes use, by what they are, summed over the
+    hosts: each process's own time at its last sample (a process that exits between samples
+    loses at most one interval; a process's children count as themselves). A process is
+    what its last sample says (a child between fork and exec looks like its parent; a Ray
+    worker takes its task's title), but the command keeps the label of the gate that exec'd it."""
+
+    def __init__(self, tb, nodes: int):
+        self.namespaces = {os.readlink(f"/proc/{tb.host(r).init_pid}/ns/pid") for r in range(nodes)}
+        self.seen: dict[int, tuple[str, int]] = {}  # pid -> (label, ticks)
+
+    def sample(self) -> None:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") not in self.namespaces:
+                    continue
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                before = self.seen.get(int(entry), (None,))[0]
+                label = cpu_label(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                                  .decode(errors="replace").strip())
+                if before is not None and label == "the command":  # the gate exec'd it: the time was the gate's
+                    label = before
+            except OSError:
+                continue
+            if label is not None:
+                self.seen[int(entry)] = (label, int(stat[11]) + int(stat[12]))  # utime stime
+
+    def seconds(self) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for label, ticks in self.seen.values():
+            used[label] = used.get(label, 0.0) + ticks / CLK_TCK
+        return used
+
+
 # --------------------------------------------------------------------------- one run
 
 @dataclass
@@ -304,6 +404,8 @@ class Run:
     marks: dict[str, float] = field(default_factory=dict)   # event -> seconds after t0
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     no_token_status: int | None = None                      # HTTP status of a request without the token
+    cpu: dict[str, float] = field(default_factory=dict)     # CPU seconds by process when the command started
+    preflight: dict[str, float] = field(default_factory=dict)  # ours: preflight's steps, seconds each
     t0: float = 0.0                                         # wall clock when the nodes were spawned
 
 
@@ -312,11 +414,16 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
     run_dir.mkdir(parents=True)
     started = run_dir / "started"
     start = (prepare_ours(tb, nodes, run_dir, started, checkout, overrides or {}) if kind in ("ours", "base")
-             else prepare_symmetric(tb, nodes, started) if kind == "symmetric-run" else prepare_floor(tb, nodes))
+             else prepare_symmetric(tb, nodes, started) if kind == "symmetric-run"
+             else prepare_job_floor(tb, nodes, started) if kind == "ray job floor" else prepare_floor(tb, nodes))
     poller = start_poller(tb, nodes, start, run_dir, started)
     rss = RssSampler(tb, nodes, start.launcher)
+    cpu = CpuSampler(tb, nodes)
     t0 = time.time()
-    procs = [tb.run(rank, start.commands[rank], env=start.envs[rank], name=f"{kind}-node{rank}")
+    # In a directory of the run's own: `python3 -m rlhf_tasks.agent` puts its working directory
+    # first on sys.path, so from a checkout every host would run that checkout's agent (and its
+    # jobs, whose PYTHONPATH the agent builds from where it was imported), not the one measured.
+    procs = [tb.run(rank, start.commands[rank], env=start.envs[rank], name=f"{kind}-node{rank}", cwd=run_dir)
              for rank in range(nodes)]
     head = procs[0]
 
@@ -325,6 +432,7 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
         if not head.running() and not started.exists():
             raise RuntimeError(f"{kind}: the head exited ({head.returncode}) before the command ran:\n"
                                + head.output[-3000:])
+        cpu.sample()
         return started.exists() and started.read_text()
     t_cmd = float(tbmod.poll(command_started, timeout, f"{kind}: the command to start", 0.1))
 
@@ -332,19 +440,20 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
         rss.sample()
         return not head.running()
     try:
-        if not start.started_when_alive:  # a bare `ray start --block` never exits by itself
+        if start.head_exits:  # a bare `ray start --block` never exits by itself
             tbmod.poll(head_done, 90, f"{kind}: the head to exit", 0.2)
     except TimeoutError:
         print(f"  ({kind}: the head did not exit within 90 s after the command; its RSS is sampled up to now)")
     rss.sample()
     for rank, proc in enumerate(procs):  # each node's output, for a look at where the time went
         shutil.copy(proc.log, run_dir / f"node{rank}.log")
-    run = Run(kind, nodes, t_cmd - t0, t0=t0, peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
+    run = Run(kind, nodes, t_cmd - t0, t0=t0, cpu=cpu.seconds(), peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
     run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
     run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
                                 if e["event"] == "no_token"), None)
     if kind in ("ours", "base"):
         run.marks |= agent_marks(head.output, run.marks)
+        run.preflight = preflight_steps(tb)
     return run
 
 
@@ -382,6 +491,16 @@ def agent_marks(head_log: str, seen: dict[str, float]) -> dict[str, float]:
     return {"head agent: cluster ready (its log)": began + float(ready.group(1))}
 
 
+def preflight_steps(tb) -> dict[str, float]:
+    """Preflight's steps and their seconds, from the result the head agent keeps (the nodes
+    step counts from when preflight began: it waits for the nodes to join)."""
+    try:
+        result = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))
+    except (tbmod.TestbedError, ValueError):
+        return {}
+    return {step["step"]: step["seconds"] for step in result.get("steps", [])}
+
+
 def reset(tb, nodes: int) -> None:
     """Tear down completely: kill each host's whole PID namespace and boot it again (fresh /tmp, /opt)."""
     for rank in range(nodes):
@@ -408,7 +527,7 @@ def report(runs: list[Run], nodes: int) -> str:
     medians = {k: statistics.median(r.seconds for r in v) if v else None for k, v in by_kind.items()}
     reference = medians.get("symmetric-run")
     ratios = [f"{medians[k] / reference:.2f}" if medians[k] and reference else "-" for k in kinds]
-    lines += [f"| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in kinds) + " |",
+    lines += ["| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in kinds) + " |",
               "| ratio to symmetric-run | " + " | ".join(ratios) + " |", "",
               "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
               header.format("mark"), rule]
@@ -426,9 +545,27 @@ def report(runs: list[Run], nodes: int) -> str:
             previous[k] = median
         if any(c != "-" for c in cells):
             lines.append(f"| {mark} | " + " | ".join(cells) + " |")
+    steps = {k: [r.preflight for r in by_kind[k] if r.preflight] for k in kinds}
+    names = list(dict.fromkeys(name for k in kinds for result in steps[k] for name in result))
+    if names:
+        lines += ["", "Preflight's steps (median seconds; `nodes` counts from when preflight began, as it waits for "
+                  "the nodes):", "", header.format("step"), rule]
+        for name in names:
+            cells = [f"{statistics.median(r.get(name, 0.0) for r in steps[k]):.2f}" if steps[k] else "-" for k in kinds]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU seconds the hosts used until the command started (median over rounds, summed over hosts):", "",
+              header.format("process"), rule]
+    labels = sorted({label for r in runs if r.nodes == nodes for label in r.cpu},
+                    key=lambda label: -max(r.cpu.get(label, 0.0) for r in runs if r.nodes == nodes))
+    for label in ["total", *labels]:
+        cells = []
+        for k in kinds:
+            values = [sum(r.cpu.values()) if label == "total" else r.cpu.get(label, 0.0) for r in by_kind[k] if r.cpu]
+            cells.append(f"{statistics.median(values):.1f}" if values else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Peak RSS of each node's launcher process (VmHWM, MiB, max over rounds):", "",
               "| launcher | head | workers (max) |", "|---|---|---|"]
-    labels = {"ours": "ours: node.py", "base": "base: node.py", "symmetric-run": "symmetric-run (python)"}
+    labels = {"ours": "ours: node agent", "base": "base: node agent", "symmetric-run": "symmetric-run (python)"}
     for kind, label in [(k, labels[k]) for k in kinds if k in labels]:
         head = [r.peak_rss_mib[0] for r in by_kind[kind] if 0 in r.peak_rss_mib]
         workers = [mib for r in by_kind[kind] for rank, mib in r.peak_rss_mib.items() if rank]
@@ -451,6 +588,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, rendered files)")
     parser.add_argument("--base", type=Path, help="also run ours from this checkout (a git worktree), as 'base'")
     parser.add_argument("--floor", action="store_true", help="also run the ray-start floor (the cluster alone)")
+    parser.add_argument("--job-floor", action="store_true",
+                        help="also run the ray job floor (the cluster, and a Ray job that waits for its nodes)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a dotted key of our task, its value as YAML (e.g. preflight=off); repeatable")
     args = parser.parse_args()
@@ -459,7 +598,8 @@ def main() -> int:
         raise SystemExit(reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (finally, testbed close) on SIGTERM too
     checkout = args.checkout.resolve()
-    wanted = {"ours": True, "base": args.base is not None, "symmetric-run": True, "ray-start floor": args.floor}
+    wanted = {"ours": True, "base": args.base is not None, "symmetric-run": True, "ray-start floor": args.floor,
+              "ray job floor": args.job_floor}
     kinds = [k for k in KINDS if wanted[k]]
     overrides = {}
     for item in args.set:
