@@ -339,7 +339,7 @@ CPU_LABELS = [("dashboard/agent.py", "dashboard agent"), ("runtime_env/agent", "
               ("default_worker.py", "ray::IDLE"), ("rlhf_tasks.agent gate", "our job's gate (preflight's driver)"),
               ("rlhf_tasks.agent.preflight", "preflight driver"), ("rlhf_tasks", "our node agent"),
               ("ray.scripts.scripts import main", "ray CLI"), ("symmetric-run", "ray CLI"), ("ray start", "ray CLI"),
-              ("import time; open(", "the command"), ("poller.py", None)]
+              ("ray.nodes()", "the job floor's driver"), ("import time; open(", "the command"), ("poller.py", None)]
 
 
 def cpu_label(argv: str) -> str | None:
