@@ -189,6 +189,7 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
         return True, have
     return check
 
+
 def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
     """The job's id on its cluster: `<task>-<cluster>` (`-r<k>` for the k-th restart).
     Stable, so a retried submission finds the first one instead of starting a second."""
@@ -196,16 +197,20 @@ def submission_id(name: str, cluster_key: str, attempt: int = 0) -> str:
     return "%s-r%d" % (sid, attempt) if attempt else sid
 
 
+def split_attempt(sid: str) -> Tuple[str, int]:
+    """The first attempt's id and which attempt `sid` is: 0 for the first, k for `-r<k>`."""
+    match = re.match(r"^(.*)-r(\d+)$", sid)
+    return (match.group(1), int(match.group(2))) if match else (sid, 0)
+
+
 def attempt_of(sid: str) -> int:
-    """Which attempt of its job `sid` is: 0 for the first, k for `-r<k>`."""
-    match = re.match(r"^.*-r(\d+)$", sid)
-    return int(match.group(1)) if match else 0
+    return split_attempt(sid)[1]
 
 
 def next_submission_id(sid: str) -> str:
     """The id of the restart after `sid` (`<task>-<cluster>-r<k+1>`)."""
-    match = re.match(r"^(.*)-r(\d+)$", sid)
-    return "%s-r%d" % (match.group(1), int(match.group(2)) + 1) if match else sid + "-r1"
+    first, attempt = split_attempt(sid)
+    return "%s-r%d" % (first, attempt + 1)
 
 
 def is_submission_of(name: str, sid: str) -> bool:
