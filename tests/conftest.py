@@ -15,6 +15,7 @@ subprocess the guard cannot see into: give such a test `cli_env`, as the local o
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +28,8 @@ IN_CI = os.environ.get("CI") == "true"
 CLUSTER = "cluster"
 #: What a test must carry the `cluster` mark to start (the basename of a subprocess's program).
 CLUSTER_PROGRAMS = frozenset({"gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "munged",
-                              "podman", "docker", "nsenter", "unshare"})
+                              "podman", "docker", "nsenter", "unshare", "etcd", "kube-apiserver",
+                              "kube-controller-manager", "kube-scheduler", "kube-streams"})
 
 _running: list[pytest.Item] = []  # the test being run, if any
 
@@ -110,3 +112,17 @@ def cli_env(rlhf_home):
     env = dict(os.environ, RLHF_TASKS_HOME=str(rlhf_home), PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return env
+
+
+@pytest.fixture(scope="session")
+@starts_cluster
+def kube_cluster(tmp_path_factory):
+    """The session's Kubernetes cluster (tests/kube/): a real control plane and KubeRay
+    operator, pods on namespace hosts. Built by `make kube` (tests/kube/build.sh) first."""
+    need(shutil.which("go") is not None, "the Kubernetes tests build Kubernetes and KubeRay with Go (not on PATH)")
+    reason = tbmod.require_root()
+    need(reason is None, reason or "")
+    from kube.cluster import KubeCluster
+    cluster = KubeCluster(tmp_path_factory.mktemp("kube"), shared=[tmp_path_factory.getbasetemp()])
+    yield cluster
+    cluster.close()

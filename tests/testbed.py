@@ -493,6 +493,12 @@ class Testbed:
         self.aliases[name] = i
         self._write_hosts_file()
 
+    def set_aliases(self, aliases: Mapping[str, int]) -> None:
+        """Make exactly these names (name -> host index) resolve, beside the hosts' own."""
+        if dict(aliases) != self.aliases:
+            self.aliases = dict(aliases)
+            self._write_hosts_file()
+
     # ----------------------------------------------------------------- running
 
     def host(self, h: int | str | Host) -> Host:

@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from .attached import BeforeRayFlow, PrepareFlow, StartedHeadFlow
+from .attached import BeforeRayFlow, StartedHeadFlow
 from .contract import locate, read_contract
 from .forensics import tee_stdout
 from .head import HeadFlow
@@ -51,14 +51,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")
     parser.add_argument("--log-dir", default=None, help="where Ray's and the services' output goes (default: state dir)")
     started = parser.add_mutually_exclusive_group()  # Ray started by someone else (see attached.py)
-    started.add_argument("--prepare-only", action="store_true", help="the head before its Ray starts: setup and "
-                         "prepare, then exit")
     started.add_argument("--before-ray", metavar="ENV_FILE", help="just before someone else's `ray start`: setup, "
-                         "a worker's every-node services (left running), the environment for Ray written to ENV_FILE")
+                         "the head's prepare, a worker's every-node services (left running), the environment for "
+                         "Ray written to ENV_FILE")
     started.add_argument("--ray-started", action="store_true", help="the job runner on a head whose Ray someone "
                          "else started: services, every node, preflight, the job")
     args = parser.parse_args(argv)
-    attached = args.prepare_only or args.before_ray or args.ray_started
+    attached = args.before_ray or args.ray_started
     signal.signal(signal.SIGTERM, _on_signal)
     result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
     node = flow = None
@@ -72,8 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["rank"] = info.rank
         log.label = "node%d" % info.rank
         log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
-        # prepare talks to no Ray (and runs before the operator's token reaches the pod)
-        env = node_env(dict(plan, token_env=None) if args.prepare_only else plan, info, os.environ)
+        env = node_env(plan, info, os.environ)
         net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
         log("network preset %s: %s" % (plan["network"], " ".join(
             "%s=%s%s" % (k, v, " (from the node's environment)" if os.environ.get(k) and k not in plan["env"] else "")
@@ -89,9 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if attached and plan["job"].get("mode") == "every_node":
             raise AgentError("choosing the node's flow", "job mode every_node runs no Ray, and here Ray is started "
                              "by someone else", code=2)
-        if args.prepare_only:
-            flow = PrepareFlow(node)
-        elif args.before_ray:
+        if args.before_ray:
             flow = BeforeRayFlow(node, args.before_ray)
         elif args.ray_started:
             if info.rank != 0:

@@ -19,15 +19,16 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
+import threading
 from typing import Any
 
 from ... import state
-from ...agent.protocol import AgentError, wait_for
+from ...agent.protocol import AgentError, http_check, wait_for
 from ...console import say
 from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
-from ..base import Cluster, Option, write_files
+from ..base import Cluster, Option, end_process, write_files
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
 from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
@@ -153,7 +154,7 @@ class KubeRayProvider(KubeRayRender):
         forward = token = dashboard = None
         if plan.job.submit == "client":
             local = watching.free_port()
-            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, SIDECAR_DASHBOARD_PORT,
+            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, plan.ray.dashboard_port,
                                            state.run_dir(plan.name) / self.name / "port-forward.log")
             dashboard = f"http://127.0.0.1:{local}"
             state.update(plan.name, dashboard=f"http://127.0.0.1:{plan.ray.dashboard_port}")
@@ -252,25 +253,48 @@ class KubeRayProvider(KubeRayRender):
                 + (f"\n{said}" if said else ""))
 
     def forward(self, name: str, port: int | None = None) -> int:
-        """`kubectl port-forward svc/<cluster>-head-svc PORT:8265` until Ctrl-C (`job.submit: client`)."""
+        """`kubectl port-forward svc/<cluster>-head-svc PORT:<dashboard>` until Ctrl-C. The address is
+        said and recorded only once the head's dashboard answered through it."""
         kube, record = self._target(name)
         rayjob = kube.get("rayjob", name)
         cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName") or record.get("cluster_id")
         if not cluster:
             raise BadInput(f"NAME: no RayJob {name} with a cluster in namespace {kube.namespace} "
                            f"(context {kube.context})")
-        local = port or SIDECAR_DASHBOARD_PORT
+        remote = record.get("dashboard_port") or SIDECAR_DASHBOARD_PORT
+        local = port or remote
         dashboard = f"http://127.0.0.1:{local}"
+        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{remote}")
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
+        reader.start()
+
+        def answers():
+            if proc.poll() is not None:
+                reader.join(5)
+                raise StepFailed(f"forwarding the dashboard of {name}",
+                                 f"kubectl port-forward exited {proc.returncode}: "
+                                 f"{' '.join(line.strip() for line in said[-3:]) or 'no output'}")
+            return http_check(f"{dashboard}/api/gcs_healthz")
+        try:
+            wait_for(f"the dashboard of {name} through kubectl port-forward", answers, 30, interval=0.3,
+                     max_interval=1.0)
+        except (AgentError, StepFailed):
+            end_process(proc)
+            raise
         if record:
             state.update(name, dashboard=dashboard)
             self._token(kube, name, cluster)
-        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{SIDECAR_DASHBOARD_PORT}")
         say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
             f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks submit TASK --provider kuberay --address {dashboard}")
         try:
-            return subprocess.run(argv, stdin=subprocess.DEVNULL).returncode
+            return proc.wait()
         except KeyboardInterrupt:
             return 0
+        finally:
+            end_process(proc)
 
 
 __all__ = ["AGENT_PORT", "ANNOTATIONS_LIMIT", "CONFIGMAP_DIR", "GPU_RESOURCE", "LIB_ARCHIVE", "POD_IP_ENV",
