@@ -44,11 +44,12 @@ while True:
 """
 
 
-def write_task(tmp_path: Path, name: str, entrypoint: str, placement: dict | None = None) -> Path:
+def write_task(tmp_path: Path, name: str, entrypoint: str, placement: dict | None = None,
+               checkpoints: Path | None = None) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({
         "name": name, "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
-        "placement": placement or {},
+        "placement": placement or {}, **({"checkpoints": {"path": str(checkpoints)}} if checkpoints else {}),
         "job": {"recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": entrypoint}}}))
     return path
 
@@ -123,7 +124,7 @@ def test_the_head_stops_the_run_at_its_budget_cap(tmp_path, cli_env, rlhf_home):
     script = tmp_path / "job.py"
     script.write_text(CHECKPOINTING)
     task = write_task(tmp_path, "capped", f"python3 {script} {ckpt}",
-                      {"price_per_hour": 36, "max_cost": 0.45, "stop_grace": "20s"})
+                      {"price_per_hour": 36, "max_cost": 0.45, "stop_grace": "20s"}, checkpoints=ckpt)
     out = cli(tmp_path, cli_env, "launch", str(task), timeout=400)
     said = out.stdout + out.stderr
     (tmp_path / "launch.out").write_text(said)

@@ -31,6 +31,8 @@ WARN_AT = 0.8
 CLIENT_RUN_OVER_S = 60.0
 #: How often the watch looks (the clock; the Jobs API for idleness and the grace).
 TICK_S = 1.0
+#: How long the head's job runner has to notice that a job stopped at a cap has ended.
+RUNNER_NOTICES_S = 15.0
 #: The signal the watch uses to end the agent's main thread (handled in __main__).
 SIGNAL = signal.SIGUSR1
 
@@ -212,7 +214,8 @@ class Watch(threading.Thread):
                 self.warned = True
                 cost = spent(self.budget.get("price_per_hour"), seconds)
                 log("budget: 80%% of the cap reached (%s after %s): the job is stopped in about %s"
-                    % ("$%.2f" % cost if cost is not None else "cost unknown", hm(seconds), hm(cap - seconds)))
+                    % ("$%.2f" % cost if cost is not None else "cost unknown", hm(seconds),
+                       hm(cap - seconds) if cap - seconds >= 120 else "%.0fs" % (cap - seconds)))
             if cap is not None and seconds >= cap:
                 return self._cap(seconds)
             idle = self._idle_limit(ran)
@@ -269,6 +272,7 @@ class Watch(threading.Thread):
         self.at_cap.set()
         log(words)
         running = self._running() or []
+        stopped = list(running)
         for sid in running:
             sessions = term_driver(sid)
             log("job %s: SIGTERM to its driver (%s); it has %.0fs to checkpoint (placement.stop_grace)"
@@ -287,7 +291,8 @@ class Watch(threading.Thread):
                                           else "no checkpoint directory"))
         self._end(Ending("the budget cap", words, code=1),
                   {"capped": True, "words": words, "seconds": round(seconds, 1),
-                   "cost": spent(self.budget.get("price_per_hour"), seconds), "checkpoint": checkpoint})
+                   "cost": spent(self.budget.get("price_per_hour"), seconds), "checkpoint": checkpoint},
+                  followed=bool(stopped))
 
     stop_job = None  # type: Optional[Callable[[str], object]]
 
@@ -295,6 +300,14 @@ class Watch(threading.Thread):
         if self.stop_job is not None:
             self.stop_job(sid)
 
-    def _end(self, ending: Ending, report: dict) -> None:
+    def _end(self, ending: Ending, report: dict, followed: bool = False) -> None:
+        """Hand the ending to the main thread: when the head's job runner follows a job that just
+        ended (`followed`), it notices within a second or two and ends the run itself, with the
+        job's last lines relayed; otherwise (or when it does not) the signal interrupts whatever
+        the main thread waits for."""
         self.report, self.ending = report, ending
-        os.kill(os.getpid(), SIGNAL)
+        deadline = self.clock() + (RUNNER_NOTICES_S if followed else 0.0)
+        while not self.handled and self.clock() < deadline and not self._stop.wait(0.2):
+            pass
+        if not self.handled:
+            os.kill(os.getpid(), SIGNAL)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from typing import Dict, Optional
 
@@ -35,6 +36,20 @@ def fill(template: str, env: Dict[str, str], defaults: Dict[str, str]) -> Option
     return None if missing else text
 
 
+def linger(seconds: float = HEAD_LINGER_S) -> bool:
+    """Give a launcher that follows the head's log the time to read the result line and end the
+    machine itself (its SIGTERM ends this process): whether it did, polled until `seconds` pass."""
+    ended = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+    try:
+        deadline = time.monotonic() + seconds
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return bool(ended)
+
+
 def end_machine(rule: dict, head: bool = False, env: Optional[Dict[str, str]] = None) -> bool:
     """Send the plan's self_end request about this machine; whether it was taken. What it could
     not do is said in the log, never the token."""
@@ -49,7 +64,7 @@ def end_machine(rule: dict, head: bool = False, env: Optional[Dict[str, str]] = 
             what, ", ".join(n for n in needs if not (env.get(n) or (rule.get("defaults") or {}).get(n)))))
         return False
     if head:
-        time.sleep(HEAD_LINGER_S)
+        linger()
     log("the run is over here: %s" % what)
     headers = {"Authorization": "Bearer %s" % token} if token else {}
     try:
