@@ -892,8 +892,9 @@ class RunPodStandIn:
         env = dict(pod.env)
         if pod.start_ssh and self.ssh_public_keys:
             env.setdefault("PUBLIC_KEY", self.ssh_public_keys)
-        if self.pod_api_url:  # where a pod reaches this stand-in (RunPod's pods reach api.runpod.io)
-            env["RUNPOD_API_URL"] = self.pod_api_url
+        # Where a pod reaches this stand-in (RunPod's pods reach api.runpod.io): never the real API,
+        # whatever runs in the pod; this machine's 127.0.0.1 unless a test gives a relay pods can reach.
+        env["RUNPOD_API_URL"] = self.pod_api_url or self.url
         env.update({
             "RUNPOD_POD_ID": pod.id, "RUNPOD_DC_ID": pod.datacenter, "RUNPOD_API_KEY": pod.pod_key,
             "RUNPOD_POD_HOSTNAME": pod.id, "RUNPOD_GPU_COUNT": str(pod.gpu["count"]),
