@@ -543,9 +543,12 @@ def refuse_live_cluster(name: str, provider: Provider) -> None:
         live = True
     if not live:
         return
-    job = record.get("job") or {}
-    what = f"its job {job['submission_id']} was last seen {job.get('status') or 'starting'}" \
-        if job.get("submission_id") else "its job has not been seen yet"
+    from .jobs import last_job
+
+    job = last_job(name, record, state.token(name)) or {}  # its dashboard's word where it answers here
+    what = (f"its job {job['submission_id']} " + (f"was last seen {job['status']}" if job.get("seen") else
+                                                  f"is {job['status']}")) if job.get("submission_id") else \
+        "no job of it seen yet"
     raise BadInput(f"name: a cluster named {name} is live on {other} ({what}); launching it on {provider.name} "
                    f"would replace its record and leave it running out of reach. Stop it first with "
                    f"`rlhf-tasks down {name}` (or rename this task); nothing was launched")

@@ -99,7 +99,7 @@ def test_a_second_provider_under_the_name_of_a_live_cluster_is_refused(tmp_path,
         env = dict(cli_env, PATH=f"{bin_dir}{os.pathsep}{cli_env['PATH']}")
         second = cli(tmp_path, env, "launch", str(task), "--provider", "dstack")
         assert second.returncode == 2, second.stdout + second.stderr
-        assert f"name: a cluster named named is live on local (its job {sid} was last seen RUNNING)" in second.stderr
+        assert f"name: a cluster named named is live on local (its job {sid} is RUNNING)" in second.stderr
         assert "`rlhf-tasks down named`" in second.stderr
         assert not calls.exists() and not (rlhf_home / "runs" / "named" / "dstack").exists()
         assert (rlhf_home / "clusters" / "named" / "cluster.json").read_text() == before
