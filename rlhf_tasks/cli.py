@@ -149,6 +149,9 @@ def _ended(name: str, record: dict) -> str:
         how = f"; its job {job['submission_id']} " + (f"ended {job['status']}" if job["status"] in TERMINAL_JOB_STATES
                                                      else f"was last seen {job['status']}")
         how += f" ({job['how']})" if job.get("how") else ""
+    capped = record.get("budget") or {}
+    if capped.get("words"):  # the head ended it at placement.max_cost or max_duration
+        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none'}"
     logs = state.run_dir(name) / "nodes"
     where = f"; node logs: {logs}" if logs.is_dir() else ""
     return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"

@@ -210,7 +210,8 @@ def test_ctrl_c_once_the_job_runs_stops_following_only(tmp_path, rlhf_home, caps
     out = capsys.readouterr().out
     assert provider.downs == []
     assert "stopped following; job t-c1 keeps running. Stop it with: rlhf-tasks stop t-c1 --cluster t" in out
-    assert "the cluster keeps running; stop it with: rlhf-tasks down t" in out
+    # Issue 30: without --keep the head ends the cluster when the job ends, launcher or not.
+    assert "the cluster ends itself when the job ends (or now: rlhf-tasks down t)" in out
 
 
 def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_path):

@@ -635,8 +635,8 @@ class NetnsRelay:
     reaches the API stand-in as it would reach api.runpod.io. The listening socket is made
     in a thread that entered the host's network namespace (setns is per thread)."""
 
-    def __init__(self, netns: str, target_port: int):
-        self.target_port, self.port = target_port, None
+    def __init__(self, netns: str, target_port: int, address: str = "127.0.0.1"):
+        self.target_port, self.port, self.address = target_port, None, address
         self.accepted: queue.Queue = queue.Queue()
         ready = threading.Event()
         threading.Thread(target=self._connect, daemon=True).start()  # made here: this namespace
@@ -652,7 +652,7 @@ class NetnsRelay:
         finally:
             os.close(fd)
         self.server = socket.socket()
-        self.server.bind(("127.0.0.1", 0))
+        self.server.bind((self.address, 0))
         self.server.listen(32)
         self.port = self.server.getsockname()[1]
         ready.set()

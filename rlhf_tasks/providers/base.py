@@ -107,6 +107,12 @@ class Provider:
             raise BadInput(f"--provider {self.name}: unknown options {sorted(unknown)}")
         self.chosen = {option.dest: options.get(option.dest) for option in self.options}
 
+    @classmethod
+    def live(cls, record: dict) -> bool:
+        """Whether the cluster of this record may still run (and bill): until the record says it
+        ended. A provider that can tell from here that it ended on its own says so."""
+        return not record.get("ended")
+
     def relaunches(self) -> int:
         """How often `launch` relaunches the whole task when its head is lost (the provider's
         own relaunch, like dstack's `retry`, happens outside and needs none)."""
