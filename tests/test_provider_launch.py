@@ -258,3 +258,50 @@ def test_local_setup_runs_once_on_the_head_where_every_node_shares_the_environme
     lines = {rank: next(line for line in script.splitlines() if line.strip().startswith(f"{rank})")) for rank in range(3)}
     assert "--skip-setup" not in lines[0]
     assert all("--skip-setup" in lines[rank] for rank in (1, 2))
+
+
+def test_a_missing_secret_is_said_once_before_anything_starts(tmp_path):
+    """dstack and SkyPilot refuse a secret the rendered file names and the environment lacks:
+    the launch refuses first (exit 2, nothing run or written), saying it once (issue 32, item 5)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    for cli in ("dstack", "sky", "ssh"):
+        fake_cli(bin_dir, cli, log, code=0)
+    env = env_with(tmp_path, bin_dir)
+    env.pop("WANDB_API_KEY")
+    for provider in ("dstack", "sky"):
+        out = run_cli(["launch", str(task_file(tmp_path)), "--provider", provider], tmp_path, env)
+        said = out.stdout + out.stderr
+        assert out.returncode == 2, said
+        assert "error: secrets: WANDB_API_KEY not set in your environment" in out.stderr, said
+        assert said.count("WANDB_API_KEY") == 1 and "launching" not in said, said
+        assert not log.exists() and not (tmp_path / "home").exists()
+
+
+def test_a_provider_that_runs_without_a_secret_says_so_once_before_launching(tmp_path, rlhf_home, monkeypatch, capsys):
+    from rlhf_tasks.launch import launch
+    from rlhf_tasks.providers.slurm import SlurmProvider
+    from rlhf_tasks.spec import parse_task
+
+    class Refused(Exception):
+        pass
+
+    class Slurm(SlurmProvider):
+        def ready(self, plan):
+            pass
+
+        def apply(self, plan, secrets):
+            assert "HF_TOKEN" not in secrets
+            raise Refused
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    task = parse_task({"name": "t", "nodes": 2, "secrets": ["HF_TOKEN"], "checkpoints": {"path": "/shared/t"},
+                       "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    try:
+        launch(task, Slurm())
+    except Refused:
+        pass
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert said.count("HF_TOKEN") == 1 and "not set in your environment, so not passed: HF_TOKEN" in said
+    assert said.index("HF_TOKEN") < said.index("launching t on slurm")
