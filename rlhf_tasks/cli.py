@@ -260,12 +260,19 @@ def _cluster_status(name: str, record: dict) -> str:
 def cmd_logs(args) -> int:
     if args.bundle:
         return _bundle(args)
+    from .jobs import PreflightShown
+
     jobs = _jobs(args)
+    out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
-        status = jobs.follow(args.job)
+        try:
+            status = jobs.follow(args.job, out=out)
+        finally:
+            out.flush() if args.raw else out.close()
         print(f"job {args.job}: {status}", file=sys.stderr)
         return 0 if status == "SUCCEEDED" else 1
-    sys.stdout.write(jobs.logs(args.job))
+    out.write(jobs.logs(args.job))
+    out.flush() if args.raw else out.close()
     return 0
 
 
@@ -478,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument("--raw", action="store_true", help="the log as Ray keeps it: preflight's result as its "
+                           "JSON line (by default, its verdict and table, as launch shows it)")
             p.add_argument("--bundle", action="store_true", help="JOB is a cluster's NAME: every node's logs (the "
                            "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":

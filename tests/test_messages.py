@@ -21,6 +21,7 @@ class FakeDashboard:
 
     def __init__(self):
         self.jobs: dict[str, str] = {}
+        self.logs: dict[str, str] = {}
         self.submitted: list[str] = []
         fake = self
 
@@ -49,7 +50,7 @@ class FakeDashboard:
                 if sid not in fake.jobs:
                     return self.answer(404, {})
                 if path.endswith("/logs"):
-                    return self.answer(200, {"logs": ""})
+                    return self.answer(200, {"logs": fake.logs.get(sid, "")})
                 return self.answer(200, {"status": fake.jobs[sid]})
 
             def do_POST(self):
@@ -233,3 +234,33 @@ def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_pa
     tail = LogTail(cluster.node_logs, out=io.StringIO())
     assert follow_head_log(cluster, plan, tail, on_start=seen.append).status == "SUCCEEDED"
     assert seen == ["t-c1"]
+
+
+def preflight_log() -> tuple[str, dict]:
+    from rlhf_tasks.agent.protocol import PREFLIGHT_PREFIX
+
+    result = {"passed": True, "failed_step": None, "seconds": 2.4, "nodes": [{"node": f"node{i}"} for i in range(2)],
+              "table": ["node   address     gpus  bandwidth", "node0  10.0.0.1    0     -",
+                        "node1  10.0.0.2    0     930 Mbit/s"],
+              "notes": ["torch 2.13 on every node"], "warnings": ["node1: /dev/shm is 64 MiB"], "failures": [],
+              "facts": {"pad": "x" * 4000}}
+    log = ("gate: preflight starts\n" + PREFLIGHT_PREFIX + json.dumps(result) + "\n"
+           "gate: go\nstep 1/10 reward 0.1\n")
+    return log, result
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_logs_shows_preflight_as_the_launcher_does_and_raw_only_when_asked(follow, dashboard, rlhf_home, capsys):
+    """Issue 32, item 7: not the 4 KB JSON line preflight's gate prints for the head."""
+    log, result = preflight_log()
+    dashboard.jobs["t-1"] = "SUCCEEDED"
+    dashboard.logs["t-1"] = log
+    extra = ["--follow"] if follow else []
+    assert main(["logs", "t-1", "--address", dashboard.url, *extra]) == 0
+    out = capsys.readouterr().out
+    assert "RLHF_TASKS_PREFLIGHT" not in out and "xxxx" not in out, out
+    assert out == ("gate: preflight starts\npreflight passed in 2.4s: 2 nodes\n" + "\n".join(result["table"]) +
+                   "\npreflight: torch 2.13 on every node\npreflight WARNING: node1: /dev/shm is 64 MiB\n"
+                   "gate: go\nstep 1/10 reward 0.1\n"), out
+    assert main(["logs", "t-1", "--address", dashboard.url, "--raw", *extra]) == 0
+    assert capsys.readouterr().out == log

@@ -431,12 +431,19 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
 
 def preflight_report(result: dict, report: Callable[[str], None]) -> None:
     """The table, then warnings and notes, as the head (and `rlhf-tasks doctor`) print them."""
-    verdict = "passed" if result["passed"] else "FAILED (%s)" % result["failed_step"]
-    report("preflight %s in %.1fs: %d nodes" % (verdict, result["seconds"], len(result["nodes"])))
-    print("\n".join(result["table"]), flush=True)
-    for note in result["notes"]:
-        report("preflight: " + note)
-    for warning in result["warnings"]:
-        report("preflight WARNING: " + warning)
-    for failure in result["failures"]:
-        report("preflight FAILED (%s): %s" % (failure["step"], failure["message"]))
+    heading, table, said = preflight_parts(result)
+    report(heading)
+    print("\n".join(table), flush=True)
+    for line in said:
+        report(line)
+
+
+def preflight_parts(result: dict) -> Tuple[str, List[str], List[str]]:
+    """Preflight's result as people read it: its verdict line, its table, and its notes,
+    warnings and failures (one line each)."""
+    verdict = "passed" if result.get("passed") else "FAILED (%s)" % result.get("failed_step")
+    heading = "preflight %s in %.1fs: %d nodes" % (verdict, result.get("seconds") or 0, len(result.get("nodes") or []))
+    said = ["preflight: " + note for note in result.get("notes") or []]
+    said += ["preflight WARNING: " + warning for warning in result.get("warnings") or []]
+    said += ["preflight FAILED (%s): %s" % (f.get("step"), f.get("message")) for f in result.get("failures") or []]
+    return heading, list(result.get("table") or []), said
