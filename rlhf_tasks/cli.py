@@ -359,6 +359,8 @@ def cmd_forward(args) -> int:
     if provider_name is None:
         raise BadInput(f"NAME: no cluster named {args.name} was launched from here (known: "
                        f"{', '.join(state.known()) or 'none'}); pass --provider")
+    if record and record.get("ended"):  # no dashboard to reach, whatever the provider's forward would say
+        raise StepFailed(f"forwarding {args.name}'s dashboard", _ended(args.name, record))
     return _provider(provider_name).forward(args.name, args.port)
 
 

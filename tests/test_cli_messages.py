@@ -229,3 +229,17 @@ def test_preflight_names_nodes_of_one_machine_by_rank():
     apart = [{"hostname": "h%d" % r, "address": "10.0.0.%d" % r, "rank": r} for r in range(2)]
     name_nodes(apart)
     assert [n["name"] for n in apart] == ["h0", "h1"]
+
+
+# ---------------------------------------------------------------- forward of an ended cluster (issue 32, item 8)
+
+@pytest.mark.parametrize("provider", ["local", "runpod", "kuberay"])
+def test_forward_of_a_cluster_that_ended_says_it_ended(provider, rlhf_home, capsys, monkeypatch):
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    state.save("tiny-grpo", {"provider": provider, "cluster_id": "c1", "dashboard": "http://127.0.0.1:54273",
+                             "job": {"submission_id": "tiny-grpo-c1", "status": "SUCCEEDED"}})
+    state.end("tiny-grpo")
+    assert main(["forward", "tiny-grpo"]) == 1
+    err = capsys.readouterr().err
+    assert "failed: forwarding tiny-grpo's dashboard: the cluster ended at " in err, err
+    assert "its job tiny-grpo-c1 ended SUCCEEDED" in err and "already" not in err
