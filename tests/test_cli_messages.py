@@ -124,6 +124,18 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
 
 
+@pytest.mark.parametrize("path", ["/checkpoints/t", "/checkpoints/other"])
+def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tmp_path, capsys, rlhf_home):
+    """Issue 32, item 10: not "the default path" for a path the task names (even the default's)."""
+    task = tmp_path / "t.yaml"
+    task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": path},
+                                "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["check", str(task), "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: checkpoints {path} is the task's checkpoints.path: the script makes it" in err, err
+    assert "default" not in err and "make sure /checkpoints is on the cluster's shared filesystem" in err
+
+
 # ---------------------------------------------------------------- RunPod pods made by hand (item 15)
 
 def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path, rlhf_home):
