@@ -527,12 +527,16 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     raise AssertionError("unreachable")
 
 
-def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "") -> int:
+def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "",
+           waiting: str | None = None) -> int:
     """Ctrl-C before the job's command started cancels the launch. The head would start the
     job on its own (behind its gate, once every node is in) with nobody following, and
     neither its gate nor, on every provider, its dashboard can be reached from here; `down`
     can: it stops the cluster, and the job never runs. (`made`: this launch got as far as
-    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile.)"""
+    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile;
+    `waiting`: what the launcher was waiting for when Ctrl-C came, see agent.protocol.wait_for.)"""
+    if waiting:
+        say(f"interrupted while waiting for {waiting}")
     if not made:
         say(f"interrupted before a cluster was made for {name}: nothing runs")
         return 130
@@ -542,15 +546,25 @@ def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str
     try:
         say(provider.down(name))
     except KeyboardInterrupt:
-        say(f"interrupted again: {again}")
+        say(f"interrupted again: {again}{left_running(provider, name)}")
         return 130
     except (StepFailed, BadInput, AgentError) as exc:
-        say(f"could not stop it ({exc}): {again}")
+        say(f"could not stop it ({exc}): {again}{left_running(provider, name)}")
         return 130
     sid = started_job(head_log())
     say(f"job {sid} had just started; it stopped with the cluster" if sid else
         f"the job of {name} did not run; launch it again to run it")
     return 130
+
+
+def left_running(provider: Provider, name: str) -> str:
+    """What the provider says is still there of cluster `name` (its machines), as lines to
+    append to a message; "" when it says nothing or cannot be asked."""
+    try:
+        said = provider.status(name)
+    except (StepFailed, BadInput, AgentError, OSError, KeyboardInterrupt):
+        return ""
+    return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
 def launch_once(task: Task, provider: Provider, keep: bool) -> int:
@@ -592,7 +606,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
                 f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")
         return verdict(plan, outcome, via_head_log)
-    except KeyboardInterrupt:  # wherever it lands: while bringing the cluster up, submitting, or following the job
+    except KeyboardInterrupt as exc:  # wherever it lands: while bringing the cluster up, submitting, or following
         interrupted = True
         print(file=sys.stderr)
         said = started_job(cluster.read_head_log()) if cluster is not None else None
@@ -609,7 +623,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
             return 130
         made = cluster is not None or state.before_launch(task.name, before.staged).record != before.record
-        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "")
+        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "",
+                      getattr(exc, "waiting_for", None))
     except BaseException:
         if not job_started and not provider.stop_after_job:
             undone = provider.abandon(before)

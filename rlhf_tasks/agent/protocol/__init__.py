@@ -65,23 +65,29 @@ def wait_for(what: str, check: Callable[[], Tuple[bool, object]], timeout_s: flo
 
     Backs off from `interval` to `max_interval`, prints progress every `progress_every`
     seconds, and raises AgentError naming what was awaited, for how long, and the last
-    reason when `timeout_s` passes."""
+    reason when `timeout_s` passes. A Ctrl-C meanwhile carries the same as `waiting_for`."""
     report = report or log
     start = time.monotonic()
     next_report = start + progress_every
     delay = interval
-    while True:
-        done, value = check()
-        if done:
-            return value
-        now = time.monotonic()
-        if now - start >= timeout_s:
-            raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, value))
-        if now >= next_report:
-            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
-            next_report = now + progress_every
-        time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
-        delay = min(delay * 1.5, max_interval)
+    value = "not asked yet"
+    try:
+        while True:
+            done, value = check()
+            if done:
+                return value
+            now = time.monotonic()
+            if now - start >= timeout_s:
+                raise AgentError("waiting for %s" % what, "still not so after %.0fs (last: %s)" % (now - start, value))
+            if now >= next_report:
+                report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
+                next_report = now + progress_every
+            time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
+            delay = min(delay * 1.5, max_interval)
+    except KeyboardInterrupt as exc:  # Ctrl-C: whoever catches it can say what was awaited (the innermost wait)
+        if not hasattr(exc, "waiting_for"):
+            exc.waiting_for = "%s, %.0fs of %.0fs (last: %s)" % (what, time.monotonic() - start, timeout_s, value)
+        raise
 
 
 def probe_tcp(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
