@@ -1,7 +1,7 @@
 """Shared fixtures, and the two test tiers.
 
-Tests that need root or a package run in CI (CI=true) and fail there when it is missing;
-locally they skip with the reason.
+Tests that need root or a package run in CI (CI=true, any case) and fail there when it is
+missing; locally they skip with the reason. In CI every skip fails, whoever skips.
 
 The `cluster` mark: the test starts a Ray cluster, network-namespace hosts, Slurm or a
 container. `make test-fast` runs the others (`-m "not cluster"`), `make test` all. A test
@@ -23,11 +23,12 @@ import pytest
 import testbed as tbmod
 
 ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI") == "true"
+IN_CI = tbmod.in_ci()
 CLUSTER = "cluster"
-#: What a test must carry the `cluster` mark to start (the basename of a subprocess's program).
-CLUSTER_PROGRAMS = frozenset({"gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "munged",
-                              "podman", "docker", "nsenter", "unshare"})
+#: What a test must carry the `cluster` mark to start (the basename of a subprocess's program): Ray's
+#: CLI (`ray start`) and daemons, Slurm's, a container engine, a namespace.
+CLUSTER_PROGRAMS = frozenset({"ray", "gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc",
+                              "munged", "podman", "docker", "nsenter", "unshare"})
 
 _running: list[pytest.Item] = []  # the test being run, if any
 
@@ -83,6 +84,18 @@ def pytest_collection_modifyitems(items):
         defs = info.name2fixturedefs.values() if info else ()
         if any(getattr(d.func, "starts_cluster", False) for chain in defs for d in chain):
             item.add_marker(CLUSTER)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skip is a failure, whoever skips (`pytest.importorskip`, a fixture, a helper):
+    CI must run every test it collects."""
+    report = yield
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where nothing may skip: {reason}"
+    return report
 
 
 @pytest.hookimpl(wrapper=True)

@@ -445,6 +445,8 @@ def start_gate(tmp_path, command, timeout_s=60):
 def test_a_gated_job_runs_its_command_only_when_the_head_says_go_and_becomes_it(tmp_path):
     out = tmp_path / "ran"
     gate, proc = start_gate(tmp_path, [sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(os.getpid()))"])
+    # The gate's own line first: a gate whose Python has not started yet would pass the wait below too.
+    assert "the job's gate is waiting for the head's word (up to 60s)" in proc.stdout.readline()
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(1.0)  # waiting at the gate: the command has not run
     assert not out.exists()
