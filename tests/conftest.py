@@ -31,6 +31,7 @@ CLUSTER_PROGRAMS = frozenset({"ray", "gcs_server", "raylet", "slurmctld", "slurm
                               "munged", "podman", "docker", "nsenter", "unshare"})
 
 _running: list[pytest.Item] = []  # the test being run, if any
+_stand_ins: set[str] = set()  # programs the running test made itself, under a guarded name (stand_in)
 
 
 def need(condition: bool, reason: str) -> None:
@@ -57,14 +58,28 @@ def require_cluster_mark(what: str) -> None:
                     pytrace=False)
 
 
+def stand_in(path) -> None:
+    """Declare a program the running test wrote itself under a guarded name (a `ray` that only
+    records its argv): starting it starts no cluster. Only this file, for this test."""
+    _stand_ins.add(os.path.realpath(path))
+
+
 def _audit(event: str, args: tuple) -> None:
     """Ray's daemons, Slurm, a container engine or a namespace started from the test process."""
     if event != "subprocess.Popen" or not _running:
         return
     argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
     argv = [os.fsdecode(a) if isinstance(a, (str, bytes, os.PathLike)) else str(a) for a in argv]
-    program = os.path.basename(os.fsdecode(args[0]) if args[0] else (argv[0] if argv else ""))
+    given = os.fsdecode(args[0]) if args[0] else (argv[0] if argv else "")
+    program = os.path.basename(given)
     if program in CLUSTER_PROGRAMS or argv[:3] == ["ip", "netns", "add"]:
+        if _stand_ins:
+            import shutil
+
+            env = args[3] if len(args) > 3 and isinstance(args[3], dict) else os.environ
+            found = shutil.which(given, path=env.get("PATH", os.defpath)) if os.sep not in given else given
+            if found and os.path.realpath(found) in _stand_ins:
+                return
         require_cluster_mark(f"`{' '.join(argv[:3])}`")
 
 
@@ -105,6 +120,7 @@ def pytest_runtest_protocol(item):
         return (yield)
     finally:
         _running.pop()
+        _stand_ins.clear()
 
 
 @pytest.fixture

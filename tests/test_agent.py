@@ -21,7 +21,7 @@ from rlhf_tasks.agent.raynode import node_env, ray_start_command
 from rlhf_tasks.plan import Contract, command, env, template
 from rlhf_tasks.spec import parse_task
 
-from conftest import ROOT
+from conftest import ROOT, stand_in
 
 
 def plan_for(provider="local", **overrides):
@@ -545,6 +545,7 @@ def fake_ray(tmp_path, console_script=True):
     else:
         ray.write_text("#!/bin/sh\nprintf '{\"argv\": [\"ray\"], \"shell\": \"%s\"}' \"$*\" > \"$RAY_ARGV_FILE\"\n")
     ray.chmod(0o755)
+    stand_in(ray)  # it records its argv; it starts no cluster
     return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(tmp_path / "lib"),
                 RAY_ARGV_FILE=str(tmp_path / "argv.json"))
 

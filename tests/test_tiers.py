@@ -137,3 +137,32 @@ def test_outside_ci_they_skip_with_the_reason(inner, monkeypatch):
     monkeypatch.setenv("CI", "false")
     inner.makepyfile(test_x=SKIPPERS)
     inner.runpytest_subprocess("-q").assert_outcomes(skipped=3)
+
+
+def test_a_stand_in_the_test_declares_is_not_a_cluster(inner, tmp_path):
+    """A `ray` that only records its argv, declared with conftest.stand_in: the guard lets it run;
+    the same name elsewhere on PATH still needs the mark."""
+    inner.makepyfile(test_x="""
+        import os
+        import subprocess
+        from conftest import stand_in
+
+        def make(tmp_path):
+            ray = tmp_path / "bin" / "ray"
+            ray.parent.mkdir()
+            ray.write_text("#!/bin/sh\\nexit 0\\n")
+            ray.chmod(0o755)
+            return ray
+
+        def test_declared(tmp_path):
+            stand_in(make(tmp_path))
+            env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+            assert subprocess.run(["ray", "start"], env=env).returncode == 0
+
+        def test_undeclared(tmp_path):
+            env = dict(os.environ, PATH=f"{make(tmp_path).parent}:{os.environ['PATH']}")
+            subprocess.run(["ray", "start"], env=env)
+    """)
+    result = inner.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_undeclared starts `ray start` but has no `cluster` mark*"])
