@@ -42,13 +42,13 @@ HEAD_EXIT_S = 30.0
 STOPPED_BY = "by `rlhf-tasks stop` or Ray's Jobs API"
 
 
-def collect_secrets(task: Task, provider: Provider) -> dict[str, str]:
+def collect_secrets(task: Task, provider: Provider, plan: Plan) -> dict[str, str]:
     """Values of the task's secrets from this environment; missing ones are named once, never
     shown, before anything starts: bad input where the provider cannot launch without them."""
     values = {name: os.environ[name] for name in task.secrets if os.environ.get(name)}
     missing = [name for name in task.secrets if name not in values]
     if missing:
-        refusal = provider.refuses_missing_secrets(missing)
+        refusal = provider.refuses_missing_secrets(plan, missing)
         if refusal:
             raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; {refusal}: export "
                            f"{'it' if len(missing) == 1 else 'them'}, or take {'it' if len(missing) == 1 else 'them'} "
@@ -575,7 +575,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     if keep:
         plan = plan.replace(keep_cluster=True)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
-    secrets = collect_secrets(task, provider)
+    secrets = collect_secrets(task, provider, plan)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None

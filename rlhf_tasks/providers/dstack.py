@@ -134,7 +134,7 @@ class DstackProvider(Provider):
     def ready(self, plan: Plan) -> None:
         require_cli("dstack", "dstack")
 
-    def refuses_missing_secrets(self, missing: list[str]) -> str | None:
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
         return ("the rendered file names every secret in its env, and `dstack apply` fills each from your "
                 "environment and refuses one that is not set (\"Environment variable NAME is not set\")")
 

@@ -200,7 +200,7 @@ class SkyProvider(Provider):
     def ready(self, plan: Plan) -> None:
         require_cli("sky", "sky")
 
-    def refuses_missing_secrets(self, missing: list[str]) -> str | None:
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
         return ("the rendered file names every secret with no value, and `sky launch` refuses one that no "
                 "--secret gives (\"No value available for secret(s)\") unless a managed secrets provider has it")
 
