@@ -19,6 +19,7 @@ install-test: $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 
 demo: install-demo
+	@echo "make: the command is $(VENV)/bin/rlhf-tasks; 'source $(VENV)/bin/activate' puts it on this shell's PATH"
 	$(VENV)/bin/rlhf-tasks launch tasks/tiny-grpo.yaml
 
 # The Kubernetes tests' programs (etcd, kube-apiserver, ..., the KubeRay operator), built with Go

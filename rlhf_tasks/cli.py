@@ -221,17 +221,9 @@ def cmd_status(args) -> int:
     from . import state
 
     record = None if args.address or args.cluster else state.load(args.job)
-    if record and record.get("provider") and not record.get("ended"):  # a cluster's name: its machines
-        said = _provider(record["provider"]).status(args.job)
-        if said is not None:
-            print(said)
-            return 0
-    if record:  # a cluster's name where a job's was expected: say so, and what to ask instead
-        name, where = args.job, f"{args.job} is a cluster launched from here (on {record.get('provider', '?')}), not a job"
-        if record.get("ended"):
-            raise BadInput(f"JOB: {where}; {_ended(name, record)}")
-        raise BadInput(f"JOB: {where}. Its jobs: rlhf-tasks list --cluster {name}; one job's status: "
-                       f"rlhf-tasks status JOB --cluster {name}")
+    if record:  # a cluster's name: the cluster
+        print(_cluster_status(args.job, record))
+        return 0
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(f"JOB: no job {args.job} on this cluster")
@@ -239,15 +231,51 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _cluster_status(name: str, record: dict) -> str:
+    """`status NAME`: what the provider says of its machines, what Ray says of its nodes
+    (where its dashboard answers here), and its last job; or how it ended."""
+    from .agent.protocol import AgentError, alive_nodes
+    from .jobs import last_job
+
+    provider = record.get("provider", "?")
+    header = f"{name}: a cluster launched from here, on {provider}"
+    if record.get("ended"):
+        return f"{header}; {_ended(name, record)}"
+    said = _provider(provider).status(name) if record.get("provider") else None
+    lines = said.splitlines() if said else [header]  # a provider's own report names the cluster itself
+    token = _token(None, name)
+    dashboard = record.get("dashboard")
+    if dashboard:
+        try:
+            nodes = alive_nodes(dashboard, token)
+            lines.append(f"  Ray: {len(nodes)} node(s) alive (dashboard {dashboard})")
+        except (OSError, ValueError, KeyError, AgentError) as exc:
+            lines.append(f"  Ray: its dashboard {dashboard} does not answer here ({exc})")
+    job = last_job(name, record, token)
+    if job:
+        seen = f" ({job['seen']})" if job.get("seen") else ""
+        lines.append(f"  job {job['submission_id']}: {job['status']}{seen}")
+    lines.append(f"  its jobs: rlhf-tasks list --cluster {name}; one job's status: rlhf-tasks status JOB "
+                 f"--cluster {name}; stop it: rlhf-tasks down {name}")
+    return "\n".join(lines)
+
+
 def cmd_logs(args) -> int:
     if args.bundle:
         return _bundle(args)
+    from .jobs import PreflightShown
+
     jobs = _jobs(args)
+    out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
-        status = jobs.follow(args.job)
+        try:
+            status = jobs.follow(args.job, out=out)
+        finally:
+            out.flush() if args.raw else out.close()
         print(f"job {args.job}: {status}", file=sys.stderr)
         return 0 if status == "SUCCEEDED" else 1
-    sys.stdout.write(jobs.logs(args.job))
+    out.write(jobs.logs(args.job))
+    out.flush() if args.raw else out.close()
     return 0
 
 
@@ -334,6 +362,8 @@ def cmd_forward(args) -> int:
     if provider_name is None:
         raise BadInput(f"NAME: no cluster named {args.name} was launched from here (known: "
                        f"{', '.join(state.known()) or 'none'}); pass --provider")
+    if record and record.get("ended"):  # no dashboard to reach, whatever the provider's forward would say
+        raise StepFailed(f"forwarding {args.name}'s dashboard", _ended(args.name, record))
     return _provider(provider_name).forward(args.name, args.port)
 
 
@@ -452,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
                    "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
-                                   "from here, on providers that report it: runpod, slurm, kuberay)"), ("logs", cmd_logs, "a job's logs"),
+                                   "from here: its machines as the provider reports them, Ray's nodes, its last job)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
         p.add_argument("job", metavar="JOB")
@@ -460,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument("--raw", action="store_true", help="the log as Ray keeps it: preflight's result as its "
+                           "JSON line (by default, its verdict and table, as launch shows it)")
             p.add_argument("--bundle", action="store_true", help="JOB is a cluster's NAME: every node's logs (the "
                            "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":

@@ -42,11 +42,17 @@ HEAD_EXIT_S = 30.0
 STOPPED_BY = "by `rlhf-tasks stop` or Ray's Jobs API"
 
 
-def collect_secrets(task: Task) -> dict[str, str]:
-    """Values of the task's secrets from this environment; missing ones are named, never shown."""
+def collect_secrets(task: Task, provider: Provider, plan: Plan) -> dict[str, str]:
+    """Values of the task's secrets from this environment; missing ones are named once, never
+    shown, before anything starts: bad input where the provider cannot launch without them."""
     values = {name: os.environ[name] for name in task.secrets if os.environ.get(name)}
     missing = [name for name in task.secrets if name not in values]
     if missing:
+        refusal = provider.refuses_missing_secrets(plan, missing)
+        if refusal:
+            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; {refusal}: export "
+                           f"{'it' if len(missing) == 1 else 'them'}, or take {'it' if len(missing) == 1 else 'them'} "
+                           f"out of the task's secrets")
         say(f"not set in your environment, so not passed: {', '.join(missing)}")
     return values
 
@@ -570,12 +576,16 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     raise AssertionError("unreachable")
 
 
-def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "") -> int:
+def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "",
+           waiting: str | None = None) -> int:
     """Ctrl-C before the job's command started cancels the launch. The head would start the
     job on its own (behind its gate, once every node is in) with nobody following, and
     neither its gate nor, on every provider, its dashboard can be reached from here; `down`
     can: it stops the cluster, and the job never runs. (`made`: this launch got as far as
-    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile.)"""
+    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile;
+    `waiting`: what the launcher was waiting for when Ctrl-C came, see agent.protocol.wait_for.)"""
+    if waiting:
+        say(f"interrupted while waiting for {waiting}")
     if not made:
         say(f"interrupted before a cluster was made for {name}: nothing runs")
         return 130
@@ -585,15 +595,25 @@ def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str
     try:
         say(provider.down(name))
     except KeyboardInterrupt:
-        say(f"interrupted again: {again}")
+        say(f"interrupted again: {again}{left_running(provider, name)}")
         return 130
     except (StepFailed, BadInput, AgentError) as exc:
-        say(f"could not stop it ({exc}): {again}")
+        say(f"could not stop it ({exc}): {again}{left_running(provider, name)}")
         return 130
     sid = started_job(head_log())
     say(f"job {sid} had just started; it stopped with the cluster" if sid else
         f"the job of {name} did not run; launch it again to run it")
     return 130
+
+
+def left_running(provider: Provider, name: str) -> str:
+    """What the provider says is still there of cluster `name` (its machines), as lines to
+    append to a message; "" when it says nothing or cannot be asked."""
+    try:
+        said = provider.status(name)
+    except (StepFailed, BadInput, AgentError, OSError, KeyboardInterrupt):
+        return ""
+    return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
 def launch_once(task: Task, provider: Provider, keep: bool) -> int:
@@ -604,7 +624,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     if keep:
         plan = plan.replace(keep_cluster=True)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
-    secrets = collect_secrets(task)
+    secrets = collect_secrets(task, provider, plan)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None
@@ -639,7 +659,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
                 f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it"
                 + (f"; it ends itself after {idle:.0f}s without a running job (placement.idle)" if idle else ""))
         return verdict(plan, outcome, via_head_log)
-    except KeyboardInterrupt:  # wherever it lands: while bringing the cluster up, submitting, or following the job
+    except KeyboardInterrupt as exc:  # wherever it lands: while bringing the cluster up, submitting, or following
         interrupted = True
         print(file=sys.stderr)
         said = started_job(cluster.read_head_log()) if cluster is not None else None
@@ -658,7 +678,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
                 f"the cluster ends itself when the job ends (or now: rlhf-tasks down {task.name})")
             return 130
         made = cluster is not None or state.before_launch(task.name, before.staged).record != before.record
-        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "")
+        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "",
+                      getattr(exc, "waiting_for", None))
     except BaseException:
         if not job_started and not provider.stop_after_job:
             undone = provider.abandon(before)

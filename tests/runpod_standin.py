@@ -190,6 +190,62 @@ class Contract:
     def operation(self, method: str, template: str) -> dict:
         return self.doc["paths"][template][method.lower()]
 
+    def query_parameters(self, method: str, template: str) -> dict[str, tuple[dict, str]]:
+        """{name: (parameter, JSON pointer of its schema)} for the operation's query parameters
+        (the path item's and the operation's own, `$ref`s followed)."""
+        escaped = template.replace("~", "~0").replace("/", "~1")
+        found = {}
+        for where, params in ((f"/paths/{escaped}", self.doc["paths"][template].get("parameters") or []),
+                              (f"/paths/{escaped}/{method.lower()}", self.operation(method, template).get("parameters")
+                               or [])):
+            for i, param in enumerate(params):
+                pointer = f"{where}/parameters/{i}"
+                if "$ref" in param:
+                    pointer = param["$ref"].split("#", 1)[1]
+                    param = self._node(pointer)
+                if param.get("in") == "query":
+                    found[param["name"]] = (param, f"#{pointer}/schema")
+        return found
+
+    def query_errors(self, method: str, template: str, query: dict[str, list[str]]) -> list[str]:
+        """Violations of the operation's query `parameters` by a parsed query string (`parse_qs`
+        with blank values kept): an unknown name, a repeated one, or a value its schema refuses,
+        read as OpenAPI's default serialization says (`style: form`, `explode: false` for
+        arrays: one comma-separated value; integers and booleans as their JSON text)."""
+        known = self.query_parameters(method, template)
+        errors = []
+        for name, values in query.items():
+            if name not in known:
+                errors.append(f"query.{name}: unknown query parameter (this operation takes "
+                              f"{', '.join(sorted(known)) or 'none'})")
+                continue
+            if len(values) != 1:
+                errors.append(f"query.{name}: given {len(values)} times (once, comma-separated for a list)")
+                continue
+            param, ref = known[name]
+            value = self._query_value(param.get("schema") or {}, values[0])
+            errors += [f"query.{name}{e[1:]}" for e in self.errors(ref, value)]
+        return errors
+
+    def _query_value(self, schema: dict, text: str) -> Any:
+        """A query string's value as the JSON its schema describes; left a string where it does
+        not parse, so that the schema says what is wrong with it."""
+        if schema.get("type") == "array":
+            item = schema.get("items") or {}
+            return [self._query_value(item, part) for part in text.split(",")] if text else []
+        kind = schema.get("type")
+        if kind == "boolean" and text in ("true", "false"):
+            return text == "true"
+        if kind == "integer" and re.fullmatch(r"-?\d+", text):
+            return int(text)
+        return text
+
+    def _node(self, pointer: str) -> Any:
+        node = self.doc
+        for part in pointer.strip("/").split("/"):
+            node = node[part.replace("~1", "/").replace("~0", "~")]
+        return node
+
     def request_ref(self, method: str, template: str) -> str | None:
         body = self.operation(method, template).get("requestBody")
         if not body:
@@ -1328,7 +1384,7 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         self._by = "?"  # whose key, once checked
         split = urlsplit(self.path)
-        query = parse_qs(split.query)
+        query = parse_qs(split.query, keep_blank_values=True)
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         found = api.route(method, split.path)
@@ -1342,6 +1398,9 @@ class _Handler(BaseHTTPRequestHandler):
             fault = api._injected()
             if fault is not None:
                 raise fault
+            wrong = api.contract.query_errors(method, template, query)
+            if wrong:
+                raise _Answer(422, "Unprocessable Entity", "Request validation failed.", wrong)
             ref = api.contract.request_ref(method, template)
             if ref is not None:
                 body = self._body(raw, ref)

@@ -151,6 +151,8 @@ def gate_main(argv: List[str]) -> int:
         return 2
     path, timeout_s = ours[0], float(ours[1])
     deadline = time.monotonic() + timeout_s
+    print("rlhf-tasks: the job's gate is waiting for %sthe head's word (up to %.0fs)"
+          % ("preflight, then " if ours[2:] else "", timeout_s), flush=True)
     if ours[2:] and not gated_preflight(ours[3:]):
         return 1
     while True:

@@ -161,6 +161,12 @@ class Provider:
         """Stop the cluster; StepFailed when the provider could not."""
         raise NotImplementedError
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        """Why this provider cannot launch `plan` while these of its secrets are not set here
+        (the launcher refuses before anything starts, exit 2); None: it launches without them,
+        and the launcher says once which are not passed."""
+        return None
+
     def status(self, name: str) -> str | None:
         """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
         return None

@@ -220,6 +220,13 @@ class LocalProvider(Provider):
                        head_alive=lambda: pid_alive(agents[0]),
                        node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
 
+    def status(self, name: str) -> str | None:
+        """Its node agents on this machine, by the PIDs recorded at launch."""
+        pids = (state.load(name) or {}).get("pids") or []
+        running = [pid for pid in pids if pid_alive(pid)]
+        return f"{name}: a local cluster; node agents: {len(running)} of {len(pids)} running on this machine" + \
+            (f" (PIDs {', '.join(map(str, running))})" if running else "")
+
     def forward(self, name: str, port: int | None = None) -> int:
         """Nothing to forward: a local cluster's dashboard is on this machine already."""
         dashboard = (state.load(name) or {}).get("dashboard") or "its recorded address (none is known here)"

@@ -215,6 +215,10 @@ class SkyProvider(Provider):
     def ready(self, plan: Plan) -> None:
         require_cli("sky", "sky")
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        return ("the rendered file names every secret with no value, and `sky launch` refuses one that no "
+                "--secret gives (\"No value available for secret(s)\") unless a managed secrets provider has it")
+
     def abandon(self, before: state.Before) -> list[str]:
         """Also stop SkyPilot's local API server when this launch is what started it."""
         undone = super().abandon(before)
