@@ -171,6 +171,14 @@ class Provider:
         """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
         return None
 
+    def cluster_token(self, name: str) -> str | None:
+        """The Ray token of a cluster whose token the provider makes itself (kept here for `env`,
+        `token`, `submit`); None where rlhf-tasks makes it (the record's token file is the one)."""
+        return None
+
+    #: Whether the provider makes the cluster's Ray token (then `token NAME` reads it, never invents one).
+    makes_token: ClassVar[bool] = False
+
     def forward(self, name: str, port: int | None = None) -> int:
         """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "

@@ -59,6 +59,7 @@ class Undo:
 
 
 class KubeRayProvider(KubeRayRender):
+    makes_token = True  # KubeRay's own (authOptions: token): Secret <cluster>, key auth_token
     options = (Option("--context", "the kubeconfig context to launch in (default: its current one)",
                       {"metavar": "CONTEXT"}),
                Option("--namespace", "the namespace (default: placement.kuberay.namespace, else the context's)",
@@ -102,15 +103,9 @@ class KubeRayProvider(KubeRayRender):
             raise BadInput(f"name: {watching.rayjob_words(found, name)} already exists in namespace {kube.namespace}; "
                            f"`rlhf-tasks down {name}` (or kubectl delete rayjob {name}) first")
         secret = None if options.secret else f"{name}-secrets"
-        missing = [key for key in plan.secrets if key not in secrets]
-        if secret and missing:
-            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; every pod reads the task's "
-                           f"secrets from Secret {secret}, which launch makes from your environment, and a pod "
-                           f"whose key is missing does not start: export them, or name a Secret of yours in "
-                           f"placement.kuberay.secret")
         files = self.render(plan)
         directory = state.run_dir(name) / self.name
-        write_files(directory, files)
+        write_files(directory, {**files, "plan.json": plan.to_json()})  # plan.json: what `logs --bundle` scrubs
         objects = [("rayjob", name), ("configmap", self.configmap_name(plan))] + \
             ([("secret", secret)] if secret and plan.secrets else [])
         state.save(name, {"provider": self.name, "context": kube.context, "namespace": kube.namespace,
@@ -129,6 +124,14 @@ class KubeRayProvider(KubeRayRender):
             raise StepFailed("waiting for the KubeRay operator", str(exc)) from None
         state.update(name, cluster_id=cluster)
         return self._handle(kube, plan, cluster, undo)
+
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        """Every pod reads the task's secrets from one Secret; the one `launch` makes needs them all."""
+        if kuberay_placement(plan.placement).secret:
+            return None  # a Secret of the user's: its keys are the user's to have
+        return (f"every pod reads the task's secrets from Secret {plan.name}-secrets, which launch makes from your "
+                f"environment, and a pod whose key is missing does not start (or name a Secret of yours in "
+                f"placement.kuberay.secret)")
 
     def _cluster_name(self, kube: Kubectl, name: str) -> str:
         """The RayCluster's name once the operator has given it (`status.rayClusterName`)."""
@@ -181,6 +184,12 @@ class KubeRayProvider(KubeRayRender):
                 say(f"the job of {plan.name} never ran: {undo()}")
         made.close = close
         return made
+
+    def cluster_token(self, name: str) -> str | None:
+        kube, record = self._target(name)
+        cluster = record.get("cluster_id") or (((kube.get("rayjob", name) or {}).get("status") or {})
+                                               .get("rayClusterName"))
+        return self._token(kube, name, cluster) if cluster else None
 
     def _token(self, kube: Kubectl, name: str, cluster: str) -> str | None:
         """The Ray token KubeRay made (Secret <cluster>, key auth_token), kept here with mode 0600
