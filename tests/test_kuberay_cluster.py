@@ -237,3 +237,43 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, tmp_path):
+    """A Kueue queue named: the RayJob is created held (`suspend: true`, as Kueue's webhook makes
+    it) and the real operator keeps it Suspended with no cluster. `launch` says it is queued and
+    waits, deleting nothing; once admitted (what Kueue does: `suspend: false`) the operator makes
+    the cluster and `launch` follows it to SUCCEEDED."""
+    cluster = kube_cluster
+    ns = cluster.namespace("queued")
+    task = {"name": "queued", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "placement": {"kuberay": {"queue": "team-a"}},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"print('admitted and ran')\""}}}
+    path = tmp_path / "queued.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    out = open(tmp_path / "launch.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay",
+                             "--namespace", ns], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        tbmod.poll(lambda: "is queued in Kueue's queue team-a" in _read(out) or proc.poll() is not None, 120,
+                   "the launcher to say the RayJob is queued")
+        status = tbmod.poll(lambda: (kubectl_json(cluster, ns, "rayjob", "queued") or {}).get("status", {})
+                            .get("jobDeploymentStatus") == "Suspended", 60, "the operator to hold it Suspended")
+        # held past the operator's own wait (OPERATOR_S would have given up on a silent operator): still there
+        assert status and proc.poll() is None, _read(out)[-3000:]
+        assert not (kubectl_json(cluster, ns, "pods") or {"items": []})["items"]
+        cluster.cp.kubectl("-n", ns, "patch", "rayjob", "queued", "--type", "merge", "-p", '{"spec":{"suspend":false}}')
+        proc.wait(420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    said = _read(out)
+    assert proc.returncode == 0, said[-5000:]
+    assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
+    assert "is the KubeRay operator running" not in said
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")

@@ -459,6 +459,8 @@ class KubeRayRender(Provider):
             **self.deadlines(plan),
             "rayClusterSpec": cluster,
         }
+        if options.queue and (options.scheduler or "kueue") == "kueue":
+            spec["suspend"] = True  # created held, as Kueue's webhook would make it: Kueue admits it (suspend: false)
         return {"apiVersion": "ray.io/v1", "kind": "RayJob",
                 "metadata": self.metadata(plan, options, plan.name, self.queue_labels(plan, options)),
                 "spec": spec}
