@@ -84,9 +84,8 @@ def cmd_check(args) -> int:
 
 
 def _warn_shared_storage(provider, plan) -> None:
-    warning = provider.shared_storage_warning(plan)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for note in provider.notes(plan):
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def cmd_render(args) -> int:

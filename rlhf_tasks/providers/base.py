@@ -125,6 +125,12 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    def notes(self, plan: Plan) -> list[str]:
+        """What `check` and `render` say the plan leaves to the user on this provider (warnings,
+        not refusals): the shared-storage warning, and the provider's own."""
+        warning = self.shared_storage_warning(plan)
+        return [warning] if warning else []
+
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """Why a multi-node task's checkpoints would be seen by one node only here, if so
         (the CLI prints it at `check` and `render`); pure."""
