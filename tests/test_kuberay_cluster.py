@@ -83,10 +83,11 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
     try:
         def pods():
             return (kubectl_json(cluster, ns, "pods") or {"items": []})["items"]
-        def held_back():  # two pods bound, the third waits for room
+        def held_back():  # two pods bound, the third waits for room: its name
             listed = pods()
-            return len(listed) == 3 and len([p for p in listed if p["spec"].get("nodeName")]) == 2
-        tbmod.poll(lambda: held_back() or cluster.check(), 180, "two pods bound and one pending")
+            waiting = [p["metadata"]["name"] for p in listed if not p["spec"].get("nodeName")]
+            return len(listed) == 3 and len(waiting) == 1 and waiting[0]
+        late = tbmod.poll(lambda: held_back() or cluster.check(), 180, "two pods bound and one pending")
         time.sleep(max(0.0, 20 - (time.monotonic() - cordoned)))  # the cordon is the test's condition: 20 s
         cluster.cp.kubectl("uncordon", late_node)
         tbmod.poll(lambda: (proc.poll() is None or (_ for _ in ()).throw(AssertionError(_read(out))))
@@ -112,12 +113,13 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step lost, none counted twice
     assert [r for r in rows if r.get("resumed_from", 0) >= 10]
     assert "restarting the job, attempt 1" in said
-    # the late worker: the head's runner waited with 2 of 3 nodes, and the command started once all 3 were in
+    # the late worker: scheduled only after the uncordon, and the job's command started once it was in
     lines = said.splitlines()
-    waited = next(i for i, line in enumerate(lines) if "waiting for 3 nodes to join" in line and "2/3 nodes" in line)
-    ready = next(i for i, line in enumerate(lines) if "cluster ready: 3/3 nodes alive" in line)
+    unscheduled = next(i for i, line in enumerate(lines) if f"pod {late} (worker): Pending (not scheduled" in line)
+    ready = next(i for i, line in enumerate(lines) if f"pod {late} (worker): Running (Ready)" in line)
+    everyone = next(i for i, line in enumerate(lines) if "cluster ready: 3/3 nodes alive" in line)
     command = next(i for i, line in enumerate(lines) if "its command runs now" in line)
-    assert waited < ready < command
+    assert unscheduled < ready < command and everyone < command
     status = run_cli(["status", "tiny"], env)
     assert status.returncode == 0 and "jobStatus SUCCEEDED" in status.stdout, status.stdout + status.stderr
     down = run_cli(["down", "tiny"], env)
@@ -225,9 +227,7 @@ def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, tmp_pa
                        and r.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed") and r["status"],
                        300, "the RayJob to finish")
     assert final["jobStatus"] == "SUCCEEDED", final
-    head = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
-                if p["metadata"]["labels"].get("ray.io/node-type") == "head")
-    log = cluster.cp.kubectl("-n", ns, "logs", head["metadata"]["name"], "-c", "ray-job-submitter").stdout
+    log = cluster.cp.kubectl("-n", ns, "logs", "job/by-hand").stdout  # as the header says to follow it
     assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
@@ -277,3 +277,38 @@ def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, 
     assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
     assert "is the KubeRay operator running" not in said
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, tmp_path):
+    """The shipped GPU tasks' image (NGC PyTorch: no `ray` until setup installs it): KubeRay's
+    wait-gcs-ready runs `ray health-check` in every worker's image before setup, and its submitter
+    `ray job submit`; the job still runs, with Ray as setup installed it."""
+    from kube.cluster import INSTALLED_BIN, NO_RAY_IMAGE
+    cluster = kube_cluster
+    ns = cluster.namespace("no-ray")
+    ray = Path(sys.executable).parent / "ray"
+    task = {"name": "no-ray", "nodes": 2, "image": NO_RAY_IMAGE, "resources": {"cpus": 1}, "preflight": "off",
+            "setup": [f"mkdir -p {INSTALLED_BIN} && ln -sf {ray} {INSTALLED_BIN}/ray"],  # as `pip install ray` would
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "placement": {"kuberay": {"ray_version": cluster_ray_version()}},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"import ray; ray.init(); print('nodes', len(ray.nodes()))\""}}}
+    path = tmp_path / "no-ray.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert launch.returncode == 0, said[-5000:]
+    assert "nodes 2" in said and "SUCCEEDED in " in said
+    worker = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
+                  if p["metadata"]["labels"].get("ray.io/node-type") == "worker")
+    waited = cluster.cp.kubectl("-n", ns, "logs", worker["metadata"]["name"], "-c", "wait-gcs-ready").stdout
+    assert "GCS is ready" in waited, waited
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def cluster_ray_version() -> str:
+    from kube.cluster import RAY_VERSION
+    return RAY_VERSION

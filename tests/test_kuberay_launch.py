@@ -29,6 +29,15 @@ from rlhf_tasks.spec import load_task
 SECRET_VALUE = "wandb-value-42"
 CLUSTER = "kr-abcde"
 HEAD, WORKER = f"{CLUSTER}-head-x1y2z", f"{CLUSTER}-workers-worker-q9w8e"
+SUBMITTER = "kr-7fz2k"  # the pod of KubeRay's submitter Job, named after the RayJob
+
+
+def submitter_pod(state: dict, phase: str = "Running") -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": SUBMITTER, "namespace": "default", "labels": {"batch.kubernetes.io/job-name": "kr"}},
+            "spec": {"containers": [{"name": "ray-job-submitter"}]},
+            "status": {"phase": phase, "containerStatuses": [{"name": "ray-job-submitter", "restartCount": 0,
+                                                              "ready": "running" in state, "state": state}]}}
 UNSCHEDULABLE = "0/1 nodes are available: 1 Insufficient cpu."
 
 
@@ -96,7 +105,7 @@ def pods_asked(n: int):
 
 def initializing(root: Path) -> None:
     write_status(root, "kr", jobDeploymentStatus="Initializing", rayClusterName=CLUSTER, jobId="kr-j1")
-    write_pod(root, pod(HEAD, CLUSTER, True, containers={"ray-head": None, "ray-job-submitter": None},
+    write_pod(root, pod(HEAD, CLUSTER, True, containers={"ray-head": None},
                         conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                      "message": UNSCHEDULABLE}]))
     write_pod(root, pod(WORKER, CLUSTER, False, init={"wait-gcs-ready": {"waiting": {"reason": "PodInitializing"}}},
@@ -105,21 +114,21 @@ def initializing(root: Path) -> None:
 
 def preparing(root: Path) -> None:
     append_log(root, HEAD, "ray-head", "[10:00:00] node0: prepare: making the data\n")
-    write_pod(root, pod(HEAD, CLUSTER, True, "Running", containers={"ray-head": {"running": {}},
-                                                                   "ray-job-submitter": {"running": {}}},
+    write_pod(root, pod(HEAD, CLUSTER, True, "Running", containers={"ray-head": {"running": {}}},
                         ip="10.0.0.1", conditions=[{"type": "PodScheduled", "status": "True"}]))
 
 
 def running(root: Path) -> None:
     append_log(root, HEAD, "ray-head", "[10:00:05] node0: the environment for Ray is in /tmp/x; Ray starts next\n"
                + result_line({"exit_code": 0, "rank": 0}) + "\n" + "Ray runtime started.\n")
-    append_log(root, HEAD, "ray-job-submitter", "[10:00:09] node0: kuberay node 0 of 2\n"
+    append_log(root, SUBMITTER, "ray-job-submitter", "[10:00:09] node0: kuberay node 0 of 2\n"
                + "[10:00:12] node0: " + JOB_STARTS % "kr-kr-abcde" + "\njob says hello\n")
     append_log(root, WORKER, "ray-worker", "[10:00:06] node1: Ray starts next\n"
                + result_line({"exit_code": 0, "rank": 1}) + "\n")
     write_status(root, "kr", jobDeploymentStatus="Running", jobStatus="RUNNING", rayClusterName=CLUSTER, jobId="kr-j1")
-    write_pod(root, pod(HEAD, CLUSTER, True, "Running", containers={"ray-head": {"running": {}}, "ray-job-submitter": {"running": {}}}, ip="10.0.0.1",
+    write_pod(root, pod(HEAD, CLUSTER, True, "Running", containers={"ray-head": {"running": {}}}, ip="10.0.0.1",
                         conditions=[{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]))
+    write_pod(root, submitter_pod({"running": {}}))
     write_pod(root, pod(WORKER, CLUSTER, False, "Running", init={"wait-gcs-ready": {"terminated": {"exitCode": 0}}},
                         containers={"ray-worker": {"running": {}}}, ip="10.0.0.2",
                         conditions=[{"type": "Ready", "status": "True"}]))
@@ -128,10 +137,8 @@ def running(root: Path) -> None:
 def finished(root: Path) -> None:
     result = {"exit_code": 0, "rank": 0, "steps": [{"step": "job", "seconds": 2.0}], "node_ids": [],
               "job": {"submission_id": "kr-kr-abcde", "status": "SUCCEEDED"}, "job_log_tail": "job says hello\n"}
-    append_log(root, HEAD, "ray-job-submitter", result_line(result) + "\n")
-    write_pod(root, pod(HEAD, CLUSTER, True, "Running", containers={"ray-head": {"running": {}},
-                                    "ray-job-submitter": {"terminated": {"exitCode": 0, "reason": "Completed"}}},
-                        ip="10.0.0.1", conditions=[{"type": "Ready", "status": "False"}]))
+    append_log(root, SUBMITTER, "ray-job-submitter", result_line(result) + "\n")
+    write_pod(root, submitter_pod({"terminated": {"exitCode": 0, "reason": "Completed"}}, "Succeeded"))
     write_status(root, "kr", jobDeploymentStatus="Complete", jobStatus="SUCCEEDED", rayClusterName=CLUSTER,
                  jobId="kr-j1")
 
@@ -181,7 +188,8 @@ def test_launch_applies_the_secret_then_what_render_prints_and_follows_the_job_t
     assert "== summary ==" in out.out and "job kr-kr-abcde: SUCCEEDED" in out.out
     assert "RayJob kr: Complete, job SUCCEEDED in namespace default (context standin)" in out.out
     # Logs followed with kubectl logs -f, the head's from the submitter.
-    assert ["kubectl", "--context", "standin", "-n", "default", "logs", "-f", HEAD, "-c", "ray-job-submitter"] in argvs
+    assert ["kubectl", "--context", "standin", "-n", "default", "logs", "-f", SUBMITTER, "-c", "ray-job-submitter"] \
+        in argvs
     # The job ran: what was applied stays until `down` (KubeRay deletes the cluster after its TTL).
     assert applied(kube)
     record = json.loads((tmp_path / "home" / "clusters" / "kr" / "cluster.json").read_text())
@@ -194,8 +202,7 @@ def test_a_head_pod_that_fails_before_the_job_runner_starts_deletes_what_the_lau
     def prepare_fails(root):
         append_log(root, HEAD, "ray-head", "prepare: no space left on device\n")
         write_pod(root, pod(HEAD, CLUSTER, True, "Failed",
-                            containers={"ray-head": {"terminated": {"exitCode": 1, "reason": "Error"}},
-                                        "ray-job-submitter": None}))
+                            containers={"ray-head": {"terminated": {"exitCode": 1, "reason": "Error"}}}))
 
     with Operator(kube, [(applied, initializing), (pods_asked(2), prepare_fails)]):
         code = main(["launch", task_file(tmp_path), "--provider", "kuberay"])

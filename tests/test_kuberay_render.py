@@ -93,7 +93,12 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     workers = cluster.get("workerGroupSpecs", [])
     assert sum(g["replicas"] for g in workers) + 1 == plan.nodes
     assert all(g["minReplicas"] == g["replicas"] == g["maxReplicas"] for g in workers)
-    assert spec["submissionMode"] == "SidecarMode" and spec["backoffLimit"] == 0
+    # K8sJobMode, its submitter in Ray's own image: the task's image may hold no Ray before setup
+    assert spec["submissionMode"] == "K8sJobMode" and spec["backoffLimit"] == 0
+    assert spec["submitterConfig"] == {"backoffLimit": 0}
+    (submitter,) = spec["submitterPodTemplate"]["spec"]["containers"]
+    assert submitter["name"] == "ray-job-submitter" and submitter["image"] == "rayproject/ray:2.60.0"
+    assert "command" not in submitter  # KubeRay's own `ray job submit` line
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
     assert spec["preRunningDeadlineSeconds"] >= plan.wait.head_s + plan.wait.nodes_s
     if plan.job.timeout_s:
@@ -117,7 +122,8 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     # The ConfigMap carries the plan (readable) and lib/ as one gzipped tar, which every pod that runs
     # the agent before Ray unpacks into the emptyDir at /opt/rlhf-tasks.
     assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["name"] == f"{plan.name}-rlhf-tasks"
-    assert set(configmap["data"]) == {f"{plan.name}.plan.json"} and set(configmap["binaryData"]) == {LIB_ARCHIVE}
+    assert set(configmap["data"]) == {f"{plan.name}.plan.json", "ray-path.sh", "ray"}
+    assert set(configmap["binaryData"]) == {LIB_ARCHIVE}
     assert all(_CONFIGMAP_KEY.match(key) for key in [*configmap["data"], *configmap["binaryData"]])
     assert json.loads(configmap["data"][f"{plan.name}.plan.json"])["provider"] == "kuberay"
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(configmap["binaryData"][LIB_ARCHIVE]))) as tar:
@@ -128,7 +134,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     for group in [cluster["headGroupSpec"], *workers]:
         pod = group["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["rlhf-tasks"]["configMap"] == {"name": configmap["metadata"]["name"]}
+        assert volumes["rlhf-tasks"]["configMap"] == {"name": configmap["metadata"]["name"], "defaultMode": 0o555}
         assert volumes["rlhf-tasks-node"] == {"name": "rlhf-tasks-node", "emptyDir": {}}
         for container in pod.get("initContainers", []) + pod["containers"]:
             assert {"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True} in container["volumeMounts"]

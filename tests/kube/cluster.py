@@ -16,16 +16,30 @@ from .kuberay import Operator
 from .noderunner import Image, Node, NodeRunner
 
 RAY_VERSION = importlib.metadata.version("ray")
-#: Image name -> what its containers see. Ray's image is this machine's test virtualenv (Ray,
-#: torch); an image the runner does not know fails to pull.
-IMAGES = {f"rayproject/ray:{RAY_VERSION}": Image(path=[tbmod.BIN_DIR])}
+#: NGC's PyTorch image, as the shipped GPU tasks name it: Python and torch, no Ray.
+NO_RAY_IMAGE = "nvcr.io/nvidia/pytorch:26.03-py3"
+#: Where an image without Ray has room for the `ray` command its setup installs (a pod's own /opt).
+INSTALLED_BIN = "/opt/image-bin"
+
+
+def images(root: Path) -> dict[str, Image]:
+    """Image name -> what its containers see; an image the runner does not know fails to pull.
+    Ray's image is this machine's test virtualenv (Ray, torch). The PyTorch image has `python3`
+    and `python` but no `ray` command until its setup puts one in INSTALLED_BIN, as
+    `pip install ray` would put it on PATH (its Python imports what the virtualenv holds)."""
+    bare = root / "nvcr-pytorch" / "bin"
+    bare.mkdir(parents=True, exist_ok=True)
+    for name in ("python3", "python"):  # a script, not a link: a linked venv Python would not find its venv
+        (bare / name).write_text(f'#!/bin/sh\nexec {tbmod.PYTHON} "$@"\n')
+        (bare / name).chmod(0o755)
+    return {f"rayproject/ray:{RAY_VERSION}": Image(path=[tbmod.BIN_DIR]),
+            NO_RAY_IMAGE: Image(path=[INSTALLED_BIN, str(bare)])}
 #: Room for one of the tests' Ray pods each (a 1-CPU Ray container, plus the submitter's 500m on the head).
 NODES = [Node(f"kube-node-{i}", {"cpu": "1500m", "memory": "8Gi", "ephemeral-storage": "100Gi"}) for i in (1, 2, 3)]
 
 
 class KubeCluster:
-    def __init__(self, dir: Path, shared=(), nodes: list[Node] = NODES, pod_hosts: int = 4,
-                 images: dict[str, Image] = IMAGES):
+    def __init__(self, dir: Path, shared=(), nodes: list[Node] = NODES, pod_hosts: int = 6):
         dir = Path(dir)
         started = time.monotonic()
         self.cp = ControlPlane(dir / "control-plane")
@@ -34,7 +48,8 @@ class KubeCluster:
             self.cp.start()
             self.tb = tbmod.Testbed(1 + pod_hosts, dir / "hosts", shared=shared,
                                     names=["kuberay-operator", *[f"pod-host-{i}" for i in range(1, pod_hosts + 1)]])
-            self.runner = NodeRunner(self.cp, self.tb, nodes, images, list(range(1, pod_hosts + 1))).start()
+            self.runner = NodeRunner(self.cp, self.tb, nodes, images(dir / "images"),
+                                     list(range(1, pod_hosts + 1))).start()
             self.operator = Operator(self.cp, self.tb, 0).start()
         except BaseException:
             self.close()

@@ -30,6 +30,7 @@ import base64
 import datetime
 import json
 import os
+import queue
 import re
 import shlex
 import ssl
@@ -196,6 +197,7 @@ class PodRun:
         self.volumes_ready = False
         self.phase, self.reason, self.message = "Pending", None, None
         self.deleting_since: float | None = None
+        self.host_freed = False  # its processes ended and its host went back to the pool
         self.written = None
         self.dir = runner.state / self.ns / self.name
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -330,12 +332,17 @@ class PodRun:
 
     # ------------------------------------------------------------ volumes
 
-    def volume_files(self, volume: dict) -> dict[str, bytes] | None:
-        """The files a configMap, secret, projected or downwardAPI volume shows; None when a
-        source it needs is missing (the pod waits, as on a node)."""
-        def items(data: dict, spec: dict) -> dict[str, bytes]:
+    def volume_files(self, volume: dict) -> dict[str, tuple[bytes, int]] | None:
+        """The files a configMap, secret, projected or downwardAPI volume shows, each with its
+        mode (an item's `mode`, else the volume's `defaultMode`, else 0644); None when a source
+        it needs is missing (the pod waits, as on a node)."""
+        spec_of = volume.get("configMap") or volume.get("secret") or volume.get("downwardAPI") or \
+            volume.get("projected") or {}
+        default_mode = spec_of.get("defaultMode", 0o644)
+
+        def items(data: dict, spec: dict) -> dict[str, tuple[bytes, int]]:
             chosen = spec.get("items") or [{"key": k, "path": k} for k in sorted(data)]
-            return {i["path"]: data[i["key"]] for i in chosen if i["key"] in data}
+            return {i["path"]: (data[i["key"]], i.get("mode", default_mode)) for i in chosen if i["key"] in data}
 
         def object_files(kind: str, spec: dict) -> dict[str, bytes] | None:
             name = spec.get("name") or spec.get("secretName")
@@ -349,9 +356,9 @@ class PodRun:
                 data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
             return items(data, spec)
 
-        def downward(spec: dict) -> dict[str, bytes]:
-            return {i["path"]: self.field(i["fieldRef"]["fieldPath"]).encode() for i in spec.get("items", [])
-                    if "fieldRef" in i}
+        def downward(spec: dict) -> dict[str, tuple[bytes, int]]:
+            return {i["path"]: (self.field(i["fieldRef"]["fieldPath"]).encode(), i.get("mode", default_mode))
+                    for i in spec.get("items", []) if "fieldRef" in i}
 
         if "configMap" in volume:
             return object_files("configmap", volume["configMap"])
@@ -359,7 +366,7 @@ class PodRun:
             return object_files("secret", volume["secret"])
         if "downwardAPI" in volume:
             return downward(volume["downwardAPI"])
-        out: dict[str, bytes] = {}
+        out: dict[str, tuple[bytes, int]] = {}
         for source in volume["projected"].get("sources", []):
             if "configMap" in source or "secret" in source:
                 kind = "configmap" if "configMap" in source else "secret"
@@ -375,7 +382,7 @@ class PodRun:
                                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                                          "spec": {"expirationSeconds": source["serviceAccountToken"].get(
                                              "expirationSeconds", 3607)}})
-                out[source["serviceAccountToken"]["path"]] = token["status"]["token"].encode()
+                out[source["serviceAccountToken"]["path"]] = (token["status"]["token"].encode(), default_mode)
         return out
 
     def claim_dir(self, claim: str) -> str | None:
@@ -410,10 +417,11 @@ class PodRun:
                 if files is None:
                     return f"MountVolume.SetUp failed for volume {mount['name']!r}: its source is not found"
                 staged = self.dir / "volumes" / mount["name"]
-                for rel, data in files.items():
+                for rel, (data, mode) in files.items():
                     dest = staged / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(data)
+                    dest.chmod(mode)
                 source = staged / sub
             elif "emptyDir" in volume:
                 size = volume["emptyDir"].get("sizeLimit")
@@ -612,18 +620,17 @@ class PodRun:
 
     # ------------------------------------------------------------ the end
 
-    def stop(self) -> None:
-        """Every process of the pod ended and its host booted afresh (new /tmp, /dev/shm,
-        mounts); what kube-streams reads of it removed."""
+    def end(self, grace: float) -> None:
+        """Every process of the pod ended (SIGTERM, then the host's reboot after `grace`): the host
+        boots afresh (new /tmp, /dev/shm, mounts) for the next pod; kube-streams no longer enters it."""
         for c in self.inits + self.containers:
             if c.proc is not None and c.proc.running():
                 c.proc.send_signal()
-        grace = self.pod["metadata"].get("deletionGracePeriodSeconds") or 0
         deadline = time.time() + min(grace, 30)
         while time.time() < deadline and any(c.running for c in self.inits + self.containers):
             time.sleep(0.1)
+        (self.dir / "netns").unlink(missing_ok=True)
         self.runner.tb.reboot(self.host)
-        subprocess.run(["rm", "-rf", str(self.dir)], check=False)
 
 
 class NodeRunner:
@@ -645,6 +652,12 @@ class NodeRunner:
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="noderunner", daemon=True)
+        self.heartbeat = threading.Thread(target=self._heartbeat, name="noderunner-leases", daemon=True)
+        # Pods end on a thread of their own, off the loop (a grace period must not stall every
+        # other pod), and a long-lived one: a host booted again dies with the thread that booted it.
+        self.ending: queue.Queue = queue.Queue()
+        self.freed: queue.Queue = queue.Queue()
+        self.ender = threading.Thread(target=self._ender, name="noderunner-ender", daemon=True)
         self.streams = None
 
     def note(self, text: str) -> None:
@@ -662,7 +675,8 @@ class NodeRunner:
                 preexec_fn=die_with_parent, start_new_session=True)
         for node in self.nodes.values():
             self.register(node)
-        self.thread.start()
+        for thread in (self.heartbeat, self.ender, self.thread):
+            thread.start()
         return self
 
     def register(self, node: Node) -> None:
@@ -699,20 +713,42 @@ class NodeRunner:
     # ------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
-        last_lease = 0.0
         while not self.stopping.is_set():
             try:
-                if time.time() - last_lease > LEASE_S:
-                    for name in self.nodes:
-                        self.renew_lease(name)
-                    last_lease = time.time()
                 self.sync()
             except BaseException as exc:  # noqa: BLE001 - kept for the test to see
                 self.note(f"error: {exc!r}")
                 self.error = exc
             self.stopping.wait(POLL_S)
 
+    def _heartbeat(self) -> None:
+        while not self.stopping.wait(LEASE_S):
+            for name in self.nodes:
+                try:
+                    self.renew_lease(name)
+                except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                    self.note(f"renewing the lease of {name}: {exc!r}")
+
+    def _ender(self) -> None:
+        """End pods handed over by the loop: (run, grace, delete): its processes, then (deleted
+        through the API) the kubelet's final delete; its host goes back to the pool."""
+        while True:
+            run, grace, delete = self.ending.get()
+            if run is None:
+                return
+            try:
+                run.end(grace)
+                if delete:
+                    self.api("DELETE", f"/api/v1/namespaces/{run.ns}/pods/{run.name}",
+                             {"gracePeriodSeconds": 0, "preconditions": {"uid": run.uid}}, ok=(200, 404, 409))
+                    subprocess.run(["rm", "-rf", str(run.dir)], check=False)
+            except Exception as exc:  # noqa: BLE001 - said, and the host is not lost
+                self.note(f"ending pod {run.ns}/{run.name}: {exc!r}")
+            self.freed.put(run.host)
+
     def sync(self) -> None:
+        while not self.freed.empty():
+            self.free.append(self.freed.get())
         listed = self.api("GET", "/api/v1/pods")["items"]
         mine = {p["metadata"]["uid"]: p for p in listed if p["spec"].get("nodeName") in self.nodes}
         for uid, run in list(self.pods.items()):
@@ -737,18 +773,23 @@ class NodeRunner:
             run.pod = {**mine[uid], "status": mine[uid].get("status", {})}
             run.step()
             run.write()
+            if run.phase in ("Succeeded", "Failed") and not run.host_freed:
+                run.host_freed = True  # nothing runs on it any more: its host serves the next pod
+                self.ending.put((run, 0, False))
 
     def remove(self, run: PodRun, delete: bool) -> None:
-        """A pod deleted through the API: its processes end within its grace period, then
-        the kubelet's final delete (grace 0) lets the API server forget it."""
+        """A pod deleted through the API: its processes end within its grace period, then the
+        kubelet's final delete (grace 0) lets the API server forget it."""
         self.pods.pop(run.uid, None)
         self.note(f"pod {run.ns}/{run.name} deleted")
         run.deleting_since = time.time()
-        run.stop()
-        if delete:
+        if run.host_freed:
             self.api("DELETE", f"/api/v1/namespaces/{run.ns}/pods/{run.name}",
                      {"gracePeriodSeconds": 0, "preconditions": {"uid": run.uid}}, ok=(200, 404, 409))
-        self.free.append(run.host)
+            subprocess.run(["rm", "-rf", str(run.dir)], check=False)
+            return
+        run.host_freed = True
+        self.ending.put((run, run.pod["metadata"].get("deletionGracePeriodSeconds") or 0, delete))
 
     def update_names(self) -> None:
         """Pod names and Service names (`svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.cluster.local`)
@@ -773,10 +814,12 @@ class NodeRunner:
         if self.thread.is_alive():
             self.thread.join(30)
         for run in list(self.pods.values()):
-            try:
-                run.stop()
-            except Exception as exc:  # noqa: BLE001 - teardown goes on
-                self.note(f"stopping {run.name}: {exc!r}")
+            if not run.host_freed:
+                run.host_freed = True
+                self.ending.put((run, 0, False))
         self.pods.clear()
+        self.ending.put((None, 0, False))
+        if self.ender.is_alive():
+            self.ender.join(120)
         if self.streams is not None:
             end_process(self.streams)

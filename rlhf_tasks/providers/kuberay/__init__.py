@@ -33,7 +33,7 @@ from ..base import Cluster, Option, end_process, write_files
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
 from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
-                     PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
+                     PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
                      KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement, pack)
 
 #: How long the operator may take to give a new RayJob its cluster's name (a queued RayJob waits longer).
@@ -284,8 +284,8 @@ class KubeRayProvider(KubeRayRender):
         said = kube.delete(objects)
         gone = ""
         if cluster:
-            def pods_gone():
-                pods = kube.pods(f"ray.io/cluster={cluster}")
+            def pods_gone():  # the cluster's, and the submitter Job's (named after the RayJob)
+                pods = kube.pods(f"ray.io/cluster={cluster}") + kube.pods(f"{watching.JOB_LABEL}={name}")
                 return not pods, f"{len(pods)} pod(s) left"
             try:
                 wait_for(f"the pods of {cluster} to go", pods_gone, 120, interval=0.3, max_interval=2.0, report=say)
@@ -307,7 +307,7 @@ class KubeRayProvider(KubeRayRender):
         if not cluster:
             raise BadInput(f"NAME: no RayJob {name} with a cluster in namespace {kube.namespace} "
                            f"(context {kube.context})")
-        remote = record.get("dashboard_port") or SIDECAR_DASHBOARD_PORT
+        remote = record.get("dashboard_port") or DASHBOARD_PORT
         local = port or remote
         dashboard = f"http://127.0.0.1:{local}"
         argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{remote}")
@@ -344,5 +344,5 @@ class KubeRayProvider(KubeRayRender):
 
 
 __all__ = ["AGENT_PORT", "ANNOTATIONS_LIMIT", "CONFIGMAP_DIR", "GPU_RESOURCE", "LIB_ARCHIVE", "POD_IP_ENV",
-           "PROBE_PERIOD_S", "RANK_ENV", "RAY_ENV_FILE", "SIDECAR_DASHBOARD_PORT", "WORKER_GROUP", "WORKERS_ENV",
+           "PROBE_PERIOD_S", "RANK_ENV", "RAY_ENV_FILE", "DASHBOARD_PORT", "WORKER_GROUP", "WORKERS_ENV",
            "KubeRayPlacement", "KubeRayProvider", "KubeRayShared", "Toleration", "kuberay_placement", "pack"]

@@ -3,9 +3,10 @@ the pods' way up shown once per change (Pending with the scheduler's reason, ini
 image pulls), each pod's containers' logs streamed into files the launcher follows, whether the
 head's job runner still runs, and the summary's lines. The launcher follows; nothing here does.
 
-The head's log (node-0.log) is the submitter's (`ray-job-submitter`): in SidecarMode it runs
-`ray job submit` of the entrypoint, the agent's job runner, and streams the runner's log: the
-runner's lines, the job's own log it relays, and its result line. The head's Ray container
+The head's log (node-0.log) is the submitter's (`ray-job-submitter`, the pod of the Kubernetes
+Job KubeRay makes in K8sJobMode, named after the RayJob): it runs `ray job submit` of the
+entrypoint, the agent's job runner, and streams the runner's log: the runner's lines, the
+job's own log it relays, and its result line. The head's Ray container
 (node-0-ray.log: the agent's `--before-ray` lines: setup, prepare) and each worker's Ray
 container (node-K.log) are followed beside it."""
 
@@ -25,6 +26,8 @@ from ..base import Cluster, end_process
 from .kubectl import Kubectl
 
 SUBMITTER = "ray-job-submitter"
+#: The Job controller's label on a Job's pods: KubeRay's submitter Job is named after the RayJob.
+JOB_LABEL = "batch.kubernetes.io/job-name"
 #: kubectl is asked at most this often while the launcher waits.
 REFRESH_S = 2.0
 #: How long the head's log may take to reach its file once its container has ended.
@@ -54,7 +57,10 @@ def terminated(status: dict | None) -> bool:
 
 
 def role(pod: dict) -> str:
-    return "head" if ((pod.get("metadata") or {}).get("labels") or {}).get("ray.io/node-type") == "head" else "worker"
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if "ray.io/node-type" not in labels and JOB_LABEL in labels:
+        return "submitter"
+    return "head" if labels.get("ray.io/node-type") == "head" else "worker"
 
 
 def ray_container(pod: dict) -> str | None:
@@ -220,7 +226,8 @@ class Watch:
         self.asked = time.monotonic()
         try:
             rayjob = self.kube.get("rayjob", self.name)
-            pods = {p["metadata"]["name"]: p for p in self.kube.pods(f"ray.io/cluster={self.cluster}")}
+            pods = {p["metadata"]["name"]: p for p in self.kube.pods(f"ray.io/cluster={self.cluster}")
+                    + self.kube.pods(f"{JOB_LABEL}={self.name}")}
         except (StepFailed, ValueError) as exc:
             self.error = f"kubectl did not answer: {exc}"
             return
@@ -234,11 +241,17 @@ class Watch:
             self.head_seen = True
         return heads[0] if heads else None
 
+    def submitter(self) -> dict | None:
+        pods = [p for p in self.pods.values() if role(p) == "submitter"]
+        return pods[-1] if pods else None
+
     def _follow(self, name: str, pod: dict) -> None:
         """Start a log stream for each of the pod's containers that has started."""
         states = container_states(pod)
-        if role(pod) == "head":
-            files = {ray_container(pod): "node-0-ray.log", SUBMITTER: "node-0.log"}
+        if role(pod) == "submitter":
+            files = {SUBMITTER: "node-0.log"}
+        elif role(pod) == "head":
+            files = {ray_container(pod): "node-0-ray.log"}
         else:
             if name not in self.slots:
                 taken = {slot for pod_name, slot in self.slots.items() if pod_name in self.pods}
@@ -290,21 +303,21 @@ class Watch:
             raise StepFailed("starting the cluster", f"{why}, before the job runner started; {self.undo()}")
 
     def head_alive(self) -> bool:
-        """Until the head's job runner has ended (its submitter container, the head pod, or the
-        RayJob) and its log has reached node-0.log."""
+        """Until the head's job runner has ended (its submitter, the head pod, or the RayJob) and
+        its log has reached node-0.log."""
         self.refresh()
         self.failed_before_start()
-        head = self.head()
+        head, submitter = self.head(), self.submitter()
         status = (self.rayjob or {}).get("status") or {}
         ended = self.rayjob is None or status.get("jobDeploymentStatus") in FINISHED \
             or (head is None and self.head_seen) \
             or (head is not None and (head.get("status") or {}).get("phase") in ("Failed", "Succeeded")) \
-            or (head is not None and terminated(container_states(head).get(SUBMITTER)))
+            or (submitter is not None and terminated(container_states(submitter).get(SUBMITTER)))
         if not ended:
             self.ended_at = None
             return True
         self.ended_at = self.ended_at or time.monotonic()
-        stream = self.streams.get(((head or {}).get("metadata", {}).get("name"), SUBMITTER))
+        stream = self.streams.get(((submitter or {}).get("metadata", {}).get("name"), SUBMITTER))
         return stream is not None and stream.running and time.monotonic() - self.ended_at < DRAIN_S
 
     def describe(self) -> list[str]:

@@ -18,9 +18,9 @@ its guarantees around that, with the agent in its attached roles (agent/attached
   the restart policy (a lost worker pod is replaced by KubeRay; the runner waits for it and
   resumes from the checkpoint, where KubeRay's own `backoffLimit` would rebuild the cluster).
 
-Submission is SidecarMode: the submitter runs beside the head as soon as the head is up, so the
-runner's bring-up (services, preflight) overlaps the workers joining, and the runner's own wait
-names what is missing. K8sJobMode and HTTPMode would submit only once every worker is Ready.
+Submission is K8sJobMode with a submitter pod of our own in `rayproject/ray:<ray_version>`:
+KubeRay's submitter runs `ray job submit`, and SidecarMode would run it in the head's image,
+which may hold no Ray until setup installs it. KubeRay submits once every pod is Ready.
 
 The rank is the group's (the head group's pods say 0, the workers' 1), the head the workers'
 FQ_RAY_IP (KubeRay's head service), a node's own address its pod IP (downward API). Secrets
@@ -40,6 +40,7 @@ import math
 import re
 import shlex
 import tarfile
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
@@ -62,7 +63,7 @@ PROBE_PERIOD_S = 10
 #: The head's dashboard port: KubeRay's submitter and the operator's job polling use the head
 #: container's port named `dashboard` (common/job.go, utils/util.go FetchHeadServiceURL), which
 #: the head declares; `forward` uses it too.
-SIDECAR_DASHBOARD_PORT = 8265
+DASHBOARD_PORT = 8265
 #: The Ray rlhf-tasks pins (pyproject's `ray` extra): `rayproject/ray:<it>` is the default image.
 DEFAULT_RAY_VERSION = "2.60.0"
 #: A RayJob's name: a DNS-1035 label of at most 47 characters (KubeRay's validation: its
@@ -77,6 +78,11 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 CONFIGMAP_DIR = "/opt/rlhf-tasks-configmap"
 #: The ConfigMap's binaryData key of that archive.
 LIB_ARCHIVE = "lib.tar.gz"
+#: ConfigMap keys for an image without Ray: BASH_ENV appends the ConfigMap's directory to PATH in
+#: KubeRay's `bash -c` lines, where `ray` (ray_standin.py) answers wait-gcs-ready's health check.
+RAY_PATH_KEY, RAY_STANDIN_KEY = "ray-path.sh", "ray"
+RAY_PATH_SH = (f'case ":$PATH:" in *":{CONFIGMAP_DIR}:"*) ;; *) PATH="$PATH:{CONFIGMAP_DIR}" ;; esac\n')
+SUBMITTER_NAME = "ray-job-submitter"
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -89,7 +95,7 @@ _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 TTL = Annotated[float, BeforeValidator(lambda v: 0.0 if str(v).strip() in ("0", "0s", "0.0") else parse_duration(v))]
 
 
-#: What KubeRay's SidecarMode submitter requests in the head pod (common/job.go).
+#: What KubeRay's submitter requests (common/job.go); the head's Ray container leaves room for it.
 SUBMITTER_CPU, SUBMITTER_MEMORY = 0.5, 200 * 2**20
 _K8S_UNITS = {"b": "", "kb": "k", "mb": "M", "gb": "G", "tb": "T", "kib": "Ki", "mib": "Mi", "gib": "Gi", "tib": "Ti"}
 
@@ -315,7 +321,8 @@ class KubeRayRender(Provider):
     def configmap(self, plan: Plan, options: KubeRayPlacement) -> dict:
         configmap = {"apiVersion": "v1", "kind": "ConfigMap",
                      "metadata": self.metadata(plan, options, self.configmap_name(plan)),
-                     "data": {f"{plan.name}.plan.json": plan.to_json()},
+                     "data": {f"{plan.name}.plan.json": plan.to_json(), RAY_PATH_KEY: RAY_PATH_SH,
+                              RAY_STANDIN_KEY: (Path(__file__).parent / "ray_standin.py").read_text()},
                      "binaryData": {LIB_ARCHIVE: base64.b64encode(pack(self.shipped(plan))).decode()}}
         size = last_applied_size(configmap)
         if size > ANNOTATIONS_LIMIT:
@@ -373,13 +380,14 @@ class KubeRayRender(Provider):
         out += [{"name": key, "value": value} for key, value in plan.env.items()]
         secret = options.secret or f"{plan.name}-secrets"
         out += [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}} for name in plan.secrets]
+        out.append({"name": "BASH_ENV", "value": f"{CONFIGMAP_DIR}/{RAY_PATH_KEY}"})  # `ray` last on PATH
         return out
 
     def volumes(self, plan: Plan) -> tuple[list[dict], list[dict]]:
         """(the pod's volumes, the containers' mounts): the ConfigMap (plan, packed agent) and the
         emptyDir the agent is unpacked into (shared by the head's init and Ray containers), the
         checkpoints, /dev/shm."""
-        volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan)}},
+        volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan), "defaultMode": 0o555}},
                    {"name": "rlhf-tasks-node", "emptyDir": {}}]
         mounts = [{"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True},
                   {"name": "rlhf-tasks-node", "mountPath": NODE_DIR}]
@@ -472,6 +480,22 @@ class KubeRayRender(Provider):
             out["activeDeadlineSeconds"] = math.ceil(pre + services + preflight + attempts)
         return out
 
+    def submitter(self, plan: Plan, options: KubeRayPlacement) -> dict:
+        """KubeRay's submitter pod in Ray's own image (KubeRay fills in its `ray job submit` command,
+        the dashboard's address and the token), placed where the task's pods may go."""
+        spec: dict = {"restartPolicy": "Never", "containers": [{
+            "name": SUBMITTER_NAME, "image": f"rayproject/ray:{options.ray}",
+            "resources": {"requests": {"cpu": f"{round(SUBMITTER_CPU * 1000)}m",
+                                       "memory": f"{SUBMITTER_MEMORY // 2**20}Mi"},
+                          "limits": {"cpu": "1", "memory": "1Gi"}}}]}
+        if options.node_selector:
+            spec["nodeSelector"] = dict(options.node_selector)
+        if options.tolerations:
+            spec["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
+        if options.priority_class:
+            spec["priorityClassName"] = options.priority_class
+        return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
+
     def rayjob(self, plan: Plan, options: KubeRayPlacement) -> dict:
         cluster: dict = {"rayVersion": options.ray}
         if plan.token_env:
@@ -496,7 +520,11 @@ class KubeRayRender(Provider):
         entrypoint = shlex.join(["bash", "-c", self.agent_shell(plan, "--ray-started", "--skip-setup")])
         spec: dict = {
             "entrypoint": entrypoint,
-            "submissionMode": "SidecarMode",
+            # K8sJobMode with a submitter of our own: KubeRay's submitter runs `ray job submit`, and in
+            # SidecarMode it runs in the head's image, which may hold no Ray before setup installs it.
+            "submissionMode": "K8sJobMode",
+            "submitterConfig": {"backoffLimit": 0},  # one submission: the runner restarts the job itself
+            "submitterPodTemplate": self.submitter(plan, options),
             "backoffLimit": 0,  # a retry rebuilds the whole cluster: the runner restarts the job instead
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": math.ceil(options.ttl_after_finished),
@@ -525,7 +553,6 @@ class KubeRayRender(Provider):
                        f"(not on the command line, where ps shows the values):\n"
                        f"#   kubectl create secret generic{ns} {secret} --from-env-file=FILE   "
                        f"# {', '.join(plan.secrets)}\n")
-        header += (f"# Follow: kubectl get rayjob{ns} {plan.name} -w; kubectl logs{ns} -f -l ray.io/node-type=head "
-                   f"-c ray-job-submitter\n")
+        header += f"# Follow: kubectl get rayjob{ns} {plan.name} -w; kubectl logs{ns} -f job/{plan.name}\n"
         text = dump_yaml(configmap, header) + "---\n" + dump_yaml(rayjob)
         return {f"{plan.name}.rayjob.yaml": text}
