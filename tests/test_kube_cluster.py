@@ -76,8 +76,11 @@ def test_pod_runs_with_its_volumes_env_probe_logs_and_port_forward(kube_cluster,
     assert "serving" in cluster.cp.kubectl("-n", ns, "logs", "web", "-c", "server").stdout
 
     # the Service's name resolves on the pods' hosts, to the address its EndpointSlice lists
-    probe = cluster.tb.sh(0, f"python3 -c \"import socket; print(socket.gethostbyname('web.{ns}.svc.cluster.local'))\"")
-    assert probe.strip() == ip
+    def resolved():  # once the EndpointSlice controller has listed the ready pod
+        out = cluster.tb.run(0, ["python3", "-c", f"import socket; print(socket.gethostbyname('web.{ns}.svc.cluster.local'))"],
+                             background=False)
+        return out.output.strip() if out.returncode == 0 else None
+    assert wait(resolved, 30, "the Service's name to resolve") == ip
 
     port = _free_port()
     forward = subprocess.Popen([str(cluster.cp.bin / "kubectl"), f"--kubeconfig={cluster.cp.kubeconfig}", "-n", ns,

@@ -34,8 +34,9 @@ def images(root: Path) -> dict[str, Image]:
         (bare / name).chmod(0o755)
     return {f"rayproject/ray:{RAY_VERSION}": Image(path=[tbmod.BIN_DIR]),
             NO_RAY_IMAGE: Image(path=[INSTALLED_BIN, str(bare)])}
-#: Room for one of the tests' Ray pods each (a 1-CPU Ray container, plus the submitter's 500m on the head).
-NODES = [Node(f"kube-node-{i}", {"cpu": "1500m", "memory": "8Gi", "ephemeral-storage": "100Gi"}) for i in (1, 2, 3)]
+#: Room for one of the tests' 1-CPU pods each: a worker, or the head (which leaves 500m of its
+#: node's CPU to KubeRay's submitter pod).
+NODES = [Node(f"kube-node-{i}", {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "100Gi"}) for i in (1, 2, 3)]
 
 
 class KubeCluster:
