@@ -100,7 +100,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
         assert spec["activeDeadlineSeconds"] > plan.job.timeout_s
     assert (cluster.get("authOptions") == {"mode": "token"}) == bool(plan.token_env)
     assert cluster["networkPolicy"] == {"mode": "DenyAllIngress"}
-    assert "python3 -m rlhf_tasks.agent" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
+    assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
     head = cluster["headGroupSpec"]["template"]["spec"]
     assert [c["name"] for c in head["initContainers"]] == ["rlhf-tasks-prepare"]
     assert "--prepare-only" in head["initContainers"][0]["args"][0]
