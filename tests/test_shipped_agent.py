@@ -2,8 +2,8 @@
 that happens to be in the working directory (a fork of this project, a job's working_dir):
 `python3 -m` puts the working directory first on sys.path, ahead of PYTHONPATH. So every
 provider starts the agent, the job's gate and preflight's job by the entry file's path
-(issue 32, item 2). The cluster test with a decoy in the launcher's directory is in
-tests/test_e2e_local.py; Slurm's in tests/test_slurm_provider.py."""
+(issue 32, item 2). Slurm's cluster test with a decoy in the submit directory is in
+tests/test_slurm_provider.py (the podman variant)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def make_decoy(where: Path) -> Path:
     agent.mkdir(parents=True)
     (where / "rlhf_tasks" / "__init__.py").write_text("")
     (agent / "__init__.py").write_text("")
+    marker = where / "decoy-ran"
     for name in ("__main__.py", "preflight.py"):
-        (agent / name).write_text(f"print({DECOY_SAYS!r}, flush=True)\nraise SystemExit(7)\n")
+        (agent / name).write_text(f"print({DECOY_SAYS!r}, flush=True)\nopen({str(marker)!r}, 'a').write('ran\\n')\n"
+                                  "raise SystemExit(7)\n")
     return where
 
 
@@ -101,3 +103,20 @@ def test_preflights_job_is_the_shipped_one_in_a_working_dir_with_a_decoy(decoy):
                          text=True, timeout=60)
     assert DECOY_SAYS not in run.stdout and run.returncode == 0 and "--min-bandwidth-bits" in run.stdout, \
         run.stdout + run.stderr
+
+
+def test_a_local_launch_from_a_directory_with_a_decoy_runs_only_the_shipped_agent(decoy, cli_env):
+    """The local provider's agents run in the launcher's directory, and the job (its gate, with
+    preflight in it) in its working_dir, which is that directory: the decoy is in both."""
+    (decoy / "task.yaml").write_text(yaml.safe_dump({
+        "name": "decoy", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "preflight": {"timeout": "2m", "torch": False},
+        "job": {"recipe": "command", "submit": "head", "working_dir": ".", "max_restarts": 0,
+                "args": {"entrypoint": "echo the job ran"}}}))
+    launcher = str(Path(sys.executable).with_name("rlhf-tasks"))  # the console script: the launcher itself is ours
+    run = subprocess.run([launcher, "launch", "task.yaml"], cwd=decoy, env=cli_env, capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "SUCCEEDED" in out and "the job ran" in out, out[-6000:]
+    assert re.search(r"preflight passed in [\d.]+s: 2 nodes", out), out[-6000:]  # its probes ran on both nodes
+    assert not (decoy / "decoy-ran").exists() and DECOY_SAYS not in out

@@ -152,6 +152,7 @@ class Preflight(object):
         import ray
 
         ray.init(log_to_driver=False)
+        ship_by_value(ray)
         self.run_step("nodes", self.step_nodes)
         network_error = None
         try:
@@ -565,6 +566,14 @@ class Preflight(object):
                 ray.kill(actor)
             except Exception:
                 pass
+
+
+def ship_by_value(ray) -> None:
+    """Ray pickles the probe's class by reference, and each worker would import it from its own
+    sys.path, where a job's working_dir comes first (and may hold another `rlhf_tasks`, a fork
+    of this project): the agent's package travels by value instead, so that the probe that runs
+    is this one."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[NodeProbe.__module__.split(".")[0]])
 
 
 def disconnect() -> None:
