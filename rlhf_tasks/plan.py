@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
@@ -259,6 +259,9 @@ class Plan(StrictModel):
     checkpoint_shared: dict[str, Any] | None = None
     #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.
     modules: list[str] = []
+    #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
+    #: (Provider.check_node_inputs); the nodes need not know them.
+    node_inputs: list[str] = Field([], exclude=True)
 
     @model_validator(mode="after")
     def _version(self):
@@ -367,4 +370,5 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         resume=task.checkpoints.resume == "auto",
         checkpoint_shared=task.checkpoints.shared.get(provider),
         modules=out.modules,
+        node_inputs=out.node_inputs,
     )

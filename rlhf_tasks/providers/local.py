@@ -96,6 +96,7 @@ def groups_below(groups: set[int], pids: list[int]) -> set[int]:
 
 class LocalProvider(Provider):
     name = "local"
+    shares_filesystem = True  # every node is on this machine
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True

@@ -261,6 +261,7 @@ class SlurmJob:
 
 class SlurmProvider(Provider):
     name = "slurm"
+    shares_filesystem = True  # the submission directory and checkpoints must be on the shared filesystem
     contract = Contract(
         rank=env("SLURM_NODEID"),
         nodes=env("SLURM_JOB_NUM_NODES"),

@@ -195,6 +195,7 @@ class KubeRayRender(Provider):
     """The provider's pure part: options, checks, plan, render."""
 
     name = "kuberay"
+    shared_option = "checkpoints.shared.kuberay: {claim: PVC}"
     contract = Contract(
         rank=env(RANK_ENV),
         nodes=env(WORKERS_ENV, plus=1),

@@ -56,6 +56,7 @@ from .render import render as render_files
 
 class RunPodProvider(Provider):
     name = NAME
+    shared_option = "checkpoints.shared.runpod: {network_volume: ID}"
     contract = POD_CONTRACT
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)
@@ -77,8 +78,10 @@ class RunPodProvider(Provider):
             self.check(task)
             contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
                 update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-            return self.measure_upload(build_plan(task, self.name, contract, self.networks,
-                                                  self.default_checkpoint_dir(task), self.ray_overrides))
+            plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
+                              self.ray_overrides)
+            self.check_node_inputs(plan)
+            return self.measure_upload(plan)
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
 
