@@ -78,3 +78,12 @@ def test_check_and_render_exit_2_and_write_nothing(tmp_path, capsys, rlhf_home):
 def test_the_catalogue_task_names_shared_storage_for_the_providers_without_a_shared_filesystem():
     for provider in ("dstack", "sky", "kuberay"):
         assert plan(provider, SEARCH_R1).checkpoint_shared, provider
+
+
+def test_check_without_a_provider_says_which_refuse_it_and_why(tmp_path, capsys, rlhf_home):
+    path = tmp_path / "search-r1.yaml"
+    path.write_text(yaml.safe_dump(SEARCH_R1))  # shared storage named for dstack, sky and kuberay only
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "dstack, kuberay, sky, slurm can run it" in out, out
+    assert "not runpod:" in out and OPTION["runpod"] in out, out

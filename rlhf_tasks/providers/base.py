@@ -133,12 +133,22 @@ class Provider:
         """The plan this provider's nodes run."""
         try:
             self.check(task)
-            plan = build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides)
+            plan = self.build(task)
             self.check_node_inputs(plan)
             return self.measure_upload(plan)
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
+
+    def build(self, task: Task) -> Plan:
+        """Task + recipe + this provider's contract and choices -> the plan (nothing measured)."""
+        return build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
+                          self.ray_overrides)
+
+    def fits(self, task: Task) -> None:
+        """BadInput when this provider cannot run the task (`check` without --provider): its own
+        checks and the plan's, without measuring an upload."""
+        self.check(task)
+        self.check_node_inputs(self.build(task))
 
     def check_node_inputs(self, plan: Plan) -> None:
         """What `prepare` makes on the head and every node reads (plan.node_inputs, the recipe's)

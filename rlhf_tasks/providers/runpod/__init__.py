@@ -72,18 +72,12 @@ class RunPodProvider(Provider):
     def check(self, task: Task) -> None:
         check(task)
 
-    def plan(self, task: Task) -> Plan:
+    def build(self, task: Task) -> Plan:
         """The plan, with the contract of the task's network mode: Instant Cluster or pods."""
-        try:
-            self.check(task)
-            contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
-                update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-            plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides)
-            self.check_node_inputs(plan)
-            return self.measure_upload(plan)
-        except BadInput as exc:
-            raise BadInput(f"{task.source}: {exc}") from None
+        contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
+            update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
+        return build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
+                          self.ray_overrides)
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:
