@@ -143,7 +143,7 @@ def test_the_submitter_hands_ray_an_entrypoint_that_runs_the_job_runner_in_the_j
     done = subprocess.run(["/bin/sh", "-c", job_line], env={**env, "PYTHONPATH": "/image/lib"}, capture_output=True,
                           text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    assert ran.read_text() == ("/opt/rlhf-tasks/lib:/image/lib -m rlhf_tasks.agent "
+    assert ran.read_text() == ("/opt/rlhf-tasks/lib:/image/lib /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py "
                                "--plan /opt/rlhf-tasks-configmap/tiny.plan.json --ray-started --skip-setup\n")
 
 

@@ -146,9 +146,14 @@ class Provider:
 
     def fits(self, task: Task) -> None:
         """BadInput when this provider cannot run the task (`check` without --provider): its own
-        checks and the plan's, without measuring an upload."""
+        checks and the plan's, without measuring an upload. A plan that cannot be built (an
+        infeasible allocation) is the task's fault, which `check` then says with the plan's error."""
         self.check(task)
-        self.check_node_inputs(self.build(task))
+        try:
+            plan = self.build(task)
+        except BadInput:
+            return
+        self.check_node_inputs(plan)
 
     def check_node_inputs(self, plan: Plan) -> None:
         """What `prepare` makes on the head and every node reads (plan.node_inputs, the recipe's)
