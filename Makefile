@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast golden install-demo install-test clean
+.PHONY: demo test test-fast golden install-demo install-test kube clean
 
 $(PY):
 	@echo "make: creating $(VENV) with $(PYTHON)"
@@ -19,9 +19,15 @@ install-test: $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 
 demo: install-demo
+	@echo "make: the command is $(VENV)/bin/rlhf-tasks; 'source $(VENV)/bin/activate' puts it on this shell's PATH"
 	$(VENV)/bin/rlhf-tasks launch tasks/tiny-grpo.yaml
 
-test: install-test
+# The Kubernetes tests' programs (etcd, kube-apiserver, ..., the KubeRay operator), built with Go
+# once per version set into ~/.cache/rlhf-tasks/kube (tests/kube/README.md).
+kube:
+	@bash tests/kube/build.sh >/dev/null
+
+test: install-test kube
 	$(PY) -m pytest -q
 
 # While you iterate: every test that starts no cluster, namespace host, Slurm or container.

@@ -84,9 +84,8 @@ def cmd_check(args) -> int:
 
 
 def _warn_shared_storage(provider, plan) -> None:
-    warning = provider.shared_storage_warning(plan)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for note in provider.notes(plan):
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def cmd_render(args) -> int:
@@ -149,6 +148,9 @@ def _ended(name: str, record: dict) -> str:
         how = f"; its job {job['submission_id']} " + (f"ended {job['status']}" if job["status"] in TERMINAL_JOB_STATES
                                                      else f"was last seen {job['status']}")
         how += f" ({job['how']})" if job.get("how") else ""
+    capped = record.get("budget") or {}
+    if capped.get("words"):  # the head ended it at placement.max_cost or max_duration
+        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none'}"
     logs = state.run_dir(name) / "nodes"
     where = f"; node logs: {logs}" if logs.is_dir() else ""
     return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"
@@ -218,17 +220,9 @@ def cmd_status(args) -> int:
     from . import state
 
     record = None if args.address or args.cluster else state.load(args.job)
-    if record and record.get("provider") and not record.get("ended"):  # a cluster's name: its machines
-        said = _provider(record["provider"]).status(args.job)
-        if said is not None:
-            print(said)
-            return 0
-    if record:  # a cluster's name where a job's was expected: say so, and what to ask instead
-        name, where = args.job, f"{args.job} is a cluster launched from here (on {record.get('provider', '?')}), not a job"
-        if record.get("ended"):
-            raise BadInput(f"JOB: {where}; {_ended(name, record)}")
-        raise BadInput(f"JOB: {where}. Its jobs: rlhf-tasks list --cluster {name}; one job's status: "
-                       f"rlhf-tasks status JOB --cluster {name}")
+    if record:  # a cluster's name: the cluster
+        print(_cluster_status(args.job, record))
+        return 0
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(f"JOB: no job {args.job} on this cluster")
@@ -236,15 +230,51 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _cluster_status(name: str, record: dict) -> str:
+    """`status NAME`: what the provider says of its machines, what Ray says of its nodes
+    (where its dashboard answers here), and its last job; or how it ended."""
+    from .agent.protocol import AgentError, alive_nodes
+    from .jobs import last_job
+
+    provider = record.get("provider", "?")
+    header = f"{name}: a cluster launched from here, on {provider}"
+    if record.get("ended"):
+        return f"{header}; {_ended(name, record)}"
+    said = _provider(provider).status(name) if record.get("provider") else None
+    lines = said.splitlines() if said else [header]  # a provider's own report names the cluster itself
+    token = _token(None, name)
+    dashboard = record.get("dashboard")
+    if dashboard:
+        try:
+            nodes = alive_nodes(dashboard, token)
+            lines.append(f"  Ray: {len(nodes)} node(s) alive (dashboard {dashboard})")
+        except (OSError, ValueError, KeyError, AgentError) as exc:
+            lines.append(f"  Ray: its dashboard {dashboard} does not answer here ({exc})")
+    job = last_job(name, record, token)
+    if job:
+        seen = f" ({job['seen']})" if job.get("seen") else ""
+        lines.append(f"  job {job['submission_id']}: {job['status']}{seen}")
+    lines.append(f"  its jobs: rlhf-tasks list --cluster {name}; one job's status: rlhf-tasks status JOB "
+                 f"--cluster {name}; stop it: rlhf-tasks down {name}")
+    return "\n".join(lines)
+
+
 def cmd_logs(args) -> int:
     if args.bundle:
         return _bundle(args)
+    from .jobs import PreflightShown
+
     jobs = _jobs(args)
+    out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
-        status = jobs.follow(args.job)
+        try:
+            status = jobs.follow(args.job, out=out)
+        finally:
+            out.flush() if args.raw else out.close()
         print(f"job {args.job}: {status}", file=sys.stderr)
         return 0 if status == "SUCCEEDED" else 1
-    sys.stdout.write(jobs.logs(args.job))
+    out.write(jobs.logs(args.job))
+    out.flush() if args.raw else out.close()
     return 0
 
 
@@ -267,6 +297,9 @@ def _bundle(args) -> int:
     bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
                                 args.cluster, "asked for with `rlhf-tasks logs --bundle`")
     print("\n".join(summary_lines(found)))
+    if not found.get("nodes"):
+        print(f"error: the bundle of {args.cluster} reached no node through {jobs.address}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -331,6 +364,8 @@ def cmd_forward(args) -> int:
     if provider_name is None:
         raise BadInput(f"NAME: no cluster named {args.name} was launched from here (known: "
                        f"{', '.join(state.known()) or 'none'}); pass --provider")
+    if record and record.get("ended"):  # no dashboard to reach, whatever the provider's forward would say
+        raise StepFailed(f"forwarding {args.name}'s dashboard", _ended(args.name, record))
     return _provider(provider_name).forward(args.name, args.port)
 
 
@@ -349,7 +384,7 @@ def cmd_env(args) -> int:
     if not record.get("dashboard"):
         raise StepFailed(f"setting up a shell for {args.name}", "its dashboard address is not known here; "
                          "export RAY_API_SERVER_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
-    token = state.token(args.name)
+    token = _cluster_token(args.name, record)
     # Ray's job CLI reads RAY_API_SERVER_ADDRESS before RAY_ADDRESS; `ray status` and `ray.init()`
     # read RAY_ADDRESS as the GCS's host:port.
     lines = [f"export RAY_API_SERVER_ADDRESS={shlex.quote(record['dashboard'])}"]
@@ -371,11 +406,32 @@ def cmd_env(args) -> int:
     return 0
 
 
+def _cluster_token(name: str, record: dict) -> str | None:
+    """The cluster's Ray token: the provider's own where it makes it (read fresh, kept here), else
+    the one rlhf-tasks made."""
+    from . import state
+
+    provider = _provider(record["provider"]) if record.get("provider") else None
+    if provider is None or not provider.makes_token:
+        return state.token(name)
+    token = provider.cluster_token(name)
+    if token is None:
+        raise StepFailed(f"reading the Ray token of {name}", f"{record['provider']} makes it, and has not yet (it "
+                         f"does once the cluster exists): try again once `rlhf-tasks status {name}` shows its pods")
+    return token
+
+
 def cmd_token(args) -> int:
     """For `dstack apply` / `sky launch` by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)."""
     from . import state
 
     name = _task(args.target).name if args.target.endswith((".yaml", ".yml")) else args.target
+    record = state.load(name)
+    if record and _provider(record.get("provider", "")).makes_token:
+        if args.new:
+            raise BadInput(f"--new: {name} runs on {record['provider']}, which makes the cluster's Ray token itself")
+        print(_cluster_token(name, record))
+        return 0
     token = state.token(name)
     if token is None or args.new:
         token = state.new_token(name)
@@ -449,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
                    "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
-                                   "from here, on providers that report it: runpod, slurm, kuberay)"), ("logs", cmd_logs, "a job's logs"),
+                                   "from here: its machines as the provider reports them, Ray's nodes, its last job)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
         p.add_argument("job", metavar="JOB")
@@ -457,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument("--raw", action="store_true", help="the log as Ray keeps it: preflight's result as its "
+                           "JSON line (by default, its verdict and table, as launch shows it)")
             p.add_argument("--bundle", action="store_true", help="JOB is a cluster's NAME: every node's logs (the "
                            "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":

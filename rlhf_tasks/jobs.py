@@ -11,8 +11,8 @@ import sys
 from typing import Callable
 
 from . import workdir
-from .agent.protocol import (TERMINAL_JOB_STATES, DashboardJobs, JobFollower, auth_headers, http_request,
-                             is_submission_of, job_argv, next_submission_id)
+from .agent.protocol import (PREFLIGHT_PREFIX, TERMINAL_JOB_STATES, DashboardJobs, JobFollower, auth_headers,
+                             http_request, is_submission_of, job_argv, next_submission_id, preflight_parts)
 from .errors import BadInput, StepFailed
 from .plan import Plan
 
@@ -136,6 +136,44 @@ class Jobs:
                 print(f"\nstopped following; job {submission_id} keeps running. Stop it with: "
                       f"rlhf-tasks stop {submission_id} --address {self.address}", file=sys.stderr)
             raise
+
+
+class PreflightShown:
+    """A job's log as the launcher shows it: the line preflight's gate prints for the head
+    (`RLHF_TASKS_PREFLIGHT {json}`, kilobytes of JSON) becomes its verdict, table and notes;
+    the rest passes as it is. Complete lines only; `close()` writes a last partial line."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> None:
+        text, self.pending = self.pending + text, ""
+        cut = text.rfind("\n") + 1
+        text, self.pending = text[:cut], text[cut:]
+        shown = []
+        for line in text.splitlines(keepends=True):
+            at = line.find(PREFLIGHT_PREFIX)
+            result = None
+            if at >= 0:
+                try:
+                    result = json.loads(line[at + len(PREFLIGHT_PREFIX):])
+                except ValueError:
+                    pass
+            if isinstance(result, dict):
+                heading, table, said = preflight_parts(result)
+                shown += [line[:at] + heading + "\n"] + [row + "\n" for row in table + said]
+            else:
+                shown.append(line)
+        self.out.write("".join(shown))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.pending:
+            self.out.write(self.pending)
+            self.pending = ""
+        self.out.flush()
 
 
 def last_job(name: str, record: dict, token: str | None) -> dict | None:

@@ -42,11 +42,17 @@ HEAD_EXIT_S = 30.0
 STOPPED_BY = "by `rlhf-tasks stop` or Ray's Jobs API"
 
 
-def collect_secrets(task: Task) -> dict[str, str]:
-    """Values of the task's secrets from this environment; missing ones are named, never shown."""
+def collect_secrets(task: Task, provider: Provider, plan: Plan) -> dict[str, str]:
+    """Values of the task's secrets from this environment; missing ones are named once, never
+    shown, before anything starts: bad input where the provider cannot launch without them."""
     values = {name: os.environ[name] for name in task.secrets if os.environ.get(name)}
     missing = [name for name in task.secrets if name not in values]
     if missing:
+        refusal = provider.refuses_missing_secrets(plan, missing)
+        if refusal:
+            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; {refusal}: export "
+                           f"{'it' if len(missing) == 1 else 'them'}, or take {'it' if len(missing) == 1 else 'them'} "
+                           f"out of the task's secrets")
         say(f"not set in your environment, so not passed: {', '.join(missing)}")
     return values
 
@@ -117,6 +123,7 @@ class Outcome:
     node_ids: set[str] = field(default_factory=set)
     last_line: str | None = None        # the job's own last line
     forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.protocol.bundle)
+    budget: dict | None = None          # the head stopped the run at a cap: its words, cost, last checkpoint
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -125,7 +132,8 @@ class Outcome:
         return cls(submission_id=job.get("submission_id"), status=job.get("status"), error=result.get("error"),
                    failed_step=result.get("failed_step"), exit_code=code, attempts=job.get("attempts") or [],
                    steps=result.get("steps") or [], node_ids=set(result.get("node_ids") or []),
-                   last_line=job_said(result.get("job_log_tail") or ""), forensics=result.get("forensics"))
+                   last_line=job_said(result.get("job_log_tail") or ""), forensics=result.get("forensics"),
+                   budget=result.get("budget") if (result.get("budget") or {}).get("capped") else None)
 
 
 def job_said(log: str) -> str | None:
@@ -147,6 +155,7 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
     is a lost head.
     `on_start(id)` once the head says the job's command runs (agent.protocol.JOB_STARTS)."""
     started = []
+    began = time.monotonic()
     attempts = plan.job.max_restarts + 1 if plan.job.submit == "head" else 1
     budget = plan.wait.head_s + plan.wait.nodes_s + plan.preflight.timeout_s + FOLLOW_SLACK_S + \
         attempts * (plan.job.timeout_s or NO_TIMEOUT_S)
@@ -166,7 +175,7 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
                 told = "; ".join(cluster.describe())
                 raise HeadLost("running the task", "the head's node agent ended without reporting the job's end "
                                + (f"({told}; its log is above)" if told else "(its log is above)"))
-        return result is not None, result or "the head is running"
+        return result is not None, result or "the head is running" + cost_so_far(plan, time.monotonic() - began)
 
     result = wait_for("the job to end (the head's log is above)", ended, budget, interval=0.2, max_interval=1.0,
                       progress_every=600, report=say)
@@ -178,6 +187,15 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
             pass  # the summary says what the provider knows by now
     tail.pump()
     return Outcome.from_result(result, every_node=plan.job.mode == "every_node")
+
+
+def cost_so_far(plan: Plan, seconds: float) -> str:
+    """`; about $1.20 so far of placement.max_cost $10.00`: for the progress line while following
+    (counted from here, as the head counts from its own start)."""
+    price, cap = plan.budget.price_per_hour, plan.budget.max_cost
+    if price is None:
+        return ""
+    return f"; about ${price * seconds / 3600:.2f} so far" + (f" of placement.max_cost ${cap:.2f}" if cap else "")
 
 
 # ------------------------------------------------------------------ through the dashboard
@@ -425,6 +443,11 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
         lines.append(f"attempts: {len(outcome.attempts)} (" + "; ".join(
             f"{a['submission_id']} {a['status'] or 'stopped'}" + (f": {a['cause']}" if a.get("cause") else "")
             for a in outcome.attempts) + ")")
+    if outcome.budget:
+        where = outcome.budget.get("checkpoint")
+        lines.append(outcome.budget.get("words") or "stopped at the budget cap")
+        lines.append(f"the last checkpoint: {where}" if where else
+                     f"no checkpoint was written{f' in {plan.checkpoint_dir}' if plan.checkpoint_dir else ''}")
     if outcome.last_line:
         lines.append(f"the job's last line: {outcome.last_line}")
     if outcome.steps:
@@ -491,6 +514,9 @@ def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
             raise StepFailed("running the job", f"exit code {code}"
                              + (f" ({outcome.error})" if outcome.error else f" ({where})"))
         return 0
+    if outcome.budget:  # whatever its driver did with the SIGTERM, the run did not finish
+        raise StepFailed("the budget cap", f"{outcome.budget.get('words')}: the job was stopped before it finished; "
+                         f"the cluster ended itself")
     if outcome.status == "SUCCEEDED":
         return 0
     if outcome.status is None:  # the head failed (e.g. preflight) or was stopped before the job ended
@@ -506,9 +532,38 @@ def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
 # ------------------------------------------------------------------ launch
 
 
+def refuse_live_cluster(name: str, provider: Provider) -> None:
+    """One live cluster per name: a launch on another provider under the name of a cluster that
+    still lives would overwrite its record (and its token), leaving it running, billed and out of
+    reach of `env`, `status` and `down`. Refused before anything is created or written; the same
+    provider's own relaunch rules stand (local refuses a running cluster, RunPod pods of the name)."""
+    from . import providers, state
+
+    record = state.load(name)
+    if not record or record.get("ended") or record.get("provider") in (None, provider.name):
+        return
+    other = record["provider"]
+    try:
+        live = providers.provider_class(other).live(record)
+    except BadInput:  # a provider not installed here: take the record's word
+        live = True
+    if not live:
+        return
+    from .jobs import last_job
+
+    job = last_job(name, record, state.token(name)) or {}  # its dashboard's word where it answers here
+    what = (f"its job {job['submission_id']} " + (f"was last seen {job['status']}" if job.get("seen") else
+                                                  f"is {job['status']}")) if job.get("submission_id") else \
+        "no job of it seen yet"
+    raise BadInput(f"name: a cluster named {name} is live on {other} ({what}); launching it on {provider.name} "
+                   f"would replace its record and leave it running out of reach. Stop it first with "
+                   f"`rlhf-tasks down {name}` (or rename this task); nothing was launched")
+
+
 def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     """Launch the task, and relaunch it whole when its head is lost, as often as the
     provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint."""
+    refuse_live_cluster(task.name, provider)
     relaunches = provider.relaunches()
     for attempt in range(relaunches + 1):
         try:
@@ -521,12 +576,16 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     raise AssertionError("unreachable")
 
 
-def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "") -> int:
+def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "",
+           waiting: str | None = None) -> int:
     """Ctrl-C before the job's command started cancels the launch. The head would start the
     job on its own (behind its gate, once every node is in) with nobody following, and
     neither its gate nor, on every provider, its dashboard can be reached from here; `down`
     can: it stops the cluster, and the job never runs. (`made`: this launch got as far as
-    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile.)"""
+    making a cluster; `head_log`: the head's log, to tell whether the job started meanwhile;
+    `waiting`: what the launcher was waiting for when Ctrl-C came, see agent.protocol.wait_for.)"""
+    if waiting:
+        say(f"interrupted while waiting for {waiting}")
     if not made:
         say(f"interrupted before a cluster was made for {name}: nothing runs")
         return 130
@@ -536,15 +595,25 @@ def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str
     try:
         say(provider.down(name))
     except KeyboardInterrupt:
-        say(f"interrupted again: {again}")
+        say(f"interrupted again: {again}{left_running(provider, name)}")
         return 130
     except (StepFailed, BadInput, AgentError) as exc:
-        say(f"could not stop it ({exc}): {again}")
+        say(f"could not stop it ({exc}): {again}{left_running(provider, name)}")
         return 130
     sid = started_job(head_log())
     say(f"job {sid} had just started; it stopped with the cluster" if sid else
         f"the job of {name} did not run; launch it again to run it")
     return 130
+
+
+def left_running(provider: Provider, name: str) -> str:
+    """What the provider says is still there of cluster `name` (its machines), as lines to
+    append to a message; "" when it says nothing or cannot be asked."""
+    try:
+        said = provider.status(name)
+    except (StepFailed, BadInput, AgentError, OSError, KeyboardInterrupt):
+        return ""
+    return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
 def launch_once(task: Task, provider: Provider, keep: bool) -> int:
@@ -555,7 +624,7 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
     if keep:
         plan = plan.replace(keep_cluster=True)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
-    secrets = collect_secrets(task)
+    secrets = collect_secrets(task, provider, plan)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None
@@ -581,12 +650,16 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             outcome = follow_dashboard(cluster, plan, tail, sid, node_ids, secrets)
         if outcome.status is not None or not (state.load(plan.name) or {}).get("job"):  # not over `down`'s word
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
+        if outcome.budget:  # `status NAME` says it too
+            state.update(plan.name, budget={k: outcome.budget.get(k) for k in ("words", "checkpoint")})
         summarise(plan, outcome, started, cluster)
-        if keep:
+        if keep and not outcome.budget:
+            idle = plan.budget.idle_s
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
-                f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it")
+                f"CLI, `rlhf-tasks list --cluster {plan.name}` lists its jobs, `rlhf-tasks down {plan.name}` stops it"
+                + (f"; it ends itself after {idle:.0f}s without a running job (placement.idle)" if idle else ""))
         return verdict(plan, outcome, via_head_log)
-    except KeyboardInterrupt:  # wherever it lands: while bringing the cluster up, submitting, or following the job
+    except KeyboardInterrupt as exc:  # wherever it lands: while bringing the cluster up, submitting, or following
         interrupted = True
         print(file=sys.stderr)
         said = started_job(cluster.read_head_log()) if cluster is not None else None
@@ -600,10 +673,13 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             elif sid:
                 say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} "
                     f"--cluster {task.name}")
-            say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}")
+            say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}" if keep or
+                plan.job.submit == "client" else
+                f"the cluster ends itself when the job ends (or now: rlhf-tasks down {task.name})")
             return 130
         made = cluster is not None or state.before_launch(task.name, before.staged).record != before.record
-        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "")
+        return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "",
+                      getattr(exc, "waiting_for", None))
     except BaseException:
         if not job_started and not provider.stop_after_job:
             undone = provider.abandon(before)

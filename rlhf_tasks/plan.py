@@ -228,6 +228,33 @@ class JobPlan(StrictModel):
     stall_timeout_s: float | None = None
 
 
+class BudgetPlan(StrictModel):
+    """What the head agent enforces, so that it holds with no launcher attached (agent/budget.py):
+    the cluster's price, the caps, the grace its job's driver gets at a cap, and how long a kept
+    cluster may stay without a running job."""
+
+    price_per_hour: float | None = None  # US dollars for the whole cluster; RunPod's: filled in at launch
+    max_cost: float | None = None
+    max_duration_s: float | None = None
+    stop_grace_s: float = 120.0
+    idle_s: float | None = 3600.0        # None: never (a kept cluster stays until `down`)
+
+
+#: The action a node takes to end its own machine once its agent is done (RunPod: terminate its pod with
+#: the pod-scoped key RunPod puts in every pod); None where ending the agent ends the machine's bill.
+class SelfEnd(StrictModel):
+    """An HTTP request a node sends about itself when its agent ends: `url` is a template whose
+    `{VAR}` come from the node's environment (`defaults` when unset), `bearer_env` names the
+    variable holding the token for its Authorization header. Data, so the agent names no provider."""
+
+    method: Literal["POST", "DELETE"]
+    url: str
+    defaults: dict[str, str] = {}
+    json_body: dict[str, Any] | None = None
+    bearer_env: str | None = None
+    what: str                             # for the log: "terminate this pod"
+
+
 class Plan(StrictModel):
     version: int = PLAN_VERSION
     name: str
@@ -259,6 +286,8 @@ class Plan(StrictModel):
     checkpoint_shared: dict[str, Any] | None = None
     #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.
     modules: list[str] = []
+    budget: BudgetPlan = BudgetPlan()
+    self_end: SelfEnd | None = None
     #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
     #: (Provider.check_node_inputs); the nodes need not know them.
     node_inputs: list[str] = Field([], exclude=True)
@@ -285,14 +314,26 @@ class Plan(StrictModel):
         return self.model_copy(update=changes)
 
 
+def check_budget(task: Task, provider: str, priced: bool) -> None:
+    """BadInput naming the field when a cost cap has no price to count against (`priced`: the
+    provider knows its own price, e.g. RunPod's catalog)."""
+    placement = task.placement
+    if placement.max_cost is not None and placement.price_per_hour is None and not priced:
+        raise BadInput(f"placement.max_cost: the head agent counts the cost from the cluster's price per hour, and "
+                       f"the {provider} provider does not know it; give placement.price_per_hour (US dollars per "
+                       f"hour for the whole cluster), or use placement.max_duration")
+
+
 def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str, dict[str, str]],
-               checkpoint_dir: str | None, ray_overrides: dict | None = None) -> Plan:
+               checkpoint_dir: str | None, ray_overrides: dict | None = None, priced: bool = False) -> Plan:
     """Task + recipe + the provider's choices -> the plan every node runs.
 
     `networks` are the presets the provider offers (beyond the generic ones);
     `checkpoint_dir` is the provider's default when the task names none;
-    `ray_overrides` lets a provider move ports (local, SkyPilot)."""
+    `ray_overrides` lets a provider move ports (local, SkyPilot);
+    `priced`: the provider fills in the cluster's price itself at launch (RunPod's catalog)."""
     check_contract_env(task, contract, provider)
+    check_budget(task, provider, priced)
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
     shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
                   checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto",
@@ -371,4 +412,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         checkpoint_shared=task.checkpoints.shared.get(provider),
         modules=out.modules,
         node_inputs=out.node_inputs,
+        budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
+                          max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,
+                          idle_s=task.placement.idle),
     )

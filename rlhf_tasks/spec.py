@@ -201,11 +201,34 @@ _RECIPES = {m.model_fields["recipe"].annotation.__args__[0] for m in JOB_MODELS}
 _JOB_FIELDS = {name for m in JOB_MODELS for name in m.model_fields}
 
 
+def _never(value: Any) -> Any:
+    """`idle: never` (or off) stands for no idle limit."""
+    return None if isinstance(value, str) and value.strip().lower() in ("never", "off") else value
+
+
+IdleDuration = Annotated[Union[Duration, None], BeforeValidator(_never), WithJsonSchema({"anyOf": [
+    {"type": "number"}, {"type": "string"}], "description": "a duration (90s, 15m, 1h) or never"})]
+
+
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
     spot: Literal["off", "on", "auto"] = Field("off", description="spot instances: off, on, or auto (spot when available)")
-    max_duration: Duration | None = Field(None, description="stop the run after this long")
+    max_duration: Duration | None = Field(None, description=(
+        "the longest the cluster may run: the head agent stops the job at it (SIGTERM, placement.stop_grace to "
+        "checkpoint) and the cluster ends"))
+    max_cost: float | None = Field(None, gt=0, description=(
+        "US dollars the whole run may cost: the head agent stops the job at it, as at max_duration (RunPod: its "
+        "catalog's price; elsewhere placement.price_per_hour)"))
+    price_per_hour: float | None = Field(None, ge=0, description=(
+        "US dollars per hour for the whole cluster (every node together), for max_cost and the cost shown while "
+        "following; RunPod's price comes from its catalog"))
+    stop_grace: Duration = Field(120.0, description=(
+        "at max_cost or max_duration, how long the job's driver has after SIGTERM to checkpoint before the "
+        "cluster ends"))
+    idle: IdleDuration = Field(3600.0, description=(
+        "a cluster kept up after its run (launch --keep, or submit: client) ends itself after this long without "
+        "a running job; `never` keeps it until `rlhf-tasks down`"))
     retry: bool = Field(False, description="let the provider relaunch the run after an interruption or no capacity")
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")

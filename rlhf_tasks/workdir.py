@@ -95,14 +95,27 @@ def check(path: str, excludes: list[str]) -> Measure:
         raise BadInput(f"job.working_dir: {path} is not a directory")
     found, limit = measure(path, excludes), upload_limit()
     if found.size >= limit:
-        top = [(name + ("/" if (Path(path) / name).is_dir() else ""), size) for name, size in found.biggest[:5]]
+        top = [(name + ("/" if (Path(path) / name).is_dir() else ""), size) for name, size in found.biggest[:5]
+               if size * 100 >= found.size]  # an entry under 1% of the whole is no help
         listed = ", ".join(f"{name} {human(size)}" for name, size in top)
-        example = ", ".join(f'"/{name}"' for name, _ in top[:2])
+        example = ", ".join(f'"/{name}"' for name, _ in enough(top, found.size - limit + 1))
         raise BadInput(f"job.working_dir: {path} packs {human(found.size)} (measured with {found.how}), over Ray's "
                        f"upload limit of {human(limit)}; the biggest entries: {listed}. Leave out what the job does not "
                        f"need with job.excludes: [{example}] (or a .rayignore file there), or set job.working_dir to "
                        f"the directory of the job's code only (null: none)")
     return found
+
+
+def enough(entries: list[tuple[str, int]], over: int) -> list[tuple[str, int]]:
+    """The fewest of `entries` (the biggest first) that together weigh `over` bytes: the ones
+    worth excluding (all of them when even that is not enough)."""
+    chosen, total = [], 0
+    for entry in entries:
+        if total >= over:
+            break
+        chosen.append(entry)
+        total += entry[1]
+    return chosen
 
 
 def human(size: int) -> str:

@@ -1,7 +1,7 @@
 """Shared fixtures, and the two test tiers.
 
-Tests that need root or a package run in CI (CI=true) and fail there when it is missing;
-locally they skip with the reason.
+Tests that need root or a package run in CI (CI=true, any case) and fail there when it is
+missing; locally they skip with the reason. In CI every skip fails, whoever skips.
 
 The `cluster` mark: the test starts a Ray cluster, network-namespace hosts, Slurm or a
 container. `make test-fast` runs the others (`-m "not cluster"`), `make test` all. A test
@@ -15,6 +15,7 @@ subprocess the guard cannot see into: give such a test `cli_env`, as the local o
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,13 +24,16 @@ import pytest
 import testbed as tbmod
 
 ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI") == "true"
+IN_CI = tbmod.in_ci()
 CLUSTER = "cluster"
-#: What a test must carry the `cluster` mark to start (the basename of a subprocess's program).
-CLUSTER_PROGRAMS = frozenset({"gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc", "munged",
-                              "podman", "docker", "nsenter", "unshare"})
+#: What a test must carry the `cluster` mark to start (the basename of a subprocess's program): Ray's
+#: CLI (`ray start`) and daemons, Slurm's, a container engine, a namespace, Kubernetes' programs.
+CLUSTER_PROGRAMS = frozenset({"ray", "gcs_server", "raylet", "slurmctld", "slurmd", "sbatch", "srun", "salloc",
+                              "munged", "podman", "docker", "nsenter", "unshare", "etcd", "kube-apiserver",
+                              "kube-controller-manager", "kube-scheduler", "kube-streams"})
 
 _running: list[pytest.Item] = []  # the test being run, if any
+_stand_ins: set[str] = set()  # programs the running test made itself, under a guarded name (stand_in)
 
 
 def need(condition: bool, reason: str) -> None:
@@ -56,14 +60,28 @@ def require_cluster_mark(what: str) -> None:
                     pytrace=False)
 
 
+def stand_in(path) -> None:
+    """Declare a program the running test wrote itself under a guarded name (a `ray` that only
+    records its argv): starting it starts no cluster. Only this file, for this test."""
+    _stand_ins.add(os.path.realpath(path))
+
+
 def _audit(event: str, args: tuple) -> None:
     """Ray's daemons, Slurm, a container engine or a namespace started from the test process."""
     if event != "subprocess.Popen" or not _running:
         return
     argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
     argv = [os.fsdecode(a) if isinstance(a, (str, bytes, os.PathLike)) else str(a) for a in argv]
-    program = os.path.basename(os.fsdecode(args[0]) if args[0] else (argv[0] if argv else ""))
+    given = os.fsdecode(args[0]) if args[0] else (argv[0] if argv else "")
+    program = os.path.basename(given)
     if program in CLUSTER_PROGRAMS or argv[:3] == ["ip", "netns", "add"]:
+        if _stand_ins:
+            import shutil
+
+            env = args[3] if len(args) > 3 and isinstance(args[3], dict) else os.environ
+            found = shutil.which(given, path=env.get("PATH", os.defpath)) if os.sep not in given else given
+            if found and os.path.realpath(found) in _stand_ins:
+                return
         require_cluster_mark(f"`{' '.join(argv[:3])}`")
 
 
@@ -86,12 +104,25 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skip is a failure, whoever skips (`pytest.importorskip`, a fixture, a helper):
+    CI must run every test it collects."""
+    report = yield
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where nothing may skip: {reason}"
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
     _running.append(item)
     try:
         return (yield)
     finally:
         _running.pop()
+        _stand_ins.clear()
 
 
 @pytest.fixture
@@ -110,3 +141,17 @@ def cli_env(rlhf_home):
     env = dict(os.environ, RLHF_TASKS_HOME=str(rlhf_home), PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return env
+
+
+@pytest.fixture(scope="session")
+@starts_cluster
+def kube_cluster(tmp_path_factory):
+    """The session's Kubernetes cluster (tests/kube/): a real control plane and KubeRay
+    operator, pods on namespace hosts. Built by `make kube` (tests/kube/build.sh) first."""
+    need(shutil.which("go") is not None, "the Kubernetes tests build Kubernetes and KubeRay with Go (not on PATH)")
+    reason = tbmod.require_root()
+    need(reason is None, reason or "")
+    from kube.cluster import KubeCluster
+    cluster = KubeCluster(tmp_path_factory.mktemp("kube"), shared=[tmp_path_factory.getbasetemp()])
+    yield cluster
+    cluster.close()

@@ -1,5 +1,6 @@
-"""A stand-in `kubectl` for tests (the contract: /work/wt/KUBE_STANDIN.md, shared with
-tests/kuberay_harness.py, which plays the operator and the kubelets).
+"""A stand-in `kubectl` for the fast tier's tests of the launcher's own code (its kubectl argv,
+its messages, its reading of the operator's answers, which each test writes into the state
+directory). What KubeRay and Kubernetes do is tested against the real ones (tests/kube/).
 
 It plays the API server's client side over one state directory, `$KUBE_STANDIN_DIR`:
 

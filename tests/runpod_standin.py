@@ -190,6 +190,62 @@ class Contract:
     def operation(self, method: str, template: str) -> dict:
         return self.doc["paths"][template][method.lower()]
 
+    def query_parameters(self, method: str, template: str) -> dict[str, tuple[dict, str]]:
+        """{name: (parameter, JSON pointer of its schema)} for the operation's query parameters
+        (the path item's and the operation's own, `$ref`s followed)."""
+        escaped = template.replace("~", "~0").replace("/", "~1")
+        found = {}
+        for where, params in ((f"/paths/{escaped}", self.doc["paths"][template].get("parameters") or []),
+                              (f"/paths/{escaped}/{method.lower()}", self.operation(method, template).get("parameters")
+                               or [])):
+            for i, param in enumerate(params):
+                pointer = f"{where}/parameters/{i}"
+                if "$ref" in param:
+                    pointer = param["$ref"].split("#", 1)[1]
+                    param = self._node(pointer)
+                if param.get("in") == "query":
+                    found[param["name"]] = (param, f"#{pointer}/schema")
+        return found
+
+    def query_errors(self, method: str, template: str, query: dict[str, list[str]]) -> list[str]:
+        """Violations of the operation's query `parameters` by a parsed query string (`parse_qs`
+        with blank values kept): an unknown name, a repeated one, or a value its schema refuses,
+        read as OpenAPI's default serialization says (`style: form`, `explode: false` for
+        arrays: one comma-separated value; integers and booleans as their JSON text)."""
+        known = self.query_parameters(method, template)
+        errors = []
+        for name, values in query.items():
+            if name not in known:
+                errors.append(f"query.{name}: unknown query parameter (this operation takes "
+                              f"{', '.join(sorted(known)) or 'none'})")
+                continue
+            if len(values) != 1:
+                errors.append(f"query.{name}: given {len(values)} times (once, comma-separated for a list)")
+                continue
+            param, ref = known[name]
+            value = self._query_value(param.get("schema") or {}, values[0])
+            errors += [f"query.{name}{e[1:]}" for e in self.errors(ref, value)]
+        return errors
+
+    def _query_value(self, schema: dict, text: str) -> Any:
+        """A query string's value as the JSON its schema describes; left a string where it does
+        not parse, so that the schema says what is wrong with it."""
+        if schema.get("type") == "array":
+            item = schema.get("items") or {}
+            return [self._query_value(item, part) for part in text.split(",")] if text else []
+        kind = schema.get("type")
+        if kind == "boolean" and text in ("true", "false"):
+            return text == "true"
+        if kind == "integer" and re.fullmatch(r"-?\d+", text):
+            return int(text)
+        return text
+
+    def _node(self, pointer: str) -> Any:
+        node = self.doc
+        for part in pointer.strip("/").split("/"):
+            node = node[part.replace("~1", "/").replace("~0", "~")]
+        return node
+
     def request_ref(self, method: str, template: str) -> str | None:
         body = self.operation(method, template).get("requestBody")
         if not body:
@@ -528,6 +584,9 @@ class PodState:
     out_len: int = 0
     partial: str = ""
     ssh_user: str = field(default_factory=lambda: secrets.token_hex(4))
+    #: The key RunPod puts in the pod as RUNPOD_API_KEY: "used to make RunPod API calls to the specific
+    #: pod. It's limited in scope to only the pod" (runpod/docs, pods/references/environment-variables).
+    pod_key: str = field(default_factory=lambda: "pod-scoped-" + secrets.token_hex(16))
 
 
 @dataclass
@@ -549,6 +608,7 @@ class Recorded:
     path: str
     status: int
     body: Any
+    by: str = "user"  # whose key: "user" (the account's) or "pod:<id>" (a pod's own, RUNPOD_API_KEY inside it)
 
 
 class _Answer(Exception):
@@ -629,6 +689,9 @@ class RunPodStandIn:
         self.forbidden: set[str] = set()
         self.clock = time.time
         self.ssh_public_keys = ssh_public_keys
+        #: Given to every pod as RUNPOD_API_URL when set: how a pod on a testbed host reaches this
+        #: stand-in (a relay); RunPod's own pods reach https://api.runpod.io, the agent's default.
+        self.pod_api_url: str | None = None
         self.pods: dict[str, PodState] = {}
         self.clusters: dict[str, ClusterState] = {}
         self.network_volumes: dict[str, dict] = {}  # id -> NetworkVolume (add_network_volume)
@@ -889,8 +952,11 @@ class RunPodStandIn:
         env = dict(pod.env)
         if pod.start_ssh and self.ssh_public_keys:
             env.setdefault("PUBLIC_KEY", self.ssh_public_keys)
+        # Where a pod reaches this stand-in (RunPod's pods reach api.runpod.io): never the real API,
+        # whatever runs in the pod; this machine's 127.0.0.1 unless a test gives a relay pods can reach.
+        env["RUNPOD_API_URL"] = self.pod_api_url or self.url
         env.update({
-            "RUNPOD_POD_ID": pod.id, "RUNPOD_DC_ID": pod.datacenter,
+            "RUNPOD_POD_ID": pod.id, "RUNPOD_DC_ID": pod.datacenter, "RUNPOD_API_KEY": pod.pod_key,
             "RUNPOD_POD_HOSTNAME": pod.id, "RUNPOD_GPU_COUNT": str(pod.gpu["count"]),
             "RUNPOD_CPU_COUNT": str(8 * pod.gpu["count"]),
         })
@@ -1324,8 +1390,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         api = self.api
+        self._by = "?"  # whose key, once checked
         split = urlsplit(self.path)
-        query = parse_qs(split.query)
+        query = parse_qs(split.query, keep_blank_values=True)
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         found = api.route(method, split.path)
@@ -1335,10 +1402,13 @@ class _Handler(BaseHTTPRequestHandler):
             if found is None:
                 raise _Answer(404, "Not Found", f"no route for {method} {split.path}")
             template, name, args = found
-            self._check_auth()
+            self._by = self._check_auth(method, template, args)
             fault = api._injected()
             if fault is not None:
                 raise fault
+            wrong = api.contract.query_errors(method, template, query)
+            if wrong:
+                raise _Answer(422, "Unprocessable Entity", "Request validation failed.", wrong)
             ref = api.contract.request_ref(method, template)
             if ref is not None:
                 body = self._body(raw, ref)
@@ -1362,7 +1432,12 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._answer(method, split.path, template, status, payload, {}, body)
 
-    def _check_auth(self) -> None:
+    #: What a pod's own key may do, in the least convenient reading of "limited in scope to only the
+    #: pod": read, act on and delete that one pod; nothing else (403).
+    POD_KEY_ROUTES = {("GET", "/v2/pods/{id}"), ("POST", "/v2/pods/{id}/action"), ("DELETE", "/v2/pods/{id}")}
+
+    def _check_auth(self, method: str = "GET", template: str = "", args: tuple = ()) -> str:
+        """Whose key the request carries ("user" or "pod:<id>"), or the 401/403 RunPod answers."""
         api = self.api
         if api.auth_failure == 403:
             raise _Answer(403, "Forbidden", "access denied")
@@ -1370,8 +1445,15 @@ class _Handler(BaseHTTPRequestHandler):
         if api.auth_failure == 401 or header is None:
             raise _Answer(401, "Unauthorized", "missing bearer token" if header is None
                           else "invalid bearer token")
-        if header != f"Bearer {api.api_key}":
+        if header == f"Bearer {api.api_key}":
+            return "user"
+        with api._cond:
+            owner = next((p.id for p in api.pods.values() if header == f"Bearer {p.pod_key}"), None)
+        if owner is None:
             raise _Answer(401, "Unauthorized", "invalid bearer token")
+        if (method, template) not in self.POD_KEY_ROUTES or tuple(args[:1]) != (owner,):
+            raise _Answer(403, "Forbidden", f"this key is scoped to pod {owner}")
+        return f"pod:{owner}"
 
     def _body(self, raw: bytes, ref: str) -> Any:
         if not raw:
@@ -1401,7 +1483,7 @@ class _Handler(BaseHTTPRequestHandler):
                 payload = {"title": "Internal Server Error", "status": 500,
                            "detail": "stand-in response broke the contract: " + "; ".join(problems)}
         with api._cond:
-            api.requests.append(Recorded(method, path, status, request_body))
+            api.requests.append(Recorded(method, path, status, request_body, getattr(self, "_by", "?")))
         data = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         for k, v in headers.items():

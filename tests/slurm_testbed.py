@@ -429,7 +429,7 @@ def make_slurm_fixture(n: int = 3, scope: str = "module", **kwargs):
     def _fixture(request, tmp_path_factory):
         reason = tbmod.require_root() or slurm_missing()
         if reason:
-            if os.environ.get("CI", "").lower() == "true":
+            if tbmod.in_ci():
                 pytest.fail(f"required in CI: {reason}")
             pytest.skip(reason)
         base = tmp_path_factory.mktemp(f"slurm{n}-")

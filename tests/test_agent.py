@@ -21,7 +21,7 @@ from rlhf_tasks.agent.raynode import node_env, ray_start_command
 from rlhf_tasks.plan import Contract, command, env, template
 from rlhf_tasks.spec import parse_task
 
-from conftest import ROOT
+from conftest import ROOT, stand_in
 
 
 def plan_for(provider="local", **overrides):
@@ -446,6 +446,8 @@ def start_gate(tmp_path, command, timeout_s=60):
 def test_a_gated_job_runs_its_command_only_when_the_head_says_go_and_becomes_it(tmp_path):
     out = tmp_path / "ran"
     gate, proc = start_gate(tmp_path, [sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(os.getpid()))"])
+    # The gate's own line first: a gate whose Python has not started yet would pass the wait below too.
+    assert "the job's gate is waiting for the head's word (up to 60s)" in proc.stdout.readline()
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(1.0)  # waiting at the gate: the command has not run
     assert not out.exists()
@@ -544,6 +546,7 @@ def fake_ray(tmp_path, console_script=True):
     else:
         ray.write_text("#!/bin/sh\nprintf '{\"argv\": [\"ray\"], \"shell\": \"%s\"}' \"$*\" > \"$RAY_ARGV_FILE\"\n")
     ray.chmod(0o755)
+    stand_in(ray)  # it records its argv; it starts no cluster
     return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(tmp_path / "lib"),
                 RAY_ARGV_FILE=str(tmp_path / "argv.json"))
 
@@ -596,3 +599,46 @@ def test_a_prestarted_ray_start_that_died_is_replaced_by_a_plain_one(tmp_path, c
     out = capsys.readouterr().out
     assert "the prestarted `ray start` exited with code 1; starting it the plain way" in out
     assert "cannot import name ray._raylet" in out  # its log's tail says why
+
+
+# --------------------------------------------------------------------------- a worker whose head went away
+
+def test_a_worker_leaves_once_its_head_has_been_gone_for_head_gone_s_not_before(tmp_path):
+    """README: a worker leaves when its head's beacon has been gone for 10 s (issue 32, item 13):
+    the default is 10 s, and with it set to 2 s here the worker stays 2 s and leaves within a
+    second or two after (the beacon is probed once a second)."""
+    import inspect
+    import time
+
+    from rlhf_tasks.agent.beacon import ReadyBeacon
+    from rlhf_tasks.agent.processes import Child
+    from rlhf_tasks.agent.worker import WorkerFlow
+
+    assert inspect.signature(WorkerFlow.supervise).parameters["head_gone_s"].default == 10.0
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    plan = plan_for()
+    plan["ray"]["ready_port"] = port
+    node = raynode.Node(plan, NodeInfo(1, 3, "127.0.0.1", "127.0.0.1"), dict(os.environ), str(tmp_path), str(tmp_path))
+    node.ray = Child("ray", ["sleep", "120"], node.env)  # a live process in the raylet's place
+    beacon = ReadyBeacon("127.0.0.1", port)
+    ended = {}
+
+    def supervise():
+        ended["code"] = WorkerFlow(node).supervise(head_gone_s=2.0)
+        ended["at"] = time.monotonic()
+    thread = threading.Thread(target=supervise, daemon=True)
+    try:
+        thread.start()
+        wait_for("the worker to have seen its head", lambda: (probe_tcp("127.0.0.1", port) is None, "no"), 10)
+        thread.join(1.5)
+        assert thread.is_alive()  # the head answers: it stays
+        beacon.close()
+        gone = time.monotonic()
+        thread.join(30)
+        assert ended.get("code") == 0, ended
+        assert 2.0 <= ended["at"] - gone <= 4.5, ended["at"] - gone
+    finally:
+        beacon.close()
+        node.ray.stop(grace=1.0)

@@ -18,25 +18,53 @@ from conftest import ROOT
 TINY = str(ROOT / "tasks" / "tiny-grpo.yaml")
 
 
-# ---------------------------------------------------------------- status NAME of a cluster (item 11)
+# ---------------------------------------------------------------- status NAME of a cluster (issue 32, item 6)
 
-def test_status_of_a_clusters_name_says_it_is_a_cluster_and_what_to_ask(rlhf_home, capsys):
-    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9"})
-    assert main(["status", "tiny-grpo"]) == 2
-    err = capsys.readouterr().err
-    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
-    assert "rlhf-tasks list --cluster tiny-grpo" in err and "rlhf-tasks status JOB --cluster tiny-grpo" in err
-    assert "no job tiny-grpo" not in err
+def test_status_of_a_clusters_name_shows_the_cluster(rlhf_home, capsys):
+    """`status tiny-grpo` of a local cluster: its node agents, Ray's nodes, its job (exit 0),
+    not "not a job" (issue 20 item 11 said what to ask instead; issue 32 item 6: show it)."""
+    import subprocess as sp
+
+    sleeper = sp.Popen(["sleep", "60"])
+    try:
+        state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9",
+                                 "pids": [sleeper.pid, 2**22 + 1],
+                                 "job": {"submission_id": "tiny-grpo-c1", "status": "RUNNING"}})
+        assert main(["status", "tiny-grpo"]) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    out = capsys.readouterr().out
+    assert out.startswith(f"tiny-grpo: a local cluster; node agents: 1 of 2 running on this machine (PIDs "
+                          f"{sleeper.pid})\n"), out
+    assert "Ray: its dashboard http://127.0.0.1:9 does not answer here" in out
+    assert "job tiny-grpo-c1: RUNNING (last seen)" in out and "rlhf-tasks down tiny-grpo" in out
+    assert "not a job" not in out
+
+
+def test_status_of_a_clusters_name_asks_ray_where_its_dashboard_answers(rlhf_home, capsys):
+    from test_messages import FakeDashboard
+
+    dashboard = FakeDashboard()
+    dashboard.jobs["tiny-grpo-c1"] = "SUCCEEDED"
+    try:
+        state.save("tiny-grpo", {"provider": "dstack", "cluster_id": "c1", "dashboard": dashboard.url})
+        assert main(["status", "tiny-grpo"]) == 0
+    finally:
+        dashboard.close()
+    out = capsys.readouterr().out
+    assert "tiny-grpo: a cluster launched from here, on dstack" in out
+    assert f"Ray: 1 node(s) alive (dashboard {dashboard.url})" in out and "job tiny-grpo-c1: SUCCEEDED" in out
 
 
 def test_status_of_an_ended_clusters_name_says_how_it_ended(rlhf_home, capsys):
     state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": "http://127.0.0.1:9",
                              "job": {"submission_id": "tiny-grpo-c1", "status": "SUCCEEDED"},
                              "ended": "2026-11-24 12:00:00"})
-    assert main(["status", "tiny-grpo"]) == 2
-    err = capsys.readouterr().err
-    assert "tiny-grpo is a cluster launched from here (on local), not a job" in err, err
-    assert "the cluster ended at 2026-11-24 12:00:00; its job tiny-grpo-c1 ended SUCCEEDED" in err
+    assert main(["status", "tiny-grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-grpo: a cluster launched from here, on local; the cluster ended at 2026-11-24 12:00:00; its " \
+           "job tiny-grpo-c1 ended SUCCEEDED" in out, out
 
 
 # ---------------------------------------------------------------- render -o (item 12)
@@ -94,6 +122,18 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
+
+
+@pytest.mark.parametrize("path", ["/checkpoints/t", "/checkpoints/other"])
+def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tmp_path, capsys, rlhf_home):
+    """Issue 32, item 10: not "the default path" for a path the task names (even the default's)."""
+    task = tmp_path / "t.yaml"
+    task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": path},
+                                "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["check", str(task), "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: checkpoints {path} is the task's checkpoints.path: the script makes it" in err, err
+    assert "default" not in err and "make sure /checkpoints is on the cluster's shared filesystem" in err
 
 
 # ---------------------------------------------------------------- RunPod pods made by hand (item 15)
@@ -201,3 +241,17 @@ def test_preflight_names_nodes_of_one_machine_by_rank():
     apart = [{"hostname": "h%d" % r, "address": "10.0.0.%d" % r, "rank": r} for r in range(2)]
     name_nodes(apart)
     assert [n["name"] for n in apart] == ["h0", "h1"]
+
+
+# ---------------------------------------------------------------- forward of an ended cluster (issue 32, item 8)
+
+@pytest.mark.parametrize("provider", ["local", "runpod", "kuberay"])
+def test_forward_of_a_cluster_that_ended_says_it_ended(provider, rlhf_home, capsys, monkeypatch):
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    state.save("tiny-grpo", {"provider": provider, "cluster_id": "c1", "dashboard": "http://127.0.0.1:54273",
+                             "job": {"submission_id": "tiny-grpo-c1", "status": "SUCCEEDED"}})
+    state.end("tiny-grpo")
+    assert main(["forward", "tiny-grpo"]) == 1
+    err = capsys.readouterr().err
+    assert "failed: forwarding tiny-grpo's dashboard: the cluster ended at " in err, err
+    assert "its job tiny-grpo-c1 ended SUCCEEDED" in err and "already" not in err

@@ -181,6 +181,40 @@ def test_tail_keeps_the_end_from_a_lines_start():
     assert cut and kept.endswith(b"line 999\n") and kept.startswith(b"line ") and len(kept) <= 100
 
 
+def test_every_file_is_cut_to_its_last_tail_lines_lines(tmp_path):
+    """README: "Every file is cut to its last 2000 lines (256 KiB)" (issue 32, item 13): the line cut,
+    on the head's own files (read here) and as asked of Ray's log API for the other nodes'."""
+    import threading
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    assert bundle.TAIL_LINES == 2000
+    (tmp_path / "raylet.out").write_bytes(b"".join(b"line %d\n" % i for i in range(5000)))  # 48 KiB: under the byte cut
+    kept = bundle.read_local(str(tmp_path), "raylet.out")
+    lines = kept.decode().splitlines()
+    assert len(lines) == 2000 and lines[0] == "line 3000" and lines[-1] == "line 4999"
+    assert bundle.tail(kept) == (kept, False)  # the line cut, not the byte cut, made it
+    asked = []
+
+    class Logs(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            asked.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Logs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        bundle.RayLogs(f"http://127.0.0.1:{server.server_address[1]}", None).read("n1", "raylet.out")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == [{"node_id": ["n1"], "filename": ["raylet.out"], "lines": ["2000"]}]
+
+
 def test_wanted_keeps_ours_rays_and_the_jobs_workers_not_idle_ones():
     files = ["raylet.out", "raylet.err", "gcs_server.out", "python-core-worker-1.log", "rlhf-tasks/",
              "rlhf-tasks/agent-node2.log", "rlhf-tasks/forensics-x.tar.gz", "job-driver-j-1.log",

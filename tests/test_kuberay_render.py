@@ -99,16 +99,17 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     if plan.job.timeout_s:
         assert spec["activeDeadlineSeconds"] > plan.job.timeout_s
     assert (cluster.get("authOptions") == {"mode": "token"}) == bool(plan.token_env)
-    assert cluster["networkPolicy"] == {"mode": "DenyAllIngress"}
+    # KubeRay v1.7.0 refuses a networkPolicy unless its alpha gate RayClusterNetworkPolicy is on (off by default)
+    assert "networkPolicy" not in cluster
+    assert cluster["rayVersion"] == "2.60.0"  # the Ray of rayproject/ray:2.60.0, the default image
     assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
     head = cluster["headGroupSpec"]["template"]["spec"]
-    assert [c["name"] for c in head["initContainers"]] == ["rlhf-tasks-prepare"]
-    assert "--prepare-only" in head["initContainers"][0]["args"][0]
+    assert "initContainers" not in head  # setup runs once per pod, in the Ray container (prepare too, on the head)
     for group in [cluster["headGroupSpec"], *workers]:
         (container,) = group["template"]["spec"]["containers"]
         assert "ray start" not in container["args"][0]  # KubeRay appends its own
         assert container["args"][0].endswith(f"--before-ray {RAY_ENV_FILE} && . {RAY_ENV_FILE} || exit")
-        assert container["image"] == (plan.image or "rayproject/ray:2.52.0")
+        assert container["image"] == (plan.image or "rayproject/ray:2.60.0")
         assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] \
             >= plan.wait.head_s
         if plan.checkpoint_dir:
@@ -133,9 +134,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
             assert {"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True} in container["volumeMounts"]
             assert {"name": "rlhf-tasks-node", "mountPath": "/opt/rlhf-tasks"} in container["volumeMounts"]
     unpack = f"{CONFIGMAP_DIR}/{LIB_ARCHIVE} /opt/rlhf-tasks && export PYTHONPATH=/opt/rlhf-tasks/lib"
-    assert unpack in head["initContainers"][0]["args"][0]
-    assert all(unpack in g["template"]["spec"]["containers"][0]["args"][0] for g in workers)
-    assert "tarfile" not in head["containers"][0]["args"][0]  # its init container unpacked into the shared emptyDir
+    assert all(unpack in g["template"]["spec"]["containers"][0]["args"][0] for g in [cluster["headGroupSpec"], *workers])
     # `kubectl apply -f` (client-side) keeps the whole object as JSON in an annotation, which the API
     # server caps at 256 KiB: the packed agent keeps a clear margin below it.
     assert last_applied_size(configmap) < 128 * 1024
@@ -166,8 +165,41 @@ def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tm
         provider.render(plan)
 
 
+def test_network_policy_is_an_option_that_admits_the_operator():
+    """Off by default (KubeRay's gate is alpha and off); on, KubeRay's DenyAllIngress plus a rule
+    that lets the operator's namespace reach the head's dashboard, which it polls."""
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"].update(network_policy=True, operator_namespace="kuberay-system")
+    _, _, rayjob, _ = render(data)
+    validate(rayjob)
+    assert rayjob["spec"]["rayClusterSpec"]["networkPolicy"] == {"mode": "DenyAllIngress", "head": {"ingressRules": [{
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}}}],
+        "ports": [{"port": 8265}]}]}}
+    assert "networkPolicy" not in render(FULL)[2]["spec"]["rayClusterSpec"]
+
+
+@pytest.mark.parametrize("name", ["7b-tiny", "0-day"])  # names are at most 40 characters already (spec.py)
+def test_a_name_kuberay_refuses_is_refused_at_check(name):
+    """A RayJob's name is a DNS-1035 label of at most 47 characters (KubeRay's validation)."""
+    data = {"name": name, "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    with pytest.raises(BadInput, match=r"name: .*47 characters, starting with a letter"):
+        render(data)
+    render({**data, "name": "r-7b-tiny"})
+
+
+def test_any_dashboard_port_is_the_heads_named_port():
+    """KubeRay's submitter and the operator use the head's port named `dashboard`, so a moved
+    dashboard is rendered there, not refused."""
+    _, _, rayjob, _ = render({"name": "moved", "nodes": 2, "ray": {"dashboard_port": 8300},
+                              "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    ports = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "dashboard", "containerPort": 8300} in ports
+
+
 def test_the_strict_schema_refuses_what_kuberay_would_drop_or_reject():
-    _, _, rayjob, _ = render(RAY_TASKS[0])
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"]["network_policy"] = True
+    _, _, rayjob, _ = render(data)
     validate(rayjob)
     for path, value in [(("spec", "submisionMode"), "SidecarMode"),
                         (("spec", "rayClusterSpec", "networkPolicy", "mode"), "AllowAll"),
@@ -218,11 +250,15 @@ def test_every_option_reaches_the_pods_and_passes_the_schema():
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt-pvc"}
-        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str(128 * 10**9)}
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "128G"}  # Kubernetes' units
         (container,) = pod["containers"]
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-        assert container["resources"]["limits"] == {"cpu": "64", "memory": str(512 * 10**9),
-                                                    "ephemeral-storage": str(10**12), "nvidia.com/gpu": "8"}
+        # requests = limits (Guaranteed QoS); the head leaves room for KubeRay's submitter (500m, 200Mi);
+        # resources.disk is no ephemeral-storage unless asked for
+        head = group is cluster["headGroupSpec"]
+        assert container["resources"]["limits"] == (
+            {"cpu": "63500m", "memory": f"{(512 * 10**9 - 200 * 2**20) // 2**20}Mi", "nvidia.com/gpu": "8"} if head
+            else {"cpu": "64", "memory": "512G", "nvidia.com/gpu": "8"})
         assert container["resources"]["requests"] == container["resources"]["limits"]
         env = {e["name"]: e for e in container["env"]}
         assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
@@ -240,7 +276,7 @@ def test_every_option_reaches_the_pods_and_passes_the_schema():
 
 @pytest.mark.parametrize("scheduler,labels", [
     ("kueue", {"kueue.x-k8s.io/queue-name": "q1"}),
-    ("volcano", {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": "q1"}),
+    ("volcano", {"volcano.sh/queue-name": "q1"}),  # nothing in KubeRay reads ray.io/scheduler-name
     ("yunikorn", {"ray.io/gang-scheduling-enabled": "true", "yunikorn.apache.org/app-id": "everything",
                   "yunikorn.apache.org/queue": "q1"}),
 ])
@@ -303,7 +339,6 @@ def test_bad_input_is_exit_2_at_the_cli(tmp_path):
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"ray": {"dashboard_port": 8300}}, "ray.dashboard_port"),
     ({"ray": {"dashboard_public": True}}, "ray.dashboard_public"),
     ({"checkpoints": {"path": "/c", "shared": {"kuberay": {"volume": "v"}}}}, "checkpoints.shared.kuberay"),
 ])
@@ -362,17 +397,18 @@ def run_agent(plan: Path, env: dict, *flags: str) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=120)
 
 
-def test_prepare_only_runs_setup_and_prepare_on_the_head_without_resolving_its_service(tmp_path):
+def test_before_ray_on_the_head_runs_setup_and_prepare_once_and_a_worker_no_prepare(tmp_path):
     plan, rayjob = agent_plan(tmp_path)
-    # The head's init container has KubeRay's FQ_RAY_IP (a name not resolvable yet) and no token.
-    env = pod_env(rayjob, True, FQ_RAY_IP="nowhere-head-svc.invalid")
-    out = run_agent(plan, env, "--prepare-only", "--state-dir", str(tmp_path / "state"))
+    out = run_agent(plan, pod_env(rayjob, True, RAY_AUTH_TOKEN="t"), "--before-ray", str(tmp_path / "ray.env"),
+                    "--state-dir", str(tmp_path / "state"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "prepared.txt").read_text() == "prepared\n"
     assert (tmp_path / "setup.txt").read_text() == "set-up\n"
-    worker = run_agent(plan, pod_env(rayjob, False, FQ_RAY_IP="127.0.0.1"), "--prepare-only",
-                       "--state-dir", str(tmp_path / "state"))
-    assert worker.returncode == 2 and "runs on the head" in worker.stdout
+    (tmp_path / "prepared.txt").unlink()
+    worker = run_agent(plan, pod_env(rayjob, False, FQ_RAY_IP="127.0.0.1", RAY_AUTH_TOKEN="t"), "--before-ray",
+                       str(tmp_path / "ray.env"), "--state-dir", str(tmp_path / "state"))
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert not (tmp_path / "prepared.txt").exists()
 
 
 def test_before_ray_leaves_a_workers_ready_services_running_and_writes_rays_environment(tmp_path):
@@ -414,3 +450,44 @@ def test_before_ray_on_the_head_starts_no_service(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "export RLHF_TASKS_NODE_RANK=0" in (tmp_path / "ray.env").read_text()
     assert "starting service" not in out.stdout  # the head's services are the job runner's
+
+
+def test_the_header_is_right_for_the_namespace_and_never_puts_secret_values_on_a_command_line():
+    text = render(FULL)[3]
+    header = text.split("apiVersion", 1)[0]
+    assert "kubectl apply -n rl -f <this file>" in header and "kubectl get rayjob -n rl everything" in header
+    assert "kubectl logs -n rl -f" in header
+    # FULL names a Secret of the user's: nothing to create, and nothing about --from-literal
+    assert "your Secret rl-secrets" in header and "create" not in header and "--from-literal" not in header
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"].pop("secret")
+    header = render(data)[3].split("apiVersion", 1)[0]
+    assert "kubectl create secret generic -n rl everything-secrets --from-env-file=FILE" in header
+    assert "--from-literal" not in header and "$WANDB_API_KEY" not in header
+
+
+def test_ttl_after_finished_may_be_zero_as_kuberay_allows():
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"]["ttl_after_finished"] = 0
+    _, _, rayjob, _ = render(data)
+    validate(rayjob)
+    assert rayjob["spec"]["ttlSecondsAfterFinished"] == 0
+
+
+def test_disk_is_ephemeral_storage_only_when_asked():
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"]["ephemeral_storage"] = True
+    cluster = render(data)[2]["spec"]["rayClusterSpec"]
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["ephemeral-storage"] == "1T"
+
+
+def test_check_says_what_an_image_must_hold_and_what_kuberay_cannot_select():
+    provider = providers.get("kuberay")
+    notes = "\n".join(provider.notes(provider.plan(load_task(ROOT / "tasks" / "openrlhf-ppo-llama3-8b.yaml"))))
+    assert "image nvcr.io/nvidia/pytorch:26.03-py3: it must hold bash and python3" in notes
+    assert "`ray health-check`" in notes and "placement.kuberay.ray_version" in notes
+    assert "request 8 GPUs of any type" in notes and "nvidia.com/gpu.product" in notes
+    data = copy.deepcopy(FULL)  # a product selected and the Ray named: neither note
+    plan = provider.plan(parse_task(data, "t.yaml"))
+    assert not [n for n in provider.notes(plan) if "any type" in n or "ray_version" in n]

@@ -21,6 +21,7 @@ class FakeDashboard:
 
     def __init__(self):
         self.jobs: dict[str, str] = {}
+        self.logs: dict[str, str] = {}
         self.submitted: list[str] = []
         fake = self
 
@@ -49,7 +50,7 @@ class FakeDashboard:
                 if sid not in fake.jobs:
                     return self.answer(404, {})
                 if path.endswith("/logs"):
-                    return self.answer(200, {"logs": ""})
+                    return self.answer(200, {"logs": fake.logs.get(sid, "")})
                 return self.answer(200, {"status": fake.jobs[sid]})
 
             def do_POST(self):
@@ -194,6 +195,7 @@ def test_ctrl_c_before_the_job_started_cancels_it_by_stopping_the_cluster(tmp_pa
     assert launch(ctrl_c_task(), provider) == 130
     out = capsys.readouterr().out
     assert provider.downs == ["t"]
+    assert "interrupted while waiting for the job to end" in out  # what the launcher was waiting for (item 12)
     assert "interrupted before the job's command started: stopping the cluster t, so that the job does not run" in out
     assert "stopped t" in out and "the job of t did not run" in out
     assert "keeps running" not in out
@@ -210,7 +212,8 @@ def test_ctrl_c_once_the_job_runs_stops_following_only(tmp_path, rlhf_home, caps
     out = capsys.readouterr().out
     assert provider.downs == []
     assert "stopped following; job t-c1 keeps running. Stop it with: rlhf-tasks stop t-c1 --cluster t" in out
-    assert "the cluster keeps running; stop it with: rlhf-tasks down t" in out
+    # Issue 30: without --keep the head ends the cluster when the job ends, launcher or not.
+    assert "the cluster ends itself when the job ends (or now: rlhf-tasks down t)" in out
 
 
 def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_path):
@@ -233,3 +236,73 @@ def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_pa
     tail = LogTail(cluster.node_logs, out=io.StringIO())
     assert follow_head_log(cluster, plan, tail, on_start=seen.append).status == "SUCCEEDED"
     assert seen == ["t-c1"]
+
+
+def preflight_log() -> tuple[str, dict]:
+    from rlhf_tasks.agent.protocol import PREFLIGHT_PREFIX
+
+    result = {"passed": True, "failed_step": None, "seconds": 2.4, "nodes": [{"node": f"node{i}"} for i in range(2)],
+              "table": ["node   address     gpus  bandwidth", "node0  10.0.0.1    0     -",
+                        "node1  10.0.0.2    0     930 Mbit/s"],
+              "notes": ["torch 2.13 on every node"], "warnings": ["node1: /dev/shm is 64 MiB"], "failures": [],
+              "facts": {"pad": "x" * 4000}}
+    log = ("gate: preflight starts\n" + PREFLIGHT_PREFIX + json.dumps(result) + "\n"
+           "gate: go\nstep 1/10 reward 0.1\n")
+    return log, result
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_logs_shows_preflight_as_the_launcher_does_and_raw_only_when_asked(follow, dashboard, rlhf_home, capsys):
+    """Issue 32, item 7: not the 4 KB JSON line preflight's gate prints for the head."""
+    log, result = preflight_log()
+    dashboard.jobs["t-1"] = "SUCCEEDED"
+    dashboard.logs["t-1"] = log
+    extra = ["--follow"] if follow else []
+    assert main(["logs", "t-1", "--address", dashboard.url, *extra]) == 0
+    out = capsys.readouterr().out
+    assert "RLHF_TASKS_PREFLIGHT" not in out and "xxxx" not in out, out
+    assert out == ("gate: preflight starts\npreflight passed in 2.4s: 2 nodes\n" + "\n".join(result["table"]) +
+                   "\npreflight: torch 2.13 on every node\npreflight WARNING: node1: /dev/shm is 64 MiB\n"
+                   "gate: go\nstep 1/10 reward 0.1\n"), out
+    assert main(["logs", "t-1", "--address", dashboard.url, "--raw", *extra]) == 0
+    assert capsys.readouterr().out == log
+
+
+def test_ctrl_c_while_pods_never_left_says_what_was_awaited_and_what_is_left(tmp_path, rlhf_home, capsys):
+    """Issue 32, item 12: Ctrl-C while the launcher waits for pods that stay Pending, and a
+    `down` whose wait for them to go runs out: not "not ready after 120s", but what was
+    awaited, and what is left running as the provider reports it."""
+    from rlhf_tasks.agent.protocol import wait_for
+    from rlhf_tasks.launch import launch
+    from rlhf_tasks.providers.dstack import DstackProvider
+
+    class Stuck(DstackProvider):
+        def ready(self, plan):
+            pass
+
+        def apply(self, plan, secrets):
+            state.save(plan.name, {"provider": "dstack", "cluster_id": "c1"})
+            asked = []
+
+            def pending():
+                asked.append(1)
+                if len(asked) == 3:
+                    raise KeyboardInterrupt  # the user's Ctrl-C, in the middle of the wait
+                return False, "0/2 pods left Pending"
+            wait_for("2 pods to leave Pending", pending, 600, interval=0.01)
+
+        def down(self, name):
+            return wait_for(f"the pods of {name} to go", lambda: (False, "2 pods left: t-head, t-worker"), 0.05,
+                            interval=0.01)
+
+        def status(self, name):
+            return "pod t-head: Pending (Unschedulable)\npod t-worker: Pending (Unschedulable)"
+
+    assert launch(ctrl_c_task(), Stuck()) == 130
+    out = capsys.readouterr().out
+    assert "interrupted while waiting for 2 pods to leave Pending, 0s of 600s (last: 0/2 pods left Pending)\n" in out
+    assert "interrupted before the job's command started" in out, out
+    assert "could not stop it (waiting for the pods of t to go failed: still not so after 0s (last: 2 pods left: " \
+           "t-head, t-worker))" in out, out
+    assert "what is left of it:\n  pod t-head: Pending (Unschedulable)\n  pod t-worker: Pending" in out, out
+    assert "not ready" not in out

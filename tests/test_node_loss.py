@@ -102,6 +102,12 @@ def test_lost_workers_are_replaced_and_the_job_resumes_from_its_checkpoint_each_
     cut, last_before = time.monotonic(), metrics(path)[-1]["step"]
     tbmod.poll(lambda: time.monotonic() - cut >= 5, 10, "5 s", 0.1)
     nodes.procs[2] = nodes.start(2, host=3)  # rank 2 again, on a fourth machine: 10.77.0.13
+    # Declared dead within wait.node_silence (12 s): the head says the node left once Ray has marked it
+    # DEAD, at its next check (every 2 s, between polls of the job's log that back off to 3 s).
+    tbmod.poll(lambda: "10.77.0.12 left the cluster" in nodes.head.output or None, 120,
+               "the head to say the silent node left", 0.1)
+    left = time.monotonic() - cut
+    assert left <= 12 + 6, f"the head said the silent node left {left:.1f}s after the cut"
     second = wait_rows(path, nodes.head, "the job to resume again", lambda rows: [
         r for r in rows if r.get("resumed_from", 0) > first[0]["resumed_from"]], 120)
     first_new = time.monotonic() - cut
@@ -118,7 +124,8 @@ def test_lost_workers_are_replaced_and_the_job_resumes_from_its_checkpoint_each_
     assert first[0]["resumed_from"] >= 10  # from a checkpoint, not from step 1
     assert first[0]["resumed_from"] < second[0]["resumed_from"] <= last_before  # the checkpoint before the cut
     assert first_new < 60, f"the first step after the cut came {first_new:.0f}s after it"
-    print(f"first step after the cut {first_new:.1f}s after it (steps {last_before} before, "
+    print(f"the silent node left {left:.1f}s after the cut; "
+          f"first step after the cut {first_new:.1f}s after it (steps {last_before} before, "
           f"{second[0]['resumed_from'] + 1} after)")
     import torch  # the latest checkpoint is whole: it loads, at the last step
 

@@ -400,7 +400,7 @@ def test_doctor_names_the_host_whose_checkpoint_dir_is_not_shared(tb, tmp_path):
 def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_running_cluster(tmp_path, cli_env):
     task = tmp_path / "pf.yaml"
     task.write_text(yaml.safe_dump({
-        "name": "pf", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
+        "name": "pf", "nodes": 2, "resources": {"cpus": 1, "shm_size": "1MB"}, "ray": {"object_store_memory": "80MB"},
         "preflight": {"torch": True},
         "job": {"recipe": "command", "working_dir": None,
                 "args": {"entrypoint": "python3 -c 'print(\"the job\", \"runs\")'"}}}))
@@ -419,6 +419,18 @@ def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_runnin
         assert doctor.returncode == 0, doctor.stdout[-5000:] + doctor.stderr[-3000:]
         assert "0 failed" in doctor.stdout and "  ok   checkpoint directory:" in doctor.stdout
         assert "is writable on every node and shared by all 2" in doctor.stdout
+        # Free disk and /dev/shm against the task's shm_size (README): each node's, and a shm_size this
+        # machine's /dev/shm cannot give fails naming the node and the fix (issue 32, item 13).
+        for rank in (0, 1):
+            assert re.search(rf"  ok   free disk on node{rank}\b.*GB free at", doctor.stdout), doctor.stdout
+            assert re.search(rf"  ok   /dev/shm on node{rank}\b.*, the task asks for 0\.0 GB", doctor.stdout)
+        big = tmp_path / "big" / "pf.yaml"
+        big.parent.mkdir()
+        big.write_text(task.read_text().replace("shm_size: 1MB", "shm_size: 100TB"))
+        short = cli("doctor", str(big), timeout=300)
+        assert short.returncode == 1, short.stdout[-5000:] + short.stderr[-3000:]
+        assert re.search(r"FAIL /dev/shm on node0\b.*, the task asks for 100000\.0 GB", short.stdout), short.stdout
+        assert "give the container a larger /dev/shm (resources.shm_size" in short.stdout
         wrong = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "doctor", "pf"], cwd=tmp_path,
                                env={**cli_env, "RAY_AUTH_TOKEN": "not-the-token"}, capture_output=True, text=True,
                                timeout=120)

@@ -1,6 +1,7 @@
 """`launch` and `down` with dstack and SkyPilot up to their CLIs, the remote boundary:
 a stand-in `dstack` / `sky` / `ssh` on PATH records how it was called and with which
-environment, so we check the argv, that secrets and the token reach the CLI by
+environment, so we check the argv (parsed with dstack's and SkyPilot's own CLI parsers,
+as the real commands would read it), that secrets and the token reach the CLI by
 environment only, and the install hint when the CLI is missing."""
 
 from __future__ import annotations
@@ -26,6 +27,52 @@ with open({log!r}, "a") as f:
 print({output!r}, end="", flush=True)
 sys.exit({code})
 """
+
+
+def dstack_parsed(argv: list[str]) -> tuple[str, dict]:
+    """`dstack ...` as dstack's own CLI reads it (its main's parser, every command registered):
+    the command and its arguments; a command line it would refuse fails the test."""
+    import argparse
+    import importlib
+
+    main = importlib.import_module("dstack._internal.cli.main")
+    parser = argparse.ArgumentParser(prog="dstack", exit_on_error=False)
+    commands = parser.add_subparsers(dest="command")
+    for name, command in vars(main).items():
+        if name.endswith("Command") and hasattr(command, "register"):
+            command.register(commands)
+    assert argv[0] == "dstack", argv
+    args, unknown = parser.parse_known_args(argv[1:])
+    assert unknown == [], f"dstack would not know {unknown} in {argv}"
+    return args.command, {k: v for k, v in vars(args).items() if k not in ("command", "func", "help")}
+
+
+def sky_parsed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict]:
+    """`sky ...` as SkyPilot's own click CLI reads it (with the environment the command saw:
+    `--secret NAME` reads NAME from it): the (sub)command names and the parameters given."""
+    import click
+    from sky.client.cli.command import cli
+
+    assert argv[0] == "sky", argv
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        ctx = cli.make_context("sky", list(argv[1:]))
+        command, names, rest = cli, [], [*ctx.protected_args, *ctx.args]
+        while isinstance(command, click.Group):
+            name, command, rest = command.resolve_command(ctx, rest)
+            names.append(name)
+            ctx = command.make_context(name, rest, parent=ctx)
+            rest = [*ctx.protected_args, *ctx.args] if isinstance(command, click.Group) else ctx.args
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert rest == [], f"sky would not know {rest} in {argv}"
+    return names, {k: v for k, v in ctx.params.items() if v not in (None, False, (), [])}
+
+
+def seen_env(call: dict) -> dict[str, str]:
+    return {k: v for k, v in (("RAY_AUTH_TOKEN", call["token"]), ("WANDB_API_KEY", call["wandb"])) if v}
 
 
 def fake_cli(bin_dir: Path, name: str, log: Path, code: int = 1, output: str = "") -> None:
@@ -82,7 +129,8 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     assert "head" in out.stderr  # the failed step is named
     call = json.loads(log.read_text().splitlines()[0])
     generated = tmp_path / "home" / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
-    assert call["argv"] == ["dstack", "apply", "-f", str(generated), "-y"]
+    assert dstack_parsed(call["argv"]) == ("apply", {"project": None, "configuration_file": str(generated),
+                                                     "yes": True, "force": False, "detach": False, "verbose": False})
     assert call["token"] and call["wandb"] == "wandb-value-xyz"  # by environment only
     rendered = call["files"][str(generated)]
     assert "RAY_AUTH_TOKEN" in rendered and call["token"] not in rendered and "wandb-value-xyz" not in rendered
@@ -153,7 +201,8 @@ def test_down_fails_when_the_providers_command_fails(tmp_path):
     fake_cli(bin_dir, "dstack", log, code=1)
     down = run_cli(["down", "boundary", "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
     assert down.returncode == 1 and "dstack stop boundary" in down.stderr, down.stdout + down.stderr
-    assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["dstack", "stop", "boundary", "-y"]
+    assert dstack_parsed(json.loads(log.read_text().splitlines()[-1])["argv"]) == \
+        ("stop", {"project": None, "abort": False, "yes": True, "run_name": "boundary"})
     fake_cli(bin_dir, "dstack", log, code=0)
     assert run_cli(["down", "boundary", "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir)).returncode == 0
 
@@ -167,12 +216,13 @@ def test_sky_launch_and_managed_launch(tmp_path):
     out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "sky"], tmp_path, env)
     assert out.returncode == 1, out.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert calls[0]["argv"] == ["sky", "launch", "-c", "boundary", "boundary.sky.yaml", "--secret", "WANDB_API_KEY",
-                                "--secret", "RAY_AUTH_TOKEN", "-y", "--detach-run"]
+    assert sky_parsed(calls[0]["argv"], seen_env(calls[0])) == (["launch"], {
+        "cluster": "boundary", "entrypoint": ("boundary.sky.yaml",), "yes": True, "detach_run": True,
+        "secret": (("WANDB_API_KEY", "wandb-value-xyz"), ("RAY_AUTH_TOKEN", calls[0]["token"]))})
     assert calls[0]["cwd"] == str(tmp_path / "home" / "runs" / "boundary" / "sky") and calls[0]["token"]
     assert calls[1]["argv"][0] == "ssh" and "8265:127.0.0.1:8265" in calls[1]["argv"]
     # No API server ran before this launch, so the failed launch stops the one `sky launch` started.
-    assert calls[-1]["argv"] == ["sky", "api", "stop"]
+    assert sky_parsed(calls[-1]["argv"], {}) == (["api", "stop"], {})
     assert not (tmp_path / "home" / "runs" / "boundary" / "sky").exists()
 
     # `sky jobs launch` streams the managed job's log with SkyPilot's prefix on every line; the head
@@ -184,9 +234,13 @@ def test_sky_launch_and_managed_launch(tmp_path):
     assert managed.returncode == 0, managed.stdout + managed.stderr
     assert "the job's own line" in managed.stdout and "RLHF_TASKS_RESULT" not in managed.stdout
     assert "job boundary-1: SUCCEEDED" in managed.stdout and "sky jobs launch exited with code 0" in managed.stdout
-    assert json.loads(log.read_text().splitlines()[-1])["argv"][:3] == ["sky", "jobs", "launch"]
+    launched = json.loads(log.read_text().splitlines()[-1])
+    assert sky_parsed(launched["argv"], seen_env(launched)) == (["jobs", "launch"], {
+        "name": "boundary", "entrypoint": ("boundary.sky.yaml",), "yes": True,
+        "secret": (("WANDB_API_KEY", "wandb-value-xyz"), ("RAY_AUTH_TOKEN", launched["token"]))})
     assert run_cli(["down", "boundary"], tmp_path, env).returncode == 0
-    assert json.loads(log.read_text().splitlines()[-1])["argv"] == ["sky", "jobs", "cancel", "-n", "boundary", "-y"]
+    assert sky_parsed(json.loads(log.read_text().splitlines()[-1])["argv"], {}) == \
+        (["jobs", "cancel"], {"name": "boundary", "yes": True})
 
 
 def test_managed_needs_head_submission_and_sky(tmp_path):
@@ -258,3 +312,50 @@ def test_local_setup_runs_once_on_the_head_where_every_node_shares_the_environme
     lines = {rank: next(line for line in script.splitlines() if line.strip().startswith(f"{rank})")) for rank in range(3)}
     assert "--skip-setup" not in lines[0]
     assert all("--skip-setup" in lines[rank] for rank in (1, 2))
+
+
+def test_a_missing_secret_is_said_once_before_anything_starts(tmp_path):
+    """dstack and SkyPilot refuse a secret the rendered file names and the environment lacks:
+    the launch refuses first (exit 2, nothing run or written), saying it once (issue 32, item 5)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    for cli in ("dstack", "sky", "ssh"):
+        fake_cli(bin_dir, cli, log, code=0)
+    env = env_with(tmp_path, bin_dir)
+    env.pop("WANDB_API_KEY")
+    for provider in ("dstack", "sky"):
+        out = run_cli(["launch", str(task_file(tmp_path)), "--provider", provider], tmp_path, env)
+        said = out.stdout + out.stderr
+        assert out.returncode == 2, said
+        assert "error: secrets: WANDB_API_KEY not set in your environment" in out.stderr, said
+        assert said.count("WANDB_API_KEY") == 1 and "launching" not in said, said
+        assert not log.exists() and not (tmp_path / "home").exists()
+
+
+def test_a_provider_that_runs_without_a_secret_says_so_once_before_launching(tmp_path, rlhf_home, monkeypatch, capsys):
+    from rlhf_tasks.launch import launch
+    from rlhf_tasks.providers.slurm import SlurmProvider
+    from rlhf_tasks.spec import parse_task
+
+    class Refused(Exception):
+        pass
+
+    class Slurm(SlurmProvider):
+        def ready(self, plan):
+            pass
+
+        def apply(self, plan, secrets):
+            assert "HF_TOKEN" not in secrets
+            raise Refused
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    task = parse_task({"name": "t", "nodes": 2, "secrets": ["HF_TOKEN"], "checkpoints": {"path": "/shared/t"},
+                       "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+    try:
+        launch(task, Slurm())
+    except Refused:
+        pass
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert said.count("HF_TOKEN") == 1 and "not set in your environment, so not passed: HF_TOKEN" in said
+    assert said.index("HF_TOKEN") < said.index("launching t on slurm")

@@ -762,3 +762,35 @@ exec sleep infinity
         client.delete_cluster(cluster["id"])
         assert runner.busy == {}
         assert api.errors == []
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/catalog/gpus?foo=1", "query.foo: unknown query parameter (this operation takes cloud, count, countryCodes"),
+    ("/catalog/gpus?count=0", "query.count: 0 is less than the minimum of 1"),
+    ("/catalog/gpus?count=two", "query.count: 'two' is not of type 'integer'"),
+    ("/catalog/gpus?cloud=MOON", "query.cloud: 'MOON' is not one of"),
+    ("/catalog/gpus?product=POD&product=CLUSTER", "query.product: given 2 times"),
+    ("/catalog/gpus?include=AVAILABILITY,AVAILABILITY", "query.include: ['AVAILABILITY', 'AVAILABILITY'] is too long"),
+    ("/catalog/datacenters?globalNetwork=yes", "query.globalNetwork: 'yes' is not of type 'boolean'"),
+    ("/catalog/datacenters?include=NOPE", "query.include[0]: 'NOPE' is not one of"),
+    ("/pods?includeClusterPods=", "query.includeClusterPods: '' is not of type 'boolean'"),
+    ("/pods?name=rt-", "query.name: unknown query parameter (this operation takes includeClusterPods)"),
+    ("/clusters?verbose=1", "query.verbose: unknown query parameter (this operation takes none)"),
+])
+def test_query_parameters_are_checked_against_the_operations_parameters(standin, path, words):
+    """Issue 32, item 14: every name and value, as RunPod's document declares them; the unknown refused."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(standin.url + path, headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    problem = json.loads(info.value.read())
+    assert info.value.code == 422 and any(words in e for e in problem["errors"]), problem
+
+
+def test_the_clients_own_queries_pass_the_check(standin, client):
+    """What the client sends (catalog filters, include, log tail and since) is what the document allows."""
+    assert client.datacenters(global_network=True, gpu_availability=True)
+    assert client.gpu_types(availability=True, product="CLUSTER", count=2, cloud="SECURE")
+    client.list_pods(include_cluster_pods=True)

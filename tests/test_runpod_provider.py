@@ -290,13 +290,38 @@ def live_pods(api: RunPodStandIn) -> list[str]:
     return [p.name for p in api.pods.values() if p.status != "TERMINATED"]
 
 
-def assert_key_nowhere(*texts: str, directories: tuple[Path, ...] = ()) -> None:
+#: The task's `secrets:` values in cli_env (and the API key): what no message or file may hold.
+SECRET_VALUES = {"RUNPOD_API_KEY": KEY, "WANDB_API_KEY": "wandb-value-42"}
+
+
+def sent_secrets(api: RunPodStandIn | None) -> dict[str, str]:
+    """The values RunPod was sent for the task's secrets and the Ray token (a create request's env:
+    RunPod v2 has no secret references), by name."""
+    found = {}
+    for request in api.requests if api is not None else []:
+        if request.method == "POST" and request.path in ("/v2/pods", "/v2/clusters") and request.body:
+            for name, value in (request.body.get("env") or {}).items():
+                if name in ("RAY_AUTH_TOKEN", *SECRET_VALUES) and value:
+                    found[f"{name} ({value[:4]}...)"] = value
+    return found
+
+
+def assert_key_nowhere(*texts: str, directories: tuple[Path, ...] = (), api: RunPodStandIn | None = None) -> None:
+    """Neither the API key nor any value of the task's secrets nor a Ray token the launch made (every
+    value RunPod was sent, `api`) in what was said or in any file under `directories` (records, node
+    logs, renders): only the token's own file, clusters/NAME/token, holds a token."""
+    secrets = {**SECRET_VALUES, **sent_secrets(api)}
+    assert not api or any(name.startswith("RAY_AUTH_TOKEN") for name in secrets), "no token was sent to look for"
     for text in texts:
-        assert KEY not in text
+        for name, value in secrets.items():
+            assert value not in text, f"{name} in what was said"
     for directory in directories:
         for path in Path(directory).rglob("*"):
-            if path.is_file():
-                assert KEY.encode() not in path.read_bytes(), path
+            if not path.is_file() or (path.name == "token" and path.parent.parent.name == "clusters"):
+                continue
+            data = path.read_bytes()
+            for name, value in secrets.items():
+                assert value.encode() not in data, f"{name} in {path}"
 
 
 @pytest.mark.parametrize("change,words", [
@@ -357,7 +382,7 @@ def test_a_failed_third_pod_leaves_no_pod_and_names_runpods_message(standin, tmp
     # Nothing is kept of a launch that never started: no token, no record, no staged files.
     assert not (tmp_path / "home" / "clusters" / "rp-contract").exists()
     assert not (tmp_path / "home" / "runs" / "rp-contract" / "runpod").exists()
-    assert_key_nowhere(out.stdout, out.stderr, directories=(tmp_path,))
+    assert_key_nowhere(out.stdout, out.stderr, directories=(tmp_path,), api=standin)
 
 
 def test_ctrl_c_while_the_pods_start_terminates_them(tmp_path):
@@ -382,7 +407,7 @@ def test_ctrl_c_while_the_pods_start_terminates_them(tmp_path):
         assert "failed: starting the pods: interrupted (Ctrl-C); terminated 3 pod(s)" in said, said
         assert live_pods(api) == []
         assert api.errors == []
-        assert_key_nowhere(said, directories=(tmp_path,))
+        assert_key_nowhere(said, directories=(tmp_path,), api=api)
     runner.close()
 
 
@@ -599,9 +624,7 @@ def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_pat
     assert record["ended"] and record["job"]["status"] == "SUCCEEDED"
     down = run_cli(["down", "tiny-grpo"], env)
     assert down.returncode == 0 and "the cluster ended at" in down.stdout
-    token = [r.body["env"]["RAY_AUTH_TOKEN"] for r in api.requests if r.path == "/v2/pods" and r.body][0]
-    assert token not in said
-    assert_key_nowhere(said, down.stdout, down.stderr, directories=(tmp_path, testbed3.dir))
+    assert_key_nowhere(said, down.stdout, down.stderr, directories=(tmp_path, testbed3.dir), api=api)
 
 
 def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(testbed3, tb_standin, tmp_path):
@@ -627,7 +650,7 @@ def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(te
     assert api.clusters == {} and live_pods(api) == []
     for host in range(3):
         assert testbed3.processes(host) == []
-    assert_key_nowhere(said, status.stdout, down.stdout, directories=(tmp_path, testbed3.dir))
+    assert_key_nowhere(said, status.stdout, down.stdout, directories=(tmp_path, testbed3.dir), api=api)
 
 
 class NetnsRelay:
@@ -635,8 +658,8 @@ class NetnsRelay:
     reaches the API stand-in as it would reach api.runpod.io. The listening socket is made
     in a thread that entered the host's network namespace (setns is per thread)."""
 
-    def __init__(self, netns: str, target_port: int):
-        self.target_port, self.port = target_port, None
+    def __init__(self, netns: str, target_port: int, address: str = "127.0.0.1"):
+        self.target_port, self.port, self.address = target_port, None, address
         self.accepted: queue.Queue = queue.Queue()
         ready = threading.Event()
         threading.Thread(target=self._connect, daemon=True).start()  # made here: this namespace
@@ -652,7 +675,7 @@ class NetnsRelay:
         finally:
             os.close(fd)
         self.server = socket.socket()
-        self.server.bind(("127.0.0.1", 0))
+        self.server.bind((self.address, 0))
         self.server.listen(32)
         self.port = self.server.getsockname()[1]
         ready.set()
@@ -741,7 +764,7 @@ def test_client_submission_through_the_ssh_forward_from_a_laptop(testbed3, tb_st
                       background=False, timeout=300)
         assert down.returncode == 0 and "terminated 2 pod(s)" in down.output, down.output
         assert live_pods(api) == [] and tunnels(tb) == []
-        assert_key_nowhere(said, jobs.output, down.output, directories=(home,))
+        assert_key_nowhere(said, jobs.output, down.output, directories=(home,), api=api)
     finally:
         relay.close()
         agent.kill()

@@ -75,14 +75,14 @@ def test_a_testbed_without_the_mark_fails_before_it_makes_a_namespace(inner):
 def test_slurm_ray_or_a_container_started_by_hand_needs_the_mark(inner, tmp_path):
     bin_dir = tmp_path / "fake-bin"
     bin_dir.mkdir()
-    for name in ("srun", "raylet", "podman"):  # stand-ins: they start nothing, the guard looks at the name
+    for name in ("srun", "raylet", "podman", "ray"):  # stand-ins: they start nothing, the guard looks at the name
         (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
         (bin_dir / name).chmod(0o755)
     inner.makepyfile(test_x=f"""
         import subprocess
         import pytest
 
-        PROGRAMS = ["srun", "raylet", "podman"]
+        PROGRAMS = ["srun", "raylet", "podman", "ray"]  # `ray start` too (issue 32, item 17)
 
         def run(program):
             assert subprocess.run([{str(bin_dir)!r} + "/" + program, "run"]).returncode == 0
@@ -100,6 +100,69 @@ def test_slurm_ray_or_a_container_started_by_hand_needs_the_mark(inner, tmp_path
             assert subprocess.run(["true"]).returncode == 0
     """)
     result = inner.runpytest_subprocess("-q")
-    result.assert_outcomes(failed=3, passed=4)
+    result.assert_outcomes(failed=4, passed=5)
     result.stdout.fnmatch_lines([f"test_x.py::test_unmarked?{name}? starts `*/{name} run` but has no `cluster` mark*"
-                                 for name in ("srun", "raylet", "podman")])
+                                 for name in ("srun", "raylet", "podman", "ray")])
+
+
+SKIPPERS = """
+    import pytest
+    from conftest import need
+
+    def test_need():
+        need(False, "a package this machine lacks")
+
+    def test_importorskip():
+        pytest.importorskip("no_such_module_rlhf_tasks")
+
+    def test_skip():
+        pytest.skip("a helper's own skip")
+"""
+
+
+@pytest.mark.parametrize("ci", ["true", "True", "TRUE"])
+def test_in_ci_nothing_skips_whatever_the_case_of_ci(inner, monkeypatch, ci):
+    """need(), pytest.importorskip and a bare skip all fail in CI, with CI=true in any case (issue 32,
+    item 17: the testbed lowercases CI where the conftest compared it case-sensitively)."""
+    monkeypatch.setenv("CI", ci)
+    inner.makepyfile(test_x=SKIPPERS)
+    result = inner.runpytest_subprocess("-q", "-rf")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(["*required in CI: a package this machine lacks*",
+                                 "*skipped in CI, where nothing may skip*no_such_module_rlhf_tasks*",
+                                 "*skipped in CI, where nothing may skip*a helper's own skip*"])
+
+
+def test_outside_ci_they_skip_with_the_reason(inner, monkeypatch):
+    monkeypatch.setenv("CI", "false")
+    inner.makepyfile(test_x=SKIPPERS)
+    inner.runpytest_subprocess("-q").assert_outcomes(skipped=3)
+
+
+def test_a_stand_in_the_test_declares_is_not_a_cluster(inner, tmp_path):
+    """A `ray` that only records its argv, declared with conftest.stand_in: the guard lets it run;
+    the same name elsewhere on PATH still needs the mark."""
+    inner.makepyfile(test_x="""
+        import os
+        import subprocess
+        from conftest import stand_in
+
+        def make(tmp_path):
+            ray = tmp_path / "bin" / "ray"
+            ray.parent.mkdir()
+            ray.write_text("#!/bin/sh\\nexit 0\\n")
+            ray.chmod(0o755)
+            return ray
+
+        def test_declared(tmp_path):
+            stand_in(make(tmp_path))
+            env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+            assert subprocess.run(["ray", "start"], env=env).returncode == 0
+
+        def test_undeclared(tmp_path):
+            env = dict(os.environ, PATH=f"{make(tmp_path).parent}:{os.environ['PATH']}")
+            subprocess.run(["ray", "start"], env=env)
+    """)
+    result = inner.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_undeclared starts `ray start` but has no `cluster` mark*"])

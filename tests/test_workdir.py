@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import need
 from rlhf_tasks import workdir
 from rlhf_tasks.cli import main
 from rlhf_tasks.errors import BadInput
@@ -76,8 +77,27 @@ def test_too_big_is_refused_with_its_size_biggest_entries_and_how_to_exclude(tmp
         workdir.check(str(tmp_path), DEFAULT_EXCLUDES)
     said = str(err.value)
     assert said.startswith("job.working_dir: ") and "104 MiB" in said and "limit of 100 MiB" in said
-    assert "datasets/ 101 MiB, notes.tar 3 MiB" in said and 'job.excludes: ["/datasets/", "/notes.tar"]' in said
+    assert "datasets/ 101 MiB, notes.tar 3 MiB" in said and 'job.excludes: ["/datasets/"]' in said, said
     assert ("not installed" in said) == (traversal == "stdlib")
+
+
+def test_too_big_suggests_only_the_entries_that_bring_it_under_the_limit(tmp_path, traversal):
+    """Not `/src/` of 9 bytes beside the one entry that matters (issue 32, item 9)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("print(1)\n")
+    sparse(tmp_path / "weights.tar", workdir.upload_limit() + 2**20)
+    with pytest.raises(BadInput) as err:
+        workdir.check(str(tmp_path), DEFAULT_EXCLUDES)
+    said = str(err.value)
+    assert "the biggest entries: weights.tar 101 MiB." in said and 'job.excludes: ["/weights.tar"]' in said, said
+    assert "src" not in said
+    sparse(tmp_path / "a.tar", 60 * 2**20)  # now two entries must go: the biggest first, then the next
+    sparse(tmp_path / "weights.tar", 60 * 2**20)
+    sparse(tmp_path / "b.tar", 45 * 2**20)
+    with pytest.raises(BadInput) as err:
+        workdir.check(str(tmp_path), DEFAULT_EXCLUDES)
+    assert 'job.excludes: ["/a.tar", "/weights.tar"]' in str(err.value) or \
+        'job.excludes: ["/weights.tar", "/a.tar"]' in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("files, ignores, excludes", [
@@ -87,7 +107,7 @@ def test_too_big_is_refused_with_its_size_biggest_entries_and_how_to_exclude(tmp
     ({"a.py": 1, "out/1": 5, "src/out/2": 3, "lib/t.py": 2}, {}, ["/out", "lib/**/*.py"]),
 ])
 def test_the_standard_library_traversal_follows_rays_rules(tmp_path, monkeypatch, files, ignores, excludes):
-    pytest.importorskip("ray")
+    need(importlib.util.find_spec("ray") is not None, "Ray is installed (the test extras), to compare with its rules")
     for name, size in files.items():
         sparse(tmp_path / name, size)
     for name, text in ignores.items():

@@ -182,6 +182,12 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def in_ci() -> bool:
+    """Whether this runs in CI (CI=true, in any case: some set True, and hosts get it lowercased),
+    where a missing requirement fails a test instead of skipping it."""
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
 def require_root() -> str | None:
     """Reason to skip, or None.  In CI (CI=true) missing root is an error, never a skip."""
     if os.geteuid() == 0:
@@ -190,7 +196,7 @@ def require_root() -> str | None:
                 raise TestbedError(f"testbed needs `{tool}` (util-linux / iproute2)")
         return None
     reason = "testbed needs root (network/PID/mount namespaces)"
-    if os.environ.get("CI", "").lower() == "true":
+    if in_ci():
         raise TestbedError(f"{reason}; CI must run these tests as root")
     return reason
 
@@ -492,6 +498,12 @@ class Testbed:
         """Make ``name`` (e.g. ``abc123.runpod.internal``) resolve to host i on every host."""
         self.aliases[name] = i
         self._write_hosts_file()
+
+    def set_aliases(self, aliases: Mapping[str, int]) -> None:
+        """Make exactly these names (name -> host index) resolve, beside the hosts' own."""
+        if dict(aliases) != self.aliases:
+            self.aliases = dict(aliases)
+            self._write_hosts_file()
 
     # ----------------------------------------------------------------- running
 

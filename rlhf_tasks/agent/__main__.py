@@ -31,8 +31,11 @@ import signal
 import sys
 from typing import List, Optional
 
-from .attached import BeforeRayFlow, PrepareFlow, StartedHeadFlow
+from .attached import BeforeRayFlow, StartedHeadFlow
+from .budget import SIGNAL as WATCH_SIGNAL
+from .budget import Ending
 from .contract import locate, read_contract
+from .ending import end_machine
 from .forensics import tee_stdout
 from .head import HeadFlow
 from .jobrunner import gate_main
@@ -58,6 +61,18 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
+_flows = []  # the flow running now, for the budget watch's signal
+
+
+def _on_watch(signum, frame):
+    """The head's budget or idle watch ends the cluster (budget.Watch): raise its ending here,
+    in the main thread, once."""
+    watch = getattr(_flows[-1], "watch", None) if _flows else None
+    ending = watch.take() if watch is not None else None
+    if ending is not None:
+        raise ending
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gate"]:
@@ -72,20 +87,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")
     parser.add_argument("--log-dir", default=None, help="where Ray's and the services' output goes (default: state dir)")
     started = parser.add_mutually_exclusive_group()  # Ray started by someone else (see attached.py)
-    started.add_argument("--prepare-only", action="store_true", help="the head before its Ray starts: setup and "
-                         "prepare, then exit")
     started.add_argument("--before-ray", metavar="ENV_FILE", help="just before someone else's `ray start`: setup, "
-                         "a worker's every-node services (left running), the environment for Ray written to ENV_FILE")
+                         "the head's prepare, a worker's every-node services (left running), the environment for "
+                         "Ray written to ENV_FILE")
     started.add_argument("--ray-started", action="store_true", help="the job runner on a head whose Ray someone "
                          "else started: services, every node, preflight, the job")
     args = parser.parse_args(argv)
-    attached = args.prepare_only or args.before_ray or args.ray_started
+    attached = args.before_ray or args.ray_started
     signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(WATCH_SIGNAL, _on_watch)
     result = {"exit_code": 2, "rank": None, "error": None, "steps": []}  # type: dict
+    plan_end = None  # the plan's self_end: how this machine ends itself once the agent is done
     node = flow = None
     signalled = False  # the cluster is being torn down: no waiting for anyone
     try:
         plan = load_plan(args.plan)
+        plan_end = plan.get("self_end") if not args.before_ray else None
         info = read_contract(plan["contract"], os.environ)
         if attached and info.rank == 0:
             info.head = None  # this node is the head: its own address, no service name to resolve yet
@@ -93,8 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["rank"] = info.rank
         log.label = "node%d" % info.rank
         log("%s node %d of %d, address %s, head %s" % (plan["provider"], info.rank, info.nodes, info.node_addr, info.head))
-        # prepare talks to no Ray (and runs before the operator's token reaches the pod)
-        env = node_env(dict(plan, token_env=None) if args.prepare_only else plan, info, os.environ)
+        env = node_env(plan, info, os.environ)
         net = {k: env[k] for k in sorted(plan["network_env"]) if k in env}
         log("network preset %s: %s" % (plan["network"], " ".join(
             "%s=%s%s" % (k, v, " (from the node's environment)" if os.environ.get(k) and k not in plan["env"] else "")
@@ -110,9 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if attached and plan["job"].get("mode") == "every_node":
             raise AgentError("choosing the node's flow", "job mode every_node runs no Ray, and here Ray is started "
                              "by someone else", code=2)
-        if args.prepare_only:
-            flow = PrepareFlow(node)
-        elif args.before_ray:
+        if args.before_ray:
             flow = BeforeRayFlow(node, args.before_ray)
         elif args.ray_started:
             if info.rank != 0:
@@ -123,7 +137,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             flow = EveryNodeFlow(node)
         else:
             flow = HeadFlow(node) if info.rank == 0 else WorkerFlow(node)
+        _flows.append(flow)
         result["exit_code"] = flow.run()
+    except Ending as exc:
+        log(exc.message)
+        result.update(exit_code=exc.code, ended=exc.message, **({"error": exc.message, "failed_step": exc.step}
+                                                               if exc.code else {}))
     except AgentError as exc:
         log("ERROR: %s" % exc)
         result.update(exit_code=exc.code, error=str(exc), failed_step=exc.step)
@@ -140,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result.update(exit_code=exc.code, error="stopped by signal %d" % (exc.code - 128))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        signal.signal(WATCH_SIGNAL, signal.SIG_IGN)  # nor the budget watch
         if flow is not None and result["exit_code"] and not signalled and hasattr(flow, "gather_forensics"):
             flow.gather_forensics(result.get("error") or "exit code %s" % result["exit_code"])  # before any teardown
         if flow is not None:
@@ -150,6 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["steps"] = node.steps
             log("stopped the processes this agent started")
         print(result_line(result), flush=True)
+        if plan_end is not None:
+            end_machine(plan_end, head=result.get("rank") == 0)
     return result["exit_code"]
 
 

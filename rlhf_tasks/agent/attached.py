@@ -2,11 +2,12 @@
 in every pod itself, as KubeRay does). Three short roles instead of the head's and the
 workers' flows, each a separate command the rendered pods run:
 
-  --prepare-only        rank 0 before its Ray starts (an init container): setup, prepare.
   --before-ray FILE     every node, just before the operator's `ray start` in the same shell:
-                        setup, a worker's every-node services (ready, and left running), and
-                        the environment Ray must start with (network preset, the plan's env,
-                        the agent's package on PYTHONPATH) written to FILE to be sourced.
+                        setup, rank 0's prepare, a worker's every-node services (ready, and
+                        left running), and the environment Ray must start with (network
+                        preset, the plan's env, the agent's package on PYTHONPATH) written to
+                        FILE to be sourced. Setup runs once per pod, in the container Ray
+                        runs in (an init container's installs would not reach it).
   --ray-started         the job runner on the head (the cluster's job entrypoint): the head's
                         services, every node and GPU in, preflight, then the job with its
                         restart policy, exactly as the head's own flow does once its Ray is up.
@@ -19,9 +20,13 @@ import shlex
 import time
 from typing import Dict
 
+from .forensics import Keeper
 from .head import HeadFlow
-from .protocol import AgentError, http_check, log, probe_tcp, wait_for
+from .protocol import http_check, log, probe_tcp, wait_for
 from .raynode import Node
+
+#: How often the linker left behind by --before-ray looks for the Ray session the operator starts.
+LINK_POLL_S = 0.5
 
 #: Variables the operator sets on its pods itself (the token comes from its Secret): never
 #: written to the environment file.
@@ -52,29 +57,6 @@ class StartedRay(object):
         """Not ours to stop."""
 
 
-class PrepareFlow(object):
-    """Rank 0's prepare before its Ray starts (setup ran before, unless skipped)."""
-
-    def __init__(self, node: Node):
-        self.node = node
-
-    def run(self) -> int:
-        if self.node.info.rank != 0:
-            raise AgentError("prepare", "--prepare-only runs on the head (rank 0), this is rank %d"
-                             % self.node.info.rank, code=2)
-        if self.node.plan["prepare"]:
-            self.node.run_commands("prepare", self.node.plan["prepare"])
-        else:
-            log("nothing to prepare")
-        return 0
-
-    def result(self) -> dict:
-        return {}
-
-    def stop(self, signalled: bool = False) -> None:
-        pass
-
-
 def ray_env_lines(env: Dict[str, str], base: Dict[str, str]) -> str:
     """`export K=V` lines for what the agent's environment adds to or changes in `base`
     (secrets and the operator's token are unchanged, so never written)."""
@@ -84,15 +66,18 @@ def ray_env_lines(env: Dict[str, str], base: Dict[str, str]) -> str:
 
 
 class BeforeRayFlow(object):
-    """Every node, before the operator's `ray start`: a worker starts its every-node services
-    and waits until they answer (they stay up after this agent exits: a node that joins Ray
-    has its services ready); then the environment Ray must start with goes to `env_file`."""
+    """Every node, before the operator's `ray start` (setup has run): the head runs `prepare`,
+    a worker starts its every-node services and waits until they answer (they stay up after
+    this agent exits: a node that joins Ray has its services ready); then the environment Ray
+    must start with goes to `env_file`."""
 
     def __init__(self, node: Node, env_file: str):
         self.node, self.env_file = node, env_file
 
     def run(self) -> int:
         node = self.node
+        if node.info.rank == 0 and node.plan["prepare"]:
+            node.run_commands("prepare", node.plan["prepare"])
         if node.info.rank != 0:  # the head's services are the job runner's (--ray-started)
             node.detach_services = True
             node.start_services(("every_node",))
@@ -103,6 +88,7 @@ class BeforeRayFlow(object):
             handle.write(ray_env_lines(node.env, dict(os.environ)))
         log("the environment for Ray is in %s; Ray starts next" % self.env_file)
         node.services = []  # handed over: they run on beside Ray
+        link_when_ray_starts(node)
         return 0
 
     def result(self) -> dict:
@@ -110,6 +96,27 @@ class BeforeRayFlow(object):
 
     def stop(self, signalled: bool = False) -> None:
         pass
+
+
+def link_when_ray_starts(node: Node) -> None:
+    """Leave behind a process that links this node's agent files into the Ray session the
+    operator is about to start (as a node agent does right after its own `ray start`), so a
+    failure's bundle, read through Ray's log API, holds them and names the node by its rank.
+    It gives up after wait.head; it is the pod's, and ends with it."""
+    if os.fork():
+        return
+    try:  # the child: its own session, no hold on the container's output
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        keeper = Keeper(node)
+        deadline = time.monotonic() + node.plan["wait"]["head_s"]
+        while keeper.linked is None and time.monotonic() < deadline:
+            time.sleep(LINK_POLL_S)
+            keeper.link()
+    finally:
+        os._exit(0)
 
 
 class StartedHeadFlow(HeadFlow):

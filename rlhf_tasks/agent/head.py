@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from .beacon import ReadyBeacon, reachable
+from .budget import Watch
 from .forensics import keeper, on_failure
 from .jobrunner import JobRunner
 from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
@@ -38,6 +39,11 @@ class HeadFlow(object):
         self.preflight_result = None  # type: Optional[dict]
         self.preflight_at = None  # type: Optional[str]  (when preflight's result came)
         self.started_ms = int(time.time() * 1000)
+        # The budget and idle watch, from the head's start: it holds with no launcher attached.
+        self.watch = Watch(self.plan, lambda: DashboardJobs(node.dashboard, node.token).jobs(),
+                           kept=bool(self.plan.get("keep_cluster")), client=self.plan["job"]["submit"] == "client")
+        self.watch.stop_job = lambda sid: DashboardJobs(node.dashboard, node.token).stop(sid)
+        self.watch.start()
 
     def run(self) -> int:
         node, plan = self.node, self.plan
@@ -69,7 +75,7 @@ class HeadFlow(object):
         # the job behind a gate that runs preflight (it waits for the nodes itself) and opens once
         # the head saw preflight pass; preflight as a job of its own when no gated job carries it.
         jobs = DashboardJobs(node.dashboard, node.token)
-        self.runner = runner = JobRunner(node, jobs, self.finish)
+        self.runner = runner = JobRunner(node, jobs, self.finish, self.watch)
         preflight = HeadPreflight(node, jobs) if plan["preflight"]["enabled"] else None
         gate = None
         try:
@@ -110,9 +116,12 @@ class HeadFlow(object):
             attempts = job.get("attempts") or [{}]
             self.gather_forensics("job %s ended %s%s" % (job.get("submission_id"), job.get("status") or "early", (
                 ": %s" % attempts[-1]["cause"]) if attempts[-1].get("cause") else ""))
-        if self.plan.get("keep_cluster"):
+        if self.plan.get("keep_cluster") and not self.watch.at_cap.is_set():
             print(result_line(dict(self.result(), exit_code=None, rank=0, steps=self.node.steps)), flush=True)
-            log("the cluster stays up until `rlhf-tasks down %s`" % self.plan["name"])
+            idle = (self.plan.get("budget") or {}).get("idle_s", 3600.0)
+            log("the cluster stays up until `rlhf-tasks down %s`%s" % (self.plan["name"], (
+                ", or until it has had no running job for %.0fs (placement.idle)" % idle) if idle else ""))
+            self.watch.run_over.set()
             self.supervise()
 
     def keep_preflight(self, result: dict) -> None:
@@ -122,6 +131,8 @@ class HeadFlow(object):
     def gather_forensics(self, reason: str) -> None:
         """Once, before anything is torn down: every node's logs in a bundle, each node's first
         error (not for a job someone STOPPED: that is no failure to explain)."""
+        if self.watch.at_cap.is_set() or self.watch.ending is not None:
+            return  # the cluster ended itself at a cap or idle: no failure to explain
         if self.forensics is None and (self.runner is None or self.runner.job.get("status") != "STOPPED"):
             self.forensics = on_failure(self.node, reason, self.preflight_result, self.started_ms,
                                         self.preflight_at)
@@ -140,6 +151,8 @@ class HeadFlow(object):
             out["job_log_tail"] = runner.follower.log_text[-JOB_LOG_TAIL_CHARS:]
         if self.forensics is not None:
             out["forensics"] = self.forensics
+        if self.watch.report is not None:
+            out["budget"] = self.watch.report
         return out
 
     def stop(self, signalled: bool = False) -> None:
@@ -147,6 +160,7 @@ class HeadFlow(object):
         before the head's Ray stops, so the head is the last to exit (a scheduler that kills
         the rest when one task fails then kills nothing); when the cluster is being torn down
         (a signal), just close the beacon."""
+        self.watch.close()
         if self.beacon is None:
             return
         if signalled or self.node.ray is None or not self.node.ray.alive():

@@ -152,6 +152,8 @@ def gate_main(argv: List[str]) -> int:
         return 2
     path, timeout_s = ours[0], float(ours[1])
     deadline = time.monotonic() + timeout_s
+    print("rlhf-tasks: the job's gate is waiting for %sthe head's word (up to %.0fs)"
+          % ("preflight, then " if ours[2:] else "", timeout_s), flush=True)
     if ours[2:] and not gated_preflight(ours[3:]):
         return 1
     while True:
@@ -193,8 +195,9 @@ class JobRunner(object):
     runs when the job is over, before the runner returns or fails (the head's result line
     and, with keep_cluster, supervising the cluster)."""
 
-    def __init__(self, node: Node, jobs: DashboardJobs, finish: Callable[[], None]):
+    def __init__(self, node: Node, jobs: DashboardJobs, finish: Callable[[], None], watch=None):
         self.node, self.plan, self.info, self.jobs, self.finish = node, node.plan, node.info, jobs, finish
+        self.watch = watch  # budget.Watch: at a cap the job is not restarted
         self.job = {}  # type: dict  (submission_id, status, attempts; for the result line)
         self.follower = None  # type: Optional[JobFollower]
         self.expected = {}  # type: dict  (node id -> address: the nodes the running attempt started with)
@@ -238,6 +241,8 @@ class JobRunner(object):
             self.job["status"] = status
             attempts.append({"submission_id": sid, "status": status, "cause": cause and cause.reason,
                              "seconds": round(seconds, 1)})
+            if self.watch is not None and self.watch.at_cap.is_set():
+                self.at_cap(sid)
             if cause is None:
                 break
             verdict = restart_policy(attempts[:-1], cause, seconds, mark, checkpoint_mark(self.plan.get("checkpoint_dir")),
@@ -256,6 +261,17 @@ class JobRunner(object):
         if status != "SUCCEEDED":
             raise AgentError("running job %s" % sid, "it ended %s" % status)
         return 0
+
+    def at_cap(self, sid: str) -> None:
+        """The job ended at a cap (its driver got SIGTERM): no restart. Once the watch's grace is
+        over and it has said where the last checkpoint is, the run ends with its words."""
+        watch = self.watch
+        watch.handled = True  # this thread ends the run, not the watch's signal
+        watch.join()
+        self.job["status"] = self.jobs.status(sid) or self.job.get("status")
+        self.job["attempts"][-1]["status"] = self.job["status"]
+        self.finish()
+        raise watch.ending
 
     def run_attempt(self, sid: str, attempt: int, can_restart: bool = True,
                     gate: Optional[Gate] = None) -> Tuple[Optional[str], Optional[Restart], float]:
@@ -297,6 +313,8 @@ class JobRunner(object):
             return None, restart, time.monotonic() - started
         seconds = time.monotonic() - started
         log("job %s %s after %.1fs" % (sid, status, seconds))
+        if self.watch is not None and self.watch.at_cap.is_set():
+            return status, None, seconds  # stopped at a cap: nothing to restart
         if status != "FAILED":  # SUCCEEDED, or STOPPED by someone: nothing to restart
             return status, None, seconds
         missing = self.lost_after_failure() if can_restart else self.missing_nodes(True)

@@ -112,6 +112,12 @@ class Provider:
             raise BadInput(f"--provider {self.name}: unknown options {sorted(unknown)}")
         self.chosen = {option.dest: options.get(option.dest) for option in self.options}
 
+    @classmethod
+    def live(cls, record: dict) -> bool:
+        """Whether the cluster of this record may still run (and bill): until the record says it
+        ended. A provider that can tell from here that it ended on its own says so."""
+        return not record.get("ended")
+
     def relaunches(self) -> int:
         """How often `launch` relaunches the whole task when its head is lost (the provider's
         own relaunch, like dstack's `retry`, happens outside and needs none)."""
@@ -123,6 +129,12 @@ class Provider:
 
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
+
+    def notes(self, plan: Plan) -> list[str]:
+        """What `check` and `render` say the plan leaves to the user on this provider (warnings,
+        not refusals): the shared-storage warning, and the provider's own."""
+        warning = self.shared_storage_warning(plan)
+        return [warning] if warning else []
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """Why a multi-node task's checkpoints would be seen by one node only here, if so
@@ -193,9 +205,23 @@ class Provider:
         """Stop the cluster; StepFailed when the provider could not."""
         raise NotImplementedError
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        """Why this provider cannot launch `plan` while these of its secrets are not set here
+        (the launcher refuses before anything starts, exit 2); None: it launches without them,
+        and the launcher says once which are not passed."""
+        return None
+
     def status(self, name: str) -> str | None:
         """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
         return None
+
+    def cluster_token(self, name: str) -> str | None:
+        """The Ray token of a cluster whose token the provider makes itself (kept here for `env`,
+        `token`, `submit`); None where rlhf-tasks makes it (the record's token file is the one)."""
+        return None
+
+    #: Whether the provider makes the cluster's Ray token (then `token NAME` reads it, never invents one).
+    makes_token: ClassVar[bool] = False
 
     def forward(self, name: str, port: int | None = None) -> int:
         """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""

@@ -135,6 +135,10 @@ class DstackProvider(Provider):
     def ready(self, plan: Plan) -> None:
         require_cli("dstack", "dstack")
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        return ("the rendered file names every secret in its env, and `dstack apply` fills each from your "
+                "environment and refuses one that is not set (\"Environment variable NAME is not set\")")
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")

@@ -123,8 +123,8 @@ class LocalProvider(Provider):
         plan = super().plan(task)
         cluster_id = pysecrets.token_hex(4)
         gcs, dashboard, client, ready = _free_ports(4)
-        # The launcher owns a local cluster's life: its head stays up after the job until `down`.
-        return plan.replace(cluster_id=cluster_id, keep_cluster=True, ray={
+        # The head ends the cluster when its run is over (unless `launch --keep`), launcher or not.
+        return plan.replace(cluster_id=cluster_id, ray={
             "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,
             "temp_dir": f"/tmp/rlhf-{cluster_id}",  # short: Ray's socket paths must stay under 108 bytes
             # Ray's default, 30% of RAM, for each of N nodes here would not fit.
@@ -158,6 +158,12 @@ class LocalProvider(Provider):
                   f'[ $# -gt 0 ] || set -- {" ".join(str(r) for r in range(plan.nodes))}',
                   'for rank in "$@"; do start_node "$rank"; done']
         return {"start-nodes.sh": "\n".join(lines) + "\n", "plan.json": plan.to_json()}
+
+    @classmethod
+    def live(cls, record: dict) -> bool:
+        """A local cluster lives while one of its node agents does (it may have ended itself, with no
+        launcher attached to record it)."""
+        return not record.get("ended") and any(pid_alive(pid) for pid in record.get("pids", []))
 
     def _running(self, name: str) -> list[int]:
         record = state.load(name) or {}
@@ -216,6 +222,13 @@ class LocalProvider(Provider):
         return Cluster(name=name, cluster_id=plan.cluster_id, dashboard=dashboard, token=token,
                        head_alive=lambda: pid_alive(agents[0]),
                        node_logs=[str(logs / f"node-{rank}.log") for rank in range(plan.nodes)], tend=tend)
+
+    def status(self, name: str) -> str | None:
+        """Its node agents on this machine, by the PIDs recorded at launch."""
+        pids = (state.load(name) or {}).get("pids") or []
+        running = [pid for pid in pids if pid_alive(pid)]
+        return f"{name}: a local cluster; node agents: {len(running)} of {len(pids)} running on this machine" + \
+            (f" (PIDs {', '.join(map(str, running))})" if running else "")
 
     def forward(self, name: str, port: int | None = None) -> int:
         """Nothing to forward: a local cluster's dashboard is on this machine already."""

@@ -99,6 +99,18 @@ class SkyProvider(Provider):
                 f"{plan.nodes} nodes do not share it, and a relaunched cluster starts without it; add "
                 f"checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}} or {{volume: NAME}}")
 
+    def autostop(self, plan: Plan) -> dict | None:
+        """SkyPilot's own autostop, run by the cluster (its skylet on the head), so that the VMs end
+        once the run is over with no launcher attached: a minute after the task's job ends, or for a
+        kept cluster (`launch --keep`) after placement.idle (`never`: none). A managed job's cluster
+        is SkyPilot's to end already."""
+        if self.chosen.get("managed"):
+            return None
+        if plan.keep_cluster and plan.budget.idle_s is None:
+            return None
+        minutes = max(1, -(-int(plan.budget.idle_s) // 60)) if plan.keep_cluster else 1
+        return {"idle_minutes": minutes, "down": True}
+
     def task_config(self, plan: Plan) -> dict:
         res, placement = plan.resources, plan.placement
         resources: dict = {}
@@ -122,6 +134,9 @@ class SkyProvider(Provider):
             resources["any_of"] = [{"cloud": cloud} for cloud in placement.backends]
         if len(placement.regions) == 1:
             resources["region"] = placement.regions[0]
+        autostop = self.autostop(plan)
+        if autostop:
+            resources["autostop"] = autostop
         config: dict = {"name": plan.name, "num_nodes": plan.nodes, "resources": resources}
         if plan.env:
             config["envs"] = dict(plan.env)
@@ -200,6 +215,10 @@ class SkyProvider(Provider):
 
     def ready(self, plan: Plan) -> None:
         require_cli("sky", "sky")
+
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        return ("the rendered file names every secret with no value, and `sky launch` refuses one that no "
+                "--secret gives (\"No value available for secret(s)\") unless a managed secrets provider has it")
 
     def abandon(self, before: state.Before) -> list[str]:
         """Also stop SkyPilot's local API server when this launch is what started it."""

@@ -274,6 +274,11 @@ class SlurmProvider(Provider):
     container_contract = contract.model_copy(update={"head": env(HOSTS_ENV, item=0), "peer": env(HOSTS_ENV, item=1)})
     placement_options = SlurmPlacement
 
+    def __init__(self, **options):
+        super().__init__(**options)
+        #: Task name -> whether its checkpoints.path was the task's own (plan() notes it; the warning says it).
+        self._given_checkpoints: dict[str, bool] = {}
+
     def check(self, task: Task) -> None:
         slurm = slurm_placement(task.placement)
         if not task.image and slurm.container != "pyxis":
@@ -282,17 +287,23 @@ class SlurmProvider(Provider):
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
-        """A line for `check` and `render` when checkpoints go to the default /checkpoints/NAME,
-        which the script makes with `mkdir -p` under `set -e` before the nodes start."""
-        if not plan.checkpoint_dir or plan.checkpoint_dir != f"/checkpoints/{plan.name}":
+        """A line for `check` and `render` when checkpoints go under /checkpoints (the default,
+        /checkpoints/NAME, or a path the task gave there), which the script makes with `mkdir -p`
+        under `set -e` before the nodes start."""
+        if not plan.checkpoint_dir or not plan.checkpoint_dir.startswith("/checkpoints/"):
             return None
+        given = self._given_checkpoints.get(plan.name, plan.checkpoint_dir != f"/checkpoints/{plan.name}")
+        what = "the task's checkpoints.path" if given else "the default path (the task names no checkpoints.path)"
         nodes = f"; the {plan.nodes} nodes must all see it (a shared filesystem) to resume" if plan.nodes > 1 else ""
-        return (f"checkpoints {plan.checkpoint_dir} is the default path: the script makes it with mkdir -p before "
-                f"the nodes start, and the job fails at once where you may not write /checkpoints{nodes}; set "
-                f"checkpoints.path to a directory on the cluster's shared filesystem")
+        fix = ("make sure /checkpoints is on the cluster's shared filesystem and writable there, or point "
+               "checkpoints.path at a directory that is" if given else
+               "set checkpoints.path to a directory on the cluster's shared filesystem")
+        return (f"checkpoints {plan.checkpoint_dir} is {what}: the script makes it with mkdir -p before the nodes "
+                f"start, and the job fails at once where you may not write /checkpoints{nodes}; {fix}")
 
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
+        self._given_checkpoints[task.name] = bool(task.checkpoints.path)  # for the warning's words
         slurm = slurm_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
         plan = plan.replace(placement=plan.placement.model_copy(update={"slurm": slurm}))
         if plan.image:

@@ -70,23 +70,29 @@ def wait_for(what: str, check: Callable[[], Tuple[bool, object]], timeout_s: flo
 
     Backs off from `interval` to `max_interval`, prints progress every `progress_every`
     seconds, and raises AgentError naming what was awaited, for how long, and the last
-    reason when `timeout_s` passes."""
+    reason when `timeout_s` passes. A Ctrl-C meanwhile carries the same as `waiting_for`."""
     report = report or log
     start = time.monotonic()
     next_report = start + progress_every
     delay = interval
-    while True:
-        done, value = check()
-        if done:
-            return value
-        now = time.monotonic()
-        if now - start >= timeout_s:
-            raise AgentError("waiting for %s" % what, "not ready after %.0fs (last: %s)" % (now - start, value))
-        if now >= next_report:
-            report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
-            next_report = now + progress_every
-        time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
-        delay = min(delay * 1.5, max_interval)
+    value = "not asked yet"
+    try:
+        while True:
+            done, value = check()
+            if done:
+                return value
+            now = time.monotonic()
+            if now - start >= timeout_s:
+                raise AgentError("waiting for %s" % what, "still not so after %.0fs (last: %s)" % (now - start, value))
+            if now >= next_report:
+                report("waiting for %s: %.0fs of %.0fs (%s)" % (what, now - start, timeout_s, value))
+                next_report = now + progress_every
+            time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
+            delay = min(delay * 1.5, max_interval)
+    except KeyboardInterrupt as exc:  # Ctrl-C: whoever catches it can say what was awaited (the innermost wait)
+        if not hasattr(exc, "waiting_for"):
+            exc.waiting_for = "%s, %.0fs of %.0fs (last: %s)" % (what, time.monotonic() - start, timeout_s, value)
+        raise
 
 
 def probe_tcp(host: str, port: int, timeout: float = 2.0) -> Optional[str]:
@@ -437,12 +443,19 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
 
 def preflight_report(result: dict, report: Callable[[str], None]) -> None:
     """The table, then warnings and notes, as the head (and `rlhf-tasks doctor`) print them."""
-    verdict = "passed" if result["passed"] else "FAILED (%s)" % result["failed_step"]
-    report("preflight %s in %.1fs: %d nodes" % (verdict, result["seconds"], len(result["nodes"])))
-    print("\n".join(result["table"]), flush=True)
-    for note in result["notes"]:
-        report("preflight: " + note)
-    for warning in result["warnings"]:
-        report("preflight WARNING: " + warning)
-    for failure in result["failures"]:
-        report("preflight FAILED (%s): %s" % (failure["step"], failure["message"]))
+    heading, table, said = preflight_parts(result)
+    report(heading)
+    print("\n".join(table), flush=True)
+    for line in said:
+        report(line)
+
+
+def preflight_parts(result: dict) -> Tuple[str, List[str], List[str]]:
+    """Preflight's result as people read it: its verdict line, its table, and its notes,
+    warnings and failures (one line each)."""
+    verdict = "passed" if result.get("passed") else "FAILED (%s)" % result.get("failed_step")
+    heading = "preflight %s in %.1fs: %d nodes" % (verdict, result.get("seconds") or 0, len(result.get("nodes") or []))
+    said = ["preflight: " + note for note in result.get("notes") or []]
+    said += ["preflight WARNING: " + warning for warning in result.get("warnings") or []]
+    said += ["preflight FAILED (%s): %s" % (f.get("step"), f.get("message")) for f in result.get("failures") or []]
+    return heading, list(result.get("table") or []), said

@@ -19,23 +19,28 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
+import threading
+import time
 from typing import Any
 
 from ... import state
-from ...agent.protocol import AgentError, wait_for
+from ...agent.protocol import AgentError, http_check, wait_for
 from ...console import say
 from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
-from ..base import Cluster, Option, write_files
+from ..base import Cluster, Option, end_process, write_files
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
 from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
                      PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
                      KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement, pack)
 
-#: How long the operator may take to give a new RayJob its cluster's name.
+#: How long the operator may take to give a new RayJob its cluster's name (a queued RayJob waits longer).
 OPERATOR_S = 120.0
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: How often a queued RayJob's wait is said.
+QUEUE_PROGRESS_S = 30.0
 
 
 class Undo:
@@ -58,6 +63,7 @@ class Undo:
 
 
 class KubeRayProvider(KubeRayRender):
+    makes_token = True  # KubeRay's own (authOptions: token): Secret <cluster>, key auth_token
     options = (Option("--context", "the kubeconfig context to launch in (default: its current one)",
                       {"metavar": "CONTEXT"}),
                Option("--namespace", "the namespace (default: placement.kuberay.namespace, else the context's)",
@@ -101,15 +107,9 @@ class KubeRayProvider(KubeRayRender):
             raise BadInput(f"name: {watching.rayjob_words(found, name)} already exists in namespace {kube.namespace}; "
                            f"`rlhf-tasks down {name}` (or kubectl delete rayjob {name}) first")
         secret = None if options.secret else f"{name}-secrets"
-        missing = [key for key in plan.secrets if key not in secrets]
-        if secret and missing:
-            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; every pod reads the task's "
-                           f"secrets from Secret {secret}, which launch makes from your environment, and a pod "
-                           f"whose key is missing does not start: export them, or name a Secret of yours in "
-                           f"placement.kuberay.secret")
         files = self.render(plan)
         directory = state.run_dir(name) / self.name
-        write_files(directory, files)
+        write_files(directory, {**files, "plan.json": plan.to_json()})  # plan.json: what `logs --bundle` scrubs
         objects = [("rayjob", name), ("configmap", self.configmap_name(plan))] + \
             ([("secret", secret)] if secret and plan.secrets else [])
         state.save(name, {"provider": self.name, "context": kube.context, "namespace": kube.namespace,
@@ -129,8 +129,21 @@ class KubeRayProvider(KubeRayRender):
         state.update(name, cluster_id=cluster)
         return self._handle(kube, plan, cluster, undo)
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        """Every pod reads the task's secrets from one Secret; the one `launch` makes needs them all."""
+        if kuberay_placement(plan.placement).secret:
+            return None  # a Secret of the user's: its keys are the user's to have
+        return (f"every pod reads the task's secrets from Secret {plan.name}-secrets, which launch makes from your "
+                f"environment, and a pod whose key is missing does not start (or name a Secret of yours in "
+                f"placement.kuberay.secret)")
+
     def _cluster_name(self, kube: Kubectl, name: str) -> str:
-        """The RayCluster's name once the operator has given it (`status.rayClusterName`)."""
+        """The RayCluster's name once the operator has given it (`status.rayClusterName`). A RayJob
+        that a queue holds (Kueue suspends it: `Suspended`, no cluster) is waited for as long as it
+        is queued, with its queue and how long: it is admitted when the queue has room, and its
+        cluster gets a name of its own then."""
+        queued = {"since": None, "said": 0.0}
+
         def named():
             rayjob = kube.get("rayjob", name)
             status = (rayjob or {}).get("status") or {}
@@ -138,10 +151,38 @@ class KubeRayProvider(KubeRayRender):
                 raise StepFailed("waiting for the KubeRay operator", f"RayJob {name} is gone")
             if status.get("jobDeploymentStatus") in ("Failed", "ValidationFailed"):
                 raise StepFailed("waiting for the KubeRay operator", watching.rayjob_words(rayjob, name))
-            return bool(status.get("rayClusterName")), status.get("rayClusterName") or \
-                "RayJob has no status yet (is the KubeRay operator running, and watching this namespace?)"
-        cluster = wait_for(f"the KubeRay operator to take RayJob {name}", named, OPERATOR_S, interval=0.3,
-                           max_interval=2.0, report=say)
+            if (rayjob.get("spec") or {}).get("suspend") or status.get("jobDeploymentStatus") in (
+                    "Suspended", "Suspending"):
+                if queued["since"] is None:
+                    queued["since"] = time.monotonic()
+                    queue = ((rayjob.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL)
+                    say(f"RayJob {name} is queued" + (f" in Kueue's queue {queue}" if queue else "")
+                        + ": it starts once the queue admits it (Ctrl-C stops waiting and deletes it)")
+                waited = time.monotonic() - queued["since"]
+                if waited - queued["said"] >= QUEUE_PROGRESS_S:
+                    queued["said"] = waited
+                    say(f"RayJob {name}: queued for {waited:.0f}s")
+                return False, f"queued for {waited:.0f}s"
+            if not status.get("rayClusterName"):
+                if queued["since"] is not None:
+                    return False, "admitted; the operator names its cluster next"
+                if time.monotonic() - started > OPERATOR_S:
+                    raise StepFailed("waiting for the KubeRay operator", f"RayJob {name} has no status after "
+                                     f"{OPERATOR_S:.0f}s: is the KubeRay operator running, and watching namespace "
+                                     f"{kube.namespace}?")
+                if time.monotonic() >= progress["next"]:
+                    progress["next"] += QUEUE_PROGRESS_S / 3
+                    say(f"waiting for the KubeRay operator to take RayJob {name}: "
+                        f"{time.monotonic() - started:.0f}s of {OPERATOR_S:.0f}s (no status yet)")
+                return False, "RayJob has no status yet"
+            return True, status["rayClusterName"]
+        started = time.monotonic()
+        progress = {"next": started + QUEUE_PROGRESS_S / 3}
+        # no deadline of its own: the operator's silence has OPERATOR_S (above), a queue takes what it takes
+        cluster = wait_for(f"the KubeRay operator to take RayJob {name}", named, float("inf"), interval=0.3,
+                           max_interval=2.0, progress_every=float("inf"), report=say)
+        if queued["since"] is not None:
+            say(f"RayJob {name} admitted after {time.monotonic() - queued['since']:.0f}s in the queue")
         say(f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): cluster {cluster}")
         return cluster
 
@@ -153,7 +194,7 @@ class KubeRayProvider(KubeRayRender):
         forward = token = dashboard = None
         if plan.job.submit == "client":
             local = watching.free_port()
-            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, SIDECAR_DASHBOARD_PORT,
+            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, plan.ray.dashboard_port,
                                            state.run_dir(plan.name) / self.name / "port-forward.log")
             dashboard = f"http://127.0.0.1:{local}"
             state.update(plan.name, dashboard=f"http://127.0.0.1:{plan.ray.dashboard_port}")
@@ -180,6 +221,12 @@ class KubeRayProvider(KubeRayRender):
                 say(f"the job of {plan.name} never ran: {undo()}")
         made.close = close
         return made
+
+    def cluster_token(self, name: str) -> str | None:
+        kube, record = self._target(name)
+        cluster = record.get("cluster_id") or (((kube.get("rayjob", name) or {}).get("status") or {})
+                                               .get("rayClusterName"))
+        return self._token(kube, name, cluster) if cluster else None
 
     def _token(self, kube: Kubectl, name: str, cluster: str) -> str | None:
         """The Ray token KubeRay made (Secret <cluster>, key auth_token), kept here with mode 0600
@@ -252,25 +299,48 @@ class KubeRayProvider(KubeRayRender):
                 + (f"\n{said}" if said else ""))
 
     def forward(self, name: str, port: int | None = None) -> int:
-        """`kubectl port-forward svc/<cluster>-head-svc PORT:8265` until Ctrl-C (`job.submit: client`)."""
+        """`kubectl port-forward svc/<cluster>-head-svc PORT:<dashboard>` until Ctrl-C. The address is
+        said and recorded only once the head's dashboard answered through it."""
         kube, record = self._target(name)
         rayjob = kube.get("rayjob", name)
         cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName") or record.get("cluster_id")
         if not cluster:
             raise BadInput(f"NAME: no RayJob {name} with a cluster in namespace {kube.namespace} "
                            f"(context {kube.context})")
-        local = port or SIDECAR_DASHBOARD_PORT
+        remote = record.get("dashboard_port") or SIDECAR_DASHBOARD_PORT
+        local = port or remote
         dashboard = f"http://127.0.0.1:{local}"
+        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{remote}")
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
+        reader.start()
+
+        def answers():
+            if proc.poll() is not None:
+                reader.join(5)
+                raise StepFailed(f"forwarding the dashboard of {name}",
+                                 f"kubectl port-forward exited {proc.returncode}: "
+                                 f"{' '.join(line.strip() for line in said[-3:]) or 'no output'}")
+            return http_check(f"{dashboard}/api/gcs_healthz")
+        try:
+            wait_for(f"the dashboard of {name} through kubectl port-forward", answers, 30, interval=0.3,
+                     max_interval=1.0)
+        except (AgentError, StepFailed):
+            end_process(proc)
+            raise
         if record:
             state.update(name, dashboard=dashboard)
             self._token(kube, name, cluster)
-        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{SIDECAR_DASHBOARD_PORT}")
         say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
             f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks submit TASK --provider kuberay --address {dashboard}")
         try:
-            return subprocess.run(argv, stdin=subprocess.DEVNULL).returncode
+            return proc.wait()
         except KeyboardInterrupt:
             return 0
+        finally:
+            end_process(proc)
 
 
 __all__ = ["AGENT_PORT", "ANNOTATIONS_LIMIT", "CONFIGMAP_DIR", "GPU_RESOURCE", "LIB_ARCHIVE", "POD_IP_ENV",

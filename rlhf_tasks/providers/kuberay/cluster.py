@@ -6,8 +6,8 @@ head's job runner still runs, and the summary's lines. The launcher follows; not
 The head's log (node-0.log) is the submitter's (`ray-job-submitter`): in SidecarMode it runs
 `ray job submit` of the entrypoint, the agent's job runner, and streams the runner's log: the
 runner's lines, the job's own log it relays, and its result line. The head's Ray container
-(node-0-ray.log: the agent's `--before-ray` lines), its prepare init container
-(node-0-prepare.log) and each worker's Ray container (node-K.log) are followed beside it."""
+(node-0-ray.log: the agent's `--before-ray` lines: setup, prepare) and each worker's Ray
+container (node-K.log) are followed beside it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from ..base import Cluster, end_process
 from .kubectl import Kubectl
 
 SUBMITTER = "ray-job-submitter"
-PREPARE = "rlhf-tasks-prepare"
 #: kubectl is asked at most this often while the launcher waits.
 REFRESH_S = 2.0
 #: How long the head's log may take to reach its file once its container has ended.
@@ -239,7 +238,7 @@ class Watch:
         """Start a log stream for each of the pod's containers that has started."""
         states = container_states(pod)
         if role(pod) == "head":
-            files = {PREPARE: "node-0-prepare.log", ray_container(pod): "node-0-ray.log", SUBMITTER: "node-0.log"}
+            files = {ray_container(pod): "node-0-ray.log", SUBMITTER: "node-0.log"}
         else:
             if name not in self.slots:
                 taken = {slot for pod_name, slot in self.slots.items() if pod_name in self.pods}
@@ -249,7 +248,7 @@ class Watch:
             if container and (name, container) not in self.streams and started(states.get(container)):
                 self.streams[(name, container)] = LogStream(self.kube, name, container, self.logs / file,
                                                             self._ended(name, container),
-                                                            to_result=container not in (SUBMITTER, PREPARE))
+                                                            to_result=container != SUBMITTER)
                 if container == SUBMITTER:
                     self.runner_seen = True
 
@@ -333,7 +332,7 @@ def handle(watch: Watch, token: str | None, dashboard: str | None) -> Cluster:
     """The launcher's handle over a watch."""
     return Cluster(name=watch.name, cluster_id=watch.cluster, token=token, head_alive=watch.head_alive,
                    dashboard=dashboard, node_logs=[str(watch.logs / f) for f in
-                                                   ["node-0.log", "node-0-prepare.log", "node-0-ray.log"] +
+                                                   ["node-0.log", "node-0-ray.log"] +
                                                    [f"node-{k}.log" for k in range(1, watch.plan.nodes)]],
                    describe=watch.describe, tend=watch.changes, close=watch.close)
 

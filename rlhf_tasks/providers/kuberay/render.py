@@ -8,10 +8,10 @@ KubeRay forms the cluster: its own `ray start` in every pod, its `wait-gcs-ready
 container on the workers, its probes, the head service `<cluster>-head-svc`. rlhf-tasks keeps
 its guarantees around that, with the agent in its attached roles (agent/attached.py):
 
-- the head pod's init container runs setup and `prepare` (rank 0) before the head's Ray starts;
 - every Ray container runs, before KubeRay's `ray start` in the same shell (KubeRay appends its
-  command to ours with `&&`), setup, a worker's every-node services (ready before the node joins)
-  and the environment Ray starts with (network preset, the plan's env, the agent on PYTHONPATH);
+  command to ours with `&&`), setup (once per pod), the head's `prepare`, a worker's every-node
+  services (ready before the node joins) and the environment Ray starts with (network preset,
+  the plan's env, the agent on PYTHONPATH);
   a startupProbe covers that time, so KubeRay's liveness probe cannot kill a long setup;
 - the RayJob's entrypoint is the agent's job runner on the head: the head's services, every node
   and GPU in (however late a worker pod is scheduled), preflight, then the recipe's command with
@@ -33,7 +33,6 @@ No value of either is ever in the rendered file.
 from __future__ import annotations
 
 import base64
-import copy
 import gzip
 import io
 import json
@@ -41,12 +40,12 @@ import math
 import re
 import shlex
 import tarfile
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from ...errors import BadInput
-from ...models import Duration, StrictModel, size_bytes
+from ...models import StrictModel, parse_duration, size_bytes
 from ...plan import Contract, Plan, env, gpu_vendor
 from ...recipes.base import Shape
 from ...spec import Placement, Task, provider_part
@@ -60,8 +59,15 @@ RAY_ENV_FILE = "/tmp/rlhf-tasks/ray.env"
 #: KubeRay's dashboard agent port (it sets it when rayStartParams leave it out): a worker's startup is done once it answers.
 AGENT_PORT = 52365
 PROBE_PERIOD_S = 10
-#: KubeRay's SidecarMode submitter asks http://127.0.0.1:8265, whatever the head's dashboard port.
+#: The head's dashboard port: KubeRay's submitter and the operator's job polling use the head
+#: container's port named `dashboard` (common/job.go, utils/util.go FetchHeadServiceURL), which
+#: the head declares; `forward` uses it too.
 SIDECAR_DASHBOARD_PORT = 8265
+#: The Ray rlhf-tasks pins (pyproject's `ray` extra): `rayproject/ray:<it>` is the default image.
+DEFAULT_RAY_VERSION = "2.60.0"
+#: A RayJob's name: a DNS-1035 label of at most 47 characters (KubeRay's validation: its
+#: RayCluster is `<name>-<5 random>`, and a Service name must start with a letter).
+RAYJOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,45}[a-z0-9])?$")
 #: The API server's cap on an object's annotations (keys and values), and the one where client-side
 #: `kubectl apply -f` keeps the whole object.
 ANNOTATIONS_LIMIT = 256 * 1024
@@ -77,6 +83,27 @@ _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _QUEUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+
+
+#: KubeRay's ttlSecondsAfterFinished: a duration, or 0 (the cluster goes as soon as the job ends).
+TTL = Annotated[float, BeforeValidator(lambda v: 0.0 if str(v).strip() in ("0", "0s", "0.0") else parse_duration(v))]
+
+
+#: What KubeRay's SidecarMode submitter requests in the head pod (common/job.go).
+SUBMITTER_CPU, SUBMITTER_MEMORY = 0.5, 200 * 2**20
+_K8S_UNITS = {"b": "", "kb": "k", "mb": "M", "gb": "G", "tb": "T", "kib": "Ki", "mib": "Mi", "gib": "Gi", "tib": "Ti"}
+
+
+def quantity(size: str, less: int = 0) -> str:
+    """A task's size ('128GB', '64GiB') as a Kubernetes quantity ('128G', '64Gi'), `less` bytes
+    taken off (then in Mi, rounded down)."""
+    if less:
+        return f"{(size_bytes(size) - less) // 2**20}Mi"
+    m = re.match(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$", str(size))
+    unit = (m.group(2) or "b").lower() if m else None
+    if unit not in _K8S_UNITS:
+        return str(size_bytes(size))
+    return m.group(1) + _K8S_UNITS[unit]
 
 
 def _dns(value, what: str = "a DNS label (lowercase letters, digits, dashes)", pattern=_DNS_LABEL):
@@ -109,12 +136,21 @@ class KubeRayPlacement(StrictModel):
     queue: str | None = Field(None, description="its queue: a Kueue LocalQueue, a Volcano queue, a YuniKorn queue")
     secret: str | None = Field(None, description="the Secret the task's secrets are read from, one key per "
                                "variable name (default: <name>-secrets)")
-    ray_version: str = Field("2.52.0", description="the Ray version in the image (KubeRay's token auth needs "
-                             ">= 2.52.0)")
-    ttl_after_finished: Duration = Field(600.0, description="how long KubeRay keeps the finished cluster "
+    ray_version: str | None = Field(None, description="the Ray the image runs (KubeRay picks its probes by it, "
+                                    "and its token auth needs >= 2.52.0); default " + DEFAULT_RAY_VERSION +
+                                    ", the Ray of the default image rayproject/ray:" + DEFAULT_RAY_VERSION)
+    network_policy: bool = Field(False, description="KubeRay's NetworkPolicies for the cluster (needs the operator's "
+                                 "alpha feature gate RayClusterNetworkPolicy): only the cluster's pods and the "
+                                 "operator's namespace reach the head")
+    ephemeral_storage: bool = Field(False, description="request resources.disk as each pod's ephemeral-storage "
+                                    "(off: many GPU node pools offer less than a task's disk; the pods then "
+                                    "use what the node gives)")
+    operator_namespace: str = Field("default", description="the namespace the KubeRay operator runs in (what "
+                                    "network_policy admits to the head's dashboard)")
+    ttl_after_finished: TTL = Field(600.0, description="how long KubeRay keeps the finished cluster "
                                          "(its logs) before deleting it")
 
-    _names = field_validator("namespace", "service_account", "secret")(classmethod(lambda cls, v: _dns(v)))
+    _names = field_validator("namespace", "service_account", "secret", "operator_namespace")(classmethod(lambda cls, v: _dns(v)))
     _priority = field_validator("priority_class")(classmethod(
         lambda cls, v: _dns(v, "a DNS name (lowercase letters, digits, dashes, dots)", _DNS_NAME)))
     _queue = field_validator("queue")(classmethod(
@@ -131,7 +167,7 @@ class KubeRayPlacement(StrictModel):
     @field_validator("ray_version")
     @classmethod
     def _version(cls, value):
-        if not _VERSION.match(value):
+        if value is not None and not _VERSION.match(value):
             raise ValueError(f"{value!r} is not a Ray version (MAJOR.MINOR.PATCH, e.g. 2.52.0)")
         return value
 
@@ -142,8 +178,13 @@ class KubeRayPlacement(StrictModel):
         return self
 
     @property
+    def ray(self) -> str:
+        """The Ray that runs: as given, else the default image's."""
+        return self.ray_version or DEFAULT_RAY_VERSION
+
+    @property
     def version(self) -> tuple[int, ...]:
-        return tuple(int(part) for part in self.ray_version.split("."))
+        return tuple(int(part) for part in self.ray.split("."))
 
 
 class KubeRayShared(StrictModel):
@@ -211,12 +252,13 @@ class KubeRayRender(Provider):
             raise BadInput(f"job.recipe: the {task.job.recipe} recipe runs its command on every node without Ray, "
                            f"and KubeRay always starts Ray; use another provider")
         shared_entry(KubeRayShared, task.checkpoints.shared.get(self.name), self.name)
+        if not RAYJOB_NAME.match(task.name):
+            raise BadInput(f"name: {task.name!r} is not a name KubeRay accepts for a RayJob: at most 47 characters, "
+                           f"starting with a letter (a DNS-1035 label), e.g. "
+                           f"{('r-' + task.name if task.name[:1].isdigit() else task.name)[:47].rstrip('-')!r}")
         if task.ray.auth == "token" and options.version < (2, 52, 0):
-            raise BadInput(f"placement.kuberay.ray_version: {options.ray_version} is below 2.52.0, which KubeRay's "
+            raise BadInput(f"placement.kuberay.ray_version: {options.ray} is below 2.52.0, which KubeRay's "
                            f"token auth needs (ray.auth: token); use an image with Ray >= 2.52.0")
-        if task.ray.dashboard_port != SIDECAR_DASHBOARD_PORT:
-            raise BadInput(f"ray.dashboard_port: KubeRay's submitter (SidecarMode) reaches the dashboard on "
-                           f"{SIDECAR_DASHBOARD_PORT}; leave the port at its default")
         if task.ray.dashboard_public:
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")
@@ -234,6 +276,25 @@ class KubeRayRender(Provider):
         plan = super().plan(task)
         options = kuberay_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
         return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
+
+    def notes(self, plan: Plan) -> list[str]:
+        options, res = kuberay_placement(plan.placement), plan.resources
+        out = super().notes(plan)
+        if plan.image:
+            out.append(f"image {plan.image}: it must hold bash and python3 (the agent), and `python` and Ray "
+                       f"{options.ray} (`ray` on PATH: KubeRay runs `ray health-check` in every worker's init "
+                       f"container and `ray job submit` beside the head, before setup could install it)"
+                       + ("" if options.ray_version else "; say which Ray it holds in placement.kuberay.ray_version "
+                          f"(KubeRay picks its probes by it; {options.ray} assumed)"))
+        if res.gpu_name and not any(k.endswith("/gpu.product") for k in options.node_selector):
+            out.append(f"resources.gpus: the pods request {plan.gpus_per_node} GPUs of any type; KubeRay cannot "
+                       f"select {res.gpu_name}: add placement.kuberay.node_selector with your nodes' product label "
+                       f"(GPU feature discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3)")
+        if plan.network == "infiniband":
+            out.append("network: infiniband sets NCCL's InfiniBand variables, but the pods get no RDMA device: "
+                       "your cluster's RDMA resource (e.g. rdma/ib from its device plugin), the IPC_LOCK "
+                       "capability and /dev/infiniband are not rendered")
+        return out
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if plan.nodes < 2 or not plan.unshared_checkpoints:
@@ -283,19 +344,24 @@ class KubeRayRender(Provider):
         scheduler = options.scheduler or "kueue"
         if scheduler == "kueue":
             return {"kueue.x-k8s.io/queue-name": options.queue}
-        if scheduler == "volcano":
-            return {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": options.queue}
+        if scheduler == "volcano":  # the operator must run with --batch-scheduler=volcano
+            return {"volcano.sh/queue-name": options.queue}
         return {"ray.io/gang-scheduling-enabled": "true", "yunikorn.apache.org/app-id": plan.name,
                 "yunikorn.apache.org/queue": options.queue}
 
-    def resources(self, plan: Plan) -> dict:
+    def resources(self, plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
+        """Requests = limits (a GPU pod with CPU and memory is Guaranteed QoS), in Kubernetes'
+        units. The task's sizes are a node's: the head's Ray container leaves room for the
+        submitter KubeRay adds to its pod (500m CPU, 200Mi), so the head pod fits the same node.
+        `resources.disk` becomes ephemeral-storage only with placement.kuberay.ephemeral_storage."""
         res, amounts = plan.resources, {}
         if res.cpus:
-            amounts["cpu"] = str(res.cpus)
+            cpus = res.cpus - (SUBMITTER_CPU if head else 0)
+            amounts["cpu"] = f"{round(cpus * 1000)}m" if cpus != int(cpus) else str(int(cpus))
         if res.memory:
-            amounts["memory"] = str(size_bytes(res.memory))
-        if res.disk:
-            amounts["ephemeral-storage"] = str(size_bytes(res.disk))
+            amounts["memory"] = quantity(res.memory, less=SUBMITTER_MEMORY if head else 0)
+        if res.disk and options.ephemeral_storage:
+            amounts["ephemeral-storage"] = quantity(res.disk)
         if plan.gpus_per_node:
             amounts[GPU_RESOURCE[gpu_vendor(res.gpu_name) or "nvidia"]] = str(plan.gpus_per_node)
         return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
@@ -325,7 +391,7 @@ class KubeRayRender(Provider):
             mounts.append({"name": "checkpoints", "mountPath": plan.checkpoint_dir})
         if plan.resources.shm_size:
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
-                                                        "sizeLimit": str(size_bytes(plan.resources.shm_size))}})
+                                                        "sizeLimit": quantity(plan.resources.shm_size)}})
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         return volumes, mounts
 
@@ -346,7 +412,7 @@ class KubeRayRender(Provider):
                 "failureThreshold": max(1, math.ceil(budget / PROBE_PERIOD_S))}
 
     def pod_template(self, plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
-        image = plan.image or f"rayproject/ray:{options.ray_version}"
+        image = plan.image or f"rayproject/ray:{options.ray}"
         volumes, mounts = self.volumes(plan)
         env = self.env(plan, options, 0 if head else 1)
         container: dict = {
@@ -355,8 +421,9 @@ class KubeRayRender(Provider):
             # KubeRay runs this, then its own `ray start`, in one shell: `OURS && ulimit ...; ray start ...`.
             # `;` binds looser than `&&`, so a failure here must end the shell itself (`|| exit`), or Ray
             # would start (and the node join) without its setup and environment.
-            # The head's init container has unpacked the agent into the pod's emptyDir; a worker unpacks it here.
-            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE, unpack=not head)
+            # It unpacks the agent into the pod's emptyDir, runs setup (once per pod, here where Ray runs:
+            # an init container's installs would not reach this container) and, on the head, prepare.
+            "args": [self.agent_shell(plan, "--before-ray", RAY_ENV_FILE, unpack=True)
                      + f" && . {RAY_ENV_FILE} || exit"],
             "env": env,
             "volumeMounts": mounts,
@@ -366,17 +433,10 @@ class KubeRayRender(Provider):
             container["ports"] = [{"name": "gcs-server", "containerPort": plan.ray.port},
                                   {"name": "dashboard", "containerPort": plan.ray.dashboard_port},
                                   {"name": "client", "containerPort": plan.ray.client_server_port}]
-        resources = self.resources(plan)
+        resources = self.resources(plan, options, head)
         if resources:
             container["resources"] = resources
         spec: dict = {"containers": [container], "volumes": volumes}
-        if head:
-            prepare = {"name": "rlhf-tasks-prepare", "image": image, "command": ["/bin/bash", "-c", "--"],
-                       "args": [self.agent_shell(plan, "--prepare-only", unpack=True)], "env": copy.deepcopy(env),
-                       "volumeMounts": copy.deepcopy(mounts)}
-            if resources:
-                prepare["resources"] = copy.deepcopy(resources)  # copies: the YAML has no anchors
-            spec["initContainers"] = [prepare]
         if options.service_account:
             spec["serviceAccountName"] = options.service_account
         if options.node_selector:
@@ -414,12 +474,16 @@ class KubeRayRender(Provider):
         return out
 
     def rayjob(self, plan: Plan, options: KubeRayPlacement) -> dict:
-        cluster: dict = {"rayVersion": options.ray_version}
+        cluster: dict = {"rayVersion": options.ray}
         if plan.token_env:
             cluster["authOptions"] = {"mode": "token"}
-        # KubeRay's own policy: the head's and the workers' ports open to the cluster's own pods (and the
-        # operator, the submitter) only; the dashboard it binds to 0.0.0.0 is not the namespace's.
-        cluster["networkPolicy"] = {"mode": "DenyAllIngress"}
+        if options.network_policy:
+            # KubeRay's DenyAllIngress admits the cluster's own pods only; the operator polls the head's
+            # dashboard from its namespace, so that namespace is let in (networkpolicy_controller.go).
+            cluster["networkPolicy"] = {"mode": "DenyAllIngress", "head": {"ingressRules": [{
+                "from": [{"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": options.operator_namespace}}}],
+                "ports": [{"port": plan.ray.dashboard_port}]}]}}
         cluster["headGroupSpec"] = {"rayStartParams": self.ray_start_params(plan, True),
                                     "template": self.pod_template(plan, options, True)}
         workers = plan.nodes - 1
@@ -440,6 +504,8 @@ class KubeRayRender(Provider):
             **self.deadlines(plan),
             "rayClusterSpec": cluster,
         }
+        if options.queue and (options.scheduler or "kueue") == "kueue":
+            spec["suspend"] = True  # created held, as Kueue's webhook would make it: Kueue admits it (suspend: false)
         return {"apiVersion": "ray.io/v1", "kind": "RayJob",
                 "metadata": self.metadata(plan, options, plan.name, self.queue_labels(plan, options)),
                 "spec": spec}
@@ -448,13 +514,19 @@ class KubeRayRender(Provider):
         options = kuberay_placement(plan.placement)
         configmap = self.configmap(plan, options)
         rayjob = self.rayjob(plan, options)
-        secret = options.secret or f"{plan.name}-secrets"
-        header = "# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply -f <this file>\n"
-        if plan.secrets:
-            literals = " ".join(f'--from-literal={name}="${name}"' for name in plan.secrets)
-            header += (f"# The task's secrets come from Secret {secret}, one key per name; create it first:\n"
-                       f"#   kubectl create secret generic {secret} {literals}\n")
-        header += (f"# Follow: kubectl get rayjob {plan.name} -w; kubectl logs -f -l ray.io/node-type=head "
-                  f"-c ray-job-submitter\n")
+        ns = f" -n {options.namespace}" if options.namespace else ""
+        header = f"# Rendered by rlhf-tasks for KubeRay (v1.7): kubectl apply{ns} -f <this file>\n"
+        if plan.secrets and options.secret:
+            header += (f"# The task's secrets come from your Secret {options.secret}, one key per name "
+                       f"({', '.join(plan.secrets)}).\n")
+        elif plan.secrets:
+            secret = f"{plan.name}-secrets"
+            header += (f"# The task's secrets come from Secret {secret}, one key per name; `rlhf-tasks launch` makes "
+                       f"it from your environment. Applying by hand, create it first from a file of NAME=value lines "
+                       f"(not on the command line, where ps shows the values):\n"
+                       f"#   kubectl create secret generic{ns} {secret} --from-env-file=FILE   "
+                       f"# {', '.join(plan.secrets)}\n")
+        header += (f"# Follow: kubectl get rayjob{ns} {plan.name} -w; kubectl logs{ns} -f -l ray.io/node-type=head "
+                   f"-c ray-job-submitter\n")
         text = dump_yaml(configmap, header) + "---\n" + dump_yaml(rayjob)
         return {f"{plan.name}.rayjob.yaml": text}

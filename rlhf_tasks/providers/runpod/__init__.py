@@ -50,7 +50,8 @@ from ..base import Cluster, Option, Provider, write_files
 from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
-from .render import CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, POD_CONTRACT, check, is_cluster
+from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, POD_CONTRACT, SELF_END, check,
+                     is_cluster)
 from .render import render as render_files
 
 
@@ -76,8 +77,9 @@ class RunPodProvider(Provider):
         """The plan, with the contract of the task's network mode: Instant Cluster or pods."""
         contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
             update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-        return build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
-                          self.ray_overrides)
+        plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
+                          self.ray_overrides, priced=True)
+        return plan if is_cluster(task) else plan.replace(self_end=SELF_END)
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:
@@ -110,8 +112,6 @@ class RunPodProvider(Provider):
         """Check against the catalog, confirm the price, create, and hand the launcher the pods'
         logs. Whatever fails (or Ctrl-C) before the pods run terminates every pod this launch created."""
         client = self._client()
-        files = self.render(plan)
-        requests = json.loads(files[f"{plan.name}.runpod.json"])
         try:
             fit = catalog.fit(client, plan)
             found_pods, found_clusters = pods.find(client, plan.name)
@@ -119,6 +119,13 @@ class RunPodProvider(Provider):
             raise BadInput(str(exc)) from None
         except RunPodError as exc:
             raise StepFailed("checking RunPod's catalog", str(exc)) from None
+        if fit.get("price"):  # the head agent counts the cost (placement.max_cost) from the catalog's price
+            plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": fit["price"] * plan.nodes}))
+        elif plan.budget.max_cost is not None:
+            raise BadInput(f"placement.max_cost: RunPod's catalog gives no price for {fit['gpu']}, so the head agent "
+                           f"could not count the cost; use placement.max_duration")
+        files = self.render(plan)
+        requests = json.loads(files[f"{plan.name}.runpod.json"])
         if found_pods or found_clusters:
             found = ", ".join(f"{p['name']} ({p['id']}, {p['status']})" for p in found_pods) or \
                 ", ".join(f"cluster {c['name']} ({c['id']})" for c in found_clusters)

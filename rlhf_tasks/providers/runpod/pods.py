@@ -43,7 +43,9 @@ class Launching:
         if isinstance(exc, RunPodError):
             raise StepFailed(self.step, f"{exc}; {said}") from None
         if isinstance(exc, KeyboardInterrupt):
-            raise StepFailed(self.step, f"interrupted (Ctrl-C); {said}") from None
+            waiting = getattr(exc, "waiting_for", None)  # see agent.protocol.wait_for
+            raise StepFailed(self.step, f"interrupted (Ctrl-C); {said}"
+                             + (f"; it was waiting for {waiting}" if waiting else "")) from None
         if isinstance(exc, StepFailed) and exc.step == self.step:
             raise StepFailed(self.step, f"{str(exc)[len(self.step) + 2:]}; {said}") from None
         if isinstance(exc, (StepFailed, AgentError)):

@@ -18,7 +18,7 @@ from pydantic import Field
 from ...errors import BadInput
 from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
-from ...plan import Contract, Plan, env, template
+from ...plan import Contract, Plan, SelfEnd, env, template
 from ...spec import Task
 from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files
 
@@ -50,6 +50,14 @@ POD_CONTRACT = Contract(
     node_addr=template("{RUNPOD_POD_ID}.runpod.internal"),
     cluster_id=env("RUNPOD_POD_ID"),
 )
+#: How a pod ends itself once its agent is done: RunPod puts RUNPOD_POD_ID and a key scoped to that pod
+#: (RUNPOD_API_KEY, "used to make RunPod API calls to the specific pod. It's limited in scope to only the
+#: pod": runpod/docs, pods/references/environment-variables) in every pod; the user's own key never goes
+#: into a pod. RUNPOD_API_URL moves the API, as for the launcher (the tests' stand-in sets it in its pods).
+#: Instant Clusters have none: their pods "cannot be modified or deleted via the pod endpoints".
+SELF_END = SelfEnd(method="POST", url="{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}/action",
+                   defaults={"RUNPOD_API_URL": "https://api.runpod.io/v2"}, json_body={"action": "terminate"},
+                   bearer_env="RUNPOD_API_KEY", what="terminate this pod (RunPod's pod-scoped key)")
 #: What RunPod sets on every node of an Instant Cluster.
 CLUSTER_CONTRACT = Contract(
     rank=env("NODE_RANK"),
@@ -137,13 +145,16 @@ def check(task: Task) -> None:
                        f"network: runpod-global for a single pod")
     if is_cluster(task) and task.nodes > 250:  # RunPod v2: ClusterCompute.podCount "maximum": 250
         raise BadInput(f"nodes: an Instant Cluster has at most 250 nodes, not {task.nodes}")
+    if "RUNPOD_API_KEY" in task.secrets:
+        raise BadInput("secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod (RunPod gives "
+                       "each pod a key of its own, scoped to that pod, as RUNPOD_API_KEY); remove it")
     placement = task.placement
     refusals = {
         "spot": (placement.spot != "off", "RunPod's v2 API creates on-demand pods only; write spot: off"),
         "retry": (placement.retry, "the RunPod provider does not relaunch lost pods; the head restarts the job "
                   "(job.max_restarts) while its pod lives"),
-        "max_duration": (placement.max_duration is not None, "not offered on RunPod; job.timeout bounds the job, "
-                         "and the launcher terminates the pods after it"),
+        "price_per_hour": (placement.price_per_hour is not None, "RunPod's price comes from its catalog (the "
+                           "launcher shows it before it creates anything); remove it"),
         "fleets": (bool(placement.fleets), "RunPod has no fleets"),
         "backends": (bool(placement.backends), "RunPod is one backend"),
     }

@@ -1,0 +1,178 @@
+"""Issue 30 without a cluster: the budget fields of a task and what `check` refuses, the head's
+budget arithmetic and words, finding a job's driver, a machine ending itself (a real HTTP
+server stands for RunPod's API), and one live cluster per name (a live record, a stand-in
+`dstack` on PATH that must never be called)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from rlhf_tasks.agent import budget as bmod
+from rlhf_tasks.agent.ending import end_machine
+from test_provider_launch import env_with, fake_cli, run_cli
+
+
+def task(tmp_path: Path, placement: dict | None = None, name: str = "cost", **extra) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name, "nodes": 2, "placement": placement or {}, **extra,
+        "job": {"recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": "true"}}}))
+    return path
+
+
+def check(tmp_path, path, *args):
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(path), *args, "--json"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(tmp_path / "home")),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_budget_reaches_the_plan(tmp_path):
+    out = check(tmp_path, task(tmp_path, {"max_cost": 12.5, "price_per_hour": 5, "max_duration": "3h",
+                                          "stop_grace": "30s", "idle": "never"}))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["budget"] == {"price_per_hour": 5.0, "max_cost": 12.5, "max_duration_s": 10800.0,
+                                                "stop_grace_s": 30.0, "idle_s": None}
+    plain = json.loads(check(tmp_path, task(tmp_path)).stdout)
+    assert plain["budget"]["idle_s"] == 3600.0 and plain["budget"]["max_cost"] is None and plain["self_end"] is None
+
+
+@pytest.mark.parametrize("provider", ["local", "dstack", "sky", "slurm"])
+def test_a_cost_cap_without_a_price_is_refused_at_check(tmp_path, provider):
+    out = check(tmp_path, task(tmp_path, {"max_cost": 10}, resources={"cpus": 1}), "--provider", provider)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "placement.max_cost:" in out.stderr and "placement.price_per_hour" in out.stderr
+    assert f"the {provider} provider does not know it" in out.stderr
+
+
+def test_runpod_prices_from_its_catalog_and_its_pods_end_themselves(tmp_path):
+    out = check(tmp_path, task(tmp_path, {"max_cost": 10, "max_duration": "2h"}), "--provider", "runpod")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["budget"]["max_duration_s"] == 7200.0 and plan["budget"]["price_per_hour"] is None  # filled at launch
+    assert plan["self_end"]["url"] == "{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}/action"
+    assert plan["self_end"]["bearer_env"] == "RUNPOD_API_KEY" and plan["self_end"]["json_body"] == {"action": "terminate"}
+    # An Instant Cluster's pods cannot be ended through the pod endpoints: no self_end.
+    cluster = json.loads(check(tmp_path, task(tmp_path, {"max_duration": "2h"}, network="runpod-cluster"),
+                               "--provider", "runpod").stdout)
+    assert cluster["self_end"] is None
+    own_price = check(tmp_path, task(tmp_path, {"price_per_hour": 3}), "--provider", "runpod")
+    assert own_price.returncode == 2 and "placement.price_per_hour: RunPod's price comes from its catalog" in own_price.stderr
+    key = check(tmp_path, task(tmp_path, secrets=["RUNPOD_API_KEY"]), "--provider", "runpod")
+    assert key.returncode == 2 and "secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod" in key.stderr
+
+
+def test_cap_arithmetic_and_words():
+    assert bmod.cap_seconds({"price_per_hour": 36.0, "max_cost": 1.0}) == pytest.approx(100.0)
+    assert bmod.cap_seconds({"price_per_hour": 36.0, "max_cost": 1.0, "max_duration_s": 50}) == 50
+    assert bmod.cap_seconds({"price_per_hour": 0.0, "max_cost": 1.0}) is None  # free: no cost cap
+    assert bmod.cap_seconds({"price_per_hour": 2.0}) is None
+    assert bmod.hm(5400) == "1 h 30 m" and bmod.hm(59) == "0 h 01 m"
+    assert bmod.cap_words({"price_per_hour": 8.0, "max_cost": 12.0}, 5400) == \
+        "stopped at the budget cap: $12.00 after 1 h 30 m (placement.max_cost $12.00)"
+    assert bmod.cap_words({"price_per_hour": 8.0, "max_cost": 100.0, "max_duration_s": 3600}, 3600) == \
+        "stopped at the budget cap: $8.00 after 1 h 00 m (placement.max_duration 1 h 00 m)"
+    assert bmod.cap_words({"max_duration_s": 3600}, 3600).startswith("stopped at the budget cap: cost unknown after")
+
+
+def test_a_jobs_driver_is_found_by_its_submission_in_its_environment(tmp_path):
+    """What Ray's job supervisor gives the entrypoint (a session of its own, the submission in
+    RAY_JOB_CONFIG_JSON_ENV_VAR), and SIGTERM reaches it and its children."""
+    config = json.dumps({"runtime_env": {}, "metadata": {"job_submission_id": "cost-ab12", "job_name": "cost-ab12"}})
+    marker = tmp_path / "got-term"
+    script = (f"import signal, subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').write('x'), child.wait(), sys.exit(0)))\n"
+              f"print('up', flush=True)\n"
+              f"time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, RAY_JOB_CONFIG_JSON_ENV_VAR=config))
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert bmod.job_sessions("cost-ab12") == [proc.pid]
+        assert bmod.job_sessions("cost-ab1") == []  # the whole id, not a prefix
+        assert bmod.term_driver("cost-ab12") == [proc.pid]
+        assert proc.wait(20) == 0 and marker.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+class _Api(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+        self.seen.append((self.path, self.headers.get("Authorization"), body))
+        self.send_response(204 if self.headers.get("Authorization") == "Bearer pod-key" else 403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_a_machine_ends_itself_with_its_own_key_and_says_what_it_cannot(capsys):
+    from rlhf_tasks.providers.runpod.render import SELF_END
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rule = SELF_END.model_dump()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v2"
+    try:
+        assert end_machine(rule, env={"RUNPOD_API_URL": url, "RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": "pod-key"})
+        assert _Api.seen[-1] == ("/v2/pods/p1/action", "Bearer pod-key", {"action": "terminate"})
+        assert not end_machine(rule, env={"RUNPOD_API_URL": url, "RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": "other"})
+        assert not end_machine(rule, env={"RUNPOD_POD_ID": "p1"})  # no key here: said, nothing sent
+    finally:
+        server.shutdown()
+    said = capsys.readouterr().out
+    assert "could not terminate this pod (RunPod's pod-scoped key): HTTP 403" in said
+    assert "cannot terminate this pod (RunPod's pod-scoped key): RUNPOD_API_KEY not set here" in said
+    assert "pod-key" not in said and "other" not in said
+
+
+def test_a_launch_under_the_name_of_a_live_cluster_on_another_provider_is_refused(tmp_path):
+    """The record of a live local cluster (one of its agents runs) stays, and the other provider's
+    CLI is never called; once its agents are gone (it ended itself, no launcher attached), the
+    name is free again."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)
+    env = env_with(tmp_path, bin_dir)
+    agent = subprocess.Popen(["sleep", "120"])
+    try:
+        record = {"provider": "local", "cluster_id": "c0ffee00", "pids": [agent.pid], "dashboard": "http://127.0.0.1:1",
+                  "job": {"submission_id": "boundary-c0ffee00-r2", "status": "RUNNING"}}
+        directory = Path(env["RLHF_TASKS_HOME"]) / "clusters" / "boundary"
+        directory.mkdir(parents=True)
+        (directory / "cluster.json").write_text(json.dumps(record))
+        (directory / "token").write_text("the-token")
+        path = tmp_path / "t.yaml"
+        path.write_text(yaml.safe_dump({"name": "boundary", "nodes": 2, "job": {
+            "recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": "true"}}}))
+        out = run_cli(["launch", str(path), "--provider", "dstack"], tmp_path, env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert ("name: a cluster named boundary is live on local (its job boundary-c0ffee00-r2 was last seen "
+                "RUNNING)") in out.stderr
+        assert "`rlhf-tasks down boundary`" in out.stderr and "nothing was launched" in out.stderr
+        assert not log.exists()  # dstack was never called
+        assert json.loads((directory / "cluster.json").read_text()) == record
+        assert (directory / "token").read_text() == "the-token"
+        assert not (Path(env["RLHF_TASKS_HOME"]) / "runs" / "boundary" / "dstack").exists()
+    finally:
+        agent.kill()
+        agent.wait()
+    # Its agents are gone: the cluster ended on its own, and the name can be launched elsewhere.
+    again = run_cli(["launch", str(path), "--provider", "dstack"], tmp_path, env)
+    assert "is live on local" not in again.stderr and log.exists(), again.stderr

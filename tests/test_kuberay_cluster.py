@@ -1,0 +1,279 @@
+"""The KubeRay provider on a real Kubernetes control plane with the real KubeRay operator
+(tests/kube/): `launch --provider kuberay` applies with the real kubectl, the API server
+validates, the operator builds the cluster and its pods, and the pods run on namespace hosts.
+Nothing here plays KubeRay."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import testbed as tbmod
+from conftest import ROOT
+
+pytestmark = pytest.mark.cluster
+
+
+def tiny_grpo(ckpt: Path, steps: int = 150, save_every: int = 25) -> dict:
+    return {"name": "tiny", "nodes": 3, "resources": {"cpus": 1}, "env": {"PYTHONUNBUFFERED": "1"},
+            "preflight": "off", "ray": {"object_store_memory": "80MB"},
+            "checkpoints": {"path": str(ckpt), "shared": {"kuberay": {"claim": "ckpt"}}},
+            "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "tiny-grpo", "working_dir": None, "timeout": "10m",
+                    "args": {"steps": steps, "save_every": save_every, "prompts_per_step": 8, "group_size": 8,
+                             "num_prompts": 200}}}
+
+
+def shared_claim(cluster, ns: str, name: str, path: Path) -> None:
+    """A ReadWriteMany claim bound to a hostPath volume every pod host sees (the test's tmp dir)."""
+    path.mkdir(parents=True, exist_ok=True)
+    pv = f"{ns}-{name}"
+    cluster.cp.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)},
+                  "claimRef": {"namespace": ns, "name": name}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                  "resources": {"requests": {"storage": "1Gi"}}}}]))
+    tbmod.poll(lambda: json.loads(cluster.cp.kubectl("-n", ns, "get", "pvc", name, "-o", "json").stdout)
+               ["status"].get("phase") == "Bound", 60, f"claim {name} bound")
+
+
+def kubectl_json(cluster, ns: str, *args: str):
+    out = cluster.cp.kubectl("-n", ns, "get", *args, "-o", "json", "--ignore-not-found")
+    return json.loads(out.stdout) if out.stdout.strip() else None
+
+
+def run_cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster, tmp_path):
+    """tiny-grpo through `launch --provider kuberay` and the real kubectl: one node is cordoned
+    for 20 s, so a worker pod is scheduled late and the job's command starts only once it joined;
+    a worker pod deleted mid-run is recreated by the operator and the job resumes from its
+    checkpoint, every step once; SUCCEEDED; then `status`, and `down` leaves nothing of the run."""
+    cluster = kube_cluster
+    ns = cluster.namespace("launch")
+    ckpt, steps = tmp_path / "ckpt", 1500
+    shared_claim(cluster, ns, "ckpt", ckpt)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_grpo(ckpt, steps, save_every=25)))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    env.pop("RAY_AUTH_TOKEN", None)
+    late_node = cluster.runner.nodes and sorted(cluster.runner.nodes)[-1]
+    cluster.cp.kubectl("cordon", late_node)
+    cordoned = time.monotonic()
+    out = open(tmp_path / "launch.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay",
+                             "--namespace", ns], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        def pods():
+            return (kubectl_json(cluster, ns, "pods") or {"items": []})["items"]
+        def held_back():  # two pods bound, the third waits for room
+            listed = pods()
+            return len(listed) == 3 and len([p for p in listed if p["spec"].get("nodeName")]) == 2
+        tbmod.poll(lambda: held_back() or cluster.check(), 180, "two pods bound and one pending")
+        time.sleep(max(0.0, 20 - (time.monotonic() - cordoned)))  # the cordon is the test's condition: 20 s
+        cluster.cp.kubectl("uncordon", late_node)
+        tbmod.poll(lambda: (proc.poll() is None or (_ for _ in ()).throw(AssertionError(_read(out))))
+                   and (cluster.check() or len(metrics(ckpt / "metrics.jsonl")) >= 20), 420, "step 20", 0.3)
+        workers = [p for p in pods() if p["metadata"]["labels"].get("ray.io/node-type") == "worker"
+                   and not p["metadata"].get("deletionTimestamp")]
+        lost = workers[0]["metadata"]["name"]
+        cluster.cp.kubectl("-n", ns, "delete", "pod", lost, "--wait=false")
+        proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        cluster.cp.kubectl("uncordon", late_node, check=False)
+    said = _read(out)
+    assert proc.returncode == 0, said[-6000:]
+    assert "== summary ==" in said and "SUCCEEDED in " in said and "RLHF_TASKS_RESULT" not in said
+    final = tbmod.poll(lambda: (r := kubectl_json(cluster, ns, "rayjob", "tiny")) and
+                       r.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed") and r["status"],
+                       30, "the RayJob's final status")
+    assert final["jobDeploymentStatus"] == "Complete" and final["jobStatus"] == "SUCCEEDED", final
+    rows = metrics(ckpt / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step lost, none counted twice
+    assert [r for r in rows if r.get("resumed_from", 0) >= 10]
+    assert "restarting the job, attempt 1" in said
+    # the late worker: the head's runner waited with 2 of 3 nodes, and the command started once all 3 were in
+    lines = said.splitlines()
+    waited = next(i for i, line in enumerate(lines) if "waiting for 3 nodes to join" in line and "2/3 nodes" in line)
+    ready = next(i for i, line in enumerate(lines) if "cluster ready: 3/3 nodes alive" in line)
+    command = next(i for i, line in enumerate(lines) if "its command runs now" in line)
+    assert waited < ready < command
+    status = run_cli(["status", "tiny"], env)
+    assert status.returncode == 0 and "jobStatus SUCCEEDED" in status.stdout, status.stdout + status.stderr
+    down = run_cli(["down", "tiny"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = cluster.cp.kubectl("-n", ns, "get", "rayjobs,rayclusters,pods,configmaps,secrets,services", "-o", "name")
+    assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
+
+
+def _read(f) -> str:
+    f.flush()
+    return Path(f.name).read_text()
+
+
+def failing_task(ckpt: Path) -> dict:
+    """Two pods; the job's task on the worker raises, and the job fails."""
+    return {"name": "fails", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "ray": {"object_store_memory": "80MB"}, "secrets": ["FX_SECRET"],
+            "checkpoints": {"path": str(ckpt)}, "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
+                    "args": {"entrypoint": f"python3 {ROOT / 'tests' / 'data' / 'fail_on_last_rank.py'}"}}}
+
+
+def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluster, tmp_path):
+    """A job whose task raises on the worker: `launch` exits 1 naming the worker and its first
+    error; then, through the real kubectl: `status` shows the RayJob Failed, `token` is KubeRay's
+    own (its Secret), `env` exports it, `forward` answers only once the dashboard does,
+    `logs --bundle` through it holds every node's files and no secret, and `down` leaves nothing
+    of the run in the namespace."""
+    cluster = kube_cluster
+    ns = cluster.namespace("fails")
+    path = tmp_path / "fails.yaml"
+    path.write_text(yaml.safe_dump(failing_task(tmp_path / "ckpt")))
+    secret = "fx-secret-value-0123456789"
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1", FX_SECRET=secret))
+    env.pop("RAY_AUTH_TOKEN", None)
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert launch.returncode == 1, said[-5000:]
+    assert "FAILED" in said and "RuntimeError: bad shard on rank 1" in said, said[-5000:]
+    status = run_cli(["status", "fails"], env)
+    assert status.returncode == 0 and "jobStatus FAILED" in status.stdout, status.stdout + status.stderr
+    # the token is KubeRay's (Secret <cluster>, key auth_token), read through kubectl: never a new one
+    rayjob = kubectl_json(cluster, ns, "rayjob", "fails")
+    stored = kubectl_json(cluster, ns, "secret", rayjob["status"]["rayClusterName"])
+    import base64
+    kuberay_token = base64.b64decode(stored["data"]["auth_token"]).decode()
+    token = run_cli(["token", "fails"], env)
+    assert token.returncode == 0 and token.stdout.strip() == kuberay_token, token.stdout + token.stderr
+    assert "made a new" not in token.stderr
+    # forward: the address is said once the dashboard answered through it
+    port = _free_port()
+    forward = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "forward", "fails", "--port", str(port)],
+                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = forward.stdout.readline()
+        assert f"is at http://127.0.0.1:{port}" in line, line
+        shell = run_cli(["env", "fails"], env)
+        assert shell.returncode == 0, shell.stderr
+        assert f"export RAY_API_SERVER_ADDRESS=http://127.0.0.1:{port}" in shell.stdout
+        assert f"export RAY_AUTH_TOKEN={kuberay_token}" in shell.stdout
+        bundle = run_cli(["logs", "fails", "--bundle"], env, timeout=300)
+        assert bundle.returncode == 0, bundle.stdout + bundle.stderr
+        archive = next((tmp_path / "home" / "runs" / "fails").glob("*.tar.gz"))
+        import tarfile
+        with tarfile.open(archive) as tar:
+            members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode(errors="replace")
+                       for m in tar.getmembers() if m.isfile()}
+        assert any(n.startswith("node0/") for n in members) and any(n.startswith("node1/") for n in members), \
+            sorted(members)
+        assert not any(secret in text or kuberay_token in text for text in members.values())
+    finally:
+        forward.terminate()
+        forward.wait(15)
+    down = run_cli(["down", "fails"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = cluster.cp.kubectl("-n", ns, "get", "rayjobs,rayclusters,pods,configmaps,secrets,services", "-o", "name")
+    assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
+
+
+def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, tmp_path):
+    """What `render` prints, applied by hand as its header says (the Secret from a file of
+    NAME=value lines first), runs: the RayJob completes and the job's line is in the submitter's log."""
+    cluster = kube_cluster
+    ns = cluster.namespace("by-hand")
+    task = {"name": "by-hand", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off", "secrets": ["HELLO_SECRET"],
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"import os; print('job says', len(os.environ['HELLO_SECRET']))\""}}}
+    path = tmp_path / "by-hand.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    rendered = tmp_path / "by-hand.rayjob.yaml"
+    out = run_cli(["render", str(path), "--provider", "kuberay", "-o", str(rendered)], env)
+    assert out.returncode == 0, out.stderr
+    text = rendered.read_text()
+    create = next(line for line in text.splitlines() if "kubectl create secret generic" in line)
+    assert "--from-env-file=FILE" in create
+    (tmp_path / "secrets.env").write_text("HELLO_SECRET=seven-7\n")
+    cluster.cp.kubectl("-n", ns, "create", "secret", "generic", "by-hand-secrets",
+                       f"--from-env-file={tmp_path / 'secrets.env'}")
+    cluster.cp.kubectl("-n", ns, "apply", "-f", str(rendered))
+    final = tbmod.poll(lambda: (cluster.check() or True) and (r := kubectl_json(cluster, ns, "rayjob", "by-hand"))
+                       and r.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed") and r["status"],
+                       300, "the RayJob to finish")
+    assert final["jobStatus"] == "SUCCEEDED", final
+    head = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
+                if p["metadata"]["labels"].get("ray.io/node-type") == "head")
+    log = cluster.cp.kubectl("-n", ns, "logs", head["metadata"]["name"], "-c", "ray-job-submitter").stdout
+    assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, tmp_path):
+    """A Kueue queue named: the RayJob is created held (`suspend: true`, as Kueue's webhook makes
+    it) and the real operator keeps it Suspended with no cluster. `launch` says it is queued and
+    waits, deleting nothing; once admitted (what Kueue does: `suspend: false`) the operator makes
+    the cluster and `launch` follows it to SUCCEEDED."""
+    cluster = kube_cluster
+    ns = cluster.namespace("queued")
+    task = {"name": "queued", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "placement": {"kuberay": {"queue": "team-a"}},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"print('admitted and ran')\""}}}
+    path = tmp_path / "queued.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    out = open(tmp_path / "launch.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay",
+                             "--namespace", ns], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        tbmod.poll(lambda: "is queued in Kueue's queue team-a" in _read(out) or proc.poll() is not None, 120,
+                   "the launcher to say the RayJob is queued")
+        status = tbmod.poll(lambda: (kubectl_json(cluster, ns, "rayjob", "queued") or {}).get("status", {})
+                            .get("jobDeploymentStatus") == "Suspended", 60, "the operator to hold it Suspended")
+        # held past the operator's own wait (OPERATOR_S would have given up on a silent operator): still there
+        assert status and proc.poll() is None, _read(out)[-3000:]
+        assert not (kubectl_json(cluster, ns, "pods") or {"items": []})["items"]
+        cluster.cp.kubectl("-n", ns, "patch", "rayjob", "queued", "--type", "merge", "-p", '{"spec":{"suspend":false}}')
+        proc.wait(420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    said = _read(out)
+    assert proc.returncode == 0, said[-5000:]
+    assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
+    assert "is the KubeRay operator running" not in said
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
