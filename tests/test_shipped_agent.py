@@ -92,7 +92,9 @@ def test_the_jobs_gate_is_the_shipped_one_in_a_working_dir_with_a_decoy(decoy, t
     gate.open()
     argv = gate.wrap(["echo", "the job's command ran"], 30)
     run = subprocess.run(argv, cwd=decoy, env=decoy_env(decoy), capture_output=True, text=True, timeout=60)
-    assert DECOY_SAYS not in run.stdout and run.stdout == "the job's command ran\n", run.stdout + run.stderr
+    said = run.stdout + run.stderr
+    assert DECOY_SAYS not in said and "the job's gate is waiting" in said, said  # the shipped gate's own line
+    assert run.returncode == 0 and run.stdout.endswith("the job's command ran\n"), said
 
 
 def test_preflights_job_is_the_shipped_one_in_a_working_dir_with_a_decoy(decoy):
