@@ -337,7 +337,10 @@ CPU_LABELS = [("dashboard/agent.py", "dashboard agent"), ("runtime_env/agent", "
               ("dashboard/dashboard.py", "dashboard"), ("log_monitor", "log monitor"),
               ("autoscaler/_private/monitor", "autoscaler monitor"), ("ray-dashboard-", "dashboard modules"),
               ("default_worker.py", "ray::IDLE"), ("rlhf_tasks.agent gate", "our job's gate (preflight's driver)"),
-              ("rlhf_tasks.agent.preflight", "preflight driver"), ("rlhf_tasks", "our node agent"),
+              ("rlhf_tasks.agent.preflight", "preflight driver"),
+              ("agent/__main__.py gate", "our job's gate (preflight's driver)"),  # started by its path since
+              ("agent/__main__.py preflight", "preflight driver"),                 # issue 32, item 2
+              ("rlhf_tasks", "our node agent"),
               ("ray.scripts.scripts import main", "ray CLI"), ("symmetric-run", "ray CLI"), ("ray start", "ray CLI"),
               ("ray.nodes()", "the job floor's driver"), ("import time; open(", "the command"), ("poller.py", None)]
 

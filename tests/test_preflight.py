@@ -62,7 +62,7 @@ def test_preflight_checks_torch_where_the_recipe_uses_it_and_a_task_can_say_othe
     assert torch_checked(verl) and not torch_checked(task_with())  # an arbitrary command: TCP only
     assert torch_checked(task_with(preflight={"torch": True})) and not torch_checked({**verl, "preflight": {"torch": False}})
     argv = protocol.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, 60, wait_nodes=600)
-    assert argv[:3] == ["python3", "-m", "rlhf_tasks.agent.preflight"]
+    assert argv[:3] == ["python3", "rlhf_tasks/agent/__main__.py", "preflight"]
     assert argv[argv.index("--wait-nodes") + 1] == "600" and "--no-torch" in argv
 
 

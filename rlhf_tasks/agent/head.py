@@ -19,7 +19,7 @@ from .jobrunner import JobRunner
 from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
                        http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
                        result_line, wait_for)
-from .raynode import Node
+from .raynode import Node, package_root
 
 #: How long a head that ends on its own waits for the workers to leave (they look at its
 #: beacon every second, and leave when it says "done") before it stops its own Ray.
@@ -199,7 +199,7 @@ class HeadPreflight(object):
         """Preflight's command line: it waits for the nodes, then its checks have their deadline."""
         plan = self.node.plan
         return preflight_argv(plan["preflight"], plan["nodes"], plan["preflight"]["timeout_s"],
-                              wait_nodes=plan["wait"]["nodes_s"])
+                              wait_nodes=plan["wait"]["nodes_s"], root=package_root())
 
     def submit(self, gated: Optional[str] = None) -> None:
         """Submit preflight as a Ray job of its own; or, when the gate of job `gated` runs it, follow that job."""

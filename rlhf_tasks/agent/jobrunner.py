@@ -15,10 +15,10 @@ import time
 from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
-from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_MODULE, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
+from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
                        AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, log, submission_id,
                        wait_for)
-from .raynode import Node
+from .raynode import Node, agent_entry
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
 FAST_FAILURE_S = 120.0
@@ -106,7 +106,7 @@ def restart_policy(previous: List[dict], cause: Optional[Restart], seconds: floa
 
 
 class Gate(object):
-    """A file on the head that a job submitted early waits behind (`python3 -m rlhf_tasks.agent gate FILE ...`,
+    """A file on the head that a job submitted early waits behind (`python3 ENTRY gate FILE ...`,
     its entrypoint's wrapper): the job's supervisor and driver start while the nodes are
     still joining, and its command runs the moment the head writes "go" (every node ALIVE,
     preflight passed), or never, when the head writes "stop: why". With `preflight`, the
@@ -120,9 +120,10 @@ class Gate(object):
             os.remove(path)
 
     def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
-        """The job's command behind this gate; the agent's package is on the job's PYTHONPATH (node_env)."""
-        checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_MODULE) + 1:] if self.preflight else []
-        return ["python3", "-m", "rlhf_tasks.agent", "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
+        """The job's command behind this gate: this agent's entry file by its path (the job runs in
+        its working_dir, which Ray also puts first on PYTHONPATH: `-m` could find another agent there)."""
+        checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_COMMAND) + 1:] if self.preflight else []
+        return ["python3", agent_entry(), "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
 
     def open(self) -> None:
         self._write("go\n")
@@ -136,11 +137,11 @@ class Gate(object):
         os.replace(self.path + ".tmp", self.path)
 
 
-GATE_USAGE = "usage: python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight PREFLIGHT_ARGS...] -- CMD..."
+GATE_USAGE = "usage: python3 LIB/rlhf_tasks/agent/__main__.py gate FILE TIMEOUT_S [--preflight PREFLIGHT_ARGS...] -- CMD..."
 
 
 def gate_main(argv: List[str]) -> int:
-    """`python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight ARGS...] -- CMD...`: run preflight
+    """`python3 ENTRY gate FILE TIMEOUT_S [--preflight ARGS...] -- CMD...`: run preflight
     (its module's main, here: this process is the job's first Ray driver) when asked, then
     wait for the head's word in FILE, then become CMD (exec: the job's process is the
     command's), or exit 1 saying why not."""

@@ -1,7 +1,7 @@
 """Preflight: prove the nodes can talk before the job starts; the driver of the preflight job.
 
-Runs as a Ray job of its own on the head (`python3 -m rlhf_tasks.agent.preflight --nodes N
-...`), submitted by the head agent as soon as its dashboard answers (it waits for the
+Runs as a Ray job of its own on the head (`python3 LIB/rlhf_tasks/agent/__main__.py preflight
+--nodes N ...`), submitted by the head agent as soon as its dashboard answers (it waits for the
 nodes itself), or by `rlhf-tasks doctor` on a running cluster. One probe actor (probe.py)
 is pinned to each node; it runs in a Ray worker there, so it sees the environment the
 job's tasks will get on that node (the node agent sets GLOO_SOCKET_IFNAME and
@@ -152,6 +152,7 @@ class Preflight(object):
         import ray
 
         ray.init(log_to_driver=False)
+        ship_by_value(ray)
         self.run_step("nodes", self.step_nodes)
         network_error = None
         try:
@@ -567,6 +568,14 @@ class Preflight(object):
                 pass
 
 
+def ship_by_value(ray) -> None:
+    """Ray pickles the probe's class by reference, and each worker would import it from its own
+    sys.path, where a job's working_dir comes first (and may hold another `rlhf_tasks`, a fork
+    of this project): the agent's package travels by value instead, so that the probe that runs
+    is this one."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[NodeProbe.__module__.split(".")[0]])
+
+
 def disconnect() -> None:
     """Let go of the cluster main() connected this process to (in the job's gate, where the
     job's command runs next in the same job)."""
@@ -718,7 +727,7 @@ def table(result: dict) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m rlhf_tasks.agent.preflight", description="rlhf-tasks preflight (runs as a Ray job)")
+    parser = argparse.ArgumentParser(prog="python3 rlhf_tasks/agent/__main__.py preflight", description="rlhf-tasks preflight (runs as a Ray job)")
     parser.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds for the checks, from when every node is alive")

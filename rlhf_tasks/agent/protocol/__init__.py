@@ -27,8 +27,13 @@ TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 #: The preflight job's result line, and how long past its checks' deadline it may take.
 PREFLIGHT_PREFIX = "RLHF_TASKS_PREFLIGHT "
 PREFLIGHT_GRACE_S = 15.0  # beyond the checks' own deadline: for the Ray job to start and end
-#: The preflight job's module (`python3 -m ...`), in the agent's package.
-PREFLIGHT_MODULE = "rlhf_tasks.agent.preflight"
+#: The agent's entry file below its package root (lib/ on a node). The agent, the job's gate and
+#: preflight's job are started by this file's path (`python3 LIB/rlhf_tasks/agent/__main__.py ...`),
+#: never as a module (`python3 -m`), which puts the working directory first on sys.path, where an
+#: `rlhf_tasks/` (a fork of this project, a job's working_dir) would be what runs.
+AGENT_ENTRY = "rlhf_tasks/agent/__main__.py"
+#: The entry's subcommand that runs preflight (`python3 ENTRY preflight --nodes N ...`).
+PREFLIGHT_COMMAND = "preflight"
 #: The head agent's log line when the job's command is let run (its gate opens; with job.mode
 #: every_node, when the head runs it): before this line a launch can still cancel the job.
 JOB_STARTS = "starting job %s: its command runs now"
@@ -377,12 +382,13 @@ def preflight_submission_id(cluster_key: str) -> str:
 
 
 def preflight_argv(settings: dict, nodes: int, timeout: float, wait_nodes: float = 0.0,
-                   checks: Optional[dict] = None) -> List[str]:
+                   checks: Optional[dict] = None, root: str = "") -> List[str]:
     """The preflight job's command line: it waits up to `wait_nodes` seconds for every node
     (the head submits it while the workers join), then its checks have `timeout` seconds.
-    The agent's package must be importable where it runs (the agent puts it on Ray's
-    PYTHONPATH; doctor uploads it as the job's working_dir)."""
-    argv = ["python3", "-m", PREFLIGHT_MODULE, "--nodes", str(nodes), "--timeout", "%.1f" % timeout,
+    `root` holds the agent's package where the job runs (the head's lib/; doctor uploads the
+    package as the job's working_dir, so there it is relative)."""
+    argv = ["python3", os.path.join(root, AGENT_ENTRY), PREFLIGHT_COMMAND, "--nodes", str(nodes),
+            "--timeout", "%.1f" % timeout,
             "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
     if wait_nodes:
         argv += ["--wait-nodes", "%.0f" % wait_nodes]
