@@ -116,6 +116,7 @@ class Gate(object):
 
     def __init__(self, path: str, preflight: Optional[List[str]] = None, sid: Optional[str] = None):
         self.path, self.preflight, self.sid = path, preflight, sid  # sid: the gated job's submission id
+        self.opened = False
         if os.path.exists(path):
             os.remove(path)
 
@@ -126,6 +127,7 @@ class Gate(object):
 
     def open(self) -> None:
         self._write("go\n")
+        self.opened = True
 
     def close(self, why: str) -> None:
         self._write("stop: %s\n" % why)
@@ -174,7 +176,7 @@ def gate_main(argv: List[str]) -> int:
             print("rlhf-tasks: the job's command was not started: the head gave no word within %.0fs" % timeout_s,
                   flush=True)
             return 1
-        time.sleep(0.05)
+        time.sleep(0.02)  # a local file: the command starts the moment the head says go
 
 
 def gated_preflight(args: List[str]) -> bool:
@@ -216,6 +218,12 @@ class JobRunner(object):
                                        if plan["preflight"]["enabled"] else 0) + 60
         self.submit(sid, gate.wrap, limit)
         return gate
+
+    def open(self, gate: Gate) -> None:
+        """The job's command starts now (once: the head opens the gate as soon as preflight passed)."""
+        if not gate.opened:
+            log(JOB_STARTS % gate.sid + " (it was submitted while the nodes joined)")
+            gate.open()
 
     def submit_and_follow(self, gate: Optional[Gate]) -> int:
         """Open the gate of the job's first attempt (or submit it) and follow it; when it
@@ -280,8 +288,7 @@ class JobRunner(object):
         node, job, jobs = self.node, self.plan["job"], self.jobs
         with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
             if gate is not None:
-                log(JOB_STARTS % sid + " (it was submitted while the nodes joined)")
-                gate.open()
+                self.open(gate)
             elif jobs.status(sid) is not None:
                 log((JOB_STARTS % sid if attempt == 0 else "job %s" % sid)
                     + " (it was already submitted to this cluster; following it)")

@@ -402,7 +402,7 @@ def parse_preflight(text: str) -> Optional[dict]:
     return last_json_line(text, PREFLIGHT_PREFIX)
 
 
-def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
+def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None], interval: float = 0.15) -> dict:
     """Echo the preflight job's progress lines until it ends and return its result; at the
     deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
     shown, status, text = 0, None, ""
@@ -427,7 +427,7 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
             steps = [line for line in lines if line.startswith("preflight: ")]
             raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
                              "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
-        time.sleep(0.15)  # the command waits on this result: a local poll of a few ms, kept flat
+        time.sleep(interval)  # the command waits on this result: a local poll of a few ms, kept flat
     result = parse_preflight(text)
     if result is None:
         raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"
