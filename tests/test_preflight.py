@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -355,6 +356,23 @@ def test_without_torch_preflight_checks_the_network_with_tcp_and_says_so(tb, tmp
     assert "torch is not installed on the nodes: checked the network with TCP streams" in out
     assert "Gloo all_reduce across" not in out
     assert re.search(r"pairs \(TCP over the Gloo addresses, every pair both ways: 2 directions, in 1 round\): slowest node\d -> node\d \d", out), out[-3000:]
+
+
+def test_the_node_agents_check_each_node_as_it_comes_up_and_a_job_without_torch_needs_no_probe_actor(tb, tmp_path):
+    procs = start(tb, tmp_path, head_mode(tmp_path, torch=False))
+    assert procs[0].wait(300) == 0, procs[0].output[-5000:]
+    out = procs[0].output
+    assert "checked by the node agents as each node came up" in out and "preflight passed in" in out
+    assert "every pair both ways: 6 directions" in out and "CONTRACT alive nodes 3" in out
+    saved = json.loads(tb.sh(0, "cat /opt/rlhf-tasks/logs/preflight.json"))
+    assert saved["passed"] and saved["pair_plan"]["early"] and len(saved["pairs"]) == 6
+    assert [n["python"] for n in saved["nodes"]] == [platform.python_version()] * 3
+    assert {n["ray"] for n in saved["nodes"]} == {"2.60.0"} and saved["reach"]["every_pair"]
+    record = json.loads(tb.sh(0, "cat /tmp/rlhf-tasks/preflight-early.json"))
+    assert record["complete"] and sorted(record["nodes"]) == ["0", "1", "2"]
+    result = parse_result(out)
+    assert {s["step"] for s in saved["steps"]} == {"nodes", "versions", "interfaces", "pairs"}, saved["steps"]
+    assert result["exit_code"] == 0
 
 
 def test_a_node_that_does_not_answer_is_named_at_the_deadline(tb, tmp_path):

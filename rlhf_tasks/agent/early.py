@@ -212,6 +212,8 @@ class EarlyChecks(object):
         self.errors = []    # type: List[str]   a node's probe that did not answer
         self.closed = False
         self.started = time.time()
+        if os.path.exists(path + ".nodes"):  # an earlier run's
+            os.remove(path + ".nodes")
         self.write()
         threading.Thread(target=self._pairs, name="early-pairs", daemon=True).start()
 
@@ -365,6 +367,17 @@ class EarlyChecks(object):
             with open(self.path + ".tmp", "w") as handle:
                 json.dump(state, handle)
             os.replace(self.path + ".tmp", self.path)
+
+    def nodes_alive(self, alive: List[dict]) -> None:
+        """The head saw every node ALIVE (the State API's records): preflight's driver reads them
+        beside the record, as ray.nodes() would give them, instead of connecting to Ray itself."""
+        nodes = [{"NodeID": n["node_id"], "NodeManagerAddress": n["node_ip"], "Alive": True,
+                  "Resources": dict(n.get("resources_total") or {},
+                                    **({"node:__internal_head__": 1.0} if n.get("is_head_node") else {}))}
+                 for n in alive]
+        with open(self.path + ".nodes.tmp", "w") as handle:
+            json.dump(nodes, handle)
+        os.replace(self.path + ".nodes.tmp", self.path + ".nodes")
 
     def close(self) -> None:
         with self.lock:

@@ -96,12 +96,14 @@ class HeadFlow(object):
                                       (plan["ray"].get("num_gpus") or 0) * nodes)
                 have = wait_for("%d nodes to join" % nodes, node.ray_alive(self.nodes_check(check)),
                                 plan["wait"]["nodes_s"], interval=0.05, max_interval=0.05)
+            if self.early is not None:  # preflight's driver needs no Ray of its own to know them
+                self.early.nodes_alive(check.alive)
             log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
             keeper(node).tick()  # the head's files where Ray's log API reads them
             if preflight is not None:
                 with node.step("preflight"):
                     self.preflight_result = preflight.follow(keep=self.keep_preflight,
-                                                             interval=0.05 if self.early is not None else 0.15)
+                                                             local=gate.result if gate is not None else None)
         except BaseException as exc:
             if gate is not None:
                 gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
@@ -240,11 +242,12 @@ class HeadPreflight(object):
         if not gated:
             self.jobs.submit(self.sid, self.argv())
 
-    def follow(self, keep=lambda result: None, interval: float = 0.15) -> dict:
+    def follow(self, keep=lambda result: None, local: Optional[str] = None) -> dict:
         """Once every node is ALIVE: its checks have `preflight.timeout` from now (`keep(result)`
         before a failure is raised: the failure's forensics name the nodes it blames)."""
         node = self.node
-        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log, interval)
+        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log,
+                                  interval=0.25 if local else 0.15, local=local)
         keep(result)
         path = os.path.join(node.log_dir, "preflight.json")
         with open(path, "w") as handle:

@@ -117,8 +117,10 @@ class Gate(object):
     def __init__(self, path: str, preflight: Optional[List[str]] = None, sid: Optional[str] = None):
         self.path, self.preflight, self.sid = path, preflight, sid  # sid: the gated job's submission id
         self.opened = False
-        if os.path.exists(path):
-            os.remove(path)
+        self.result = path + ".preflight"  # preflight's result, written by the gate beside its file
+        for stale in (path, self.result):
+            if os.path.exists(stale):
+                os.remove(stale)
 
     def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
         """The job's command behind this gate; the agent's package is on the job's PYTHONPATH (node_env)."""
@@ -155,8 +157,9 @@ def gate_main(argv: List[str]) -> int:
     deadline = time.monotonic() + timeout_s
     print("rlhf-tasks: the job's gate is waiting for %sthe head's word (up to %.0fs)"
           % ("preflight, then " if ours[2:] else "", timeout_s), flush=True)
-    if ours[2:] and not gated_preflight(ours[3:]):
+    if ours[2:] and not gated_preflight(ours[3:], path + ".preflight"):
         return 1
+    checked = time.monotonic()
     while True:
         try:
             with open(path) as handle:
@@ -164,6 +167,9 @@ def gate_main(argv: List[str]) -> int:
         except FileNotFoundError:
             word = ""
         if word.startswith("go"):
+            if ours[2:]:
+                print("rlhf-tasks: the head's word came %.2fs after preflight's result" % (time.monotonic() - checked),
+                      flush=True)
             try:
                 os.execvp(command[0], command)
             except OSError as exc:
@@ -179,11 +185,12 @@ def gate_main(argv: List[str]) -> int:
         time.sleep(0.02)  # a local file: the command starts the moment the head says go
 
 
-def gated_preflight(args: List[str]) -> bool:
-    """Preflight's checks in this process, its result line in the job's log; whether they passed."""
+def gated_preflight(args: List[str], result_file: Optional[str] = None) -> bool:
+    """Preflight's checks in this process, its result line in the job's log (and in `result_file`,
+    where the head agent reads it at once); whether they passed."""
     from . import preflight
 
-    code = preflight.main(args)
+    code = preflight.main(args, result_file)
     preflight.disconnect()  # before the command's driver connects
     if code != 0:
         print("rlhf-tasks: preflight failed (its result above says why): the job's command was not started",

@@ -24,6 +24,10 @@ nodes that did not answer:
   doctor      (`--checks`) each service's readiness, the checkpoint directory shared and
               writable, free disk and /dev/shm
 
+With `--early FILE` (the head agent passes it) the nodes, interfaces and pairs steps judge what
+the node agents measured as each node came up (early.py) instead of running their probes again:
+probe actors start only where the job uses torch, or for a node that never announced itself.
+
 Prints `preflight: ...` progress lines and ends with one `RLHF_TASKS_PREFLIGHT {json}`
 line: failures (the step, the nodes, what to do), warnings (bandwidth below the task's
 threshold, with what it means for the weight sync), notes, and the table. Exit 0 when no
@@ -41,6 +45,7 @@ import time
 from typing import Dict, List, Optional
 
 from .probe import MiB, NodeProbe
+from .report import rate, size_text, table  # noqa: F401 - table: preflight's own, re-exported
 from .schedule import (PAIR_BUDGET_S, PAIR_DISTANCES, PAIR_MAX_BYTES, PAIR_PEERS, PAIR_ROUNDS,  # noqa: F401
                        PAIR_SAMPLE_ROUNDS, REACH_DISTANCES, REACH_PEERS, REACH_SAMPLE_ROUNDS, partners, rounds,
                        schedule)
@@ -56,7 +61,11 @@ STEP_CAPS = {"nodes": 60.0, "interfaces": 15.0, "torch": 90.0, "pairs": 30.0, "g
              "services": 30.0, "checkpoints": 20.0, "disk": 10.0}
 
 
+SAID = []  # type: List[str]   every progress line, for the result file beside the gate (main's `result_file`)
+
+
 def say(message: str) -> None:
+    SAID.append("preflight: " + message)
     print("preflight: " + message, flush=True)
 
 
@@ -66,18 +75,6 @@ class Failed(Exception):
     def __init__(self, step: str, message: str):
         Exception.__init__(self, message)
         self.step = step
-
-
-def rate(bits: Optional[float]) -> str:
-    if bits is None:
-        return "-"
-    if bits >= 1e9:
-        return "%.1f Gbit/s" % (bits / 1e9)
-    return "%.0f Mbit/s" % (bits / 1e6) if bits >= 1e7 else "%.2f Mbit/s" % (bits / 1e6)
-
-
-def size_text(size: float) -> str:
-    return "%d MiB" % (size // MiB) if size >= MiB else "%d KiB" % (size // 1024)
 
 
 class Preflight(object):
@@ -139,10 +136,39 @@ class Preflight(object):
 
     # ---------------------------------------------------------------- the steps
 
-    def run(self) -> None:
+    def head_nodes(self) -> bool:
+        """Whether the head agent's word says which nodes are ALIVE (`--early`, no torch, no doctor's
+        checks): then this process needs no Ray of its own unless a node never announced itself."""
+        return bool(self.args.early) and not self.args.torch and not self.args.checks
+
+    def connect(self):
         import ray
 
-        ray.init(log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        return ray
+
+    def alive(self) -> List[dict]:
+        """The nodes ALIVE now, as ray.nodes() gives them (from the head agent's file, written once
+        it saw every node ALIVE, when `head_nodes`)."""
+        if not self.head_nodes():
+            return [n for n in self.connect().nodes() if n.get("Alive")]
+        try:
+            with open(self.args.early + ".nodes") as handle:
+                return json.load(handle)
+        except (OSError, ValueError):
+            return []
+
+    def probe_actor(self, node_id: str):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = self.connect().remote(num_cpus=0, max_concurrency=8)(NodeProbe)
+        return probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+            self.args.torch)
+
+    def run(self) -> None:
+        if not self.head_nodes():
+            self.connect()
         self.run_step("nodes", self.step_nodes)
         network_error = None
         try:
@@ -180,21 +206,16 @@ class Preflight(object):
         """Every expected node alive (waiting up to --wait-nodes for them to join) with a probe
         pinned to it; each probe is created as its node appears, so that its worker process
         starts while the rest join."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        probe = ray.remote(num_cpus=0, max_concurrency=8)(NodeProbe)
         join_deadline = time.time() + self.args.wait_nodes
         while True:
-            alive = [n for n in ray.nodes() if n.get("Alive")]
+            alive = self.alive()
             for n in alive:
                 if n["NodeID"] not in (p["node_id"] for p in self.nodes):
                     self.nodes.append({"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
                                        "head": "node:__internal_head__" in n.get("Resources", {}),
                                        "gpus": int(n.get("Resources", {}).get("GPU", 0))})
                     if not self.args.early or self.args.torch:  # the node agents check the network themselves
-                        self.actors.append(probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                            n["NodeID"], soft=False)).remote(self.args.torch))
+                        self.actors.append(self.probe_actor(n["NodeID"]))
                     else:
                         self.actors.append(None)
             if len(alive) >= self.args.nodes:
@@ -216,8 +237,7 @@ class Preflight(object):
         else:
             for index, node in enumerate(self.nodes):  # a node its agent did not check: preflight's own probes
                 if self.actors[index] is None:
-                    self.actors[index] = probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node["node_id"], soft=False)).remote(self.args.torch)
+                    self.actors[index] = self.probe_actor(node["node_id"])
             infos = self.gather("nodes", [a.info.remote() for a in self.actors], list(range(len(self.nodes))),
                                 self.step_deadline("nodes"))
             for node, info in zip(self.nodes, infos):
@@ -637,9 +657,10 @@ class Preflight(object):
         return result
 
     def stop(self) -> None:
-        import ray
-
+        ray = sys.modules.get("ray")
         for actor in self.actors:
+            if actor is None or ray is None:
+                continue
             try:
                 ray.kill(actor)
             except Exception:
@@ -648,10 +669,10 @@ class Preflight(object):
 
 def disconnect() -> None:
     """Let go of the cluster main() connected this process to (in the job's gate, where the
-    job's command runs next in the same job)."""
-    import ray
-
-    ray.shutdown()
+    job's command runs next in the same job); none when it never connected (the head agent's word)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def name_nodes(nodes: List[dict]) -> None:
@@ -684,56 +705,7 @@ def duration(seconds: float) -> str:
     return "%.1f h" % (seconds / 3600)
 
 
-def table(result: dict) -> List[str]:
-    """The result as the lines the head prints (nodes, interfaces, addresses, versions, bandwidth)."""
-    nodes = result["nodes"]
-    sends, receives = {}, {}  # type: Dict[str, float], Dict[str, float]
-    for pair in result["pairs"]:
-        sends[pair["src"]] = min(sends.get(pair["src"], pair["bits_per_s"]), pair["bits_per_s"])
-        receives[pair["dst"]] = min(receives.get(pair["dst"], pair["bits_per_s"]), pair["bits_per_s"])
-    gpus = any(n.get("gpus") for n in nodes)
-
-    def endpoint(e):
-        if not e:
-            return "-"
-        name = e.get("iface") or ("(unset)" if not e.get("value") else "?")
-        return "%s %s" % (name, e.get("address") or "")
-
-    header = ["rank", "node", "address", "gloo interface"] + (["nccl interface"] if gpus else []) + [
-        "python", "ray", "torch"] + (["cuda", "nccl", "gpus"] if gpus else []) + ["slowest send",
-                                                                                "slowest receive"]
-    rows = [header]
-    for n in nodes:
-        row = [str(n.get("rank") if n.get("rank") is not None else "-"), (n.get("name") or "?") + (" (head)" if n.get("head") else ""),
-               n.get("address") or "-", endpoint(n.get("gloo_if"))]
-        row += [endpoint(n.get("nccl_if"))] if gpus else []
-        row += [n.get("python") or "-", n.get("ray") or "-", n.get("torch") or ("none" if n.get("torch_why") else "-")]
-        row += [n.get("cuda") or n.get("rocm") or "-", n.get("nccl") or "-", str(n.get("gpus") or 0)] if gpus else []
-        row += [rate(sends.get(n.get("name"))), rate(receives.get(n.get("name")))]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    for backend, coll in sorted(result["collectives"].items()):
-        lines.append("  %s all_reduce across %d nodes, bus bandwidth: %s" % (
-            "Gloo" if backend == "gloo" else "NCCL", coll["nodes"],
-            ", ".join("%s %s" % (size_text(s["bytes"]), rate(s["bus_bits_per_s"])) for s in coll["sizes"])))
-    slowest = result.get("slowest_pair")
-    if slowest:
-        fastest = max(result["pairs"], key=lambda p: p["bits_per_s"])
-        plan = result.get("pair_plan") or {}
-        if plan.get("directions") == plan.get("of"):
-            measured = "every pair both ways: %d directions" % len(result["pairs"])
-        else:
-            measured = "%d of the %d directions, every node to and from at least %d others" % (
-                len(result["pairs"]), plan.get("of", 0), plan.get("peers_at_least", 0))
-        count = plan.get("rounds", 0)
-        lines.append("  pairs (TCP over the Gloo addresses, %s, in %d round%s): slowest %s -> %s %s, fastest %s -> %s %s" % (
-            measured, count, "" if count == 1 else "s", slowest["src"], slowest["dst"], rate(slowest["bits_per_s"]),
-            fastest["src"], fastest["dst"], rate(fastest["bits_per_s"])))
-    return lines
-
-
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, result_file: Optional[str] = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m rlhf_tasks.agent.preflight", description="rlhf-tasks preflight (runs as a Ray job)")
     parser.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
     parser.add_argument("--timeout", type=float, default=120.0,
@@ -762,6 +734,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if error is not None:
         say("failed in step %s (the result below says why)" % error.step)
     print(PREFLIGHT_PREFIX + json.dumps(result, sort_keys=True), flush=True)  # the head acts on it at once
+    if result_file:  # in the job's gate, on the head: the head agent reads it there without asking the dashboard
+        with open(result_file + ".tmp", "w") as handle:
+            json.dump({"said": SAID, "result": result}, handle)
+        os.replace(result_file + ".tmp", result_file)
     try:
         preflight.stop()
     except Exception:
