@@ -84,9 +84,8 @@ def cmd_check(args) -> int:
 
 
 def _warn_shared_storage(provider, plan) -> None:
-    warning = provider.shared_storage_warning(plan)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    for note in provider.notes(plan):
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def cmd_render(args) -> int:
@@ -298,6 +297,9 @@ def _bundle(args) -> int:
     bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
                                 args.cluster, "asked for with `rlhf-tasks logs --bundle`")
     print("\n".join(summary_lines(found)))
+    if not found.get("nodes"):
+        print(f"error: the bundle of {args.cluster} reached no node through {jobs.address}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -382,7 +384,7 @@ def cmd_env(args) -> int:
     if not record.get("dashboard"):
         raise StepFailed(f"setting up a shell for {args.name}", "its dashboard address is not known here; "
                          "export RAY_API_SERVER_ADDRESS yourself (e.g. a forwarded http://localhost:8265)")
-    token = state.token(args.name)
+    token = _cluster_token(args.name, record)
     # Ray's job CLI reads RAY_API_SERVER_ADDRESS before RAY_ADDRESS; `ray status` and `ray.init()`
     # read RAY_ADDRESS as the GCS's host:port.
     lines = [f"export RAY_API_SERVER_ADDRESS={shlex.quote(record['dashboard'])}"]
@@ -404,11 +406,32 @@ def cmd_env(args) -> int:
     return 0
 
 
+def _cluster_token(name: str, record: dict) -> str | None:
+    """The cluster's Ray token: the provider's own where it makes it (read fresh, kept here), else
+    the one rlhf-tasks made."""
+    from . import state
+
+    provider = _provider(record["provider"]) if record.get("provider") else None
+    if provider is None or not provider.makes_token:
+        return state.token(name)
+    token = provider.cluster_token(name)
+    if token is None:
+        raise StepFailed(f"reading the Ray token of {name}", f"{record['provider']} makes it, and has not yet (it "
+                         f"does once the cluster exists): try again once `rlhf-tasks status {name}` shows its pods")
+    return token
+
+
 def cmd_token(args) -> int:
     """For `dstack apply` / `sky launch` by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)."""
     from . import state
 
     name = _task(args.target).name if args.target.endswith((".yaml", ".yml")) else args.target
+    record = state.load(name)
+    if record and _provider(record.get("provider", "")).makes_token:
+        if args.new:
+            raise BadInput(f"--new: {name} runs on {record['provider']}, which makes the cluster's Ray token itself")
+        print(_cluster_token(name, record))
+        return 0
     token = state.token(name)
     if token is None or args.new:
         token = state.new_token(name)

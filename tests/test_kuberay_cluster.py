@@ -129,3 +129,151 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
 def _read(f) -> str:
     f.flush()
     return Path(f.name).read_text()
+
+
+def failing_task(ckpt: Path) -> dict:
+    """Two pods; the job's task on the worker raises, and the job fails."""
+    return {"name": "fails", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "ray": {"object_store_memory": "80MB"}, "secrets": ["FX_SECRET"],
+            "checkpoints": {"path": str(ckpt)}, "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
+                    "args": {"entrypoint": f"python3 {ROOT / 'tests' / 'data' / 'fail_on_last_rank.py'}"}}}
+
+
+def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluster, tmp_path):
+    """A job whose task raises on the worker: `launch` exits 1 naming the worker and its first
+    error; then, through the real kubectl: `status` shows the RayJob Failed, `token` is KubeRay's
+    own (its Secret), `env` exports it, `forward` answers only once the dashboard does,
+    `logs --bundle` through it holds every node's files and no secret, and `down` leaves nothing
+    of the run in the namespace."""
+    cluster = kube_cluster
+    ns = cluster.namespace("fails")
+    path = tmp_path / "fails.yaml"
+    path.write_text(yaml.safe_dump(failing_task(tmp_path / "ckpt")))
+    secret = "fx-secret-value-0123456789"
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1", FX_SECRET=secret))
+    env.pop("RAY_AUTH_TOKEN", None)
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert launch.returncode == 1, said[-5000:]
+    assert "FAILED" in said and "RuntimeError: bad shard on rank 1" in said, said[-5000:]
+    status = run_cli(["status", "fails"], env)
+    assert status.returncode == 0 and "jobStatus FAILED" in status.stdout, status.stdout + status.stderr
+    # the token is KubeRay's (Secret <cluster>, key auth_token), read through kubectl: never a new one
+    rayjob = kubectl_json(cluster, ns, "rayjob", "fails")
+    stored = kubectl_json(cluster, ns, "secret", rayjob["status"]["rayClusterName"])
+    import base64
+    kuberay_token = base64.b64decode(stored["data"]["auth_token"]).decode()
+    token = run_cli(["token", "fails"], env)
+    assert token.returncode == 0 and token.stdout.strip() == kuberay_token, token.stdout + token.stderr
+    assert "made a new" not in token.stderr
+    # forward: the address is said once the dashboard answered through it
+    port = _free_port()
+    forward = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "forward", "fails", "--port", str(port)],
+                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = forward.stdout.readline()
+        assert f"is at http://127.0.0.1:{port}" in line, line
+        shell = run_cli(["env", "fails"], env)
+        assert shell.returncode == 0, shell.stderr
+        assert f"export RAY_API_SERVER_ADDRESS=http://127.0.0.1:{port}" in shell.stdout
+        assert f"export RAY_AUTH_TOKEN={kuberay_token}" in shell.stdout
+        bundle = run_cli(["logs", "fails", "--bundle"], env, timeout=300)
+        assert bundle.returncode == 0, bundle.stdout + bundle.stderr
+        archive = next((tmp_path / "home" / "runs" / "fails").glob("*.tar.gz"))
+        import tarfile
+        with tarfile.open(archive) as tar:
+            members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode(errors="replace")
+                       for m in tar.getmembers() if m.isfile()}
+        assert any(n.startswith("node0/") for n in members) and any(n.startswith("node1/") for n in members), \
+            sorted(members)
+        assert not any(secret in text or kuberay_token in text for text in members.values())
+    finally:
+        forward.terminate()
+        forward.wait(15)
+    down = run_cli(["down", "fails"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = cluster.cp.kubectl("-n", ns, "get", "rayjobs,rayclusters,pods,configmaps,secrets,services", "-o", "name")
+    assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
+
+
+def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, tmp_path):
+    """What `render` prints, applied by hand as its header says (the Secret from a file of
+    NAME=value lines first), runs: the RayJob completes and the job's line is in the submitter's log."""
+    cluster = kube_cluster
+    ns = cluster.namespace("by-hand")
+    task = {"name": "by-hand", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off", "secrets": ["HELLO_SECRET"],
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"import os; print('job says', len(os.environ['HELLO_SECRET']))\""}}}
+    path = tmp_path / "by-hand.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    rendered = tmp_path / "by-hand.rayjob.yaml"
+    out = run_cli(["render", str(path), "--provider", "kuberay", "-o", str(rendered)], env)
+    assert out.returncode == 0, out.stderr
+    text = rendered.read_text()
+    create = next(line for line in text.splitlines() if "kubectl create secret generic" in line)
+    assert "--from-env-file=FILE" in create
+    (tmp_path / "secrets.env").write_text("HELLO_SECRET=seven-7\n")
+    cluster.cp.kubectl("-n", ns, "create", "secret", "generic", "by-hand-secrets",
+                       f"--from-env-file={tmp_path / 'secrets.env'}")
+    cluster.cp.kubectl("-n", ns, "apply", "-f", str(rendered))
+    final = tbmod.poll(lambda: (cluster.check() or True) and (r := kubectl_json(cluster, ns, "rayjob", "by-hand"))
+                       and r.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed") and r["status"],
+                       300, "the RayJob to finish")
+    assert final["jobStatus"] == "SUCCEEDED", final
+    head = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
+                if p["metadata"]["labels"].get("ray.io/node-type") == "head")
+    log = cluster.cp.kubectl("-n", ns, "logs", head["metadata"]["name"], "-c", "ray-job-submitter").stdout
+    assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, tmp_path):
+    """A Kueue queue named: the RayJob is created held (`suspend: true`, as Kueue's webhook makes
+    it) and the real operator keeps it Suspended with no cluster. `launch` says it is queued and
+    waits, deleting nothing; once admitted (what Kueue does: `suspend: false`) the operator makes
+    the cluster and `launch` follows it to SUCCEEDED."""
+    cluster = kube_cluster
+    ns = cluster.namespace("queued")
+    task = {"name": "queued", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
+            "placement": {"kuberay": {"queue": "team-a"}},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"print('admitted and ran')\""}}}
+    path = tmp_path / "queued.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    out = open(tmp_path / "launch.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay",
+                             "--namespace", ns], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        tbmod.poll(lambda: "is queued in Kueue's queue team-a" in _read(out) or proc.poll() is not None, 120,
+                   "the launcher to say the RayJob is queued")
+        status = tbmod.poll(lambda: (kubectl_json(cluster, ns, "rayjob", "queued") or {}).get("status", {})
+                            .get("jobDeploymentStatus") == "Suspended", 60, "the operator to hold it Suspended")
+        # held past the operator's own wait (OPERATOR_S would have given up on a silent operator): still there
+        assert status and proc.poll() is None, _read(out)[-3000:]
+        assert not (kubectl_json(cluster, ns, "pods") or {"items": []})["items"]
+        cluster.cp.kubectl("-n", ns, "patch", "rayjob", "queued", "--type", "merge", "-p", '{"spec":{"suspend":false}}')
+        proc.wait(420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    said = _read(out)
+    assert proc.returncode == 0, said[-5000:]
+    assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
+    assert "is the KubeRay operator running" not in said
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")

@@ -250,11 +250,15 @@ def test_every_option_reaches_the_pods_and_passes_the_schema():
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt-pvc"}
-        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str(128 * 10**9)}
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "128G"}  # Kubernetes' units
         (container,) = pod["containers"]
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-        assert container["resources"]["limits"] == {"cpu": "64", "memory": str(512 * 10**9),
-                                                    "ephemeral-storage": str(10**12), "nvidia.com/gpu": "8"}
+        # requests = limits (Guaranteed QoS); the head leaves room for KubeRay's submitter (500m, 200Mi);
+        # resources.disk is no ephemeral-storage unless asked for
+        head = group is cluster["headGroupSpec"]
+        assert container["resources"]["limits"] == (
+            {"cpu": "63500m", "memory": f"{(512 * 10**9 - 200 * 2**20) // 2**20}Mi", "nvidia.com/gpu": "8"} if head
+            else {"cpu": "64", "memory": "512G", "nvidia.com/gpu": "8"})
         assert container["resources"]["requests"] == container["resources"]["limits"]
         env = {e["name"]: e for e in container["env"]}
         assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
@@ -468,3 +472,22 @@ def test_ttl_after_finished_may_be_zero_as_kuberay_allows():
     _, _, rayjob, _ = render(data)
     validate(rayjob)
     assert rayjob["spec"]["ttlSecondsAfterFinished"] == 0
+
+
+def test_disk_is_ephemeral_storage_only_when_asked():
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"]["ephemeral_storage"] = True
+    cluster = render(data)[2]["spec"]["rayClusterSpec"]
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["ephemeral-storage"] == "1T"
+
+
+def test_check_says_what_an_image_must_hold_and_what_kuberay_cannot_select():
+    provider = providers.get("kuberay")
+    notes = "\n".join(provider.notes(provider.plan(load_task(ROOT / "tasks" / "openrlhf-ppo-llama3-8b.yaml"))))
+    assert "image nvcr.io/nvidia/pytorch:26.03-py3: it must hold bash and python3" in notes
+    assert "`ray health-check`" in notes and "placement.kuberay.ray_version" in notes
+    assert "request 8 GPUs of any type" in notes and "nvidia.com/gpu.product" in notes
+    data = copy.deepcopy(FULL)  # a product selected and the Ray named: neither note
+    plan = provider.plan(parse_task(data, "t.yaml"))
+    assert not [n for n in provider.notes(plan) if "any type" in n or "ray_version" in n]

@@ -20,9 +20,13 @@ import shlex
 import time
 from typing import Dict
 
+from .forensics import Keeper
 from .head import HeadFlow
 from .protocol import http_check, log, probe_tcp, wait_for
 from .raynode import Node
+
+#: How often the linker left behind by --before-ray looks for the Ray session the operator starts.
+LINK_POLL_S = 0.5
 
 #: Variables the operator sets on its pods itself (the token comes from its Secret): never
 #: written to the environment file.
@@ -84,6 +88,7 @@ class BeforeRayFlow(object):
             handle.write(ray_env_lines(node.env, dict(os.environ)))
         log("the environment for Ray is in %s; Ray starts next" % self.env_file)
         node.services = []  # handed over: they run on beside Ray
+        link_when_ray_starts(node)
         return 0
 
     def result(self) -> dict:
@@ -91,6 +96,27 @@ class BeforeRayFlow(object):
 
     def stop(self, signalled: bool = False) -> None:
         pass
+
+
+def link_when_ray_starts(node: Node) -> None:
+    """Leave behind a process that links this node's agent files into the Ray session the
+    operator is about to start (as a node agent does right after its own `ray start`), so a
+    failure's bundle, read through Ray's log API, holds them and names the node by its rank.
+    It gives up after wait.head; it is the pod's, and ends with it."""
+    if os.fork():
+        return
+    try:  # the child: its own session, no hold on the container's output
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        keeper = Keeper(node)
+        deadline = time.monotonic() + node.plan["wait"]["head_s"]
+        while keeper.linked is None and time.monotonic() < deadline:
+            time.sleep(LINK_POLL_S)
+            keeper.link()
+    finally:
+        os._exit(0)
 
 
 class StartedHeadFlow(HeadFlow):

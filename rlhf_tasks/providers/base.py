@@ -125,6 +125,12 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    def notes(self, plan: Plan) -> list[str]:
+        """What `check` and `render` say the plan leaves to the user on this provider (warnings,
+        not refusals): the shared-storage warning, and the provider's own."""
+        warning = self.shared_storage_warning(plan)
+        return [warning] if warning else []
+
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """Why a multi-node task's checkpoints would be seen by one node only here, if so
         (the CLI prints it at `check` and `render`); pure."""
@@ -170,6 +176,14 @@ class Provider:
     def status(self, name: str) -> str | None:
         """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
         return None
+
+    def cluster_token(self, name: str) -> str | None:
+        """The Ray token of a cluster whose token the provider makes itself (kept here for `env`,
+        `token`, `submit`); None where rlhf-tasks makes it (the record's token file is the one)."""
+        return None
+
+    #: Whether the provider makes the cluster's Ray token (then `token NAME` reads it, never invents one).
+    makes_token: ClassVar[bool] = False
 
     def forward(self, name: str, port: int | None = None) -> int:
         """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""

@@ -201,8 +201,13 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_RANGE}", "--use-service-account-credentials=false"])
         self._spawn("kube-scheduler", [str(self.bin / "kube-scheduler"), *common])
         self.kubectl("apply", "--server-side", "-f", str(self.build_dir / "crd"))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rayjobs.ray.io",
-                     "crd/rayclusters.ray.io", "crd/rayservices.ray.io")
+        established = '{range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Established")].status} {end}'
+
+        def crds_established() -> bool:  # (kubectl wait fails outright on a CRD with no conditions yet)
+            out = self.kubectl("get", "crd", "-o", f"jsonpath={established}", check=False).stdout.split()
+            return {f"ray.io_{kind}" for kind in ("rayjobs", "rayclusters", "rayservices")} <= {
+                "ray.io_" + item.split(".")[0] for item in out if item.endswith("=True")}
+        self._wait(crds_established, started + timeout, "KubeRay's CRDs to be established")
         self._wait(lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
                    started + timeout, "the controller manager to make the default ServiceAccount")
         self.started_s = time.monotonic() - started

@@ -435,4 +435,4 @@ def bundle_from(dashboard: str, token: Optional[str], secrets: Dict[str, str], d
     every node through the dashboard. Its path, and the summary's part."""
     gathered = gather(RayLogs(dashboard, token), secrets, reason)
     bundle = write_bundle(gathered, directory, name)
-    return bundle, result_part(gathered, bundle)
+    return bundle, dict(result_part(gathered, bundle), nodes=len(gathered["nodes"]))

@@ -20,6 +20,7 @@ import base64
 import os
 import subprocess
 import threading
+import time
 from typing import Any
 
 from ... import state
@@ -35,8 +36,11 @@ from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE,
                      PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, SIDECAR_DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
                      KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement, pack)
 
-#: How long the operator may take to give a new RayJob its cluster's name.
+#: How long the operator may take to give a new RayJob its cluster's name (a queued RayJob waits longer).
 OPERATOR_S = 120.0
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: How often a queued RayJob's wait is said.
+QUEUE_PROGRESS_S = 30.0
 
 
 class Undo:
@@ -59,6 +63,7 @@ class Undo:
 
 
 class KubeRayProvider(KubeRayRender):
+    makes_token = True  # KubeRay's own (authOptions: token): Secret <cluster>, key auth_token
     options = (Option("--context", "the kubeconfig context to launch in (default: its current one)",
                       {"metavar": "CONTEXT"}),
                Option("--namespace", "the namespace (default: placement.kuberay.namespace, else the context's)",
@@ -102,15 +107,9 @@ class KubeRayProvider(KubeRayRender):
             raise BadInput(f"name: {watching.rayjob_words(found, name)} already exists in namespace {kube.namespace}; "
                            f"`rlhf-tasks down {name}` (or kubectl delete rayjob {name}) first")
         secret = None if options.secret else f"{name}-secrets"
-        missing = [key for key in plan.secrets if key not in secrets]
-        if secret and missing:
-            raise BadInput(f"secrets: {', '.join(missing)} not set in your environment; every pod reads the task's "
-                           f"secrets from Secret {secret}, which launch makes from your environment, and a pod "
-                           f"whose key is missing does not start: export them, or name a Secret of yours in "
-                           f"placement.kuberay.secret")
         files = self.render(plan)
         directory = state.run_dir(name) / self.name
-        write_files(directory, files)
+        write_files(directory, {**files, "plan.json": plan.to_json()})  # plan.json: what `logs --bundle` scrubs
         objects = [("rayjob", name), ("configmap", self.configmap_name(plan))] + \
             ([("secret", secret)] if secret and plan.secrets else [])
         state.save(name, {"provider": self.name, "context": kube.context, "namespace": kube.namespace,
@@ -130,8 +129,21 @@ class KubeRayProvider(KubeRayRender):
         state.update(name, cluster_id=cluster)
         return self._handle(kube, plan, cluster, undo)
 
+    def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
+        """Every pod reads the task's secrets from one Secret; the one `launch` makes needs them all."""
+        if kuberay_placement(plan.placement).secret:
+            return None  # a Secret of the user's: its keys are the user's to have
+        return (f"every pod reads the task's secrets from Secret {plan.name}-secrets, which launch makes from your "
+                f"environment, and a pod whose key is missing does not start (or name a Secret of yours in "
+                f"placement.kuberay.secret)")
+
     def _cluster_name(self, kube: Kubectl, name: str) -> str:
-        """The RayCluster's name once the operator has given it (`status.rayClusterName`)."""
+        """The RayCluster's name once the operator has given it (`status.rayClusterName`). A RayJob
+        that a queue holds (Kueue suspends it: `Suspended`, no cluster) is waited for as long as it
+        is queued, with its queue and how long: it is admitted when the queue has room, and its
+        cluster gets a name of its own then."""
+        queued = {"since": None, "said": 0.0}
+
         def named():
             rayjob = kube.get("rayjob", name)
             status = (rayjob or {}).get("status") or {}
@@ -139,10 +151,38 @@ class KubeRayProvider(KubeRayRender):
                 raise StepFailed("waiting for the KubeRay operator", f"RayJob {name} is gone")
             if status.get("jobDeploymentStatus") in ("Failed", "ValidationFailed"):
                 raise StepFailed("waiting for the KubeRay operator", watching.rayjob_words(rayjob, name))
-            return bool(status.get("rayClusterName")), status.get("rayClusterName") or \
-                "RayJob has no status yet (is the KubeRay operator running, and watching this namespace?)"
-        cluster = wait_for(f"the KubeRay operator to take RayJob {name}", named, OPERATOR_S, interval=0.3,
-                           max_interval=2.0, report=say)
+            if (rayjob.get("spec") or {}).get("suspend") or status.get("jobDeploymentStatus") in (
+                    "Suspended", "Suspending"):
+                if queued["since"] is None:
+                    queued["since"] = time.monotonic()
+                    queue = ((rayjob.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL)
+                    say(f"RayJob {name} is queued" + (f" in Kueue's queue {queue}" if queue else "")
+                        + ": it starts once the queue admits it (Ctrl-C stops waiting and deletes it)")
+                waited = time.monotonic() - queued["since"]
+                if waited - queued["said"] >= QUEUE_PROGRESS_S:
+                    queued["said"] = waited
+                    say(f"RayJob {name}: queued for {waited:.0f}s")
+                return False, f"queued for {waited:.0f}s"
+            if not status.get("rayClusterName"):
+                if queued["since"] is not None:
+                    return False, "admitted; the operator names its cluster next"
+                if time.monotonic() - started > OPERATOR_S:
+                    raise StepFailed("waiting for the KubeRay operator", f"RayJob {name} has no status after "
+                                     f"{OPERATOR_S:.0f}s: is the KubeRay operator running, and watching namespace "
+                                     f"{kube.namespace}?")
+                if time.monotonic() >= progress["next"]:
+                    progress["next"] += QUEUE_PROGRESS_S / 3
+                    say(f"waiting for the KubeRay operator to take RayJob {name}: "
+                        f"{time.monotonic() - started:.0f}s of {OPERATOR_S:.0f}s (no status yet)")
+                return False, "RayJob has no status yet"
+            return True, status["rayClusterName"]
+        started = time.monotonic()
+        progress = {"next": started + QUEUE_PROGRESS_S / 3}
+        # no deadline of its own: the operator's silence has OPERATOR_S (above), a queue takes what it takes
+        cluster = wait_for(f"the KubeRay operator to take RayJob {name}", named, float("inf"), interval=0.3,
+                           max_interval=2.0, progress_every=float("inf"), report=say)
+        if queued["since"] is not None:
+            say(f"RayJob {name} admitted after {time.monotonic() - queued['since']:.0f}s in the queue")
         say(f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): cluster {cluster}")
         return cluster
 
@@ -181,6 +221,12 @@ class KubeRayProvider(KubeRayRender):
                 say(f"the job of {plan.name} never ran: {undo()}")
         made.close = close
         return made
+
+    def cluster_token(self, name: str) -> str | None:
+        kube, record = self._target(name)
+        cluster = record.get("cluster_id") or (((kube.get("rayjob", name) or {}).get("status") or {})
+                                               .get("rayClusterName"))
+        return self._token(kube, name, cluster) if cluster else None
 
     def _token(self, kube: Kubectl, name: str, cluster: str) -> str | None:
         """The Ray token KubeRay made (Secret <cluster>, key auth_token), kept here with mode 0600

@@ -89,6 +89,23 @@ _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 TTL = Annotated[float, BeforeValidator(lambda v: 0.0 if str(v).strip() in ("0", "0s", "0.0") else parse_duration(v))]
 
 
+#: What KubeRay's SidecarMode submitter requests in the head pod (common/job.go).
+SUBMITTER_CPU, SUBMITTER_MEMORY = 0.5, 200 * 2**20
+_K8S_UNITS = {"b": "", "kb": "k", "mb": "M", "gb": "G", "tb": "T", "kib": "Ki", "mib": "Mi", "gib": "Gi", "tib": "Ti"}
+
+
+def quantity(size: str, less: int = 0) -> str:
+    """A task's size ('128GB', '64GiB') as a Kubernetes quantity ('128G', '64Gi'), `less` bytes
+    taken off (then in Mi, rounded down)."""
+    if less:
+        return f"{(size_bytes(size) - less) // 2**20}Mi"
+    m = re.match(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$", str(size))
+    unit = (m.group(2) or "b").lower() if m else None
+    if unit not in _K8S_UNITS:
+        return str(size_bytes(size))
+    return m.group(1) + _K8S_UNITS[unit]
+
+
 def _dns(value, what: str = "a DNS label (lowercase letters, digits, dashes)", pattern=_DNS_LABEL):
     if value is not None and not pattern.match(value):
         raise ValueError(f"{value!r} is not {what}")
@@ -125,6 +142,9 @@ class KubeRayPlacement(StrictModel):
     network_policy: bool = Field(False, description="KubeRay's NetworkPolicies for the cluster (needs the operator's "
                                  "alpha feature gate RayClusterNetworkPolicy): only the cluster's pods and the "
                                  "operator's namespace reach the head")
+    ephemeral_storage: bool = Field(False, description="request resources.disk as each pod's ephemeral-storage "
+                                    "(off: many GPU node pools offer less than a task's disk; the pods then "
+                                    "use what the node gives)")
     operator_namespace: str = Field("default", description="the namespace the KubeRay operator runs in (what "
                                     "network_policy admits to the head's dashboard)")
     ttl_after_finished: TTL = Field(600.0, description="how long KubeRay keeps the finished cluster "
@@ -256,6 +276,25 @@ class KubeRayRender(Provider):
         options = kuberay_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
         return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
 
+    def notes(self, plan: Plan) -> list[str]:
+        options, res = kuberay_placement(plan.placement), plan.resources
+        out = super().notes(plan)
+        if plan.image:
+            out.append(f"image {plan.image}: it must hold bash and python3 (the agent), and `python` and Ray "
+                       f"{options.ray} (`ray` on PATH: KubeRay runs `ray health-check` in every worker's init "
+                       f"container and `ray job submit` beside the head, before setup could install it)"
+                       + ("" if options.ray_version else "; say which Ray it holds in placement.kuberay.ray_version "
+                          f"(KubeRay picks its probes by it; {options.ray} assumed)"))
+        if res.gpu_name and not any(k.endswith("/gpu.product") for k in options.node_selector):
+            out.append(f"resources.gpus: the pods request {plan.gpus_per_node} GPUs of any type; KubeRay cannot "
+                       f"select {res.gpu_name}: add placement.kuberay.node_selector with your nodes' product label "
+                       f"(GPU feature discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3)")
+        if plan.network == "infiniband":
+            out.append("network: infiniband sets NCCL's InfiniBand variables, but the pods get no RDMA device: "
+                       "your cluster's RDMA resource (e.g. rdma/ib from its device plugin), the IPC_LOCK "
+                       "capability and /dev/infiniband are not rendered")
+        return out
+
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if plan.nodes < 2 or not plan.unshared_checkpoints:
             return None
@@ -309,14 +348,19 @@ class KubeRayRender(Provider):
         return {"ray.io/gang-scheduling-enabled": "true", "yunikorn.apache.org/app-id": plan.name,
                 "yunikorn.apache.org/queue": options.queue}
 
-    def resources(self, plan: Plan) -> dict:
+    def resources(self, plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
+        """Requests = limits (a GPU pod with CPU and memory is Guaranteed QoS), in Kubernetes'
+        units. The task's sizes are a node's: the head's Ray container leaves room for the
+        submitter KubeRay adds to its pod (500m CPU, 200Mi), so the head pod fits the same node.
+        `resources.disk` becomes ephemeral-storage only with placement.kuberay.ephemeral_storage."""
         res, amounts = plan.resources, {}
         if res.cpus:
-            amounts["cpu"] = str(res.cpus)
+            cpus = res.cpus - (SUBMITTER_CPU if head else 0)
+            amounts["cpu"] = f"{round(cpus * 1000)}m" if cpus != int(cpus) else str(int(cpus))
         if res.memory:
-            amounts["memory"] = str(size_bytes(res.memory))
-        if res.disk:
-            amounts["ephemeral-storage"] = str(size_bytes(res.disk))
+            amounts["memory"] = quantity(res.memory, less=SUBMITTER_MEMORY if head else 0)
+        if res.disk and options.ephemeral_storage:
+            amounts["ephemeral-storage"] = quantity(res.disk)
         if plan.gpus_per_node:
             amounts[GPU_RESOURCE[gpu_vendor(res.gpu_name) or "nvidia"]] = str(plan.gpus_per_node)
         return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
@@ -346,7 +390,7 @@ class KubeRayRender(Provider):
             mounts.append({"name": "checkpoints", "mountPath": plan.checkpoint_dir})
         if plan.resources.shm_size:
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
-                                                        "sizeLimit": str(size_bytes(plan.resources.shm_size))}})
+                                                        "sizeLimit": quantity(plan.resources.shm_size)}})
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         return volumes, mounts
 
@@ -388,7 +432,7 @@ class KubeRayRender(Provider):
             container["ports"] = [{"name": "gcs-server", "containerPort": plan.ray.port},
                                   {"name": "dashboard", "containerPort": plan.ray.dashboard_port},
                                   {"name": "client", "containerPort": plan.ray.client_server_port}]
-        resources = self.resources(plan)
+        resources = self.resources(plan, options, head)
         if resources:
             container["resources"] = resources
         spec: dict = {"containers": [container], "volumes": volumes}
@@ -459,6 +503,8 @@ class KubeRayRender(Provider):
             **self.deadlines(plan),
             "rayClusterSpec": cluster,
         }
+        if options.queue and (options.scheduler or "kueue") == "kueue":
+            spec["suspend"] = True  # created held, as Kueue's webhook would make it: Kueue admits it (suspend: false)
         return {"apiVersion": "ray.io/v1", "kind": "RayJob",
                 "metadata": self.metadata(plan, options, plan.name, self.queue_labels(plan, options)),
                 "spec": spec}
