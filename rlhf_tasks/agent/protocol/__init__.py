@@ -188,6 +188,7 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
             alive = alive_nodes(dashboard, token)
         except OSError as exc:
             return False, str(exc)
+        check.alive = alive  # the nodes as last seen (the head hands them to preflight)
         total = {"CPU": 0.0, "GPU": 0.0}
         for node in alive:
             for key in total:
@@ -198,6 +199,7 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
         if exact and len(alive) > nodes:
             return False, have + " (waiting for Ray to declare the lost one dead)"
         return True, have
+    check.alive = []
     return check
 
 
@@ -408,11 +410,25 @@ def parse_preflight(text: str) -> Optional[dict]:
     return last_json_line(text, PREFLIGHT_PREFIX)
 
 
-def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
+def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None], interval: float = 0.15,
+                     local: Optional[str] = None) -> dict:
     """Echo the preflight job's progress lines until it ends and return its result; at the
-    deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
+    deadline (absolute, time.time()) stop it and fail naming the last step it reached. `local`:
+    a file on this machine where preflight writes its lines and result too (the job's gate on the
+    head), read every few ms between the dashboard's answers."""
     shown, status, text = 0, None, ""
+    asked, reported = 0.0, 0
     while True:
+        if local and os.path.exists(local):
+            with open(local) as handle:
+                written = json.load(handle)
+            for line in written["said"][reported:]:
+                report(line)
+            return written["result"]
+        if time.monotonic() - asked < interval:
+            time.sleep(0.01)
+            continue
+        asked = time.monotonic()
         try:
             status, text = jobs.status(sid), jobs.logs(sid)
         except OSError as exc:
@@ -422,6 +438,7 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
         for line in lines[shown:]:
             if line.startswith("preflight: "):
                 report(line)
+                reported += 1
         shown = max(shown, len(lines))
         result = parse_preflight(complete)
         if result is not None:  # its last word: no need to wait for Ray to mark the job ended
@@ -433,7 +450,8 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
             steps = [line for line in lines if line.startswith("preflight: ")]
             raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
                              "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
-        time.sleep(0.15)  # the command waits on this result: a local poll of a few ms, kept flat
+        if not local:
+            time.sleep(interval)  # the command waits on this result: a local poll of a few ms, kept flat
     result = parse_preflight(text)
     if result is None:
         raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"
