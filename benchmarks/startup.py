@@ -8,7 +8,7 @@ Hosts are the project's namespace testbed (tests/testbed.py, needs root). Per ru
 
 ours:    `rlhf-tasks render TASK --provider dstack` of a `command` job (token auth, no
          services, submit: head), from the checkout measured (PYTHONPATH); the rendered
-         `files` are placed on every host (/opt is a private tmpfs per host) and the
+         `files` are placed on every host (/opt/rlhf-tasks is a private tmpfs per host) and the
          rendered `commands` start on every host with the environment dstack's runner sets.
 symmetric-run: `ray symmetric-run --address HEAD:6379 --min-nodes N -- CMD` on every
          host, with the same Ray start flags and the same token auth.
@@ -114,11 +114,18 @@ def render_ours(checkout: Path, run_dir: Path, nodes: int, started: Path, overri
     return yaml.safe_load((out / f"{NAME}.dstack.yml").read_text()) | {"_dir": out}
 
 
+#: Each host's own tmpfs, below which the rendered files go: only what the agent owns, never
+#: /opt itself (a machine whose Python lives under /opt lost it on every host).
+HOST_DIR = "/opt/rlhf-tasks"
+
+
 def place(tb, rank: int, config: dict) -> None:
-    """Put the rendered `files` where dstack would upload them; /opt is the host's own tmpfs."""
-    script = ["mountpoint -q /opt || mount -t tmpfs tmpfs /opt"]
+    """Put the rendered `files` where dstack would upload them; HOST_DIR is the host's own tmpfs."""
+    script = [f"mkdir -p {HOST_DIR}", f"(mountpoint -q {HOST_DIR} || mount -t tmpfs tmpfs {HOST_DIR})"]
     for pair in config["files"]:
         local, remote = pair.split(":")
+        if not remote.startswith(HOST_DIR + "/"):
+            raise SystemExit(f"the rendered file {remote} lies outside {HOST_DIR}, the hosts' own tmpfs")
         script += [f"mkdir -p {shlex.quote(str(Path(remote).parent))}",
                    f"cp {shlex.quote(str(config['_dir'] / local))} {shlex.quote(remote)}"]
     tb.sh(rank, " && ".join(script))
@@ -337,7 +344,10 @@ CPU_LABELS = [("dashboard/agent.py", "dashboard agent"), ("runtime_env/agent", "
               ("dashboard/dashboard.py", "dashboard"), ("log_monitor", "log monitor"),
               ("autoscaler/_private/monitor", "autoscaler monitor"), ("ray-dashboard-", "dashboard modules"),
               ("default_worker.py", "ray::IDLE"), ("rlhf_tasks.agent gate", "our job's gate (preflight's driver)"),
-              ("rlhf_tasks.agent.preflight", "preflight driver"), ("rlhf_tasks", "our node agent"),
+              ("rlhf_tasks.agent.preflight", "preflight driver"),
+              ("agent/__main__.py gate", "our job's gate (preflight's driver)"),  # started by its path since
+              ("agent/__main__.py preflight", "preflight driver"),                 # issue 32, item 2
+              ("rlhf_tasks", "our node agent"),
               ("ray.scripts.scripts import main", "ray CLI"), ("symmetric-run", "ray CLI"), ("ray start", "ray CLI"),
               ("ray.nodes()", "the job floor's driver"), ("import time; open(", "the command"), ("poller.py", None)]
 
@@ -407,6 +417,7 @@ class Run:
     cpu: dict[str, float] = field(default_factory=dict)     # CPU seconds by process when the command started
     preflight: dict[str, float] = field(default_factory=dict)  # ours: preflight's steps, seconds each
     t0: float = 0.0                                         # wall clock when the nodes were spawned
+    load: list[float] = field(default_factory=list)         # the 1-minute load average before and after the run
 
 
 def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: float,
@@ -419,6 +430,7 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
     poller = start_poller(tb, nodes, start, run_dir, started)
     rss = RssSampler(tb, nodes, start.launcher)
     cpu = CpuSampler(tb, nodes)
+    load = [load_average()]
     t0 = time.time()
     # In a directory of the run's own: `python3 -m rlhf_tasks.agent` puts its working directory
     # first on sys.path, so from a checkout every host would run that checkout's agent (and its
@@ -447,7 +459,9 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
     rss.sample()
     for rank, proc in enumerate(procs):  # each node's output, for a look at where the time went
         shutil.copy(proc.log, run_dir / f"node{rank}.log")
-    run = Run(kind, nodes, t_cmd - t0, t0=t0, cpu=cpu.seconds(), peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()})
+    load.append(load_average())
+    run = Run(kind, nodes, t_cmd - t0, t0=t0, cpu=cpu.seconds(), peak_rss_mib={r: kib / 1024 for r, kib in rss.peak_kib.items()},
+              load=load)
     run.marks = marks(poller, t0, nodes) | {"command started": t_cmd - t0}
     run.no_token_status = next((e["status"] for e in map(json.loads, poller.read_text().splitlines())
                                 if e["event"] == "no_token"), None)
@@ -455,6 +469,17 @@ def run_once(tb, kind: str, nodes: int, run_dir: Path, checkout: Path, timeout: 
         run.marks |= agent_marks(head.output, run.marks)
         run.preflight = preflight_steps(tb)
     return run
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (what `uptime` prints first)."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def split(run: Run) -> float | None:
+    """Last node ALIVE (Ray's own time for it) -> the command started: what is left after the nodes are in."""
+    alive = run.marks.get(f"all {run.nodes} nodes ALIVE (Ray's time)")
+    return None if alive is None else run.seconds - alive
 
 
 def marks(poller: Path, t0: float, nodes: int) -> dict[str, float]:
@@ -502,7 +527,7 @@ def preflight_steps(tb) -> dict[str, float]:
 
 
 def reset(tb, nodes: int) -> None:
-    """Tear down completely: kill each host's whole PID namespace and boot it again (fresh /tmp, /opt)."""
+    """Tear down completely: kill each host's whole PID namespace and boot it again (fresh /tmp, /opt/rlhf-tasks)."""
     for rank in range(nodes):
         tb.reboot(rank)
 
@@ -527,8 +552,18 @@ def report(runs: list[Run], nodes: int) -> str:
     medians = {k: statistics.median(r.seconds for r in v) if v else None for k, v in by_kind.items()}
     reference = medians.get("symmetric-run")
     ratios = [f"{medians[k] / reference:.2f}" if medians[k] and reference else "-" for k in kinds]
+    floor = medians.get("ray-start floor")
+    splits = {k: [x for x in map(split, v) if x is not None] for k, v in by_kind.items()}
+    loads = [x for r in runs if r.nodes == nodes for x in r.load]
     lines += ["| median | " + " | ".join(f"{medians[k]:.1f} s" if medians[k] else "-" for k in kinds) + " |",
-              "| ratio to symmetric-run | " + " | ".join(ratios) + " |", "",
+              "| ratio to symmetric-run | " + " | ".join(ratios) + " |",
+              "| ratio to ray-start floor | " + " | ".join(
+                  f"{medians[k] / floor:.2f}" if medians[k] and floor else "-" for k in kinds) + " |",
+              "| last node ALIVE -> command started, median (rounds) | " + " | ".join(
+                  f"{statistics.median(splits[k]):.2f} s ({', '.join(f'{x:.2f}' for x in splits[k])})"
+                  if splits[k] and k != "ray-start floor" else "-" for k in kinds) + " |", "",
+              f"1-minute load average before and after each run: {min(loads):.1f} to {max(loads):.1f}, median "
+              f"{statistics.median(loads):.1f}." if loads else "", "",
               "Where the time goes: median seconds after t0 (in brackets: since the row above):", "",
               header.format("mark"), rule]
     previous = {k: 0.0 for k in kinds}

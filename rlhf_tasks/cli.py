@@ -36,7 +36,7 @@ def _fitting_provider(task) -> tuple[str, list[str], dict[str, str]]:
     fits, refusals = [], {}
     for name in ["local"] + [n for n in providers.names() if n != "local"]:
         try:
-            _provider(name).check(task)
+            _provider(name).fits(task)
             fits.append(name)
         except BadInput as exc:
             refusals[name] = str(exc)

@@ -149,8 +149,8 @@ def cluster_checks(t: Target, nodes: int, timeout: float) -> dict:
     sid = f"doctor_{int(time.time())}_{os.getpid()}"
     upload = Path(tempfile.mkdtemp(prefix="rlhf-doctor-"))
     try:
-        # The agent's package (rlhf_tasks/__init__.py is free of imports): `python3 -m` finds it in the
-        # working_dir, and Ray's workers, which import preflight's probe from it, too.
+        # The agent's package (rlhf_tasks/__init__.py is free of imports) as the job's working_dir: its
+        # entry file runs by its path there, and Ray's workers import preflight's probe from it.
         shutil.copytree(Path(__file__).with_name("agent"), upload / "rlhf_tasks" / "agent",
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(Path(__file__).with_name("__init__.py"), upload / "rlhf_tasks" / "__init__.py")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
@@ -288,6 +288,9 @@ class Plan(StrictModel):
     modules: list[str] = []
     budget: BudgetPlan = BudgetPlan()
     self_end: SelfEnd | None = None
+    #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
+    #: (Provider.check_node_inputs); the nodes need not know them.
+    node_inputs: list[str] = Field([], exclude=True)
 
     @model_validator(mode="after")
     def _version(self):
@@ -408,6 +411,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         resume=task.checkpoints.resume == "auto",
         checkpoint_shared=task.checkpoints.shared.get(provider),
         modules=out.modules,
+        node_inputs=out.node_inputs,
         budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
                           max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,
                           idle_s=task.placement.idle),

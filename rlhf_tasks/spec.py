@@ -29,20 +29,29 @@ _GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?
 #: that goes with ray.auth): never the task's. The provider's contract variables are refused by
 #: the provider, which alone knows them (plan.check_contract_env).
 LAUNCHER_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
-#: Names that are secrets by convention: *_API_KEY, *_TOKEN (HF_TOKEN, GITHUB_TOKEN, AWS_SESSION_TOKEN),
-#: *_ACCESS_KEY, *_PRIVATE_KEY, *_CREDENTIALS, and any name holding SECRET (AWS_SECRET_ACCESS_KEY),
-#: PASSWORD or PASSWD.
-_SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEY|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$|SECRET|PASSW(?:OR)?D",
-                          re.IGNORECASE)
-#: Values in a few well-known credential formats, of the services RLHF runs use; not exhaustive.
+#: Names that are secrets by convention: *_KEY (WANDB_KEY, OPENAI_KEY, *_API_KEY, *_ACCESS_KEY), *_TOKEN
+#: (HF_TOKEN, GITHUB_TOKEN, AWS_SESSION_TOKEN), and any name holding SECRET, PASS (DB_PASS, *PASSWORD*,
+#: PASSPHRASE), PWD (MY_PWD), CREDENTIAL or PRIVATE.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEY|KEY|TOKEN)$|SECRET|PASS|PWD|CREDENTIAL|PRIVATE", re.IGNORECASE)
+#: Values in well-known credential formats, found anywhere in the value (not inside a longer word);
+#: not exhaustive.
 _SECRET_VALUES = {
-    "a Hugging Face token (hf_...)": re.compile(r"hf_[A-Za-z0-9]{30,}"),
-    "an OpenAI or Anthropic API key (sk-...)": re.compile(r"sk-[A-Za-z0-9_-]{20,}"),
-    "a GitHub token (ghp_..., github_pat_...)": re.compile(r"gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}"),
-    "an AWS access key id (AKIA...)": re.compile(r"(?:AKIA|ASIA)[A-Z0-9]{16}"),
-    "a RunPod API key (rpa_...)": re.compile(r"rpa_[A-Za-z0-9]{20,}"),
-    "a W&B API key (40 hex digits)": re.compile(r"[0-9a-f]{40}"),
+    "a Hugging Face token (hf_...)": r"hf_[A-Za-z0-9]{30,}",
+    "an OpenAI or Anthropic API key (sk-...)": r"sk-[A-Za-z0-9_-]{20,}",
+    "a GitHub token (ghp_..., github_pat_...)": r"gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}",
+    "an AWS access key id (AKIA...)": r"(?:AKIA|ASIA)[A-Z0-9]{16}",
+    "a RunPod API key (rpa_...)": r"rpa_[A-Za-z0-9]{20,}",
+    "a PEM private key (-----BEGIN ... PRIVATE KEY-----)": r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
+    "a URL with a password (scheme://user:password@host)": r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:[^\s/@]+@",
+    "a JSON Web Token (eyJ...)": r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
+    "a Slack token (xox?-...)": r"xox[a-z]-[A-Za-z0-9-]{10,}",
+    "a GitLab token (glpat-...)": r"glpat-[A-Za-z0-9_-]{20,}",
+    "a Stripe live key (sk_live_..., rk_live_...)": r"[sr]k_live_[A-Za-z0-9]{16,}",
+    "a Google API key (AIza...)": r"AIza[A-Za-z0-9_-]{35}",
 }
+_SECRET_VALUES = {what: re.compile(r"(?<![A-Za-z0-9_])(?:" + pattern + ")") for what, pattern in _SECRET_VALUES.items()}
+#: W&B's keys are 40 hex digits, like a git commit: only a value that is nothing else counts.
+_WANDB_VALUE = re.compile(r"[0-9a-f]{40}")
 
 
 def secret_look(name: str, value: str) -> str | None:
@@ -50,8 +59,10 @@ def secret_look(name: str, value: str) -> str | None:
     if _SECRET_NAME.search(name):
         return "its name says it is a secret"
     for what, pattern in _SECRET_VALUES.items():
-        if pattern.fullmatch(value.strip()):
+        if pattern.search(value):
             return f"its value looks like {what}"
+    if _WANDB_VALUE.fullmatch(value.strip()):
+        return "its value looks like a W&B API key (40 hex digits)"
     return None
 
 

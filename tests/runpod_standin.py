@@ -663,6 +663,8 @@ class RunPodStandIn:
       whatever the catalog says: "a create can still fail for capacity on a GPU the catalog
       just reported as available") / 403 ("Your account cannot access the requested pool").
     - ``clock``: the time log lines are stamped with (a test may freeze it).
+    - ``log_streams_held``: while True, a new log stream waits before it reads the pod's log
+      (``held_log_streams`` counts those waiting): a test can write lines while no stream is open.
     """
 
     def __init__(self, runner: PodRunner, *, api_key: str, catalog: Catalog | None = None,
@@ -701,6 +703,8 @@ class RunPodStandIn:
         self._failures: list[tuple[int, str, str]] = []
         self._create_faults: dict[tuple[str, int], tuple[int, str, str]] = {}
         self.drop_log_stream_after: int | None = None  # events; then the connection just closes
+        self.log_streams_held = False
+        self.held_log_streams = 0
         self._creates = {"pod": 0, "cluster": 0}
         self._cluster_seq = itertools.count(1)
         self._global_seq = itertools.count(10)
@@ -1198,6 +1202,10 @@ class RunPodStandIn:
                 raise _Answer(422, "Unprocessable Entity", "Request validation failed.",
                               [f"{what}: {exc}"]) from None
         with self._cond:
+            self.held_log_streams += 1
+            while self.log_streams_held and not self._closing.is_set():
+                self._cond.wait(0.02)
+            self.held_log_streams -= 1
             pod = self._find_pod(pod_id)
             entries = [e for e in pod.logs if source in (None, e.source)]
             if cursor:  # the document does not say whether that timestamp's lines come again

@@ -436,7 +436,8 @@ def test_what_the_agent_started_dies_with_it_even_by_sigkill(tmp_path):
 def start_gate(tmp_path, command, timeout_s=60):
     gate = jobrunner.Gate(str(tmp_path / "job.gate"))
     argv = gate.wrap(command, timeout_s)
-    assert argv[:5] == ["python3", "-m", "rlhf_tasks.agent", "gate", str(tmp_path / "job.gate")]
+    assert argv[:5] == ["python3", str(ROOT / "rlhf_tasks" / "agent" / "__main__.py"), "gate", str(tmp_path / "job.gate"),
+                        str(timeout_s)]
     proc = subprocess.Popen([sys.executable] + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     return gate, proc
@@ -474,9 +475,9 @@ def test_a_gate_carrying_preflight_puts_its_arguments_between_the_gates_and_the_
     checks = protocol.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, 60, wait_nodes=600)
     gate = jobrunner.Gate(str(tmp_path / "job.gate"), checks, "t-c1")
     command = ["python3", "train.py", "--", "--lr", "1e-6"]  # a command with its own `--`
-    assert gate.wrap(command, 100) == ["python3", "-m", "rlhf_tasks.agent", "gate", str(tmp_path / "job.gate"), "100",
-                                       "--preflight", *checks[3:], "--", *command]
-    assert checks[:3] == ["python3", "-m", protocol.PREFLIGHT_MODULE] and "--" not in checks
+    assert gate.wrap(command, 100) == ["python3", str(ROOT / "rlhf_tasks" / "agent" / "__main__.py"), "gate",
+                                       str(tmp_path / "job.gate"), "100", "--preflight", *checks[3:], "--", *command]
+    assert checks[:3] == ["python3", protocol.AGENT_ENTRY, "preflight"] and "--" not in checks
 
 
 class ScriptedJobs(object):
@@ -512,7 +513,7 @@ def test_a_gated_jobs_followers_show_its_log_from_after_preflights_result_line()
 @pytest.mark.parametrize("argv", [[], ["job.gate", "10"], ["job.gate", "10", "--"], ["job.gate", "--", "true"],
                                   ["job.gate", "10", "--nodes", "3", "--", "true"]])
 def test_a_gate_refuses_a_malformed_command_line(argv, capsys):
-    assert jobrunner.gate_main(argv) == 2 and "usage: python3 -m rlhf_tasks.agent gate" in capsys.readouterr().err
+    assert jobrunner.gate_main(argv) == 2 and "usage: python3 LIB/rlhf_tasks/agent/__main__.py gate" in capsys.readouterr().err
 
 
 def test_a_gate_for_a_missing_command_exits_127_naming_it(tmp_path):

@@ -38,7 +38,7 @@ def test_check_json_is_the_plan_with_an_argument_list(capsys):
 def test_render_is_pure_and_writes_beside_the_main_file(tmp_path, capsys, rlhf_home):
     out = tmp_path / "r" / "start-nodes.sh"
     assert main(["render", str(ROOT / "tasks/tiny-grpo.yaml"), "--provider", "local", "-o", str(out)]) == 0
-    assert "-m rlhf_tasks.agent" in out.read_text()
+    assert "rlhf_tasks/agent/__main__.py --plan" in out.read_text()
     assert json.loads((tmp_path / "r" / "plan.json").read_text())["name"] == "tiny-grpo"
     assert not rlhf_home.exists()  # no token, no cluster record: nothing happened
 

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import ROOT
@@ -245,6 +246,31 @@ def test_a_failing_job_exits_1_naming_the_step(tmp_path, cli_env):
     assert not any(secret in text for text in members.values())
     index = json.loads(members["index.json"])
     assert {f["node"] for f in index["files"]} == {"node0", "node1"}
+
+
+@pytest.mark.parametrize("mode, cause", [
+    ("task", "RuntimeError: checksum mismatch in shard 7 (raised in ray::work(), pid "),
+    ("actor", "ValueError: loss is nan at step 3 (raised in ray::Shard.step(), pid "),
+    ("actor-killed", "ActorDiedError: actor Shard (pid "),
+])
+def test_an_error_raised_on_another_node_is_named_with_that_node_and_its_cause(mode, cause, tmp_path, cli_env):
+    """A task, an actor's method, or an actor that died on node1: the summary's first error names
+    node1 and the cause (the traceback's last exception line), not the driver's node and Ray's
+    wrapper line (issue 32, item 4a)."""
+    task = tmp_path / "raise.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "raise", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "job": {"recipe": "command", "working_dir": None, "max_restarts": 0, "args": {
+            "entrypoint": f"python3 {ROOT / 'tests' / 'data' / 'raise_on_another_node.py'} {mode}"}}}))
+    run = launch([str(task)], tmp_path, cli_env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    summary = run.stdout[run.stdout.index("== summary =="):]
+    firsts = summary[summary.index("first error on each node:"):].splitlines()
+    assert firsts[1].strip().startswith("node1 (") and cause in firsts[1], summary
+    assert "[node0/job-driver-raise-" in firsts[1], summary  # where it was read: the driver's log, on the head
+    if mode == "actor-killed":
+        assert "worker process has died" in firsts[1] and "OOM killer" in firsts[1], summary
+    assert not any(line.strip().startswith("node0 (") for line in firsts[1:] if line.startswith("  ")), summary
 
 
 def _lose_node(rlhf_home: Path, name: str, rank: int) -> None:

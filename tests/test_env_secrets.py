@@ -39,6 +39,39 @@ def test_a_secret_under_env_is_refused_naming_it_and_saying_where_it_goes(name, 
     assert value not in said  # the value itself is never repeated
 
 
+PEM = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmU=\n-----END OPENSSH PRIVATE KEY-----\n"
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("WANDB_KEY", "val-123"), ("OPENAI_KEY", "val-123"), ("DB_PASS", "val-123"), ("MY_PWD", "val-123"),
+    ("S3_KEY", "val-123"), ("PASSPHRASE", "val-123"), ("SMTP_PASSWD_FILE", "val-123"),
+    ("GCP_CREDENTIAL_JSON", "val-123"), ("PRIVATE_REGISTRY", "val-123"), ("ssh_private", "val-123"),
+    ("DEPLOY", PEM), ("SIGNER", "-----BEGIN RSA PRIVATE KEY-----\nMIIEow==\n-----END RSA PRIVATE KEY-----"),
+    ("DATABASE_URL", "postgres://user:pw@db.internal:5432/runs"), ("PROXY", "http://:tok3n@proxy.example:3128"),
+    ("SESSION", JWT), ("SLACK_HOOK", "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOpQrStUvWx"),
+    ("SLACK_USER", "xoxp-" + "12345678" * 3), ("GL", "glpat-" + "Ab1_" * 5),
+    ("STRIPE", "sk_live_" + "4eC39HqLyjWDarjtT1zdp7dc"), ("MAPS", "AIza" + "SyA-1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6"),
+])
+def test_more_secret_names_and_value_formats_are_refused(name, value):
+    with pytest.raises(BadInput) as err:
+        parse_task(task_with(env={name: value}))
+    said = str(err.value)
+    assert f"env.{name}:" in said and f"secrets: [{name}]" in said
+    assert value.strip() not in said and "pw@" not in said
+    assert parse_task(task_with(env={name: value}, env_not_secret=[name])).env[name] == value  # the way out
+
+
+@pytest.mark.parametrize("name, value", [
+    ("TOKENIZERS_PARALLELISM", "false"), ("MAX_TOKENS", "512"), ("NCCL_IB_GID_INDEX", "3"),
+    ("HF_HOME", "/data/hf"), ("KEYS_DIR", "/etc/keys"), ("SPEC", "/ckpt/task-abcdefghijklmnopqrstuvwx"),
+    ("MIRROR", "https://user@pypi.example/simple"), ("REPO", "https://github.com/org/repo.git"),
+    ("NOTE", "BEGIN PUBLIC KEY"), ("MODE", "eyJ"), ("HOST", "http://10.0.0.1:8000/retrieve"),
+])
+def test_ordinary_names_and_values_still_pass(name, value):
+    assert parse_task(task_with(env={name: value})).env[name] == value
+
+
 def test_ordinary_env_passes_and_a_name_that_only_looks_secret_can_stay():
     assert parse_task(task_with(env={"NCCL_DEBUG": "INFO", "TOKENIZERS_PARALLELISM": "false",
                                      "MAX_TOKENS": "512"})).env["MAX_TOKENS"] == "512"

@@ -43,6 +43,92 @@ def test_lines_a_driver_relays_from_another_node_are_not_this_nodes():
     assert found[0]["at"] == "14:02:10"  # the last timestamp before it
 
 
+#: The tails of real drivers' logs (Ray 2.60, tests/data/raise_on_another_node.py on 2 local nodes).
+_GET = """Traceback (most recent call last):
+  File "/job/raise_on_another_node.py", line 47, in <module>
+    ray.get(ref)
+  File "/venv/lib/python3.11/site-packages/ray/_private/worker.py", line 1053, in get_objects
+    raise value.as_instanceof_cause()
+"""
+TASK_RAISED = "2026-11-26 10:39:44,101\tINFO worker.py:2029 -- Connected to Ray cluster.\n" + _GET + \
+    """ray.exceptions.RayTaskError(RuntimeError): \x1b[36mray::work()\x1b[39m (pid=6192, ip=10.0.0.3)
+  File "/job/raise_on_another_node.py", line 25, in work
+    raise RuntimeError("checksum mismatch in shard 7")
+RuntimeError: checksum mismatch in shard 7
+"""
+ACTOR_RAISED = _GET + """ray.exceptions.RayTaskError(ValueError): \x1b[36mray::Shard.step()\x1b[39m (pid=8104, \
+ip=10.0.0.3, actor_id=d74af721aa0028f00cd7f12302000000, repr=<raise_on_another_node.Shard object at 0x7f2d57e576d0>)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/job/raise_on_another_node.py", line 31, in step
+    raise ValueError("loss is nan at step 3")
+ValueError: loss is nan at step 3
+"""
+ACTOR_DIED = _GET.replace("raise value.as_instanceof_cause()", "raise value") + \
+    """ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.
+\tclass_name: Shard
+\tactor_id: 30e36992c62ac87354fdbfef02000000
+\tpid: 9817
+\tnamespace: 7bd54d0e-db6d-474b-ab90-3b6686baba3e
+\tip: 10.0.0.3
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker \
+unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the process was killed \
+by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due \
+to SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable by checking for \
+OOM in dmesg of the OOMing node), consider enabling resource isolation via --enable-resource-isolation to prevent node \
+deaths by resource contention and significant loss of progress by uninformed kernel OOM killing.
+"""
+
+
+def test_a_task_or_actor_that_raised_on_another_node_is_named_by_its_cause_and_that_node():
+    """Ray's wrapper line (RayTaskError, ActorDiedError) in the driver's log names where it was
+    raised (`ip=`); the cause is the traceback's last exception line (issue 32, item 4a)."""
+    for text, cause, where in [
+            (TASK_RAISED, "RuntimeError: checksum mismatch in shard 7", "ray::work(), pid 6192"),
+            (ACTOR_RAISED, "ValueError: loss is nan at step 3", "ray::Shard.step(), pid 8104")]:
+        (found,) = bundle.find_errors(text, "job-driver-x.log", node_ip="10.0.0.1")
+        assert found["error"] == "%s (raised in %s)" % (cause, where) and found["raised_on"] == "10.0.0.3", found
+    (died,) = bundle.find_errors(ACTOR_DIED, "job-driver-x.log", node_ip="10.0.0.1")
+    assert died["raised_on"] == "10.0.0.3" and died["error"].startswith(
+        "ActorDiedError: actor Shard (pid 9817) died: its worker process has died. Worker exit type: SYSTEM_ERROR "
+        "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+        "include: (1) the process was killed by the OOM killer"), died
+    assert "--enable-resource-isolation" not in died["error"]  # Ray's advice is not the cause
+    oom = _GET + ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.\n"
+                  "Memory on the node (IP: 10.0.0.3, ID: 5a1c) where the task (task ID: 7f, name=work, pid=77, "
+                  "memory used=3.10GB) was running was 3.70GB / 3.84GB (0.96), which exceeds the threshold (0.95).\n")
+    (killed,) = bundle.find_errors(oom, "job-driver-x.log", node_ip="10.0.0.1")
+    assert killed["raised_on"] == "10.0.0.3" and "OutOfMemoryError: Task was killed" in killed["error"], killed
+
+
+class _Logs(object):
+    """Two nodes' files as Ray's log API would list and read them (gather's side of RayLogs)."""
+
+    def __init__(self, files):
+        self.by_id = files
+
+    def nodes(self):
+        return [{"node_id": "n%d" % i, "node_ip": "10.0.0.%d" % (i + 1), "state": "ALIVE", "is_head_node": i == 0}
+                for i in range(2)]
+
+    def files(self, node_id):
+        return list(self.by_id[node_id])
+
+    def read(self, node_id, name, lines=0):
+        return self.by_id[node_id][name].encode()
+
+
+def test_the_summary_names_the_node_where_it_was_raised_not_the_drivers():
+    agent = "[10:39:40] node%d: local node %d of 2\n"
+    ray = _Logs({"n0": {"rlhf-tasks/agent-node0.log": agent % (0, 0), "job-driver-x.log": TASK_RAISED.replace(
+                     "10.0.0.3", "10.0.0.2")},
+                 "n1": {"rlhf-tasks/agent-node1.log": agent % (1, 1)}})
+    gathered = bundle.gather(ray, {}, "the job FAILED")
+    lines = bundle.summary_lines({"first_errors": gathered["first_errors"]})
+    assert lines == ["first error on each node:",
+                     "  node1 (10.0.0.2) at 10:39:44: RuntimeError: checksum mismatch in shard 7 (raised in "
+                     "ray::work(), pid 6192) [node0/job-driver-x.log]"], lines
+
+
 def test_an_oom_kill_wins_over_a_later_traceback_and_old_kills_are_ignored():
     text = ("[  100.5] Out of memory: Killed process 77 (old) total-vm:1kB\n"
             "[ 5000.1] Out of memory: Killed process 4242 (VLLM::EngineCor) total-vm:10kB\n")

@@ -7,6 +7,7 @@ tests/test_kuberay_cluster.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -178,7 +179,7 @@ def test_launch_applies_the_secret_then_what_render_prints_and_follows_the_job_t
     assert secret["data"] == {"WANDB_API_KEY": "<redacted>"}
     # The value reached the Secret (the kubelet's to inject) and nothing else: not argv, not the output.
     stored = json.loads((kube / "objects" / "default" / "secret" / "kr-secrets.json").read_text())
-    assert stored["data"]["WANDB_API_KEY"] != SECRET_VALUE  # base64, as Kubernetes keeps it
+    assert base64.b64decode(stored["data"]["WANDB_API_KEY"]).decode() == SECRET_VALUE  # the value, base64 as kept
     assert SECRET_VALUE not in (kube / "argv.jsonl").read_text() and SECRET_VALUE not in said
     # The pods' way up, each change once; the job's log once; the summary.
     assert said.count(UNSCHEDULABLE) == 1

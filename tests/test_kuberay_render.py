@@ -107,7 +107,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
     # KubeRay v1.7.0 refuses a networkPolicy unless its alpha gate RayClusterNetworkPolicy is on (off by default)
     assert "networkPolicy" not in cluster
     assert cluster["rayVersion"] == "2.60.0"  # the Ray of rayproject/ray:2.60.0, the default image
-    assert "python3 -m rlhf_tasks.agent" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
+    assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in spec["entrypoint"] and "--ray-started" in spec["entrypoint"]
     head = cluster["headGroupSpec"]["template"]["spec"]
     assert "initContainers" not in head  # setup runs once per pod, in the Ray container (prepare too, on the head)
     for group in [cluster["headGroupSpec"], *workers]:

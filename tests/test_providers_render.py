@@ -99,7 +99,7 @@ def test_dstack_parser_accepts_every_task(task_path):
     assert task_cfg.type == "task" and fleet_cfg.type == "fleet"
     assert task_cfg.nodes == fleet_cfg.nodes.min == load_task(task_path).nodes
     assert {m.local_path for m in task_cfg.files} <= set(files)
-    assert "python3 -m rlhf_tasks.agent" in task_cfg.commands[-1]
+    assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
 
 
 def test_dstack_parser_rejects_what_we_must_not_render():
@@ -335,7 +335,7 @@ def test_the_demo_ships_its_code_and_imports_only_the_shipped_copy(provider_name
         assert main["file_mounts"]["/opt/rlhf-tasks"] == "rlhf-tasks"  # the whole directory, lib/ included
         command = main["run"]
     assert command.startswith("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} "
-                              "python3 -m rlhf_tasks.agent")
+                              "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py")
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)

@@ -525,6 +525,63 @@ def test_the_resume_cursor_skips_exactly_what_was_passed_on():
     assert [cursor.new(x) for x in again] == [False] * 5  # the "from" reading: all seen
 
 
+def test_before_the_first_line_a_resume_starts_from_the_beginning():
+    """With no line passed on, a resume cannot ask again for the last `tail` lines (or the
+    server's default 100): lines written between two early streams would be cut (issue 32, 4b)."""
+    from rlhf_tasks.providers.runpod.api import _Cursor
+
+    for params in ({"tail": 100, "source": "container"}, {}):
+        cursor = _Cursor()
+        cursor.reconnect(params)  # the first stream: as asked
+        headers, query = cursor.reconnect(params)  # it passed nothing on
+        assert "Last-Event-ID" not in headers and "tail" not in query
+        assert query["since"] == "1970-01-01T00:00:00Z" and query.get("source") == params.get("source")
+
+
+def test_a_run_with_a_repeated_line_is_matched_as_a_sequence():
+    """The first stream's `tail` began inside a run of one timestamp whose lines repeat: the
+    resume sends the whole run again; what follows the part passed on is new, every line of it."""
+    from rlhf_tasks.providers.runpod.api import _Cursor
+
+    t1, t2 = "2026-06-01T12:02:03Z", "2026-06-01T12:02:04Z"
+    for passed, whole, new in [(["x", "x", "y"], ["x", "x", "x", "y", "z", "x"], ["z", "x"]),
+                               (["a", "b", "a", "b", "c"], ["a", "b", "a", "b", "a", "b", "c", "d"], ["d"]),
+                               (["x", "x"], ["x", "x", "x"], ["x"])]:
+        cursor = _Cursor()
+        assert all(cursor.new(LogLine("container", x, t1)) for x in passed)
+        cursor.reconnect({})
+        again = [LogLine("container", x, t1) for x in whole] + [LogLine("container", "later", t2)]
+        assert [x.line for x in again if cursor.new(x)] == new + ["later"], (passed, whole)
+
+
+def test_lines_written_between_two_early_streams_are_all_read(standin, client, tmp_path):
+    """150 lines written while no stream is open, after a first stream that passed nothing:
+    the server's default tail is 100, so a resume that asks for the tail again loses 50."""
+    standin.stream_lifetime = 0.3  # a stream ends on its own while the pod runs
+    gate, done = tmp_path / "gate", tmp_path / "done"
+    script = (f"for i in $(seq 600); do [ -e {gate} ] && break; sleep 0.05; done; seq 1 150; "
+              f"for i in $(seq 600); do [ -e {done} ] && break; sleep 0.05; done; echo end")
+    pod_id = client.create_pod(pod_body(args=b64_script_args(script)))["id"]
+    wait_status(client, pod_id, "RUNNING")
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.extend(i.line for i in client.pod_logs(pod_id, source="container")),
+                              daemon=True)
+    standin.log_streams_held = True  # the next stream waits before it reads the log
+    reader.start()
+    poll(lambda: standin.held_log_streams >= 1, 10, "the first stream held", 0.02)
+    standin.log_streams_held = False  # the first stream: empty; it ends after 0.3 s
+    poll(lambda: not standin.held_log_streams, 10, "the first stream let go", 0.02)
+    standin.log_streams_held = True
+    poll(lambda: standin.held_log_streams >= 1, 10, "the second stream held", 0.02)
+    gate.touch()  # 150 lines while no stream is open
+    poll(lambda: len([e for e in standin.pod(pod_id).logs if e.source == "container"]) >= 150, 10, "150 lines", 0.02)
+    standin.log_streams_held = False
+    poll(lambda: len(got) >= 150, 20, "150 lines read", 0.05)
+    done.touch()
+    reader.join(30)
+    assert got == [str(i) for i in range(1, 151)] + ["end"]
+
+
 def test_a_log_stream_that_ends_while_the_pod_runs_is_followed_on(standin, client):
     """The document does not say when a stream ends: a clean end is not the pod's end."""
     standin.stream_lifetime = 0.5

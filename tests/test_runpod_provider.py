@@ -134,7 +134,7 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
     assert (ROOT / "rlhf_tasks" / "agent" / "head.py").read_text() in script and plan.to_json() in script
     assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py <<'RLHF_TASKS_EOF'" in script
     agent = [line for line in script.splitlines() if line.startswith("PYTHONPATH=")]
-    assert agent == ["PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 -m rlhf_tasks.agent "
+    assert agent == ["PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py "
                      "--plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
                      "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
@@ -147,7 +147,7 @@ def test_render_of_the_demo_ships_its_code_and_picks_a_gpu_for_global_networking
     assert document["head"]["gpu"] == {"id": "NVIDIA A40", "count": 1}
     script = files["tiny-grpo.start.sh"]
     assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/demo/train.py <<'RLHF_TASKS_EOF'" in script
-    assert script.count("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 -m rlhf_tasks.agent") == 1
+    assert script.count("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py") == 1
     assert "pod's own disk" in provider.shared_storage_warning(plan)
 
 

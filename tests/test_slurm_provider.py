@@ -253,6 +253,7 @@ graphroot = "/tmp/podman-rlhf/storage"
 runroot = "/tmp/podman-rlhf/run"
 """
 THIN_IMAGE = "localhost/rlhf-thin:test"
+IMAGE_SITE = "/image/site"  # the thin image's own PYTHONPATH
 
 
 @pytest.fixture
@@ -281,11 +282,15 @@ def podman_image(slurm, tmp_path):
     (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
     (rootfs / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
     (rootfs / "tmp").chmod(0o1777)
+    # a package only the image's own PYTHONPATH finds (as in images that rely on PYTHONPATH)
+    (rootfs / "image" / "site").mkdir(parents=True)
+    (rootfs / "image" / "site" / "image_site_marker.py").write_text("")
     tarball = tmp_path / "rootfs.tar"
     slurm.testbed.sh(0, f"tar -C {shlex.quote(str(rootfs))} -cf {shlex.quote(str(tarball))} .")
     path = f"{tbmod.BIN_DIR}:/usr/local/bin:/usr/bin:/bin"
     for h in slurm.testbed.hosts:
-        slurm.testbed.sh(h.index, f"podman import --change ENV=PATH={path} {shlex.quote(str(tarball))} {THIN_IMAGE}",
+        slurm.testbed.sh(h.index, f"podman import --change ENV=PATH={path} --change ENV=PYTHONPATH={IMAGE_SITE} "
+                         f"{shlex.quote(str(tarball))} {THIN_IMAGE}",
                          env=slurm.env(**env))
     before = set(Path("/sys/fs/cgroup").glob("*/libpod_parent"))
     yield env
@@ -299,14 +304,16 @@ def podman_image(slurm, tmp_path):
 
 
 def podman_task(tmp_path: Path, steps: int) -> Path:
-    """tiny-grpo on 2 nodes in the thin image, with podman; setup records the container's PID 1."""
+    """tiny-grpo on 2 nodes in the thin image, with podman; setup records the container's PID 1 and
+    the PYTHONPATH it runs with (the image's own, after the agent's lib/), importing from both."""
     task = tiny_grpo(tmp_path, steps=steps)
     spec = yaml.safe_load(task.read_text())
     here = sorted({str(ROOT), sys.prefix, sys.base_prefix})
     spec.update(nodes=2, image=THIN_IMAGE, preflight="off")
-    spec["env"]["PYTHONPATH"] = str(ROOT)
     # setup runs where the agent runs: PID 1 there is podman's init, not the host's
-    spec["setup"] = [f"tr '\\0' ' ' < /proc/1/cmdline > {tmp_path}/ckpt/pid1-node$SLURM_NODEID"]
+    spec["setup"] = [f"tr '\\0' ' ' < /proc/1/cmdline > {tmp_path}/ckpt/pid1-node$SLURM_NODEID",
+                     "python3 -c 'import image_site_marker, rlhf_tasks.demo, os; print(os.environ[\"PYTHONPATH\"])' "
+                     f"> {tmp_path}/ckpt/pythonpath-node$SLURM_NODEID"]
     spec["placement"] = {"slurm": {"container": "podman", "mounts": ["/usr:/usr:ro", *(f"{p}:{p}:ro" for p in here)]}}
     task.write_text(yaml.safe_dump(spec))
     return task
@@ -332,6 +339,8 @@ def test_the_podman_variant_runs_the_agents_in_containers(slurm, tmp_path, podma
     for n in range(2):
         assert "node %d of 2" % n in (run_dir / f"node{n}.out").read_text()
         assert (tmp_path / "ckpt" / f"pid1-node{n}").read_text().startswith("/run/podman-init -- python3 ")
+        # the image's PYTHONPATH kept, the agent's lib/ before it (issue 32, item 3)
+        assert (tmp_path / "ckpt" / f"pythonpath-node{n}").read_text() == f"{run_dir}/lib:{IMAGE_SITE}\n"
     no_strays(slurm)  # podman, conmon and the containers' processes are gone too
     no_containers(slurm, podman_image)
 

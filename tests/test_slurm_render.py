@@ -99,7 +99,7 @@ def test_one_srun_step_runs_the_agent_on_every_node():
     step = srun_step(script)
     assert step.split()[:7] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                                 "--whole", '--output="$run_dir/node%n.out"']
-    assert 'python3 -m rlhf_tasks.agent --plan "$run_dir/plan.json"' in step
+    assert 'python3 "$run_dir/lib/rlhf_tasks/agent/__main__.py" --plan "$run_dir/plan.json"' in step
     shell = script
     for text in module_files([AGENT]).values():
         shell = shell.replace(text, "")  # Python, not shell
@@ -158,12 +158,15 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
     for option in ("--network=host", "--ipc=host", "--shm-size=122071m", "--device=/dev/kfd", "--device=/dev/dri",
                    "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
                    "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
-                   '--workdir="$run_dir"', '--env=PYTHONPATH="$run_dir/lib"'):
+                   '--workdir="$run_dir"'):
         assert option in words, option
     assert "--env=CUDA_VISIBLE_DEVICES" not in words
-    assert words[words.index('--workdir="$run_dir"') + 1:][:4] == [
+    # The image's own PYTHONPATH is kept: the agent runs by its path and puts lib/ before the image's
+    # entries for what it starts (issue 32, item 3); no option sets the container's PYTHONPATH.
+    assert not [w for w in words if w.startswith("--env=PYTHONPATH")], step
+    assert words[words.index('--workdir="$run_dir"') + 1:][:3] == [
         "rlsys/verl:verl-0.4.1_ubuntu-22.04_rocm6.3.4-numa-patch_vllm0.8.5_sglang0.4.6.post4", "python3",
-        "-m", "rlhf_tasks.agent"]
+        '"$run_dir/lib/rlhf_tasks/agent/__main__.py"']
     # the task's env is exported for the container to take by name
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_8,mlx5_9" in script
     nvidia = srun_step(render(task_data(IMAGE_TASK, container=engine)))

@@ -2,8 +2,9 @@
 
 Standard library only and Python >= 3.8, so it can be shipped into any training image as
 plain files beside the plan (`lib/rlhf_tasks/__init__.py` and `lib/rlhf_tasks/agent/**/*.py`;
-rlhf-tasks itself is not installed on the nodes) and started as
-`python3 -m rlhf_tasks.agent --plan plan.json` with lib/ on PYTHONPATH. It knows no
+rlhf-tasks itself is not installed on the nodes) and started by its entry file's path,
+`python3 lib/rlhf_tasks/agent/__main__.py --plan plan.json` (never `-m`, which would put the
+working directory, and any rlhf_tasks package there, first on sys.path). It knows no
 provider: the plan carries the provider's environment contract as data, and the agent
 only interprets it. Then:
 

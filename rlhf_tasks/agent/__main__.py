@@ -1,11 +1,28 @@
-"""The agent's entry point, `python3 -m rlhf_tasks.agent --plan plan.json` (and the job's
-gate, `python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S -- CMD...`): read the plan and the
-provider's contract, set up this node's environment, run the head's, a worker's or the
-every-node flow (or, where someone else starts Ray, one of attached.py's roles), and end
-with one result line whatever happened; SIGTERM stops it cleanly.
+"""The agent's entry point, run by its path: `python3 LIB/rlhf_tasks/agent/__main__.py --plan
+plan.json` (and the job's gate, `... gate FILE TIMEOUT_S -- CMD...`, and preflight's job,
+`... preflight --nodes N ...`): read the plan and the provider's contract, set up this node's
+environment, run the head's, a worker's or the every-node flow (or, where someone else starts
+Ray, one of attached.py's roles), and end with one result line whatever happened; SIGTERM
+stops it cleanly. (Run as a module it works too, where the working directory is known to
+hold no other rlhf_tasks: the tests.)
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:
+    # Run by its path, as every provider starts it: import the package this file belongs to (so that
+    # no `rlhf_tasks/` elsewhere on sys.path can be what runs, as one in the working directory is for
+    # `python3 -m`), then run it as `-m` would. This file's directory leaves sys.path.
+    import importlib as _importlib
+    import os as _os
+    import runpy as _runpy
+    import sys as _sys
+
+    _sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+    _importlib.import_module("rlhf_tasks.agent")  # the shipped package, from its own root
+    del _sys.path[0]
+    _runpy.run_module("rlhf_tasks.agent", run_name="__main__", alter_sys=True)
+    _sys.exit(0)
 
 import argparse
 import json
@@ -22,7 +39,7 @@ from .ending import end_machine
 from .forensics import tee_stdout
 from .head import HeadFlow
 from .jobrunner import gate_main
-from .protocol import PLAN_VERSION, AgentError, log, result_line
+from .protocol import PLAN_VERSION, PREFLIGHT_COMMAND, AgentError, log, result_line
 from .raynode import Node, node_env
 from .worker import EveryNodeFlow, WorkerFlow
 
@@ -60,7 +77,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gate"]:
         return gate_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python3 -m rlhf_tasks.agent", description="rlhf-tasks node agent (runs on every node)")
+    if argv[:1] == [PREFLIGHT_COMMAND]:
+        from .preflight import main as preflight_main  # Ray and torch only there
+
+        return preflight_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python3 rlhf_tasks/agent/__main__.py", description="rlhf-tasks node agent (runs on every node)")
     parser.add_argument("--plan", required=True, help="the cluster plan (JSON) rendered by rlhf-tasks")
     parser.add_argument("--skip-setup", action="store_true", help="the provider already ran the setup commands")
     parser.add_argument("--state-dir", default=None, help="where process-group files live (default: /tmp/rlhf-tasks)")

@@ -14,12 +14,13 @@ from typing import Optional
 
 from .beacon import ReadyBeacon, reachable
 from .budget import Watch
+from .early import head_checks, node_probe
 from .forensics import keeper, on_failure
 from .jobrunner import JobRunner
 from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
                        http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
                        result_line, wait_for)
-from .raynode import Node
+from .raynode import Node, package_root
 
 #: How long a head that ends on its own waits for the workers to leave (they look at its
 #: beacon every second, and leave when it says "done") before it stops its own Ray.
@@ -38,6 +39,7 @@ class HeadFlow(object):
         self.forensics = None  # type: Optional[dict]  (a failure's first errors and bundle: forensics.py)
         self.preflight_result = None  # type: Optional[dict]
         self.preflight_at = None  # type: Optional[str]  (when preflight's result came)
+        self.probe = self.early = None  # this node's own probe and the checks the head runs as nodes announce themselves
         self.started_ms = int(time.time() * 1000)
         # The budget and idle watch, from the head's start: it holds with no launcher attached.
         self.watch = Watch(self.plan, lambda: DashboardJobs(node.dashboard, node.token).jobs(),
@@ -48,6 +50,9 @@ class HeadFlow(object):
     def run(self) -> int:
         node, plan = self.node, self.plan
         node.prestart_ray()
+        self.probe = node_probe(node)
+        if self.probe is not None:
+            self.early = head_checks(node, self.probe)
         if plan["prepare"]:
             node.run_commands("prepare", plan["prepare"])
         started = time.monotonic()
@@ -57,7 +62,8 @@ class HeadFlow(object):
             # Local probes of a few ms each: poll flat and fast, every tenth of a second counts here.
             wait_for("the Ray head's GCS on %s:%s" % gcs, node.ray_alive(reachable(probe_tcp, *gcs)), 180,
                      interval=0.1, max_interval=0.2)
-            self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"])  # the workers join now
+            self.beacon = ReadyBeacon(self.info.node_addr, plan["ray"]["ready_port"],  # the workers join now
+                                      on_hello=self.early.add if self.early is not None else None)
             log("Ray head's GCS up in %.1fs: the workers may join" % (time.monotonic() - started))
             wait_for("the Ray dashboard at %s" % node.dashboard,
                      node.ray_alive(lambda: http_check(node.dashboard + "/api/gcs_healthz")), 180,
@@ -76,7 +82,7 @@ class HeadFlow(object):
         # the head saw preflight pass; preflight as a job of its own when no gated job carries it.
         jobs = DashboardJobs(node.dashboard, node.token)
         self.runner = runner = JobRunner(node, jobs, self.finish, self.watch)
-        preflight = HeadPreflight(node, jobs) if plan["preflight"]["enabled"] else None
+        preflight = HeadPreflight(node, jobs, self.early) if plan["preflight"]["enabled"] else None
         gate = None
         try:
             if plan["job"]["submit"] == "head":
@@ -86,16 +92,18 @@ class HeadFlow(object):
             node.start_services(("head", "every_node"))
             with node.step("nodes"):
                 nodes = plan["nodes"]
-                have = wait_for("%d nodes to join" % nodes,
-                                node.ray_alive(cluster_check(node.dashboard, node.token, nodes,
-                                                             (plan["ray"].get("num_cpus") or 0) * nodes,
-                                                             (plan["ray"].get("num_gpus") or 0) * nodes)),
-                                plan["wait"]["nodes_s"], interval=0.2, max_interval=0.25)
+                check = cluster_check(node.dashboard, node.token, nodes, (plan["ray"].get("num_cpus") or 0) * nodes,
+                                      (plan["ray"].get("num_gpus") or 0) * nodes)
+                have = wait_for("%d nodes to join" % nodes, node.ray_alive(self.nodes_check(check)),
+                                plan["wait"]["nodes_s"], interval=0.05, max_interval=0.05)
+            if self.early is not None:  # preflight's driver needs no Ray of its own to know them
+                self.early.nodes_alive(check.alive)
             log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))
             keeper(node).tick()  # the head's files where Ray's log API reads them
             if preflight is not None:
                 with node.step("preflight"):
-                    self.preflight_result = preflight.follow(keep=self.keep_preflight)
+                    self.preflight_result = preflight.follow(keep=self.keep_preflight,
+                                                             local=gate.result if gate is not None else None)
         except BaseException as exc:
             if gate is not None:
                 gate.close(str(exc) if isinstance(exc, AgentError) else "the head agent stopped")
@@ -103,10 +111,24 @@ class HeadFlow(object):
                 preflight.stop()
             raise
         if plan["job"]["submit"] == "head":
+            if gate is not None:
+                runner.open(gate)  # before anything else: the command waits on this
             return runner.submit_and_follow(gate)
         log("cluster ready for a client submission: forward port %s and run `rlhf-tasks submit`"
             % plan["ray"]["dashboard_port"])
         return self.supervise()
+
+    def nodes_check(self, check):
+        """`check` (the dashboard's node list) every 0.25 s; every 0.05 s once every node announced
+        itself to the early checks (the last one is starting its Ray then: the job waits on this)."""
+        last = {"at": 0.0, "said": (False, "not asked yet")}
+
+        def paced():
+            now = time.monotonic()
+            if now - last["at"] >= 0.25 or (self.early is not None and self.early.announced()):
+                last["at"], last["said"] = now, check()
+            return last["said"]
+        return paced
 
     def finish(self) -> None:
         """The job is over: say so in a result line now (the launcher reads it), and keep the
@@ -161,6 +183,10 @@ class HeadFlow(object):
         the rest when one task fails then kills nothing); when the cluster is being torn down
         (a signal), just close the beacon."""
         self.watch.close()
+        if self.early is not None:
+            self.early.close()
+        if self.probe is not None:
+            self.probe.close()
         if self.beacon is None:
             return
         if signalled or self.node.ray is None or not self.node.ray.alive():
@@ -191,15 +217,16 @@ class HeadPreflight(object):
     It is submitted as soon as the head is up and waits for the nodes itself: its driver
     and its probe on each node start while the others are still joining."""
 
-    def __init__(self, node: Node, jobs: DashboardJobs):
-        self.node, self.jobs = node, jobs
+    def __init__(self, node: Node, jobs: DashboardJobs, early=None):
+        self.node, self.jobs, self.early = node, jobs, early  # early: the head's EarlyChecks (early.py)
         self.sid = preflight_submission_id(node.cluster_key())
 
     def argv(self) -> list:
         """Preflight's command line: it waits for the nodes, then its checks have their deadline."""
         plan = self.node.plan
-        return preflight_argv(plan["preflight"], plan["nodes"], plan["preflight"]["timeout_s"],
-                              wait_nodes=plan["wait"]["nodes_s"])
+        argv = preflight_argv(plan["preflight"], plan["nodes"], plan["preflight"]["timeout_s"],
+                              wait_nodes=plan["wait"]["nodes_s"], root=package_root())
+        return argv + (["--early", self.early.path] if self.early is not None else [])
 
     def submit(self, gated: Optional[str] = None) -> None:
         """Submit preflight as a Ray job of its own; or, when the gate of job `gated` runs it, follow that job."""
@@ -215,11 +242,12 @@ class HeadPreflight(object):
         if not gated:
             self.jobs.submit(self.sid, self.argv())
 
-    def follow(self, keep=lambda result: None) -> dict:
+    def follow(self, keep=lambda result: None, local: Optional[str] = None) -> dict:
         """Once every node is ALIVE: its checks have `preflight.timeout` from now (`keep(result)`
         before a failure is raised: the failure's forensics name the nodes it blames)."""
         node = self.node
-        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log)
+        result = follow_preflight(self.jobs, self.sid, time.time() + node.plan["preflight"]["timeout_s"], log,
+                                  interval=0.25 if local else 0.15, local=local)
         keep(result)
         path = os.path.join(node.log_dir, "preflight.json")
         with open(path, "w") as handle:

@@ -15,10 +15,10 @@ import time
 from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
-from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_MODULE, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
+from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
                        AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, log, submission_id,
                        wait_for)
-from .raynode import Node
+from .raynode import Node, agent_entry
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
 FAST_FAILURE_S = 120.0
@@ -106,7 +106,7 @@ def restart_policy(previous: List[dict], cause: Optional[Restart], seconds: floa
 
 
 class Gate(object):
-    """A file on the head that a job submitted early waits behind (`python3 -m rlhf_tasks.agent gate FILE ...`,
+    """A file on the head that a job submitted early waits behind (`python3 ENTRY gate FILE ...`,
     its entrypoint's wrapper): the job's supervisor and driver start while the nodes are
     still joining, and its command runs the moment the head writes "go" (every node ALIVE,
     preflight passed), or never, when the head writes "stop: why". With `preflight`, the
@@ -116,16 +116,21 @@ class Gate(object):
 
     def __init__(self, path: str, preflight: Optional[List[str]] = None, sid: Optional[str] = None):
         self.path, self.preflight, self.sid = path, preflight, sid  # sid: the gated job's submission id
-        if os.path.exists(path):
-            os.remove(path)
+        self.opened = False
+        self.result = path + ".preflight"  # preflight's result, written by the gate beside its file
+        for stale in (path, self.result):
+            if os.path.exists(stale):
+                os.remove(stale)
 
     def wrap(self, argv: List[str], timeout_s: float) -> List[str]:
-        """The job's command behind this gate; the agent's package is on the job's PYTHONPATH (node_env)."""
-        checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_MODULE) + 1:] if self.preflight else []
-        return ["python3", "-m", "rlhf_tasks.agent", "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
+        """The job's command behind this gate: this agent's entry file by its path (the job runs in
+        its working_dir, which Ray also puts first on PYTHONPATH: `-m` could find another agent there)."""
+        checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_COMMAND) + 1:] if self.preflight else []
+        return ["python3", agent_entry(), "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
 
     def open(self) -> None:
         self._write("go\n")
+        self.opened = True
 
     def close(self, why: str) -> None:
         self._write("stop: %s\n" % why)
@@ -136,11 +141,11 @@ class Gate(object):
         os.replace(self.path + ".tmp", self.path)
 
 
-GATE_USAGE = "usage: python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight PREFLIGHT_ARGS...] -- CMD..."
+GATE_USAGE = "usage: python3 LIB/rlhf_tasks/agent/__main__.py gate FILE TIMEOUT_S [--preflight PREFLIGHT_ARGS...] -- CMD..."
 
 
 def gate_main(argv: List[str]) -> int:
-    """`python3 -m rlhf_tasks.agent gate FILE TIMEOUT_S [--preflight ARGS...] -- CMD...`: run preflight
+    """`python3 ENTRY gate FILE TIMEOUT_S [--preflight ARGS...] -- CMD...`: run preflight
     (its module's main, here: this process is the job's first Ray driver) when asked, then
     wait for the head's word in FILE, then become CMD (exec: the job's process is the
     command's), or exit 1 saying why not."""
@@ -153,8 +158,9 @@ def gate_main(argv: List[str]) -> int:
     deadline = time.monotonic() + timeout_s
     print("rlhf-tasks: the job's gate is waiting for %sthe head's word (up to %.0fs)"
           % ("preflight, then " if ours[2:] else "", timeout_s), flush=True)
-    if ours[2:] and not gated_preflight(ours[3:]):
+    if ours[2:] and not gated_preflight(ours[3:], path + ".preflight"):
         return 1
+    checked = time.monotonic()
     while True:
         try:
             with open(path) as handle:
@@ -162,6 +168,9 @@ def gate_main(argv: List[str]) -> int:
         except FileNotFoundError:
             word = ""
         if word.startswith("go"):
+            if ours[2:]:
+                print("rlhf-tasks: the head's word came %.2fs after preflight's result" % (time.monotonic() - checked),
+                      flush=True)
             try:
                 os.execvp(command[0], command)
             except OSError as exc:
@@ -174,14 +183,15 @@ def gate_main(argv: List[str]) -> int:
             print("rlhf-tasks: the job's command was not started: the head gave no word within %.0fs" % timeout_s,
                   flush=True)
             return 1
-        time.sleep(0.05)
+        time.sleep(0.02)  # a local file: the command starts the moment the head says go
 
 
-def gated_preflight(args: List[str]) -> bool:
-    """Preflight's checks in this process, its result line in the job's log; whether they passed."""
+def gated_preflight(args: List[str], result_file: Optional[str] = None) -> bool:
+    """Preflight's checks in this process, its result line in the job's log (and in `result_file`,
+    where the head agent reads it at once); whether they passed."""
     from . import preflight
 
-    code = preflight.main(args)
+    code = preflight.main(args, result_file)
     preflight.disconnect()  # before the command's driver connects
     if code != 0:
         print("rlhf-tasks: preflight failed (its result above says why): the job's command was not started",
@@ -216,6 +226,12 @@ class JobRunner(object):
                                        if plan["preflight"]["enabled"] else 0) + 60
         self.submit(sid, gate.wrap, limit)
         return gate
+
+    def open(self, gate: Gate) -> None:
+        """The job's command starts now (once: the head opens the gate as soon as preflight passed)."""
+        if not gate.opened:
+            log(JOB_STARTS % gate.sid + " (it was submitted while the nodes joined)")
+            gate.open()
 
     def submit_and_follow(self, gate: Optional[Gate]) -> int:
         """Open the gate of the job's first attempt (or submit it) and follow it; when it
@@ -280,8 +296,7 @@ class JobRunner(object):
         node, job, jobs = self.node, self.plan["job"], self.jobs
         with node.step("submit" if attempt == 0 else "resubmit %d" % attempt):
             if gate is not None:
-                log(JOB_STARTS % sid + " (it was submitted while the nodes joined)")
-                gate.open()
+                self.open(gate)
             elif jobs.status(sid) is not None:
                 log((JOB_STARTS % sid if attempt == 0 else "job %s" % sid)
                     + " (it was already submitted to this cluster; following it)")

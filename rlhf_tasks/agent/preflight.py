@@ -1,7 +1,7 @@
 """Preflight: prove the nodes can talk before the job starts; the driver of the preflight job.
 
-Runs as a Ray job of its own on the head (`python3 -m rlhf_tasks.agent.preflight --nodes N
-...`), submitted by the head agent as soon as its dashboard answers (it waits for the
+Runs as a Ray job of its own on the head (`python3 LIB/rlhf_tasks/agent/__main__.py preflight
+--nodes N ...`), submitted by the head agent as soon as its dashboard answers (it waits for the
 nodes itself), or by `rlhf-tasks doctor` on a running cluster. One probe actor (probe.py)
 is pinned to each node; it runs in a Ray worker there, so it sees the environment the
 job's tasks will get on that node (the node agent sets GLOO_SOCKET_IFNAME and
@@ -24,6 +24,10 @@ nodes that did not answer:
   doctor      (`--checks`) each service's readiness, the checkpoint directory shared and
               writable, free disk and /dev/shm
 
+With `--early FILE` (the head agent passes it) the nodes, interfaces and pairs steps judge what
+the node agents measured as each node came up (early.py) instead of running their probes again:
+probe actors start only where the job uses torch, or for a node that never announced itself.
+
 Prints `preflight: ...` progress lines and ends with one `RLHF_TASKS_PREFLIGHT {json}`
 line: failures (the step, the nodes, what to do), warnings (bandwidth below the task's
 threshold, with what it means for the weight sync), notes, and the table. Exit 0 when no
@@ -35,38 +39,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import sys
 import time
-from typing import Dict, List, Optional, Set, Tuple  # noqa: F401 - Set: in a type comment
+from typing import Dict, List, Optional
 
 from .probe import MiB, NodeProbe
+from .report import rate, size_text, table  # noqa: F401 - table: preflight's own, re-exported
+from .schedule import (PAIR_BUDGET_S, PAIR_DISTANCES, PAIR_MAX_BYTES, PAIR_PEERS, PAIR_ROUNDS,  # noqa: F401
+                       PAIR_SAMPLE_ROUNDS, REACH_DISTANCES, REACH_PEERS, REACH_SAMPLE_ROUNDS, partners, rounds,
+                       schedule)
 from .protocol import PREFLIGHT_PREFIX
 
 SIZES = (MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 SIZE_BUDGET_S = 1.0        # the all_reduce stops growing once a size would take longer than this
-PAIR_BUDGET_S = 0.3        # each direction of each pair streams for about this long
-PAIR_MAX_BYTES = 64 * MiB
-#: Which pairs stream, in rounds of disjoint pairs (`schedule`): ring neighbours at these
-#: distances, then seeded random pairs; so every node sends to and receives from at least
-#: PAIR_PEERS others (all of them up to 8 nodes) in at most PAIR_ROUNDS rounds, at any node count.
-PAIR_DISTANCES = (1, 2)
-PAIR_SAMPLE_ROUNDS = 2
-PAIR_PEERS = 2 * len(PAIR_DISTANCES)
-PAIR_ROUNDS = 3 * len(PAIR_DISTANCES) + PAIR_SAMPLE_ROUNDS
-#: Whom each node connects to in the interfaces step (connections are cheap: more of them,
-#: all at once): every other node up to 24 nodes, else at least REACH_PEERS, at most 23.
-REACH_DISTANCES = (1, 2, 3, 4, 5, 6, 7)
-REACH_SAMPLE_ROUNDS = 2
-REACH_PEERS = 2 * len(REACH_DISTANCES)
+#: How long after every node is ALIVE a node that never announced itself to the head agent is
+#: waited for before preflight's own probes check every node.
+EARLY_GRACE_S = 3.0
 #: The longest each step may take (less when the overall deadline is nearer).
 STEP_CAPS = {"nodes": 60.0, "interfaces": 15.0, "torch": 90.0, "pairs": 30.0, "gloo": 60.0, "nccl": 90.0,
              "services": 30.0, "checkpoints": 20.0, "disk": 10.0}
 
 
+SAID = []  # type: List[str]   every progress line, for the result file beside the gate (main's `result_file`)
+
+
 def say(message: str) -> None:
+    SAID.append("preflight: " + message)
     print("preflight: " + message, flush=True)
 
 
@@ -76,18 +75,6 @@ class Failed(Exception):
     def __init__(self, step: str, message: str):
         Exception.__init__(self, message)
         self.step = step
-
-
-def rate(bits: Optional[float]) -> str:
-    if bits is None:
-        return "-"
-    if bits >= 1e9:
-        return "%.1f Gbit/s" % (bits / 1e9)
-    return "%.0f Mbit/s" % (bits / 1e6) if bits >= 1e7 else "%.2f Mbit/s" % (bits / 1e6)
-
-
-def size_text(size: float) -> str:
-    return "%d MiB" % (size // MiB) if size >= MiB else "%d KiB" % (size // 1024)
 
 
 class Preflight(object):
@@ -108,6 +95,7 @@ class Preflight(object):
         self.pair_plan = {}   # type: dict   how many pairs and rounds the pairs step measured
         self.reach = {}       # type: dict   how many connections the interfaces step made
         self.collectives = {}  # type: Dict[str, dict]
+        self.early = None  # type: Optional[dict]   the head agent's record (early.py), when it covers every node
 
     # ---------------------------------------------------------------- helpers
 
@@ -148,10 +136,40 @@ class Preflight(object):
 
     # ---------------------------------------------------------------- the steps
 
-    def run(self) -> None:
+    def head_nodes(self) -> bool:
+        """Whether the head agent's word says which nodes are ALIVE (`--early`, no torch, no doctor's
+        checks): then this process needs no Ray of its own unless a node never announced itself."""
+        return bool(self.args.early) and not self.args.torch and not self.args.checks
+
+    def connect(self):
         import ray
 
-        ray.init(log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+            ship_by_value(ray)
+        return ray
+
+    def alive(self) -> List[dict]:
+        """The nodes ALIVE now, as ray.nodes() gives them (from the head agent's file, written once
+        it saw every node ALIVE, when `head_nodes`)."""
+        if not self.head_nodes():
+            return [n for n in self.connect().nodes() if n.get("Alive")]
+        try:
+            with open(self.args.early + ".nodes") as handle:
+                return json.load(handle)
+        except (OSError, ValueError):
+            return []
+
+    def probe_actor(self, node_id: str):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = self.connect().remote(num_cpus=0, max_concurrency=8)(NodeProbe)
+        return probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+            self.args.torch)
+
+    def run(self) -> None:
+        if not self.head_nodes():
+            self.connect()
         self.run_step("nodes", self.step_nodes)
         network_error = None
         try:
@@ -189,40 +207,85 @@ class Preflight(object):
         """Every expected node alive (waiting up to --wait-nodes for them to join) with a probe
         pinned to it; each probe is created as its node appears, so that its worker process
         starts while the rest join."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        probe = ray.remote(num_cpus=0, max_concurrency=8)(NodeProbe)
         join_deadline = time.time() + self.args.wait_nodes
         while True:
-            alive = [n for n in ray.nodes() if n.get("Alive")]
+            alive = self.alive()
             for n in alive:
                 if n["NodeID"] not in (p["node_id"] for p in self.nodes):
                     self.nodes.append({"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
                                        "head": "node:__internal_head__" in n.get("Resources", {}),
                                        "gpus": int(n.get("Resources", {}).get("GPU", 0))})
-                    self.actors.append(probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        n["NodeID"], soft=False)).remote(self.args.torch))
+                    if not self.args.early or self.args.torch:  # the node agents check the network themselves
+                        self.actors.append(self.probe_actor(n["NodeID"]))
+                    else:
+                        self.actors.append(None)
             if len(alive) >= self.args.nodes:
                 break
             if time.time() >= join_deadline:
                 raise Failed("nodes", "%d of %d nodes are alive (%s)" % (
                     len(alive), self.args.nodes, ", ".join(n["NodeManagerAddress"] for n in alive)))
-            time.sleep(0.1)  # polling the GCS for the nodes still joining
+            time.sleep(self.join_poll())  # polling the GCS for the nodes still joining
         now_alive = {n["NodeID"] for n in alive}
         keep = [i for i, n in enumerate(self.nodes) if n["node_id"] in now_alive]  # not one that joined and died
         self.nodes, self.actors = [self.nodes[i] for i in keep], [self.actors[i] for i in keep]
         self.deadline = min(self.deadline, time.time() + self.args.timeout)
-        infos = self.gather("nodes", [a.info.remote() for a in self.actors], list(range(len(self.nodes))),
-                            self.step_deadline("nodes"))
-        for node, info in zip(self.nodes, infos):
-            node.update(info)
+        early = self.early_record() if self.args.early else None
+        if early is not None:  # what each node's agent said of it (its versions, interfaces)
+            by_address = {n["address"]: n["info"] for n in early["nodes"].values()}
+            for node in self.nodes:
+                node.update(by_address[node["label"]])
+            self.early = early
+        else:
+            for index, node in enumerate(self.nodes):  # a node its agent did not check: preflight's own probes
+                if self.actors[index] is None:
+                    self.actors[index] = self.probe_actor(node["node_id"])
+            infos = self.gather("nodes", [a.info.remote() for a in self.actors], list(range(len(self.nodes))),
+                                self.step_deadline("nodes"))
+            for node, info in zip(self.nodes, infos):
+                node.update(info)
         order = sorted(range(len(self.nodes)), key=lambda i: (not self.nodes[i]["head"], _rank(self.nodes[i]),
                                                               self.nodes[i]["address"]))
         self.nodes = [self.nodes[i] for i in order]
         self.actors = [self.actors[i] for i in order]
         name_nodes(self.nodes)
         say("%d nodes answered: %s" % (len(self.nodes), ", ".join(n["label"] for n in self.nodes)))
+
+    def join_poll(self) -> float:
+        """How long to wait before asking the GCS again: 0.1 s, 0.03 s once every node announced itself
+        to the head agent (the last ones are starting their Ray then, and the job waits on this)."""
+        if self.args.early:
+            from .early import read
+
+            record = read(self.args.early) or {}
+            if len(record.get("nodes") or {}) >= record.get("nodes_expected", 1 << 30):
+                return 0.03
+        return 0.1
+
+    def early_record(self) -> Optional[dict]:
+        """The head agent's record once it has every node's checks, or None when a node ALIVE in
+        Ray did not announce itself there (its Ray started elsewhere, another agent): preflight's
+        own probes check every node then. Waits for what is still running (the last node's
+        share); Failed at the step's deadline."""
+        from .early import read
+
+        addresses = {n["label"] for n in self.nodes}
+        deadline, grace = self.step_deadline("pairs"), time.time() + EARLY_GRACE_S
+        while True:
+            record = read(self.args.early) or {}
+            known = {n["address"] for n in (record.get("nodes") or {}).values()}
+            if record.get("errors"):
+                raise Failed("interfaces", "; ".join(record["errors"]))
+            if not addresses <= known and (len(known) >= record.get("nodes_expected", 0) or time.time() > grace):
+                say("%s did not announce itself to the head agent: checking every node with probe actors"
+                    % ", ".join(sorted(addresses - known)))
+                return None
+            if addresses <= known and record.get("complete"):
+                return record
+            if time.time() > deadline:
+                raise Failed("pairs", "the node agents' checks did not finish by the step's deadline (%.0fs into "
+                             "preflight): %d pair(s) still to measure" % (time.time() - self.started,
+                                                                          record.get("pairs_pending", 0)))
+            time.sleep(0.02)  # a local file the head agent rewrites as its checks progress
 
     def step_versions(self) -> None:
         for key, what, why in (("python", "Python", "Ray needs the same Python (major.minor) on every node"),
@@ -251,6 +314,30 @@ class Preflight(object):
         deadline = self.step_deadline("interfaces")
         kinds = ["gloo_if"] + (["nccl_if"] if self.gpu_nodes() else [])
         peers = partners(len(self.nodes), schedule(len(self.nodes), REACH_DISTANCES, REACH_SAMPLE_ROUNDS))
+        if self.early is not None:
+            index = self.early_index()
+            failed = {(index[a], index[b], kind): why for a, b, kind, why in self.early["reach"]
+                      if why and kind in kinds}  # type: Dict[tuple, str]
+        else:
+            failed = self.reach_now(kinds, peers, deadline)
+        for index in self.culprits(failed):
+            self.fail("interfaces", self.unreachable(index, failed))
+        if self.failures:
+            raise Failed("interfaces", self.failures[0]["message"])
+        fewest = min(len(p) for p in peers)
+        self.reach = {"connections": sum(len(p) for p in peers) * len(kinds), "peers_at_least": fewest,
+                      "every_pair": fewest == len(self.nodes) - 1}
+        say("interfaces: every node reaches %s %s address%s" % (
+            "every other node's" if self.reach["every_pair"] else "the %d or more peers' (ring neighbours and a seeded "
+            "sample)" % fewest, " and ".join("NCCL" if k == "nccl_if" else "Gloo" for k in kinds),
+            " (checked by the node agents as each node came up)" if self.early is not None else ""))
+
+    def early_index(self) -> Dict[int, int]:
+        """The agents' ranks (the early record's keys) -> this preflight's node indices."""
+        return {int(n["rank"]): i for i, n in enumerate(self.nodes)}
+
+    def reach_now(self, kinds: List[str], peers: List[List[int]], deadline: float) -> Dict[tuple, str]:
+        """Every node connects to its peers' collective addresses, through the probe actors."""
         addresses = [sorted({n[k]["address"] for k in kinds if n[k]["address"]}) for n in self.nodes]
         ports = self.gather("interfaces", [a.listen.remote(addrs) for a, addrs in zip(self.actors, addresses)],
                             list(range(len(self.nodes))), deadline)
@@ -272,16 +359,7 @@ class Preflight(object):
                 if reason:
                     kind, j = key.split("|")
                     failed[(i, int(j), kind)] = reason
-        for index in self.culprits(failed):
-            self.fail("interfaces", self.unreachable(index, failed))
-        if self.failures:
-            raise Failed("interfaces", self.failures[0]["message"])
-        fewest = min(len(p) for p in peers)
-        self.reach = {"connections": sum(len(p) for p in peers) * len(kinds), "peers_at_least": fewest,
-                      "every_pair": fewest == len(self.nodes) - 1}
-        say("interfaces: every node reaches %s %s address" % (
-            "every other node's" if self.reach["every_pair"] else "the %d or more peers' (ring neighbours and a seeded "
-            "sample)" % fewest, " and ".join("NCCL" if k == "nccl_if" else "Gloo" for k in kinds)))
+        return failed
 
     def culprits(self, failed: Dict[tuple, str]) -> List[int]:
         """The fewest nodes that explain the failed connections: a node whose collective
@@ -357,6 +435,8 @@ class Preflight(object):
         return bool(self.nodes) and all(n["gpus"] > 0 for n in self.nodes)
 
     def step_pairs(self) -> None:
+        if self.early is not None:
+            return self.early_pairs()
         deadline = self.step_deadline("pairs")
         ports = self.gather("pairs", [a.listen.remote([n["gloo_if"]["address"]]) for a, n in zip(self.actors, self.nodes)],
                             list(range(len(self.nodes))), deadline)
@@ -384,6 +464,26 @@ class Preflight(object):
         slowest = min(self.pairs, key=lambda p: p["bits_per_s"])
         say("pairs: %d of %d directions in %d rounds, slowest %s -> %s at %s" % (
             self.pair_plan["directions"], self.pair_plan["of"], len(plan), slowest["src"], slowest["dst"],
+            rate(slowest["bits_per_s"])))
+
+    def early_pairs(self) -> None:
+        """The pair streams the node agents ran, each as soon as both its nodes were up."""
+        plan = schedule(len(self.nodes), PAIR_DISTANCES, PAIR_SAMPLE_ROUNDS)
+        peers = partners(len(self.nodes), plan)
+        index = self.early_index()
+        self.pair_plan = {"rounds": self.early["rounds"], "directions": 2 * sum(len(r) for r in plan),
+                          "of": len(self.nodes) * (len(self.nodes) - 1), "peers_at_least": min(len(p) for p in peers),
+                          "round_seconds": PAIR_BUDGET_S, "early": True}
+        for pair in sorted(self.early["pairs"], key=lambda p: (p["round"], p["src"], p["dst"])):
+            src, dst = index[pair["src"]], index[pair["dst"]]
+            if pair.get("error"):
+                raise Failed("pairs", "%s -> %s: %s" % (self.label(src), self.label(dst), pair["error"]))
+            self.pairs.append({"src": self.nodes[src]["name"], "dst": self.nodes[dst]["name"],
+                               "src_index": src, "dst_index": dst, "bits_per_s": pair["bits_per_s"],
+                               "bytes": pair["bytes"], "seconds": round(pair["seconds"], 3)})
+        slowest = min(self.pairs, key=lambda p: p["bits_per_s"])
+        say("pairs: %d of %d directions in %d rounds as the nodes came up, slowest %s -> %s at %s" % (
+            len(self.pairs), self.pair_plan["of"], self.pair_plan["rounds"], slowest["src"], slowest["dst"],
             rate(slowest["bits_per_s"])))
 
     def step_allreduce(self, backend: str) -> None:
@@ -558,21 +658,30 @@ class Preflight(object):
         return result
 
     def stop(self) -> None:
-        import ray
-
+        ray = sys.modules.get("ray")
         for actor in self.actors:
+            if actor is None or ray is None:
+                continue
             try:
                 ray.kill(actor)
             except Exception:
                 pass
 
 
+def ship_by_value(ray) -> None:
+    """Ray pickles the probe's class by reference, and each worker would import it from its own
+    sys.path, where a job's working_dir comes first (and may hold another `rlhf_tasks`, a fork
+    of this project): the agent's package travels by value instead, so that the probe that runs
+    is this one."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[NodeProbe.__module__.split(".")[0]])
+
+
 def disconnect() -> None:
     """Let go of the cluster main() connected this process to (in the job's gate, where the
-    job's command runs next in the same job)."""
-    import ray
-
-    ray.shutdown()
+    job's command runs next in the same job); none when it never connected (the head agent's word)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def name_nodes(nodes: List[dict]) -> None:
@@ -597,69 +706,6 @@ def _rank(node: dict) -> int:
         return 1 << 30
 
 
-def rounds(count: int) -> List[List[tuple]]:
-    """Rounds of disjoint pairs that together cover every pair once (the circle method)."""
-    ids = list(range(count)) + ([None] if count % 2 else [])  # type: list
-    size, out = len(ids), []
-    for _ in range(size - 1):
-        pairs = [(ids[i], ids[size - 1 - i]) for i in range(size // 2)]
-        out.append([p for p in pairs if None not in p])
-        ids = [ids[0], ids[-1]] + ids[1:-1]
-    return out
-
-
-def schedule(count: int, distances: Tuple[int, ...], sample_rounds: int, seed: int = 0) -> List[List[tuple]]:
-    """Rounds of disjoint pairs whose number does not grow with `count`: every pair when that
-    takes no more rounds than the bound (3 per distance + `sample_rounds`), else the ring
-    neighbours at each distance (2 rounds, 3 where the ring's cycles are odd) and then
-    `sample_rounds` rounds of seeded random pairs; idle nodes in any round get a random
-    partner not yet met. With distances 1..d every node meets at least min(2d, count-1) others."""
-    if count - 1 + count % 2 <= 3 * len(distances) + sample_rounds:  # len(rounds(count)), every pair
-        return rounds(count)
-    rng = random.Random(seed * 1000003 + count)
-    used = set()  # type: Set[Tuple[int, int]]
-    out = []  # type: List[List[tuple]]
-
-    def add(into: list, a: int, b: int) -> None:
-        key = (min(a, b), max(a, b))
-        if a != b and key not in used:
-            used.add(key)
-            into.append(key)
-
-    for distance in distances:
-        colours = ([], [], [])  # type: Tuple[list, list, list]
-        cycles = math.gcd(count, distance)
-        length = count // cycles
-        for start in range(cycles):  # the ring at this distance is `cycles` disjoint cycles
-            cycle = [(start + step * distance) % count for step in range(length)]
-            for step in range(length if length > 2 else 1):
-                colour = 2 if length % 2 and step == length - 1 else step % 2
-                add(colours[colour], cycle[step], cycle[(step + 1) % length])
-        out.extend(c for c in colours if c)
-    out.extend([] for _ in range(sample_rounds))
-    for pairs in out:  # the seeded sample: whoever is idle in a round meets someone new
-        busy = {n for pair in pairs for n in pair}
-        idle = [n for n in range(count) if n not in busy]
-        rng.shuffle(idle)
-        while len(idle) > 1:
-            a = idle.pop()
-            for position in range(len(idle) - 1, max(-1, len(idle) - 17), -1):  # a few tries
-                if (min(a, idle[position]), max(a, idle[position])) not in used:
-                    add(pairs, a, idle.pop(position))
-                    break
-    return out
-
-
-def partners(count: int, plan: List[List[tuple]]) -> List[List[int]]:
-    """For each node, the others a schedule pairs it with."""
-    out = [[] for _ in range(count)]  # type: List[List[int]]
-    for pairs in plan:
-        for a, b in pairs:
-            out[a].append(b)
-            out[b].append(a)
-    return out
-
-
 def duration(seconds: float) -> str:
     if seconds < 90:
         return "%.0f s" % seconds
@@ -668,57 +714,8 @@ def duration(seconds: float) -> str:
     return "%.1f h" % (seconds / 3600)
 
 
-def table(result: dict) -> List[str]:
-    """The result as the lines the head prints (nodes, interfaces, addresses, versions, bandwidth)."""
-    nodes = result["nodes"]
-    sends, receives = {}, {}  # type: Dict[str, float], Dict[str, float]
-    for pair in result["pairs"]:
-        sends[pair["src"]] = min(sends.get(pair["src"], pair["bits_per_s"]), pair["bits_per_s"])
-        receives[pair["dst"]] = min(receives.get(pair["dst"], pair["bits_per_s"]), pair["bits_per_s"])
-    gpus = any(n.get("gpus") for n in nodes)
-
-    def endpoint(e):
-        if not e:
-            return "-"
-        name = e.get("iface") or ("(unset)" if not e.get("value") else "?")
-        return "%s %s" % (name, e.get("address") or "")
-
-    header = ["rank", "node", "address", "gloo interface"] + (["nccl interface"] if gpus else []) + [
-        "python", "ray", "torch"] + (["cuda", "nccl", "gpus"] if gpus else []) + ["slowest send",
-                                                                                "slowest receive"]
-    rows = [header]
-    for n in nodes:
-        row = [str(n.get("rank") if n.get("rank") is not None else "-"), (n.get("name") or "?") + (" (head)" if n.get("head") else ""),
-               n.get("address") or "-", endpoint(n.get("gloo_if"))]
-        row += [endpoint(n.get("nccl_if"))] if gpus else []
-        row += [n.get("python") or "-", n.get("ray") or "-", n.get("torch") or ("none" if n.get("torch_why") else "-")]
-        row += [n.get("cuda") or n.get("rocm") or "-", n.get("nccl") or "-", str(n.get("gpus") or 0)] if gpus else []
-        row += [rate(sends.get(n.get("name"))), rate(receives.get(n.get("name")))]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    for backend, coll in sorted(result["collectives"].items()):
-        lines.append("  %s all_reduce across %d nodes, bus bandwidth: %s" % (
-            "Gloo" if backend == "gloo" else "NCCL", coll["nodes"],
-            ", ".join("%s %s" % (size_text(s["bytes"]), rate(s["bus_bits_per_s"])) for s in coll["sizes"])))
-    slowest = result.get("slowest_pair")
-    if slowest:
-        fastest = max(result["pairs"], key=lambda p: p["bits_per_s"])
-        plan = result.get("pair_plan") or {}
-        if plan.get("directions") == plan.get("of"):
-            measured = "every pair both ways: %d directions" % len(result["pairs"])
-        else:
-            measured = "%d of the %d directions, every node to and from at least %d others" % (
-                len(result["pairs"]), plan.get("of", 0), plan.get("peers_at_least", 0))
-        count = plan.get("rounds", 0)
-        lines.append("  pairs (TCP over the Gloo addresses, %s, in %d round%s): slowest %s -> %s %s, fastest %s -> %s %s" % (
-            measured, count, "" if count == 1 else "s", slowest["src"], slowest["dst"], rate(slowest["bits_per_s"]),
-            fastest["src"], fastest["dst"], rate(fastest["bits_per_s"])))
-    return lines
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m rlhf_tasks.agent.preflight", description="rlhf-tasks preflight (runs as a Ray job)")
+def main(argv: Optional[List[str]] = None, result_file: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 rlhf_tasks/agent/__main__.py preflight", description="rlhf-tasks preflight (runs as a Ray job)")
     parser.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds for the checks, from when every node is alive")
@@ -730,6 +727,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--weight-bytes", type=float, default=None)
     parser.add_argument("--checks", default=None, help="doctor's checks (JSON): services, checkpoint_dir, shm_bytes")
+    parser.add_argument("--early", default=None, metavar="FILE",
+                        help="the head agent's record of the checks its node agents ran as each node came up "
+                             "(early.py): judged here instead of running them again")
     args = parser.parse_args(argv)
     preflight = Preflight(args)
     error = None
@@ -743,6 +743,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if error is not None:
         say("failed in step %s (the result below says why)" % error.step)
     print(PREFLIGHT_PREFIX + json.dumps(result, sort_keys=True), flush=True)  # the head acts on it at once
+    if result_file:  # in the job's gate, on the head: the head agent reads it there without asking the dashboard
+        with open(result_file + ".tmp", "w") as handle:
+            json.dump({"said": SAID, "result": result}, handle)
+        os.replace(result_file + ".tmp", result_file)
     try:
         preflight.stop()
     except Exception:

@@ -4,9 +4,9 @@ versions and the interface and address Gloo and NCCL pick there; it listens, con
 streams for the reach and bandwidth checks, runs the torch.distributed all_reduce, and the
 doctor's checks (services, checkpoint directory, disk).
 
-Ray pickles NodeProbe by reference (`rlhf_tasks.agent.probe.NodeProbe`): every node's Ray
-workers import it, from the agent's package that node_env puts first on Ray's PYTHONPATH
-(or doctor's uploaded working_dir). Standard library at import; ray and torch only inside.
+Preflight sends NodeProbe (and the agent's modules it uses) to the workers by value
+(preflight.ship_by_value): a worker's own sys.path starts with the job's working_dir, where
+another `rlhf_tasks` could be. Standard library at import; ray and torch only inside.
 """
 
 from __future__ import annotations

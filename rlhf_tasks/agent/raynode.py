@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from .beacon import reachable
 from .contract import NodeInfo, interface_of, source_address
 from .processes import Child, stop_stale
-from .protocol import AgentError, http_check, log, probe_tcp, wait_for
+from .protocol import AGENT_ENTRY, AgentError, http_check, log, probe_tcp, wait_for
 
 def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
     """The preset's variables with `{iface}` set to the interface that carries this
@@ -91,10 +91,16 @@ def package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def agent_entry() -> str:
+    """This agent's entry file, which the gate and preflight's job are started by (protocol.AGENT_ENTRY)."""
+    return os.path.join(package_root(), AGENT_ENTRY)
+
+
 def agent_pythonpath(current: Optional[str]) -> str:
-    """PYTHONPATH with the agent's package root first, so that `python3 -m rlhf_tasks.agent...`
-    (the preflight job, the job's gate) and the preflight probe's class, which Ray pickles by
-    reference, import in Ray's jobs and workers on every node. Not when the root is a
+    """PYTHONPATH with the agent's package root first, so that the preflight probe's class, which
+    Ray pickles by reference, and the packages the recipe ships (the demo's) import in Ray's
+    jobs and workers on every node (and in an image's container, whose own PYTHONPATH is kept
+    after it). Not when the root is a
     site-packages directory (an installed rlhf-tasks): Ray's interpreter imports it from
     there anyway, and site-packages before the standard library could shadow it."""
     root = package_root()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import threading
 import time
 from typing import List, Optional
 
-from .beacon import RUN_OVER, ReadyBeacon, probe_ready, reachable
+from .beacon import RUN_OVER, ReadyBeacon, probe_ready, reachable, say_hello
 from .contract import NodeInfo
+from .early import node_probe
 from .forensics import keeper
 from .processes import Child
 from .protocol import JOB_STARTS, AgentError, log, submission_id, wait_for
@@ -27,20 +29,30 @@ class WorkerFlow(object):
     def __init__(self, node: Node):
         self.node = node
         self.beacon = (node.info.head, node.plan["ray"]["ready_port"])
+        self.probe = None
 
     def run(self) -> int:
         node = self.node
         node.prestart_ray()
+        self.probe = node_probe(node)  # preflight's checks of this node, as soon as the head hears of it
         with node.step("head"):
             started = time.monotonic()
             wait_for("the head at %s:%s" % self.beacon, reachable(probe_ready, *self.beacon),
                      node.plan["wait"]["head_s"], interval=0.1, max_interval=0.2)
             log("head ready after %.1fs" % (time.monotonic() - started))
+        if self.probe is not None:  # in the background: Ray starts now
+            threading.Thread(target=self.hello, name="hello", daemon=True).start()
         with node.step("ray worker"):
             node.start_ray(head=False)
         keeper(node).tick()  # this node's files where the head reads them, before a job can fail
         node.start_services(("every_node",))
         return self.supervise()
+
+    def hello(self) -> None:
+        """Announce this node (and its probe) to the head, whose preflight checks it at once."""
+        why = say_hello(self.beacon[0], self.beacon[1], self.probe.hello())
+        if why is not None:
+            log("preflight: could not announce this node to the head (%s); preflight's probe actor checks it" % why)
 
     def supervise(self, head_gone_s: float = 10.0, max_rejoins: int = 3) -> int:
         """Keep the raylet up (rejoin if it dies) until the head goes away: then the run is over."""
@@ -74,7 +86,8 @@ class WorkerFlow(object):
         return {}
 
     def stop(self, signalled: bool = False) -> None:
-        pass
+        if self.probe is not None:
+            self.probe.close()
 
 
 class EveryNodeFlow(object):

@@ -99,6 +99,11 @@ class Provider:
     working_dir_here: ClassVar[bool] = False
     #: What the last plan measured of job.working_dir (workdir.Measure), when it is uploaded from here.
     upload: workdir.Measure | None = None
+    #: Every node sees one filesystem (one machine; a Slurm cluster's shared filesystem), so what
+    #: `prepare` makes on the head is there for the others without any storage of the task's.
+    shares_filesystem: ClassVar[bool] = False
+    #: The task's option for storage every node sees at checkpoints.path (checkpoints.shared.<name>).
+    shared_option: ClassVar[str] = ""
 
     def __init__(self, **options: Any):
         known = {option.dest for option in self.options}
@@ -140,10 +145,43 @@ class Provider:
         """The plan this provider's nodes run."""
         try:
             self.check(task)
-            return self.measure_upload(build_plan(task, self.name, self.contract, self.networks,
-                                                  self.default_checkpoint_dir(task), self.ray_overrides))
+            plan = self.build(task)
+            self.check_node_inputs(plan)
+            return self.measure_upload(plan)
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
+
+    def build(self, task: Task) -> Plan:
+        """Task + recipe + this provider's contract and choices -> the plan (nothing measured)."""
+        return build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
+                          self.ray_overrides)
+
+    def fits(self, task: Task) -> None:
+        """BadInput when this provider cannot run the task (`check` without --provider): its own
+        checks and the plan's, without measuring an upload. A plan that cannot be built (an
+        infeasible allocation) is the task's fault, which `check` then says with the plan's error."""
+        self.check(task)
+        try:
+            plan = self.build(task)
+        except BadInput:
+            return
+        self.check_node_inputs(plan)
+
+    def check_node_inputs(self, plan: Plan) -> None:
+        """What `prepare` makes on the head and every node reads (plan.node_inputs, the recipe's)
+        must be on storage every node sees: refused (BadInput naming this provider's option) when
+        it lies in the checkpoint directory and that is a directory on each node. A path outside
+        it (an image's, a mount of the user's) is the user's to share."""
+        if plan.nodes < 2 or self.shares_filesystem or plan.checkpoint_shared or not plan.checkpoint_dir:
+            return
+        inside = [p for p in plan.node_inputs
+                  if p.rstrip("/") == plan.checkpoint_dir.rstrip("/") or p.startswith(plan.checkpoint_dir.rstrip("/") + "/")]
+        if inside:
+            raise BadInput(
+                f"checkpoints.shared.{self.name}: missing: `prepare` writes {inside[0]} on the head, and every node "
+                f"reads it (the recipe's every-node services), but checkpoints {plan.checkpoint_dir} is a directory "
+                f"on each {self.name} node, so every node but the head would find nothing; add {self.shared_option} "
+                f"(storage every node mounts at checkpoints.path)")
 
     def measure_upload(self, plan: Plan) -> Plan:
         """When job.working_dir is uploaded from this machine (`submit: client`, or a provider

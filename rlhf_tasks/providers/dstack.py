@@ -45,6 +45,7 @@ class DstackShared(StrictModel):
 
 class DstackProvider(Provider):
     name = "dstack"
+    shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
     contract = Contract(
         rank=env("DSTACK_NODE_RANK"),
         nodes=env("DSTACK_NODES_NUM"),

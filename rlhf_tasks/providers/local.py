@@ -28,12 +28,14 @@ from pathlib import Path
 
 from .. import state
 from ..agent.processes import group_alive, pid_alive, signal_group
-from ..agent.protocol import parse_result
+from ..agent.protocol import AGENT_ENTRY, parse_result
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Option, Provider, write_files
 
+#: This installation's agent, run by its path: `-m` would run an rlhf_tasks in the directory `launch` runs from.
+AGENT_MAIN = str(Path(__file__).resolve().parents[2] / AGENT_ENTRY)
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 #: The local provider's environment contract: the launcher sets these per node.
 RANK, NODES, HEAD, NODE_ADDR = "RLHF_TASKS_NODE_RANK", "RLHF_TASKS_NUM_NODES", "RLHF_TASKS_HEAD_ADDR", "RLHF_TASKS_NODE_ADDR"
@@ -94,6 +96,7 @@ def groups_below(groups: set[int], pids: list[int]) -> set[int]:
 
 class LocalProvider(Provider):
     name = "local"
+    shares_filesystem = True  # every node is on this machine
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
@@ -145,7 +148,7 @@ class LocalProvider(Provider):
             node_env = {RANK: rank, NODES: plan.nodes, HEAD: node_address(plan.cluster_id, 0),
                         NODE_ADDR: node_address(plan.cluster_id, rank),
                         "TMPDIR": shlex.quote(plan.ray.temp_dir + "/tmp")}  # removed with the cluster
-            argv = ["setsid", sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan_path), "--log-dir", str(logs)]
+            argv = ["setsid", sys.executable, AGENT_MAIN, "--plan", str(plan_path), "--log-dir", str(logs)]
             if rank:  # one environment for every node: setup runs once, on the head, before its beacon opens
                 argv.append("--skip-setup")
             lines.append(f"    {rank}) " + " ".join(f"{k}={v}" for k, v in node_env.items()) + " " + shlex.join(argv)

@@ -1,8 +1,8 @@
 """What every remote provider ships to its nodes: the plan under one directory on the node,
 the node agent's package (rlhf_tasks/agent/, as plain files) and the packages of
 rlhf_tasks the recipe's commands import (the demo's code) in lib/ below it, and the
-command line that starts the agent there (`python3 -m rlhf_tasks.agent`, lib/ first on
-PYTHONPATH); and the heredoc that carries a file inside a rendered shell script."""
+command line that starts the agent there (by its entry file's path, lib/ first on PYTHONPATH);
+and the heredoc that carries a file inside a rendered shell script."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
+from ..agent.protocol import AGENT_ENTRY
 from ..plan import Plan
 from ..spec import provider_part
 
@@ -23,6 +24,9 @@ NODE_DIR = "/opt/rlhf-tasks"
 LIB = "lib"
 #: The node agent's package, shipped verbatim below lib/: rlhf-tasks itself is not installed on the nodes.
 AGENT = "rlhf_tasks.agent"
+#: The agent's entry file on a node, run by its path: `python3 -m` would put the working directory
+#: first on sys.path (dstack runs the commands in the repo's directory, which may hold an rlhf_tasks).
+NODE_ENTRY = f"{NODE_DIR}/{LIB}/{AGENT_ENTRY}"
 
 
 def module_files(modules: list[str]) -> dict[str, str]:
@@ -63,7 +67,7 @@ def node_path(local: str) -> str:
 def agent_command(plan: Plan) -> str:
     """The agent's command line: lib/ goes first on PYTHONPATH (the image's is kept after
     it), so that the agent's package imports; the agent, Ray and the job inherit it."""
-    command = shlex.join(["python3", "-m", AGENT, "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
+    command = shlex.join(["python3", NODE_ENTRY, "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
                           "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
     return f"PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
 

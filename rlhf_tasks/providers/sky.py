@@ -67,6 +67,7 @@ class SkyShared(StrictModel):
 
 class SkyProvider(Provider):
     name = "sky"
+    shared_option = "checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}"
     contract = Contract(
         rank=env("SKYPILOT_NODE_RANK"),
         nodes=env("SKYPILOT_NUM_NODES"),

@@ -50,7 +50,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from .. import state
-from ..agent.protocol import AgentError, parse_result, wait_for
+from ..agent.protocol import AGENT_ENTRY, AgentError, parse_result, wait_for
 from ..console import say
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
@@ -261,6 +261,7 @@ class SlurmJob:
 
 class SlurmProvider(Provider):
     name = "slurm"
+    shares_filesystem = True  # the submission directory and checkpoints must be on the shared filesystem
     contract = Contract(
         rank=env("SLURM_NODEID"),
         nodes=env("SLURM_JOB_NUM_NODES"),
@@ -359,7 +360,8 @@ class SlurmProvider(Provider):
         names = [*CONTRACT_VARS, *([GPU_SELECTION_VAR[vendor]] if vendor else []), *plan.secrets,
                  *([plan.token_env] if plan.token_env else []), *plan.env]
         lines += [[f"--env={name}"] for name in dict.fromkeys(names)]
-        lines.append(['--env=PYTHONPATH="$run_dir/lib"'])  # the agent's package (the engine starts clean)
+        # No PYTHONPATH of ours: the image's own stays, the agent runs by its path and puts lib/ before
+        # the image's entries for everything it starts (raynode.node_env).
         lines += [[f"--volume={mount}"] for mount in mounts]
         lines += [['--workdir="$run_dir"'], [q(plan.image)]]
         return lines
@@ -385,7 +387,7 @@ class SlurmProvider(Provider):
             'mkdir -p "$run_dir/logs"',
             *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
             "# The node agent's package and the code the recipe needs on the nodes (the demo's), first on",
-            "# PYTHONPATH: the agent runs as `python3 -m rlhf_tasks.agent`.",
+            "# PYTHONPATH; the agent runs by its entry file's path (never `-m`: the working directory could shadow it).",
         ]
         made = set()
         for path, text in module_files([AGENT, *plan.modules]).items():
@@ -411,7 +413,7 @@ class SlurmProvider(Provider):
                  "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
             srun += self.container_lines(plan)
-        srun.append(["python3", "-m", AGENT, "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
+        srun.append(["python3", f'"$run_dir/lib/{AGENT_ENTRY}"', "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
         lines += [
             "",
             'echo "rlhf-tasks: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; the agents write $run_dir/node<N>.out"',

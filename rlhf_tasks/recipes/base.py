@@ -46,6 +46,9 @@ class RecipeOutput:
     excludes: list[str] = field(default_factory=list)
     wandb_args: list[str] = field(default_factory=list)
     summary: dict | None = None
+    #: Paths that `prepare` makes on the head and every node reads (an every-node service's index):
+    #: where the nodes share no storage for them, the provider refuses the task.
+    node_inputs: list[str] = field(default_factory=list)
     #: Whether the job's processes use torch: preflight then imports it on every node and
     #: runs a Gloo (and NCCL) all_reduce; otherwise it checks the network with TCP only.
     uses_torch: bool = True

@@ -206,6 +206,7 @@ class SearchR1Job(JobBase):
             entrypoint=["python3", "-m", "verl.trainer.main_ppo", *overrides],
             prepare=prepare,
             services=[retriever],
+            node_inputs=[index_dir],  # every node's retriever reads what rank 0 downloaded
             # Search-R1's verl/trainer/runtime_env.yaml (vLLM with Qwen2 and flash-attn misbehaves).
             env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES + ["*.index"],

@@ -27,8 +27,13 @@ TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 #: The preflight job's result line, and how long past its checks' deadline it may take.
 PREFLIGHT_PREFIX = "RLHF_TASKS_PREFLIGHT "
 PREFLIGHT_GRACE_S = 15.0  # beyond the checks' own deadline: for the Ray job to start and end
-#: The preflight job's module (`python3 -m ...`), in the agent's package.
-PREFLIGHT_MODULE = "rlhf_tasks.agent.preflight"
+#: The agent's entry file below its package root (lib/ on a node). The agent, the job's gate and
+#: preflight's job are started by this file's path (`python3 LIB/rlhf_tasks/agent/__main__.py ...`),
+#: never as a module (`python3 -m`), which puts the working directory first on sys.path, where an
+#: `rlhf_tasks/` (a fork of this project, a job's working_dir) would be what runs.
+AGENT_ENTRY = "rlhf_tasks/agent/__main__.py"
+#: The entry's subcommand that runs preflight (`python3 ENTRY preflight --nodes N ...`).
+PREFLIGHT_COMMAND = "preflight"
 #: The head agent's log line when the job's command is let run (its gate opens; with job.mode
 #: every_node, when the head runs it): before this line a launch can still cancel the job.
 JOB_STARTS = "starting job %s: its command runs now"
@@ -183,6 +188,7 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
             alive = alive_nodes(dashboard, token)
         except OSError as exc:
             return False, str(exc)
+        check.alive = alive  # the nodes as last seen (the head hands them to preflight)
         total = {"CPU": 0.0, "GPU": 0.0}
         for node in alive:
             for key in total:
@@ -193,6 +199,7 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
         if exact and len(alive) > nodes:
             return False, have + " (waiting for Ray to declare the lost one dead)"
         return True, have
+    check.alive = []
     return check
 
 
@@ -377,12 +384,13 @@ def preflight_submission_id(cluster_key: str) -> str:
 
 
 def preflight_argv(settings: dict, nodes: int, timeout: float, wait_nodes: float = 0.0,
-                   checks: Optional[dict] = None) -> List[str]:
+                   checks: Optional[dict] = None, root: str = "") -> List[str]:
     """The preflight job's command line: it waits up to `wait_nodes` seconds for every node
     (the head submits it while the workers join), then its checks have `timeout` seconds.
-    The agent's package must be importable where it runs (the agent puts it on Ray's
-    PYTHONPATH; doctor uploads it as the job's working_dir)."""
-    argv = ["python3", "-m", PREFLIGHT_MODULE, "--nodes", str(nodes), "--timeout", "%.1f" % timeout,
+    `root` holds the agent's package where the job runs (the head's lib/; doctor uploads the
+    package as the job's working_dir, so there it is relative)."""
+    argv = ["python3", os.path.join(root, AGENT_ENTRY), PREFLIGHT_COMMAND, "--nodes", str(nodes),
+            "--timeout", "%.1f" % timeout,
             "--min-bandwidth-bits", "%g" % settings["min_bandwidth_bits"]]
     if wait_nodes:
         argv += ["--wait-nodes", "%.0f" % wait_nodes]
@@ -402,11 +410,25 @@ def parse_preflight(text: str) -> Optional[dict]:
     return last_json_line(text, PREFLIGHT_PREFIX)
 
 
-def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None]) -> dict:
+def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], None], interval: float = 0.15,
+                     local: Optional[str] = None) -> dict:
     """Echo the preflight job's progress lines until it ends and return its result; at the
-    deadline (absolute, time.time()) stop it and fail naming the last step it reached."""
+    deadline (absolute, time.time()) stop it and fail naming the last step it reached. `local`:
+    a file on this machine where preflight writes its lines and result too (the job's gate on the
+    head), read every few ms between the dashboard's answers."""
     shown, status, text = 0, None, ""
+    asked, reported = 0.0, 0
     while True:
+        if local and os.path.exists(local):
+            with open(local) as handle:
+                written = json.load(handle)
+            for line in written["said"][reported:]:
+                report(line)
+            return written["result"]
+        if time.monotonic() - asked < interval:
+            time.sleep(0.01)
+            continue
+        asked = time.monotonic()
         try:
             status, text = jobs.status(sid), jobs.logs(sid)
         except OSError as exc:
@@ -416,6 +438,7 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
         for line in lines[shown:]:
             if line.startswith("preflight: "):
                 report(line)
+                reported += 1
         shown = max(shown, len(lines))
         result = parse_preflight(complete)
         if result is not None:  # its last word: no need to wait for Ray to mark the job ended
@@ -427,7 +450,8 @@ def follow_preflight(jobs, sid: str, deadline: float, report: Callable[[str], No
             steps = [line for line in lines if line.startswith("preflight: ")]
             raise AgentError("preflight", "no result %.0fs after its deadline (the preflight job is %s; its last word: "
                              "%s); stopped it" % (PREFLIGHT_GRACE_S, status, steps[-1] if steps else "none"))
-        time.sleep(0.15)  # the command waits on this result: a local poll of a few ms, kept flat
+        if not local:
+            time.sleep(interval)  # the command waits on this result: a local poll of a few ms, kept flat
     result = parse_preflight(text)
     if result is None:
         raise AgentError("preflight", "the preflight job ended %s without a result; its log ends:\n%s"

@@ -48,6 +48,13 @@ _RAY_OOM = re.compile(r"(killed due to the node running low on memory|OutOfMemor
 _EXIT = re.compile(r"(exited with code (-?\d+)|exited \(code (-?\d+)\)|exit code (-?\d+))")
 _EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Fault)|[A-Za-z_][\w.]*\.\w+Error)\b:?(.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Ray's wrapper of an exception a task or an actor's method raised, in its caller's traceback:
+#: `ray.exceptions.RayTaskError(RuntimeError): ray::work() (pid=165, ip=10.99.0.12)`; the cause
+#: is the traceback's last exception line, below it.
+_RAY_RAISED = re.compile(r"^ray\.exceptions\.RayTaskError(?:\(\w+\))?: (\S+) \(pid=(\d+), ip=([\d.]+)")
+#: An actor that died (killed, OOM, crashed): its class, pid and ip follow, indented, then why.
+_RAY_DIED = re.compile(r"^ray\.exceptions\.(ActorDiedError|RayActorError)\b")
+_DIED_FACT = re.compile(r"^\s+(class_name|pid|ip): (\S+)")
 
 
 # ------------------------------------------------------------------ finding errors (pure)
@@ -99,20 +106,12 @@ def find_errors(text: str, where: str, node_ip: Optional[str] = None, since_upti
                                   len(found)))
             continue
         if raw.startswith("Traceback (most recent call last):"):
-            exception = None
-            while index < len(lines):
-                nxt = _ANSI.sub("", lines[index]).rstrip()
-                pre = _PREFIX.match(nxt)
-                if pre:
-                    nxt = nxt[pre.end():]
-                index += 1
-                if not nxt or nxt.startswith((" ", "\t")) or nxt.startswith("Traceback"):
-                    continue
-                exception = nxt
-                break
+            exception, raised_on, index = _traceback_cause(lines, index)
             if not relay:
                 found.append(finding("ray" if internal else "traceback",
                                       exception or "a traceback without its exception line", at, where, len(found)))
+                if raised_on:
+                    found[-1]["raised_on"] = raised_on
             continue
         if stamp is not None and stamp.re is _AGENT_TS:
             if body.startswith("ERROR: "):
@@ -131,6 +130,50 @@ def find_errors(text: str, where: str, node_ip: Optional[str] = None, since_upti
             if exc and where.endswith((".err", ".log", ".out")) and "worker" in where and not raw.startswith("["):
                 found.append(finding("traceback", raw, at, where, len(found)))
     return found
+
+
+def _traceback_cause(lines: List[str], index: int) -> Tuple[Optional[str], Optional[str], int]:
+    """A traceback's exception line from `lines[index]` on (just past "Traceback ..."), where
+    it was raised, and the index after it. Through Ray's wrappers: a task's or an actor method's
+    exception on another node is the last exception line, raised at the wrapper's `ip=`; an
+    actor that died is named with its class and pid, and why (its first sentence and Ray's
+    list of likely causes, not Ray's advice)."""
+    raised_on = raised_in = died = None
+    facts = {}  # type: Dict[str, str]
+    while index < len(lines):
+        nxt = _ANSI.sub("", lines[index]).rstrip()
+        pre = _PREFIX.match(nxt)
+        if pre:
+            nxt = nxt[pre.end():]
+        index += 1
+        if not nxt or nxt.startswith("Traceback"):
+            continue
+        if nxt.startswith((" ", "\t")):
+            fact = _DIED_FACT.match(nxt) if died else None
+            if fact:
+                facts[fact.group(1)] = fact.group(2)
+            continue
+        wrapped = _RAY_RAISED.match(nxt)
+        if wrapped:  # the cause follows
+            raised_in, raised_on = "%s, pid %s" % (wrapped.group(1), wrapped.group(2)), wrapped.group(3)
+            continue
+        if _RAY_DIED.match(nxt) and not died:  # why follows its facts
+            died = _RAY_DIED.match(nxt).group(1)
+            continue
+        if died:
+            why = re.sub(r"^The actor is dead because ", "", nxt).split(" If the process was killed")[0]
+            who = "actor %s (pid %s)" % (facts.get("class_name", "?"), facts.get("pid", "?"))
+            return "%s: %s died: %s" % (died, who, why), facts.get("ip") or raised_on, index
+        if raised_in:
+            return "%s (raised in %s)" % (nxt, raised_in), raised_on, index
+        if _RAY_OOM.search(nxt):  # Ray's memory monitor: "Memory on the node (IP: 10.0.0.3, ID: ...)" follows
+            node = re.search(r"\(IP: ([\d.]+)", "\n".join(lines[index:index + 3]))
+            return nxt, node.group(1) if node else None, index
+        return nxt, None, index
+    if died:
+        return "%s: actor %s (pid %s) died" % (died, facts.get("class_name", "?"), facts.get("pid", "?")), \
+            facts.get("ip"), index
+    return None, None, index
 
 
 def first_error(findings: List[dict]) -> Optional[dict]:
@@ -362,6 +405,12 @@ def gather(ray: Optional[RayLogs], secrets: Dict[str, str], reason: str, local: 
         for entry in nodes:
             if entry["ip"] == ip:
                 entry["findings"] = list(found) + entry["findings"]
+    by_ip = {entry["ip"]: entry for entry in nodes}
+    for entry in nodes:  # a task's or an actor's error, found in its caller's log, is the node's it was raised on
+        for f in [f for f in entry["findings"] if by_ip.get(f.get("raised_on"), entry) is not entry]:
+            entry["findings"].remove(f)
+            f["file"] = "%s/%s" % (entry["label"], f["file"])
+            by_ip[f["raised_on"]]["findings"].append(f)
     labels = {}  # the file entries carry their node's label once it is known
     for entry in nodes:
         entry["first_error"] = first_error(entry["findings"])

@@ -51,7 +51,7 @@ from ...plan import Contract, Plan, env, gpu_vendor
 from ...recipes.base import Shape
 from ...spec import Placement, Task, provider_part
 from ..base import Provider
-from ..shipping import AGENT, LIB, NODE_DIR, dump_yaml, module_files, shared_entry
+from ..shipping import AGENT, LIB, NODE_DIR, NODE_ENTRY, dump_yaml, module_files, shared_entry
 
 RANK_ENV, POD_IP_ENV, WORKERS_ENV = "RLHF_TASKS_RANK", "RLHF_TASKS_POD_IP", "RLHF_TASKS_WORKER_REPLICAS"
 WORKER_GROUP = "workers"
@@ -242,6 +242,7 @@ class KubeRayRender(Provider):
     """The provider's pure part: options, checks, plan, render."""
 
     name = "kuberay"
+    shared_option = "checkpoints.shared.kuberay: {claim: PVC}"
     contract = Contract(
         rank=env(RANK_ENV),
         nodes=env(WORKERS_ENV, plus=1),
@@ -405,7 +406,7 @@ class KubeRayRender(Provider):
     def agent_shell(self, plan: Plan, *flags: str, unpack: bool = False) -> str:
         """A shell line that runs the agent (unpacked from the ConfigMap first, with `unpack`) with one
         of its attached roles."""
-        agent = shlex.join(["python3", "-m", AGENT, "--plan", self.plan_path(plan), *flags])
+        agent = shlex.join(["python3", NODE_ENTRY, "--plan", self.plan_path(plan), *flags])
         line = f"export PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} && {agent}"
         return f"{unpack_shell()} && {line}" if unpack else line
 

@@ -57,6 +57,7 @@ from .render import render as render_files
 
 class RunPodProvider(Provider):
     name = NAME
+    shared_option = "checkpoints.shared.runpod: {network_volume: ID}"
     contract = POD_CONTRACT
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)
@@ -72,17 +73,13 @@ class RunPodProvider(Provider):
     def check(self, task: Task) -> None:
         check(task)
 
-    def plan(self, task: Task) -> Plan:
+    def build(self, task: Task) -> Plan:
         """The plan, with the contract of the task's network mode: Instant Cluster or pods."""
-        try:
-            self.check(task)
-            contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
-                update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
-            plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
-                              self.ray_overrides, priced=True)
-            return self.measure_upload(plan if is_cluster(task) else plan.replace(self_end=SELF_END))
-        except BadInput as exc:
-            raise BadInput(f"{task.source}: {exc}") from None
+        contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
+            update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
+        plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
+                          self.ray_overrides, priced=True)
+        return plan if is_cluster(task) else plan.replace(self_end=SELF_END)
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:

@@ -564,10 +564,14 @@ class _Cursor:
     "a timestamp emitted by this endpoint"; whether a resume sends that timestamp's lines
     again is not said, and many lines can share one. So a resume starts from the timestamp
     before the last one passed on (read either way, it sends every line of the last), and
-    skips the lines older than the last and, of the last one's, those up to the run that was
-    passed on (matched line by line: a first stream's `tail` may have begun inside the run).
+    skips the lines older than the last and, of the last one's, those up to the end of the run
+    that was passed on (matched as a sequence, so that a line repeated inside the run cannot
+    lose the place: a first stream's `tail` may have begun inside the run; where the run occurs
+    more than once, its first occurrence is taken, which may repeat lines but never loses one).
     Without an earlier timestamp (every line so far has the same one) it resumes with
-    ``since`` ("RFC3339 timestamp to resume from", any one) a second before the last.
+    ``since`` ("RFC3339 timestamp to resume from", any one) a second before the last; before
+    the first line, from the beginning (``since`` the epoch): asking for the `tail` again would
+    cut the lines written between two streams beyond it.
     The lines come in timestamp order (what resuming by timestamp rests on).
     """
 
@@ -577,17 +581,22 @@ class _Cursor:
         self.run: list[tuple[str, str]] = []  # the lines passed on with timestamp `last`
         self.resumed = False               # this stream repeats lines up to the cursor
         self.matched = 0                   # of `run`, seen again so far in this stream
+        self.fallback: list[int] = []      # `run`'s failure function (Knuth-Morris-Pratt)
+        self.streams = 0                   # opened so far
 
     def reconnect(self, params: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
         """The headers and query of the next stream, which starts again from the cursor."""
-        self.resumed, self.matched = self.last is not None, 0
+        self.resumed, self.matched, self.streams = self.last is not None, 0, self.streams + 1
+        self.fallback = _failure(self.run)
         headers = {"Accept": "text/event-stream"}
         if self.resume_id is not None:  # it "takes precedence over `since` and `tail`"
             return {**headers, "Last-Event-ID": self.resume_id}, params
-        since = _second_before(self.last) if self.last is not None else None
+        if self.last is None:  # nothing passed on yet: the first stream as asked, then from the start
+            return headers, params if self.streams == 1 else {**_without_tail(params), "since": EPOCH}
+        since = _second_before(self.last)
         if since is None:
             return headers, params
-        return headers, {**{k: v for k, v in params.items() if k != "tail"}, "since": since}
+        return headers, {**_without_tail(params), "since": since}
 
     def new(self, item: "LogLine") -> bool:
         """Pass this line on (True), or it was passed on before (False)."""
@@ -596,10 +605,10 @@ class _Cursor:
         if self.resumed and order < 0:
             return False
         if order == 0 and self.resumed:  # skip up to the end of the run passed on
+            while self.matched and key != self.run[self.matched]:
+                self.matched = self.fallback[self.matched - 1]
             if key == self.run[self.matched]:
                 self.matched += 1
-            else:
-                self.matched = 1 if key == self.run[0] else 0
             self.resumed = self.matched < len(self.run)
             return False
         if order == 0:
@@ -608,6 +617,26 @@ class _Cursor:
             self.resume_id, self.last, self.run = self.last, item.ts, [key]
             self.resumed = False
         return True  # (older than the last in a live stream: RunPod's clock; passed on)
+
+
+#: Where a resume before the first line starts: every line the pod has logged.
+EPOCH = "1970-01-01T00:00:00Z"
+
+
+def _without_tail(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "tail"}
+
+
+def _failure(run: list) -> list[int]:
+    """For each prefix of `run`, the length of its longest proper prefix that is also its suffix."""
+    table, k = [0] * len(run), 0
+    for i in range(1, len(run)):
+        while k and run[i] != run[k]:
+            k = table[k - 1]
+        if run[i] == run[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 def _ts_order(a: str, b: str) -> int:
