@@ -142,7 +142,8 @@ def test_the_head_stops_the_run_at_its_budget_cap(tmp_path, cli_env, rlhf_home):
     rec = record(rlhf_home, "capped")
     assert rec["ended"] and rec["budget"]["checkpoint"] == str(ckpt / "final.json")
     ended = cli(tmp_path, cli_env, "status", "capped")
-    assert "stopped at the budget cap: $0.45" in ended.stderr and str(ckpt / "final.json") in ended.stderr
+    said = ended.stdout + ended.stderr  # `status NAME` shows an ended cluster (how it ended) on stdout
+    assert "stopped at the budget cap: $0.45" in said and str(ckpt / "final.json") in said
     assert no_leftovers(rec["cluster_id"])
 
 

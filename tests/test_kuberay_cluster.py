@@ -56,17 +56,24 @@ def run_cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.Comp
                           text=True, timeout=timeout)
 
 
+@pytest.fixture
+def ns(kube_cluster, request):
+    """A namespace of the test's own, deleted after it (pass or fail), so its pods free their hosts."""
+    name = kube_cluster.namespace(request.node.name[5:30])
+    yield name
+    kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster, tmp_path):
+def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster, ns, tmp_path):
     """tiny-grpo through `launch --provider kuberay` and the real kubectl: one node is cordoned
     for 20 s, so a worker pod is scheduled late and the job's command starts only once it joined;
     a worker pod deleted mid-run is recreated by the operator and the job resumes from its
     checkpoint, every step once; SUCCEEDED; then `status`, and `down` leaves nothing of the run."""
     cluster = kube_cluster
-    ns = cluster.namespace("launch")
     ckpt, steps = tmp_path / "ckpt", 1500
     shared_claim(cluster, ns, "ckpt", ckpt)
     path = tmp_path / "tiny.yaml"
@@ -95,7 +102,8 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
         workers = [p for p in pods() if p["metadata"]["labels"].get("ray.io/node-type") == "worker"
                    and not p["metadata"].get("deletionTimestamp")]
         lost = workers[0]["metadata"]["name"]
-        cluster.cp.kubectl("-n", ns, "delete", "pod", lost, "--wait=false")
+        # a pod that goes at once (a preempted or failed machine), not after its 30 s of grace
+        cluster.cp.kubectl("-n", ns, "delete", "pod", lost, "--grace-period=1", "--wait=false")
         proc.wait(600)
     finally:
         if proc.poll() is None:
@@ -142,14 +150,13 @@ def failing_task(ckpt: Path) -> dict:
                     "args": {"entrypoint": f"python3 {ROOT / 'tests' / 'data' / 'fail_on_last_rank.py'}"}}}
 
 
-def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluster, tmp_path):
+def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluster, ns, tmp_path):
     """A job whose task raises on the worker: `launch` exits 1 naming the worker and its first
     error; then, through the real kubectl: `status` shows the RayJob Failed, `token` is KubeRay's
     own (its Secret), `env` exports it, `forward` answers only once the dashboard does,
     `logs --bundle` through it holds every node's files and no secret, and `down` leaves nothing
     of the run in the namespace."""
     cluster = kube_cluster
-    ns = cluster.namespace("fails")
     path = tmp_path / "fails.yaml"
     path.write_text(yaml.safe_dump(failing_task(tmp_path / "ckpt")))
     secret = "fx-secret-value-0123456789"
@@ -201,11 +208,10 @@ def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluste
     assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
 
 
-def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, tmp_path):
+def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, ns, tmp_path):
     """What `render` prints, applied by hand as its header says (the Secret from a file of
     NAME=value lines first), runs: the RayJob completes and the job's line is in the submitter's log."""
     cluster = kube_cluster
-    ns = cluster.namespace("by-hand")
     task = {"name": "by-hand", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off", "secrets": ["HELLO_SECRET"],
             "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
             "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
@@ -229,7 +235,6 @@ def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, tmp_pa
     assert final["jobStatus"] == "SUCCEEDED", final
     log = cluster.cp.kubectl("-n", ns, "logs", "job/by-hand").stdout  # as the header says to follow it
     assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
-    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def _free_port() -> int:
@@ -239,13 +244,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, tmp_path):
+def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, ns, tmp_path):
     """A Kueue queue named: the RayJob is created held (`suspend: true`, as Kueue's webhook makes
     it) and the real operator keeps it Suspended with no cluster. `launch` says it is queued and
     waits, deleting nothing; once admitted (what Kueue does: `suspend: false`) the operator makes
     the cluster and `launch` follows it to SUCCEEDED."""
     cluster = kube_cluster
-    ns = cluster.namespace("queued")
     task = {"name": "queued", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
             "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
             "placement": {"kuberay": {"queue": "team-a"}},
@@ -276,16 +280,14 @@ def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, 
     assert proc.returncode == 0, said[-5000:]
     assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
     assert "is the KubeRay operator running" not in said
-    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, tmp_path):
+def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, ns, tmp_path):
     """The shipped GPU tasks' image (NGC PyTorch: no `ray` until setup installs it): KubeRay's
     wait-gcs-ready runs `ray health-check` in every worker's image before setup, and its submitter
     `ray job submit`; the job still runs, with Ray as setup installed it."""
     from kube.cluster import INSTALLED_BIN, NO_RAY_IMAGE
     cluster = kube_cluster
-    ns = cluster.namespace("no-ray")
     ray = Path(sys.executable).parent / "ray"
     task = {"name": "no-ray", "nodes": 2, "image": NO_RAY_IMAGE, "resources": {"cpus": 1}, "preflight": "off",
             "setup": [f"mkdir -p {INSTALLED_BIN} && ln -sf {ray} {INSTALLED_BIN}/ray"],  # as `pip install ray` would
@@ -306,7 +308,6 @@ def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, t
                   if p["metadata"]["labels"].get("ray.io/node-type") == "worker")
     waited = cluster.cp.kubectl("-n", ns, "logs", worker["metadata"]["name"], "-c", "wait-gcs-ready").stdout
     assert "GCS is ready" in waited, waited
-    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def cluster_ray_version() -> str:

@@ -40,7 +40,7 @@ NODES = [Node(f"kube-node-{i}", {"cpu": "1", "memory": "8Gi", "ephemeral-storage
 
 
 class KubeCluster:
-    def __init__(self, dir: Path, shared=(), nodes: list[Node] = NODES, pod_hosts: int = 6):
+    def __init__(self, dir: Path, shared=(), nodes: list[Node] = NODES, pod_hosts: int = 8):
         dir = Path(dir)
         started = time.monotonic()
         self.cp = ControlPlane(dir / "control-plane")

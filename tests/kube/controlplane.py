@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_tasks.providers.base import end_process  # SIGTERM, SIGKILL after a grace, reaped
+
 HERE = Path(__file__).resolve().parent
 #: The service network the API server allocates ClusterIPs from: only ever written into
 #: objects; nothing routes to it (Services resolve to pod IPs through the hosts file).
@@ -54,17 +56,6 @@ def free_port() -> int:
 def die_with_parent() -> None:
     import ctypes
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def end_process(proc: subprocess.Popen, grace: float = 10) -> None:
-    """SIGTERM, then SIGKILL after `grace`, reaped."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 # ------------------------------------------------------------------ certificates
