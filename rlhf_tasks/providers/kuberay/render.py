@@ -447,13 +447,20 @@ class KubeRayRender(Provider):
         spec: dict = {"containers": [container], "volumes": volumes}
         if options.service_account:
             spec["serviceAccountName"] = options.service_account
-        if options.node_selector:
-            spec["nodeSelector"] = dict(options.node_selector)
-        if options.tolerations:
-            spec["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
-        if options.priority_class:
-            spec["priorityClassName"] = options.priority_class
+        spec.update(self.placed(options))
         return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
+
+    @staticmethod
+    def placed(options: KubeRayPlacement) -> dict:
+        """Where a pod may go: the task's node selector, tolerations and priority class."""
+        out: dict = {}
+        if options.node_selector:
+            out["nodeSelector"] = dict(options.node_selector)
+        if options.tolerations:
+            out["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
+        if options.priority_class:
+            out["priorityClassName"] = options.priority_class
+        return out
 
     def ray_start_params(self, plan: Plan, head: bool) -> dict[str, str]:
         ray, params = plan.ray, {}
@@ -488,13 +495,7 @@ class KubeRayRender(Provider):
             "name": SUBMITTER_NAME, "image": f"rayproject/ray:{options.ray}",
             "resources": {"requests": {"cpu": f"{round(SUBMITTER_CPU * 1000)}m",
                                        "memory": f"{SUBMITTER_MEMORY // 2**20}Mi"},
-                          "limits": {"cpu": "1", "memory": "1Gi"}}}]}
-        if options.node_selector:
-            spec["nodeSelector"] = dict(options.node_selector)
-        if options.tolerations:
-            spec["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
-        if options.priority_class:
-            spec["priorityClassName"] = options.priority_class
+                          "limits": {"cpu": "1", "memory": "1Gi"}}}], **self.placed(options)}
         return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
 
     def rayjob(self, plan: Plan, options: KubeRayPlacement) -> dict:
