@@ -179,7 +179,8 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
 
     result = wait_for("the job to end (the head's log is above)", ended, budget, interval=0.2, max_interval=1.0,
                       progress_every=600, report=say)
-    if result.get("exit_code") is not None:  # the head ends with its line: let the provider see it end
+    if result.get("exit_code") is not None and not result.get("bundle_held_s"):
+        # the head ends with its line: let the provider see it end (one holding its bundle waits for us)
         try:
             wait_for("the head's node agent to exit", lambda: (not cluster.head_alive(), "it is still running"),
                      HEAD_EXIT_S, interval=0.2, max_interval=1.0, progress_every=HEAD_EXIT_S + 1, report=say)

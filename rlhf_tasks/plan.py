@@ -288,6 +288,9 @@ class Plan(StrictModel):
     modules: list[str] = []
     budget: BudgetPlan = BudgetPlan()
     self_end: SelfEnd | None = None
+    #: After a failed job, the head keeps its forensics bundle this long (until it was read) before it
+    #: exits: where the provider deletes the cluster as soon as the job ends, the launcher fetches it first.
+    bundle_hold_s: float = 0.0
     #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
     #: (Provider.check_node_inputs); the nodes need not know them.
     node_inputs: list[str] = Field([], exclude=True)

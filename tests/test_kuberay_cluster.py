@@ -313,3 +313,60 @@ def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, n
 def cluster_ray_version() -> str:
     from kube.cluster import RAY_VERSION
     return RAY_VERSION
+
+
+def test_a_failed_setup_is_said_as_itself_before_the_operators_deadline(kube_cluster, ns, tmp_path):
+    """A worker whose setup fails never becomes Ready; the operator would fail the RayJob only at
+    `preRunningDeadlineSeconds` (wait.head + wait.nodes) as PreRunningDeadlineExceeded. `launch`
+    reads the pod's own result line instead: it exits 1 long before that deadline, naming the pod,
+    the step and its error, and deletes what it applied."""
+    cluster = kube_cluster
+    task = {"name": "bad-setup", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+            "setup": ['if [ "$RLHF_TASKS_RANK" != 0 ]; then echo "the model cache is not mounted" >&2; exit 3; fi'],
+            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "2m", "nodes": "2m"},
+            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
+                    "args": {"entrypoint": "python3 -c \"print('never')\""}}}
+    path = tmp_path / "bad-setup.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    started = time.monotonic()
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    took = time.monotonic() - started
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert launch.returncode == 1, said[-5000:]
+    assert took < 200, f"{took:.0f}s: it waited for the operator's deadline (240 s)\n{said[-3000:]}"
+    error = next(line for line in said.splitlines() if line.startswith("failed:"))
+    assert "setup step 1" in error and "worker pod bad-setup-" in error and "the model cache is not mounted" in error, error
+    assert "deleted rayjob bad-setup" in error
+    assert "PreRunningDeadlineExceeded" not in said
+    left = cluster.cp.kubectl("-n", ns, "get", "rayjobs,configmaps", "-o", "name")
+    assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
+
+
+def test_with_a_ttl_of_0_the_failure_bundle_is_fetched_before_the_cluster_goes(kube_cluster, ns, tmp_path):
+    """`ttl_after_finished: 0`: KubeRay deletes the cluster as soon as the job ends. The head's
+    bundle of a failed job is still here after `launch`: fetched before the cluster went, with
+    every node's files in it."""
+    cluster = kube_cluster
+    task = failing_task(tmp_path / "ckpt")
+    task.update(name="gone-fast", secrets=[], placement={"kuberay": {"ttl_after_finished": 0}})
+    path = tmp_path / "gone-fast.yaml"
+    path.write_text(yaml.safe_dump(task))
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1"))
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    assert launch.returncode == 1 and "RuntimeError: bad shard on rank 1" in said, said[-5000:]
+    bundles = list((tmp_path / "home" / "runs" / "gone-fast").glob("*.tar.gz"))
+    assert bundles, said[-3000:]
+    import tarfile
+    with tarfile.open(bundles[0]) as tar:
+        names = [m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile() and "/" in m.name]
+    assert any(n.startswith("node0/") for n in names) and any(n.startswith("node1/") for n in names), names
+    assert str(bundles[0]) in said  # the summary names the bundle here, not one "on the head node"
+    rayjob = kubectl_json(cluster, ns, "rayjob", "gone-fast")
+    tbmod.poll(lambda: not (kubectl_json(cluster, ns, "pods", "-l", f"ray.io/cluster={rayjob['status']['rayClusterName']}")
+                            or {"items": []})["items"], 120, "the operator to delete the cluster (TTL 0)")

@@ -31,7 +31,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from .attached import BeforeRayFlow, StartedHeadFlow
+from .attached import BeforeRayFlow, StartedHeadFlow, bundle_hold, hold_bundle
 from .budget import SIGNAL as WATCH_SIGNAL
 from .budget import Ending
 from .contract import locate, read_contract
@@ -169,7 +169,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             node.stop_all()
             result["steps"] = node.steps
             log("stopped the processes this agent started")
+        hold = bundle_hold(node, result) if args.ray_started and node is not None and not signalled else 0.0
+        if hold:
+            result["bundle_held_s"] = hold  # the launcher fetches it now, not once this runner has exited
         print(result_line(result), flush=True)
+        if hold:
+            hold_bundle(result["forensics"]["bundle"], hold)
         if plan_end is not None:
             end_machine(plan_end, head=result.get("rank") == 0)
     return result["exit_code"]

@@ -119,6 +119,31 @@ def link_when_ray_starts(node: Node) -> None:
         os._exit(0)
 
 
+def bundle_hold(node, result: dict) -> float:
+    """How long the job runner keeps its failure bundle reachable after its result line: the
+    plan's bundle_hold_s, when the job failed and there is a bundle (0 otherwise)."""
+    bundle = (result.get("forensics") or {}).get("bundle")
+    if not result.get("exit_code") or not bundle or not os.path.exists(bundle):
+        return 0.0
+    return float(node.plan.get("bundle_hold_s") or 0.0)
+
+
+def hold_bundle(path: str, seconds: float) -> None:
+    """Stay (and with this runner, the cluster: the operator deletes it once the job ends) until
+    the bundle at `path` has been read, or `seconds` pass. The launcher reads it through Ray's log
+    API; the first read after a write moves the file's access time (the kernel's relatime, the
+    default; where a mount has noatime, the whole time passes)."""
+    written = os.stat(path).st_mtime_ns
+    deadline = time.monotonic() + seconds
+    log("holding the bundle %s for the launcher to fetch (at most %.0fs)" % (path, seconds))
+    while time.monotonic() < deadline:
+        if os.stat(path).st_atime_ns > written:
+            log("the bundle was read; the runner exits")
+            return
+        time.sleep(0.5)
+    log("nobody read the bundle within %.0fs; the runner exits" % seconds)
+
+
 class StartedHeadFlow(HeadFlow):
     """The head's flow from the moment its Ray is up, on a head whose Ray someone else
     started: the dashboard answering, then HeadFlow.serve (services, every node, preflight,

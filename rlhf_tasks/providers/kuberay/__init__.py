@@ -191,16 +191,17 @@ class KubeRayProvider(KubeRayRender):
         logs.mkdir(parents=True, exist_ok=True)
         for old in logs.glob("node-*.log"):
             old.unlink()
-        forward = token = dashboard = None
+        # The head's dashboard through a forward: `submit: client` submits through it, and for
+        # `submit: head` a failed job's bundle is fetched through it before KubeRay deletes the cluster.
+        local = watching.free_port()
+        forward = watching.PortForward(kube, f"{cluster}-head-svc", local, plan.ray.dashboard_port,
+                                       state.run_dir(plan.name) / self.name / "port-forward.log")
+        dashboard = f"http://127.0.0.1:{local}"
         if plan.job.submit == "client":
-            local = watching.free_port()
-            forward = watching.PortForward(kube, f"{cluster}-head-svc", local, plan.ray.dashboard_port,
-                                           state.run_dir(plan.name) / self.name / "port-forward.log")
-            dashboard = f"http://127.0.0.1:{local}"
             state.update(plan.name, dashboard=f"http://127.0.0.1:{plan.ray.dashboard_port}")
         watch = watching.Watch(kube, plan, cluster, logs, undo, forward)
-        made = watching.handle(watch, token, dashboard)
-        if plan.token_env and plan.job.submit == "client":
+        made = watching.handle(watch, None, dashboard)
+        if plan.token_env:
             tend = made.tend
 
             def tend_and_token() -> list[str]:  # the operator's token Secret exists once the cluster does

@@ -12,6 +12,7 @@ container (node-K.log) are followed beside it."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import threading
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ...agent.protocol import RESULT_PREFIX, started_job
+from ...agent.protocol import RESULT_PREFIX, parse_result, started_job
 from ...errors import StepFailed
 from ...plan import Plan
 from ..base import Cluster, end_process
@@ -33,6 +34,10 @@ REFRESH_S = 2.0
 #: How long the head's log may take to reach its file once its container has ended.
 DRAIN_S = 30.0
 FINISHED = ("Complete", "Failed", "ValidationFailed")
+#: The agent's own log lines ("[12:00:00] node1: ...") and its result line, apart from a command's output.
+AGENT_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+: |^" + RESULT_PREFIX)
+#: How many lines of a failed pod's output its failure quotes.
+OUTPUT_LINES = 3
 
 
 def free_port() -> int:
@@ -212,6 +217,7 @@ class Watch:
         self.shown: dict[str, str] = {}
         self.streams: dict[tuple[str, str], LogStream] = {}
         self.slots: dict[str, int] = {}  # worker pod -> its node-K.log
+        self.exits: dict[tuple, str] = {}  # (pod, container, restarts, running now) -> the exited run's log
         self.head_seen = self.runner_seen = False
         self.ended_at: float | None = None
         self.error: str | None = None
@@ -289,10 +295,13 @@ class Watch:
         return lines
 
     def failed_before_start(self) -> None:
-        """The RayJob failed (or its head pod did) before the job runner started: delete what
-        the launch applied and say why."""
+        """The RayJob failed (or its head pod did, or a pod's agent) before the job runner started:
+        delete what the launch applied and say why."""
         if self.runner_seen:
             return
+        own = self.agent_failed()
+        if own is not None:
+            raise StepFailed(own, self.undo())
         head = self.head()
         status = (self.rayjob or {}).get("status") or {}
         failed = status.get("jobDeploymentStatus") in ("Failed", "ValidationFailed")
@@ -301,6 +310,33 @@ class Watch:
             why = rayjob_words(self.rayjob, self.name) if failed else \
                 f"head pod {head['metadata']['name']}: {pod_words(head)}"
             raise StepFailed("starting the cluster", f"{why}, before the job runner started; {self.undo()}")
+
+    def agent_failed(self) -> str | None:
+        """The first pod whose agent ended with an error before KubeRay's `ray start` (its setup,
+        the head's prepare, a worker's services), in words: its error and the output before it,
+        from the log of the container's run that exited (`kubectl logs --previous` once it has
+        restarted: a crash-looping container is mostly waiting, so its stream may never see it
+        run). Such a pod never becomes Ready, and the operator would only say so at its
+        pre-running deadline, as its own PreRunningDeadlineExceeded."""
+        for pod_name, pod in sorted(self.pods.items()):
+            container = ray_container(pod) if role(pod) != "submitter" else None
+            status = container_states(pod).get(container) or {}
+            now = ((status.get("state") or {}).get("terminated") or {}).get("exitCode")
+            before = ((status.get("lastState") or {}).get("terminated") or {}).get("exitCode")
+            if not now and not before:
+                continue
+            key = (pod_name, container, status.get("restartCount") or 0, bool(now))
+            if key not in self.exits:  # each exited run is read once
+                out = self.kube.run("logs", pod_name, "-c", container, *([] if now else ["--previous"]))
+                self.exits[key] = out.stdout if out.returncode == 0 else ""
+            text = self.exits[key]
+            result = parse_result(text) or {}
+            if result.get("exit_code"):
+                said = [line for line in text.splitlines() if line.strip() and not AGENT_LINE.match(line)]
+                output = f"; its output ended: {' | '.join(said[-OUTPUT_LINES:])}" if said else ""
+                return (f"{role(pod)} pod {pod_name}: "
+                        f"{result.get('error') or 'exit code %s' % result['exit_code']}{output}")
+        return None
 
     def head_alive(self) -> bool:
         """Until the head's job runner has ended (its submitter, the head pod, or the RayJob) and

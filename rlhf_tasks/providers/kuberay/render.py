@@ -91,6 +91,9 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 
 
+#: With a ttl_after_finished shorter than this, KubeRay would delete a failed job's cluster before `launch`
+#: fetched the head's bundle: the head keeps it up to this long, until it was read (Plan.bundle_hold_s).
+BUNDLE_HOLD_S = 60.0
 #: KubeRay's ttlSecondsAfterFinished: a duration, or 0 (the cluster goes as soon as the job ends).
 TTL = Annotated[float, BeforeValidator(lambda v: 0.0 if str(v).strip() in ("0", "0s", "0.0") else parse_duration(v))]
 
@@ -280,8 +283,10 @@ class KubeRayRender(Provider):
 
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
-        options = kuberay_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
-        return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options}))
+        options = kuberay_placement(plan.placement)
+        hold = BUNDLE_HOLD_S if options.ttl_after_finished < BUNDLE_HOLD_S else 0.0
+        return plan.replace(placement=plan.placement.model_copy(update={"kuberay": options.model_dump()}),
+                            bundle_hold_s=hold)  # every option in the plan, defaults too: the plan says them
 
     def notes(self, plan: Plan) -> list[str]:
         options, res = kuberay_placement(plan.placement), plan.resources
