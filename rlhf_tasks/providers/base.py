@@ -193,6 +193,11 @@ class Provider:
         self.upload = workdir.check(plan.job.working_dir, plan.job.excludes)
         return plan.replace(job=plan.job.model_copy(update={"excludes": plan.job.excludes + self.upload.left_out}))
 
+    def working_dir_words(self, plan: Plan) -> str | None:
+        """What `check` says of job.working_dir where nothing is uploaded from this machine and the
+        job runs in a directory of the provider's (None: nothing to say; an upload says its size)."""
+        return None
+
     def render(self, plan: Plan) -> dict[str, str]:
         """File name -> content; pure, printable, safe to commit (no secret values).
         What `apply` runs is exactly this."""
