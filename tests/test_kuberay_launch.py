@@ -309,6 +309,80 @@ def test_ctrl_c_while_the_pods_are_pending_deletes_what_the_launch_applied(kube,
     assert not any((kube / "objects").rglob("*.json")) and not any((kube / "pods").rglob("*.json"))
 
 
+# ------------------------------------------------------------------ the real kubectl, no cluster
+
+
+@pytest.fixture(scope="module")
+def real_kubectl(tmp_path_factory) -> Path:
+    """The real kubectl (Kubernetes' own, built by `make kube` into its cache; a second build is a
+    cache hit), alone in a bin directory: no cluster is started, kubectl only reads a kubeconfig."""
+    import shutil
+
+    from conftest import need
+
+    need(shutil.which("go") is not None, "the real kubectl is built with Go (tests/kube/build.sh; go not on PATH)")
+    from kube.controlplane import build
+
+    bin_dir = tmp_path_factory.mktemp("kubectl-bin")
+    (bin_dir / "kubectl").symlink_to(build() / "bin" / "kubectl")
+    return bin_dir
+
+
+def launch_with(real_kubectl: Path, tmp_path: Path, kubeconfig: str, *flags: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "kubeconfig"
+    config.write_text(kubeconfig)
+    env = dict(os.environ, KUBECONFIG=str(config), RLHF_TASKS_HOME=str(tmp_path / "home"),
+               PATH=f"{real_kubectl}{os.pathsep}{os.environ['PATH']}", WANDB_API_KEY=SECRET_VALUE)
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "launch", task_file(tmp_path), "--provider",
+                           "kuberay", *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_an_unconfigured_kubectl_is_said_as_such_not_blamed_on_a_context_flag(real_kubectl, tmp_path):
+    out = launch_with(real_kubectl, tmp_path, "")
+    assert out.returncode == 2, out.stderr
+    assert "kubectl has no current context" in out.stderr, out.stderr
+    assert "kubectl config use-context NAME" in out.stderr and "or pass --context NAME" in out.stderr
+    assert "--context:" not in out.stderr and "cannot use" not in out.stderr
+    assert not (tmp_path / "home").exists()
+    # a --context the user did give is the one named
+    out = launch_with(real_kubectl, tmp_path, "", "--context", "prod")
+    assert out.returncode == 2 and "--context: kubectl cannot use --context prod" in out.stderr, out.stderr
+    assert "cannot locate context prod" in out.stderr
+
+
+def test_an_unreachable_api_server_is_said_once_naming_the_context_and_server(real_kubectl, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = f"https://127.0.0.1:{port}"
+    out = launch_with(real_kubectl, tmp_path, yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {"server": server}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "me"}}],
+        "users": [{"name": "me", "user": {"token": "not-a-real-token"}}]}))
+    assert out.returncode == 2, out.stderr
+    err = out.stderr
+    assert err.count(f"127.0.0.1:{port}") == 2, err  # the API server named once by us, once in kubectl's line
+    assert err.count("was refused") == 1 and "memcache.go" not in err, err
+    assert f"kubectl cannot reach the API server of context lab (API server {server})" in err
+    assert "nothing was launched" in err and "not-a-real-token" not in err
+    assert not (tmp_path / "home").exists()
+
+
+def test_client_gos_repeated_log_lines_are_said_once():
+    from rlhf_tasks.providers.kuberay.kubectl import said
+
+    klog = ('E1126 13:42:35.351026   10998 memcache.go:381] "Couldn\'t get current server API group list" '
+            'err="dial tcp 127.0.0.1:1: connect: connection refused"')
+    only_log = subprocess.CompletedProcess([], 1, "", "\n".join([klog] * 5))
+    assert said(only_log) == ('"Couldn\'t get current server API group list" '
+                              'err="dial tcp 127.0.0.1:1: connect: connection refused"')
+    both = subprocess.CompletedProcess([], 1, "", "\n".join([klog] * 5 + ["The connection ... was refused"]))
+    assert said(both) == "The connection ... was refused"
+
+
 # ------------------------------------------------------------------ status, down
 
 
