@@ -592,7 +592,7 @@ def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str
         return 130
     again = f"the cluster may still be running, and its head start the job: stop it with: rlhf-tasks down {name}"
     say(f"interrupted before the job's command started: stopping the cluster {name}, so that the job does not run "
-        f"(Ctrl-C again leaves it running)")
+        f"({provider.down_again})")
     try:
         say(provider.down(name))
     except KeyboardInterrupt:
@@ -662,6 +662,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         return verdict(plan, outcome, via_head_log)
     except KeyboardInterrupt as exc:  # wherever it lands: while bringing the cluster up, submitting, or following
         interrupted = True
+        if cluster is not None:  # what becomes of the cluster is decided here, not by its close()
+            cluster.interrupted = True
         print(file=sys.stderr)
         said = started_job(cluster.read_head_log()) if cluster is not None else None
         if command_started or said:

@@ -11,6 +11,7 @@ It plays the API server's client side over one state directory, `$KUBE_STANDIN_D
     pods/<ns>/<pod>.json                 Pod objects (the controller's)
     logs/<ns>/<pod>/<container>.log      containers' output (the controller's)
     argv.jsonl                           one line per invocation: {"argv", "stdin"} (Secret values "<redacted>")
+    hold-delete                          exists = `delete` waits until the test removes it (a slow API server)
 
 Client-side `apply` refuses, as the API server does, an object too big for the
 `last-applied-configuration` annotation it would carry (256 KiB).
@@ -252,6 +253,8 @@ class Kubectl:
         flags, pos = self.flags(words, {"--ignore-not-found": False})
         if not pos or any("/" not in p for p in pos):
             raise Refused("the stand-in deletes only KIND/NAME arguments")
+        while (self.root / "hold-delete").exists():
+            time.sleep(0.05)
         for item in pos:
             kind_word, name = item.split("/", 1)
             kind = KINDS.get(kind_word)

@@ -309,6 +309,174 @@ def test_ctrl_c_while_the_pods_are_pending_deletes_what_the_launch_applied(kube,
     assert not any((kube / "objects").rglob("*.json")) and not any((kube / "pods").rglob("*.json"))
 
 
+def launch_process(kube: Path, tmp_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", task_file(tmp_path), "--provider",
+                             "kuberay"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class Output:
+    """The launcher's output, read as it comes (a thread), so that a test can wait for a line and
+    still have every line after it."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.reader.start()
+
+    def until(self, text: str, deadline_s: float = 60) -> None:
+        wait_until(lambda: any(text in line for line in list(self.lines)) or not self.reader.is_alive(),
+                   f"the launch to say {text!r}", deadline_s)
+        assert any(text in line for line in self.lines), f"the launch ended without {text!r}:\n{self.text()}"
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def end(self, timeout: float = 120) -> str:
+        self.proc.wait(timeout)
+        self.reader.join(10)
+        return self.text()
+
+
+def wait_until(condition, what: str, deadline_s: float = 60) -> None:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"not within {deadline_s:.0f}s: {what}"
+        time.sleep(0.05)
+
+
+def pods_asked_after_delete(root: Path) -> bool:
+    """kubectl delete has returned (down asks for the pods only after it) and down waits for the pods."""
+    argvs = [c["argv"] for c in calls(root)]
+    deletes = [i for i, argv in enumerate(argvs) if "delete" in argv]
+    return bool(deletes) and any("get" in argv and "pods" in argv for argv in argvs[deletes[0]:])
+
+
+def test_a_second_ctrl_c_after_the_rayjob_is_deleted_only_stops_waiting_for_the_pods(kube, tmp_path):
+    """The first Ctrl-C is `down`: it deletes the RayJob (KubeRay then removes the cluster) and waits
+    for the pods. A second one there stops the wait: what the launcher says matches what happened
+    (deleted, the pods going), and nothing is deleted a second time."""
+    import signal
+
+    with Operator(kube, [(applied, initializing)]):  # the pods never go: the operator is slow
+        proc = launch_process(kube, tmp_path)
+        out = Output(proc)
+        out.until(UNSCHEDULABLE)
+        proc.send_signal(signal.SIGINT)
+        out.until("interrupted before the job's command started")
+        wait_until(lambda: pods_asked_after_delete(kube), "down to delete the RayJob and wait for the pods")
+        proc.send_signal(signal.SIGINT)
+        said = out.end()
+    assert proc.returncode == 130, said
+    assert ("stopping the cluster kr, so that the job does not run (Ctrl-C again, before its RayJob is deleted, "
+            "leaves it all running; after, it only stops waiting for the pods to go)") in said
+    assert "kr: deleted rayjob kr, configmap kr-rlhf-tasks, secret kr-secrets" in said
+    assert f"stopped waiting for the pods of {CLUSTER} to go (Ctrl-C): KubeRay removes them" in said
+    assert "the job of kr did not run" in said
+    assert "interrupted again" not in said and "never ran" not in said and "leaves it running" not in said
+    assert asked(kube, "delete") == 1  # once: nothing deleted after the second Ctrl-C
+    assert any((kube / "pods").rglob("*.json"))  # the pods are KubeRay's to remove
+
+
+def test_a_second_ctrl_c_before_the_rayjob_is_deleted_leaves_it_all_as_it_says(kube, tmp_path):
+    """A second Ctrl-C while `kubectl delete` is still on its way (a slow API server) leaves the
+    RayJob and all it made, says so with what is left, and nothing deletes it afterwards."""
+    import signal
+
+    (kube / "hold-delete").write_text("")
+    with Operator(kube, [(applied, initializing)]):
+        proc = launch_process(kube, tmp_path)
+        out = Output(proc)
+        out.until(UNSCHEDULABLE)
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: asked(kube, "delete") == 1, "down to ask kubectl to delete the RayJob")
+        proc.send_signal(signal.SIGINT)
+        out.until("interrupted again")
+        (kube / "hold-delete").unlink()  # the API server answers again: a late delete would now go through
+        said = out.end()
+    assert proc.returncode == 130, said
+    assert "interrupted again: the cluster may still be running, and its head start the job: stop it with: " \
+           "rlhf-tasks down kr" in said
+    assert "RayJob kr in namespace default (context standin): jobDeploymentStatus Initializing" in said
+    assert "deleted rayjob" not in said and "never ran" not in said
+    assert applied(kube) and asked(kube, "delete") == 1  # the one kubectl delete, stopped with the launcher
+
+
+# ------------------------------------------------------------------ the real kubectl, no cluster
+
+
+@pytest.fixture(scope="module")
+def real_kubectl(tmp_path_factory) -> Path:
+    """The real kubectl (Kubernetes' own, as `make kube` built it into its cache: never built here,
+    the fast tier stays fast), alone in a bin directory: no cluster is started, kubectl only reads
+    a kubeconfig and dials a closed port. Skipped locally (failed in CI) when it was not built."""
+    from conftest import need
+    from kube.controlplane import built
+
+    found = built()
+    need(found is not None, "the real kubectl: run `make kube` first (tests/kube/build.sh, with Go)")
+    bin_dir = tmp_path_factory.mktemp("kubectl-bin")
+    (bin_dir / "kubectl").symlink_to(found / "bin" / "kubectl")
+    return bin_dir
+
+
+def launch_with(real_kubectl: Path, tmp_path: Path, kubeconfig: str, *flags: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "kubeconfig"
+    config.write_text(kubeconfig)
+    env = dict(os.environ, KUBECONFIG=str(config), RLHF_TASKS_HOME=str(tmp_path / "home"),
+               PATH=f"{real_kubectl}{os.pathsep}{os.environ['PATH']}", WANDB_API_KEY=SECRET_VALUE)
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "launch", task_file(tmp_path), "--provider",
+                           "kuberay", *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_an_unconfigured_kubectl_is_said_as_such_not_blamed_on_a_context_flag(real_kubectl, tmp_path):
+    out = launch_with(real_kubectl, tmp_path, "")
+    assert out.returncode == 2, out.stderr
+    assert "kubectl has no current context" in out.stderr, out.stderr
+    assert "kubectl config use-context NAME" in out.stderr and "or pass --context NAME" in out.stderr
+    assert "--context:" not in out.stderr and "cannot use" not in out.stderr
+    assert not (tmp_path / "home").exists()
+    # a --context the user did give is the one named
+    out = launch_with(real_kubectl, tmp_path, "", "--context", "prod")
+    assert out.returncode == 2 and "--context: kubectl cannot use --context prod" in out.stderr, out.stderr
+    assert "cannot locate context prod" in out.stderr
+
+
+def test_an_unreachable_api_server_is_said_once_naming_the_context_and_server(real_kubectl, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = f"https://127.0.0.1:{port}"
+    out = launch_with(real_kubectl, tmp_path, yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {"server": server}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "me"}}],
+        "users": [{"name": "me", "user": {"token": "not-a-real-token"}}]}))
+    assert out.returncode == 2, out.stderr
+    err = out.stderr
+    assert err.count(f"127.0.0.1:{port}") == 2, err  # the API server named once by us, once in kubectl's line
+    assert err.count("was refused") == 1 and "memcache.go" not in err, err
+    assert f"kubectl cannot reach the API server of context lab (API server {server})" in err
+    assert "nothing was launched" in err and "not-a-real-token" not in err
+    assert not (tmp_path / "home").exists()
+
+
+def test_client_gos_repeated_log_lines_are_said_once():
+    from rlhf_tasks.providers.kuberay.kubectl import said
+
+    klog = ('E1126 13:42:35.351026   10998 memcache.go:381] "Couldn\'t get current server API group list" '
+            'err="dial tcp 127.0.0.1:1: connect: connection refused"')
+    only_log = subprocess.CompletedProcess([], 1, "", "\n".join([klog] * 5))
+    assert said(only_log) == ('"Couldn\'t get current server API group list" '
+                              'err="dial tcp 127.0.0.1:1: connect: connection refused"')
+    both = subprocess.CompletedProcess([], 1, "", "\n".join([klog] * 5 + ["The connection ... was refused"]))
+    assert said(both) == "The connection ... was refused"
+
+
 # ------------------------------------------------------------------ status, down
 
 

@@ -497,3 +497,64 @@ def test_check_says_what_an_image_must_hold_and_what_kuberay_cannot_select():
     data = copy.deepcopy(FULL)  # a product selected and the Ray named: neither note
     plan = provider.plan(parse_task(data, "t.yaml"))
     assert not [n for n in provider.notes(plan) if "any type" in n or "ray_version" in n]
+
+
+# --- job.working_dir: nothing travels with `submit: head` (issue 29, item 10) ---------------------
+
+WORKING_DIR_TASK = {"name": "wd", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}}
+
+
+@pytest.mark.parametrize("command", ["check", "render", "launch"])
+def test_a_working_dir_the_task_names_is_refused_with_submit_head(tmp_path, command):
+    """KubeRay's submitter runs on the cluster: a working_dir of this machine would never reach the
+    job. Refused before anything (exit 2, nothing written, kubectl never asked), naming the field,
+    why, and what to do."""
+    data = copy.deepcopy(WORKING_DIR_TASK)
+    data["job"]["working_dir"] = "."
+    task = tmp_path / "wd.yaml"
+    task.write_text(yaml.safe_dump(data))
+    out_dir = tmp_path / "out"
+    argv = [command, str(task), "--provider", "kuberay"] + (["-o", str(out_dir) + os.sep] if command == "render" else [])
+    env = dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PATH=str(tmp_path / "no-kubectl"))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *argv], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    err = out.stderr
+    assert "job.working_dir: . would not reach the job" in err, err
+    assert "KubeRay's submitter runs on the cluster and nothing is uploaded from this machine" in err
+    assert "put the code in the image (or on a volume" in err and "job.submit: client" in err
+    assert "kubectl" not in err.split("job.working_dir", 1)[0]  # refused for the task, before kubectl is looked for
+    assert not out_dir.exists() and not (tmp_path / "home").exists() and out.stdout == ""
+
+
+def test_the_default_working_dir_is_none_on_kuberay_and_the_header_and_check_say_so(tmp_path):
+    plan, configmap, rayjob, text = render(copy.deepcopy(WORKING_DIR_TASK))
+    assert plan.job.working_dir is None
+    assert json.loads(configmap["data"]["wd.plan.json"])["job"]["working_dir"] is None
+    header = text.split("apiVersion", 1)[0]
+    line = ("# job.working_dir: none: the job runs in the head container's working directory (the image's); "
+            "nothing is uploaded from this machine.")
+    assert header.count(line) == 1, header
+    validate(rayjob)
+    task = tmp_path / "wd.yaml"
+    task.write_text(yaml.safe_dump(WORKING_DIR_TASK))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(task), "--provider", "kuberay"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("working_dir none: the job runs in the head container's working directory") == 1
+    # working_dir: null says the same and is no refusal: nothing is asked to travel
+    data = copy.deepcopy(WORKING_DIR_TASK)
+    data["job"]["working_dir"] = None
+    assert render(data)[0].job.working_dir is None
+
+
+def test_with_submit_client_the_working_dir_is_uploaded_from_here_as_before(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    for given in ({}, {"working_dir": "."}):
+        data = copy.deepcopy(WORKING_DIR_TASK)
+        data["job"].update(submit="client", **given)
+        plan, _, rayjob, text = render(data)
+        assert plan.job.working_dir == "."
+        assert "job.working_dir: none" not in text
+        validate(rayjob)

@@ -50,6 +50,9 @@ class Cluster:
     #: Called once the launcher is done with the cluster: stop what the handle holds (log
     #: streams, tunnels); the cluster itself stays until `down`.
     close: Callable[[], None] = lambda: None
+    #: Set by the launcher when Ctrl-C ended the launch: what becomes of the cluster was decided
+    #: then (`down`, or left as a second Ctrl-C asked), so close() must not remove anything.
+    interrupted: bool = False
 
     @property
     def logs_dir(self) -> str | None:
@@ -94,6 +97,8 @@ class Provider:
     placement_options: ClassVar[type | None] = None
     #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
     stop_after_job: ClassVar[bool] = False
+    #: What a second Ctrl-C does while `launch` stops the cluster it cancels (`down`): said with the first.
+    down_again: ClassVar[str] = "Ctrl-C again leaves it running"
     #: The head's job.working_dir is this machine's directory (its node agents run here), so
     #: `submit: head` uploads it from here too.
     working_dir_here: ClassVar[bool] = False
@@ -192,6 +197,11 @@ class Provider:
             return plan
         self.upload = workdir.check(plan.job.working_dir, plan.job.excludes)
         return plan.replace(job=plan.job.model_copy(update={"excludes": plan.job.excludes + self.upload.left_out}))
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        """What `check` says of job.working_dir where nothing is uploaded from this machine and the
+        job runs in a directory of the provider's (None: nothing to say; an upload says its size)."""
+        return None
 
     def render(self, plan: Plan) -> dict[str, str]:
         """File name -> content; pure, printable, safe to commit (no secret values).

@@ -47,6 +47,22 @@ def build() -> Path:
     return out
 
 
+def built() -> Path | None:
+    """The cached build (as build() would print it) when it is there, without building anything:
+    None when Go is missing or these versions were never built (`make kube`). The key is build.sh's."""
+    import hashlib
+    import shutil
+
+    if shutil.which("go") is None:
+        return None
+    version = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, timeout=60).stdout
+    hashed = b"".join((HERE / name).read_bytes() for name in ("build.sh", "versions.env", "gomod/go.mod",
+                                                               "gomod/go.sum")) + version
+    cache = Path(os.environ.get("RLHF_TASKS_KUBE_CACHE") or Path.home() / ".cache" / "rlhf-tasks" / "kube")
+    out = cache / hashlib.sha256(hashed).hexdigest()[:16]
+    return out if (out / ".done").exists() else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,8 @@ values on kubectl's stdin only), then exactly what `render` prints (`kubectl app
 waits for the operator to name the RayJob's cluster, then hands the launcher the pods' logs and
 progress. What fails before the job runner starts (and, unless --keep, a launch whose job never
 ran) deletes what the launch applied; Ctrl-C before the job's command starts is the launcher's
-`down`. KubeRay deletes the cluster itself `ttl_after_finished` after the job
+`down` (a second Ctrl-C leaves it all as it is, or once the RayJob is deleted only stops the wait for
+the pods; the handle's close() deletes nothing after a Ctrl-C). KubeRay deletes the cluster itself `ttl_after_finished` after the job
 (`shutdownAfterJobFinishes`); `down` deletes the RayJob, the ConfigMap and the Secret it made.
 """
 
@@ -64,6 +65,9 @@ class Undo:
 
 class KubeRayProvider(KubeRayRender):
     makes_token = True  # KubeRay's own (authOptions: token): Secret <cluster>, key auth_token
+    # `down` deletes the RayJob first (KubeRay then removes the cluster), then waits for the pods to go.
+    down_again = ("Ctrl-C again, before its RayJob is deleted, leaves it all running; after, it only stops "
+                  "waiting for the pods to go")
     options = (Option("--context", "the kubeconfig context to launch in (default: its current one)",
                       {"metavar": "CONTEXT"}),
                Option("--namespace", "the namespace (default: placement.kuberay.namespace, else the context's)",
@@ -217,6 +221,8 @@ class KubeRayProvider(KubeRayRender):
 
         def close() -> None:
             watch.close()
+            if made.interrupted:  # Ctrl-C: the launcher's cancel ran `down`, or a second Ctrl-C left it all
+                return
             if not keep and not undo.done and not watching.job_started(plan.name, logs / "node-0.log") and \
                     not (state.load(plan.name) or {}).get("ended"):
                 say(f"the job of {plan.name} never ran: {undo()}")
@@ -262,17 +268,19 @@ class KubeRayProvider(KubeRayRender):
     def status(self, name: str) -> str:
         kube, record = self._target(name)
         rayjob = kube.get("rayjob", name)
-        if rayjob is None:
-            return f"RayJob {name}: not found in namespace {kube.namespace} (context {kube.context})"
-        status = rayjob.get("status") or {}
-        lines = [f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): jobDeploymentStatus "
-                 f"{status.get('jobDeploymentStatus') or '-'}, jobStatus {status.get('jobStatus') or '-'}"
-                 + (f" ({': '.join(x for x in (status.get('reason'), status.get('message')) if x)})"
-                    if status.get("reason") or status.get("message") else "")]
+        if rayjob is None:  # deleted: the pods of its cluster may still be going
+            status = {}
+            lines = [f"RayJob {name}: not found in namespace {kube.namespace} (context {kube.context})"]
+        else:
+            status = rayjob.get("status") or {}
+            lines = [f"RayJob {name} in namespace {kube.namespace} (context {kube.context}): jobDeploymentStatus "
+                     f"{status.get('jobDeploymentStatus') or '-'}, jobStatus {status.get('jobStatus') or '-'}"
+                     + (f" ({': '.join(x for x in (status.get('reason'), status.get('message')) if x)})"
+                        if status.get("reason") or status.get("message") else "")]
         cluster = status.get("rayClusterName") or record.get("cluster_id")
-        if cluster:
-            pods = sorted(kube.pods(f"ray.io/cluster={cluster}"), key=lambda p: (watching.role(p) != "head",
-                                                                                p["metadata"]["name"]))
+        pods = sorted(kube.pods(f"ray.io/cluster={cluster}") if cluster else [],
+                      key=lambda p: (watching.role(p) != "head", p["metadata"]["name"]))
+        if cluster and (rayjob is not None or pods):
             lines.append(f"cluster {cluster}: {len(pods)} pod(s)")
             lines += [f"  pod {p['metadata']['name']} ({watching.role(p)}): {watching.pod_words(p)}" for p in pods]
         return "\n".join(lines)
@@ -293,6 +301,9 @@ class KubeRayProvider(KubeRayRender):
                 gone = f"; the pods of {cluster} are gone"
             except AgentError as exc:
                 gone = f"; {exc}"
+            except KeyboardInterrupt:  # deleted already: KubeRay removes the cluster whether we wait or not
+                gone = (f"; stopped waiting for the pods of {cluster} to go (Ctrl-C): KubeRay removes them "
+                        f"(`rlhf-tasks status {name}` shows what is left)")
         state.end(name)
         left = "" if record else f" (the Secret {name}-secrets, if you made it, is left)"
         return (f"{name}: deleted " + ", ".join(f"{k} {n}" for k, n in objects)

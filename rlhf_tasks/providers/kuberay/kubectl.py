@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -25,10 +27,28 @@ def kubectl_path() -> str:
     return path
 
 
+#: A line of client-go's log (klog): `E1126 13:42:35.351026   10998 memcache.go:381] "..." err="..."`.
+KLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^ \]]+\] ")
+
+
 def said(out: subprocess.CompletedProcess) -> str:
-    """kubectl's own words about a failure (its last lines), or its exit code."""
-    lines = [line for line in (out.stderr or "").strip().splitlines() if line.strip()]
-    return " ".join(lines[-3:]) or f"exit code {out.returncode}"
+    """kubectl's own words about a failure (its last lines, each once), or its exit code. client-go's
+    log lines (one per retry of the same request) are left out when kubectl said it in words too."""
+    lines = [line.strip() for line in (out.stderr or "").strip().splitlines() if line.strip()]
+    words = [line for line in lines if not KLOG_LINE.match(line)] or [KLOG_LINE.sub("", line) for line in lines]
+    once = list(dict.fromkeys(words))
+    return " ".join(once[-3:]) or f"exit code {out.returncode}"
+
+
+#: What kubectl says when the API server does not answer (client-go's words, and Go's dialer's).
+UNREACHABLE = ("The connection to the server", "Unable to connect to the server", "connection refused",
+               "no such host", "i/o timeout", "no route to host")
+
+
+def kubeconfig_words() -> str:
+    """Which kubeconfig kubectl reads, in words."""
+    named = os.environ.get("KUBECONFIG")
+    return f"KUBECONFIG={named}" if named else "~/.kube/config"
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,13 @@ class Kubectl:
     context: str | None
     namespace: str
     path: str = "kubectl"
+    #: The context's API server, for messages (None: not known).
+    server: str | None = None
+
+    @property
+    def where(self) -> str:
+        """The context (and its API server) in words."""
+        return f"context {self.context}" + (f" (API server {self.server})" if self.server else "")
 
     def argv(self, *args: str, namespaced: bool = True) -> list[str]:
         head = [self.path] + (["--context", self.context] if self.context else [])
@@ -86,12 +113,20 @@ def resolve(context: str | None, namespace: str | None) -> Kubectl:
     base = Kubectl(context, namespace or "default", path)
     out = base.run("config", "view", "--minify", "-o", "json", namespaced=False)
     if out.returncode != 0:
-        where = f"--context {context}" if context else "the kubeconfig's current context"
-        raise BadInput(f"--context: kubectl cannot use {where}: {said(out)}")
+        words = said(out)
+        if context:
+            raise BadInput(f"--context: kubectl cannot use --context {context} ({kubeconfig_words()}): {words}")
+        if "current-context" in words:  # client-go: "current-context must exist in order to minify"
+            raise BadInput(f"--provider kuberay: kubectl has no current context ({kubeconfig_words()} sets none: "
+                           f"{words}); choose one with `kubectl config use-context NAME` (`kubectl config "
+                           f"get-contexts` lists them), or pass --context NAME")
+        raise BadInput(f"--provider kuberay: kubectl cannot read its kubeconfig ({kubeconfig_words()}): {words}")
     config = json.loads(out.stdout or "{}")
     contexts = config.get("contexts") or [{}]
     chosen = context or config.get("current-context") or contexts[0].get("name")
-    return Kubectl(chosen, namespace or (contexts[0].get("context") or {}).get("namespace") or "default", path)
+    server = ((config.get("clusters") or [{}])[0].get("cluster") or {}).get("server")
+    return Kubectl(chosen, namespace or (contexts[0].get("context") or {}).get("namespace") or "default", path,
+                   server)
 
 
 def require_crds(kube: Kubectl) -> None:
@@ -104,8 +139,12 @@ def require_crds(kube: Kubectl) -> None:
         raise BadInput(f"--provider kuberay: KubeRay's CRDs are not installed in context {kube.context} "
                        f"(kubectl get crd rayjobs.ray.io: {words}); install the KubeRay operator first, e.g. "
                        f"helm install kuberay-operator kuberay/kuberay-operator --version 1.7.0")
-    raise BadInput(f"--provider kuberay: kubectl get crd rayjobs.ray.io failed in context {kube.context}: {words} "
-                   f"(KubeRay's CRDs must be installed, and kubectl able to reach the cluster)")
+    if any(sign in words for sign in UNREACHABLE):
+        raise BadInput(f"--provider kuberay: kubectl cannot reach the API server of {kube.where}: {words}; is the "
+                       f"cluster up, and this the context you meant? (--context picks another; nothing was launched)")
+    raise BadInput(f"--provider kuberay: kubectl get crd rayjobs.ray.io failed in {kube.where}: {words} "
+                   f"(KubeRay's CRDs must be installed, and kubectl able to reach the cluster: check the context, "
+                   f"or pass --context)")
 
 
 def secret_object(name: str, task: str, values: dict[str, str]) -> str:

@@ -83,6 +83,9 @@ LIB_ARCHIVE = "lib.tar.gz"
 RAY_PATH_KEY, RAY_STANDIN_KEY = "ray-path.sh", "ray"
 RAY_PATH_SH = (f'case ":$PATH:" in *":{CONFIGMAP_DIR}:"*) ;; *) PATH="$PATH:{CONFIGMAP_DIR}" ;; esac\n')
 SUBMITTER_NAME = "ray-job-submitter"
+#: What `check` and the rendered file's header say of job.working_dir with `submit: head`.
+WORKING_DIR_WORDS = ("none: the job runs in the head container's working directory (the image's); nothing is "
+                     "uploaded from this machine")
 GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -271,6 +274,13 @@ class KubeRayRender(Provider):
         if task.ray.dashboard_public:
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")
+        if task.job.submit == "head" and "working_dir" in task.job.model_fields_set and task.job.working_dir:
+            raise BadInput(f"job.working_dir: {task.job.working_dir} would not reach the job: with job.submit: head, "
+                           f"KubeRay's submitter runs on the cluster and nothing is uploaded from this machine; put "
+                           f"the code in the image (or on a volume, e.g. checkpoints.shared.kuberay) and leave "
+                           f"job.working_dir out, or set job.submit: client (launch then submits the job from this "
+                           f"machine through kubectl port-forward, uploading job.working_dir; or `rlhf-tasks forward` "
+                           f"and `rlhf-tasks submit`)")
 
     def runs_without_ray(self, task: Task) -> bool:
         """Whether the recipe runs its command on every node itself (torchrun): asked of the recipe."""
@@ -280,6 +290,19 @@ class KubeRayRender(Provider):
             return task.job.build(shape).mode == "every_node"
         except BadInput:
             return False  # an infeasible job is the plan's to report, with its fields
+
+    def build(self, task: Task) -> Plan:
+        """With `submit: head` the job runner submits from the head pod, where nothing of this machine
+        is: no working_dir (check refuses one the task names), the job runs in the head container's."""
+        plan = super().build(task)
+        if plan.job.submit == "head" and plan.job.working_dir:
+            plan = plan.replace(job=plan.job.model_copy(update={"working_dir": None}))
+        return plan
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        if plan.job.submit == "head" and plan.job.mode == "ray":
+            return WORKING_DIR_WORDS
+        return None
 
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
@@ -560,6 +583,9 @@ class KubeRayRender(Provider):
                        f"(not on the command line, where ps shows the values):\n"
                        f"#   kubectl create secret generic{ns} {secret} --from-env-file=FILE   "
                        f"# {', '.join(plan.secrets)}\n")
+        words = self.working_dir_words(plan)
+        if words:
+            header += f"# job.working_dir: {words}.\n"
         header += f"# Follow: kubectl get rayjob{ns} {plan.name} -w; kubectl logs{ns} -f job/{plan.name}\n"
         text = dump_yaml(configmap, header) + "---\n" + dump_yaml(rayjob)
         return {f"{plan.name}.rayjob.yaml": text}
