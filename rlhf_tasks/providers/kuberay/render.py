@@ -156,14 +156,20 @@ class Toleration(StrictModel):
 class TopologySpread(StrictModel):
     """A pod topology spread constraint (the pod spec's own field names)."""
 
-    maxSkew: int = Field(ge=1)
-    topologyKey: str
-    whenUnsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
-    labelSelector: dict[str, Any] | None = None
-    matchLabelKeys: list[str] | None = None
-    minDomains: int | None = Field(None, ge=1)
-    nodeAffinityPolicy: Literal["Honor", "Ignore"] | None = None
-    nodeTaintsPolicy: Literal["Honor", "Ignore"] | None = None
+    maxSkew: int = Field(ge=1, description="how uneven the matching pods may be across the topology's domains")
+    topologyKey: str = Field(description="the node label whose values are the domains "
+                             "(e.g. topology.kubernetes.io/zone)")
+    whenUnsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
+        description="DoNotSchedule holds a pod back; ScheduleAnyway only prefers")
+    labelSelector: dict[str, Any] | None = Field(None, description="the pods counted (a LabelSelector; the Ray "
+                                                 "pods alone: ray.io/is-ray-node: \"yes\")")
+    matchLabelKeys: list[str] | None = Field(None, description="label keys whose values the counted pods share "
+                                             "with the pod placed")
+    minDomains: int | None = Field(None, ge=1, description="the fewest domains (DoNotSchedule only)")
+    nodeAffinityPolicy: Literal["Honor", "Ignore"] | None = Field(None, description="whether the pod's node "
+                                                                  "affinity limits the domains counted")
+    nodeTaintsPolicy: Literal["Honor", "Ignore"] | None = Field(None, description="whether node taints limit "
+                                                                "the domains counted")
 
 
 class ExtraVolume(StrictModel):
@@ -173,7 +179,7 @@ class ExtraVolume(StrictModel):
     claim: str | None = Field(None, description="a PersistentVolumeClaim (e.g. a model cache)")
     host_path: str | None = Field(None, description="a directory of the node (e.g. its NVMe)")
     path: str = Field(description="where the Ray container sees it")
-    read_only: bool = False
+    read_only: bool = Field(False, description="mounted read-only")
 
     _name = field_validator("name")(classmethod(lambda cls, v: _dns(v)))
     _claim = field_validator("claim")(classmethod(lambda cls, v: _dns(v, pattern=_DNS_NAME)))
@@ -195,8 +201,9 @@ class ExtraVolume(StrictModel):
 class SecurityContexts(StrictModel):
     """Free-form securityContexts: the pods' own, and each container's (the Ray containers and the submitter)."""
 
-    pod: dict[str, Any] = {}
-    container: dict[str, Any] = {}
+    pod: dict[str, Any] = Field({}, description="the pods' securityContext (PodSecurityContext's field names)")
+    container: dict[str, Any] = Field({}, description="each container's securityContext (SecurityContext's "
+                                      "field names)")
 
     @field_validator("pod")
     @classmethod
