@@ -9,6 +9,7 @@ It plays the API server's client side over one state directory, `$KUBE_STANDIN_D
     objects/<ns>/<kind>/<name>.json      what apply wrote (kind: rayjob, configmap, secret)
     status/<ns>/rayjob/<name>.json       a RayJob's .status (the controller's)
     pods/<ns>/<pod>.json                 Pod objects (the controller's)
+    events/<ns>/<name>.json              Event objects (the operator's), listed by `get events --field-selector`
     logs/<ns>/<pod>/<container>.log      containers' output (the controller's)
     argv.jsonl                           one line per invocation: {"argv", "stdin"} (Secret values "<redacted>")
     hold-delete                          exists = `delete` waits until the test removes it (a slow API server)
@@ -36,7 +37,7 @@ import yaml
 KINDS = {"rayjob": "rayjob", "rayjobs": "rayjob", "rayjobs.ray.io": "rayjob", "configmap": "configmap",
          "configmaps": "configmap", "cm": "configmap", "secret": "secret", "secrets": "secret", "pod": "pod",
          "pods": "pod", "crd": "crd", "crds": "crd", "customresourcedefinition": "crd",
-         "customresourcedefinitions": "crd"}
+         "customresourcedefinitions": "crd", "event": "event", "events": "event"}
 PLURAL = {"rayjob": "rayjobs.ray.io", "configmap": "configmaps", "secret": "secrets", "pod": "pods",
           "crd": "customresourcedefinitions.apiextensions.k8s.io"}
 REDACTED = "<redacted>"
@@ -181,12 +182,16 @@ class Kubectl:
     # -- get KIND NAME -o json [--ignore-not-found]; get pods -l SEL -o json
     def get(self, words):
         flags, pos = self.flags(words, {"-o": True, "--output": True, "--ignore-not-found": False,
-                                        "-l": True, "--selector": True})
+                                        "-l": True, "--selector": True, "--field-selector": True})
         if flags.get("-o", flags.get("--output")) != "json":
             raise Refused("the stand-in answers `get` only with -o json")
         if not pos or pos[0] not in KINDS:
             raise Refused(f"the stand-in does not know the resource type {pos[:1]}")
         kind = KINDS[pos[0]]
+        if kind == "event":
+            return self.events(pos, flags.get("--field-selector"))
+        if "--field-selector" in flags:
+            raise Refused("the stand-in selects by field only events")
         selector = flags.get("-l", flags.get("--selector"))
         if selector is not None:
             if kind != "pod" or len(pos) != 1:
@@ -208,6 +213,22 @@ class Kubectl:
                 return 0
             raise Refused(f'Error from server (NotFound): {PLURAL[kind]} "{pos[1]}" not found')
         self.say(json.dumps(found))
+        return 0
+
+    # -- get events --field-selector involvedObject.kind=K,involvedObject.name=N -o json
+    def events(self, pos, selector):
+        if len(pos) != 1 or not selector:
+            raise Refused("the stand-in lists events only with --field-selector")
+        wanted = dict(part.split("=", 1) for part in str(selector).split(","))
+        if set(wanted) - {"involvedObject.kind", "involvedObject.name"}:
+            raise Refused(f"the stand-in selects events only by involvedObject.kind and .name, not {selector}")
+        items = []
+        for path in sorted((self.root / "events" / self.ns()).glob("*.json")):
+            event = read_json(path) or {}
+            involved = event.get("involvedObject") or {}
+            if all(involved.get(key.split(".", 1)[1]) == value for key, value in wanted.items()):
+                items.append(event)
+        self.say(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
         return 0
 
     # -- apply -f - [--server-side --force-conflicts --field-manager=M]
@@ -447,6 +468,14 @@ def write_pod(root: Path, data: dict, ns: str = "default") -> None:
 
 def write_status(root: Path, name: str, ns: str = "default", **status) -> None:
     write_json(root / "status" / ns / "rayjob" / f"{name}.json", status)
+
+
+def write_event(root: Path, name: str, kind: str, involved: str, reason: str, message: str,
+                ns: str = "default") -> None:
+    write_json(root / "events" / ns / f"{name}.json", {
+        "apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": ns},
+        "involvedObject": {"kind": kind, "name": involved, "namespace": ns}, "reason": reason,
+        "message": message, "type": "Warning"})
 
 
 def append_log(root: Path, pod_name: str, container: str, text: str, ns: str = "default") -> None:

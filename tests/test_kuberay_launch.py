@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from kubectl_standin import append_log, calls, install, pod, write_pod, write_status
+from kubectl_standin import append_log, calls, install, pod, write_event, write_pod, write_status
 from rlhf_tasks import providers
 from rlhf_tasks.agent.protocol import JOB_STARTS, result_line
 from rlhf_tasks.cli import main
@@ -229,6 +229,33 @@ def test_a_rayjob_the_operator_refuses_deletes_what_the_launch_applied(kube, tmp
     assert "cleaned up what this launch created for kr: deleted rayjob kr" in said
     assert not any((kube / "objects").rglob("*.json"))
     assert not (tmp_path / "home" / "clusters" / "kr").exists()  # no record of a cluster that never was
+
+
+PSA_REFUSAL = ('Failed to create head Pod default/kr-abcde-head-x1y2z, pods "kr-abcde-head-x1y2z" is forbidden: '
+               'violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false (container "ray-head" '
+               'must set securityContext.allowPrivilegeEscalation=false)')
+
+
+def test_pods_the_api_server_refuses_fail_the_launch_saying_why(kube, tmp_path, capsys):
+    """A namespace that enforces the restricted Pod Security Standard refuses the operator's pods
+    (its FailedToCreateHeadPod event holds the API server's words): launch fails at once, saying
+    them and the option that makes the pods pass, instead of waiting for preRunningDeadlineSeconds."""
+    def refused(root):
+        write_status(root, "kr", jobDeploymentStatus="Initializing", rayClusterName=CLUSTER, jobId="kr-j1")
+        write_event(root, "kr-abcde.1", "RayCluster", CLUSTER, "FailedToCreateHeadPod", PSA_REFUSAL)
+        write_event(root, "other.1", "RayCluster", "someone-else", "FailedToCreateHeadPod", "not ours")
+
+    with Operator(kube, [(applied, refused)]):
+        code = main(["launch", task_file(tmp_path), "--provider", "kuberay"])
+    said = "".join(capsys.readouterr())
+    assert code == 1, said
+    assert "failed: starting the cluster: the API server refuses the operator's pods: " + PSA_REFUSAL in said
+    assert "placement.kuberay.security_context: restricted makes the pods pass it" in said
+    assert "not ours" not in said
+    assert "deleted rayjob kr, configmap kr-rlhf-tasks, secret kr-secrets" in said
+    assert ["kubectl", "--context", "standin", "-n", "default", "get", "events", "--field-selector",
+            f"involvedObject.kind=RayCluster,involvedObject.name={CLUSTER}", "-o", "json"] in \
+        [c["argv"] for c in calls(kube)]
 
 
 def test_launch_checks_kubectl_and_kuberays_crds_before_anything(kube, tmp_path, capsys, monkeypatch):

@@ -558,3 +558,196 @@ def test_with_submit_client_the_working_dir_is_uploaded_from_here_as_before(tmp_
         assert plan.job.working_dir == "."
         assert "job.working_dir: none" not in text
         validate(rayjob)
+
+
+# --- the day-one pod options (issue 29, item 12) ---------------------------------------------
+
+OPTIONS = {
+    "image_pull_secrets": ["registry-creds"],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                     {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["h100"]}]}]}},
+                 "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+                     "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                        "labelSelector": {"matchLabels": {"ray.io/is-ray-node": "yes"}}}}]}},
+    "topology_spread": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                         "whenUnsatisfiable": "ScheduleAnyway",
+                         "labelSelector": {"matchLabels": {"rlhf-tasks/task": "everything"}}}],
+    "pod_labels": {"team": "rl", "example.com/cost-center": "a-17"},
+    "pod_annotations": {"example.com/owner": "rl team <rl@example.com>"},
+    "security_context": "restricted", "run_as_user": 1001,
+    "volumes": [{"name": "model-cache", "claim": "models", "path": "/models", "read_only": True}],
+    "kueue_priority_class": "high-priority",
+    "rdma_resource": {"rdma/ib": 1},
+}
+
+
+def with_options(**options) -> dict:
+    data = copy.deepcopy(FULL)
+    data["placement"]["kuberay"].update(copy.deepcopy(options))
+    return data
+
+
+def pods(rayjob: dict) -> dict[str, dict]:
+    """The pod templates by role: head, workers, submitter."""
+    spec = rayjob["spec"]
+    return {"head": spec["rayClusterSpec"]["headGroupSpec"]["template"],
+            "workers": spec["rayClusterSpec"]["workerGroupSpecs"][0]["template"],
+            "submitter": spec["submitterPodTemplate"]}
+
+
+def test_the_pod_options_reach_every_pod_where_they_belong():
+    """Pull secrets, labels, annotations and the pods' securityContext on every pod (the submitter's
+    too); the affinity and topology spread on the Ray pods (the submitter gets the nodeAffinity);
+    volumes and the RDMA resource in the Ray containers only; Kueue's priority class on the RayJob."""
+    _, _, rayjob, _ = render(with_options(**OPTIONS))
+    validate(rayjob)
+    assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high-priority"
+    for role, template in pods(rayjob).items():
+        pod, meta = template["spec"], template["metadata"]
+        assert pod["imagePullSecrets"] == [{"name": "registry-creds"}], role
+        assert meta["labels"] == {"rlhf-tasks/task": "everything", "team": "rl", "example.com/cost-center": "a-17"}
+        assert meta["annotations"] == {"example.com/owner": "rl team <rl@example.com>"}
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1001, "runAsGroup": 1001,
+                                          "fsGroup": 1001, "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = pod["containers"]
+        # KubeRay copies the Ray container's securityContext into wait-gcs-ready (common/pod.go)
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        if role == "submitter":
+            assert pod["affinity"] == {"nodeAffinity": OPTIONS["affinity"]["nodeAffinity"]}
+            assert "topologySpreadConstraints" not in pod and "model-cache" not in volumes and not mounts
+            assert "rdma/ib" not in container["resources"]["limits"]
+            continue
+        assert pod["affinity"] == OPTIONS["affinity"]
+        assert pod["topologySpreadConstraints"] == OPTIONS["topology_spread"]
+        assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
+        assert mounts["model-cache"] == {"name": "model-cache", "mountPath": "/models", "readOnly": True}
+        assert container["resources"]["limits"]["rdma/ib"] == container["resources"]["requests"]["rdma/ib"] == "1"
+    # none of it without the options
+    _, _, plain, _ = render(FULL)
+    for template in pods(plain).values():
+        assert not {"imagePullSecrets", "securityContext", "affinity", "topologySpreadConstraints"} & \
+            set(template["spec"]) and "annotations" not in template["metadata"]
+        assert "securityContext" not in template["spec"]["containers"][0]
+    assert "kueue.x-k8s.io/priority-class" not in plain["metadata"]["labels"]
+
+
+def test_a_free_form_security_context_and_infiniband_on_the_node():
+    """{pod, container} as given; ib_host_device mounts the node's /dev/infiniband in the Ray
+    containers and adds IPC_LOCK there (never to the submitter); a host_path volume is a hostPath."""
+    _, _, rayjob, _ = render(with_options(
+        security_context={"pod": {"fsGroup": 2000}, "container": {"readOnlyRootFilesystem": False}},
+        ib_host_device=True, volumes=[{"name": "nvme", "host_path": "/mnt/nvme", "path": "/scratch"}]))
+    validate(rayjob)
+    for role, template in pods(rayjob).items():
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        assert pod["securityContext"] == {"fsGroup": 2000}
+        if role == "submitter":
+            assert container["securityContext"] == {"readOnlyRootFilesystem": False}
+            continue
+        assert container["securityContext"] == {"readOnlyRootFilesystem": False, "capabilities": {"add": ["IPC_LOCK"]}}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["infiniband"]["hostPath"] == {"path": "/dev/infiniband", "type": "Directory"}
+        assert volumes["nvme"] == {"name": "nvme", "hostPath": {"path": "/mnt/nvme"}}
+        assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in container["volumeMounts"]
+        assert {"name": "nvme", "mountPath": "/scratch"} in container["volumeMounts"]
+    _, _, ipc, _ = render(with_options(ipc_lock=True, rdma_resource="rdma/hca_shared_devices_a"))
+    (container,) = pods(ipc)["workers"]["spec"]["containers"]
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert container["resources"]["requests"]["rdma/hca_shared_devices_a"] == "1"
+
+
+def test_the_infiniband_note_says_only_what_is_still_missing():
+    provider = providers.get("kuberay")
+
+    def note(**options):
+        data = with_options(**options)
+        data["network"] = "infiniband"
+        notes = [n for n in provider.notes(provider.plan(parse_task(data, "t.yaml"))) if n.startswith("network:")]
+        return notes[0] if notes else None
+
+    bare = note()
+    assert "rdma_resource" in bare and "ib_host_device" in bare and "IPC_LOCK" in bare
+    only_ipc = note(rdma_resource={"rdma/ib": 1})
+    assert "IPC_LOCK" in only_ipc and "RDMA device" not in only_ipc
+    only_device = note(ipc_lock=True)
+    assert "RDMA device" in only_device and "IPC_LOCK" not in only_device
+    assert note(rdma_resource={"rdma/ib": 1}, ipc_lock=True) is None
+    assert note(ib_host_device=True) is None
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"image_pull_secrets": ["Bad_Name"]}, "placement.kuberay.image_pull_secrets"),
+    ({"affinity": {"nodeAffinty": {}}}, "placement.kuberay.affinity"),
+    ({"affinity": {"nodeAffinity": "pool=h100"}}, "placement.kuberay.affinity"),
+    ({"affinity": ["nodeAffinity"]}, "placement.kuberay.affinity"),
+    ({"topology_spread": [{"maxSkew": 1, "topologyKey": "zone"}]}, "placement.kuberay.topology_spread[0].whenUnsatisfiable"),
+    ({"topology_spread": [{"maxSkew": 0, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]},
+     "placement.kuberay.topology_spread[0].maxSkew"),
+    ({"pod_labels": {"bad key!": "x"}}, "placement.kuberay.pod_labels"),
+    ({"pod_labels": {"team": "not a value"}}, "placement.kuberay.pod_labels"),
+    ({"pod_labels": {"ray.io/node-type": "head"}}, "placement.kuberay.pod_labels"),
+    ({"pod_labels": {"kueue.x-k8s.io/queue-name": "other"}}, "placement.kuberay.pod_labels"),
+    ({"pod_labels": {"rlhf-tasks/task": "other"}}, "placement.kuberay.pod_labels"),
+    ({"pod_annotations": {"ray.io/overwrite-container-cmd": "true"}}, "placement.kuberay.pod_annotations"),
+    ({"security_context": "baseline"}, "placement.kuberay.security_context"),
+    ({"security_context": {"pod": {"allowPrivilegeEscalation": False}}}, "placement.kuberay.security_context"),
+    ({"run_as_user": 1000}, "placement.kuberay.run_as_user: the user of security_context"),
+    ({"security_context": "restricted", "run_as_user": 0}, "placement.kuberay.run_as_user"),
+    ({"security_context": "restricted", "ipc_lock": True}, "placement.kuberay.ipc_lock: security_context restricted"),
+    ({"security_context": "restricted", "volumes": [{"name": "n", "host_path": "/mnt", "path": "/n"}]},
+     "placement.kuberay.volumes: security_context restricted allows no hostPath volume (n)"),
+    ({"volumes": [{"name": "m", "claim": "c", "host_path": "/mnt", "path": "/m"}]}, "placement.kuberay.volumes[0]"),
+    ({"volumes": [{"name": "m", "path": "/m"}]}, "placement.kuberay.volumes[0]"),
+    ({"volumes": [{"name": "m", "claim": "c", "path": "models"}]}, "placement.kuberay.volumes[0].path"),
+    ({"volumes": [{"name": "shm", "claim": "c", "path": "/m"}]}, "placement.kuberay.volumes"),
+    ({"volumes": [{"name": "a", "claim": "c", "path": "/m"}, {"name": "b", "claim": "d", "path": "/m/x"}]},
+     "placement.kuberay.volumes"),
+    ({"volumes": [{"name": "m", "claim": "c", "path": "/dev/shm"}]}, "placement.kuberay.volumes[0].path: /dev/shm"),
+    ({"volumes": [{"name": "m", "claim": "c", "path": "/opt/rlhf-tasks-configmap"}]}, "placement.kuberay.volumes[0].path"),
+    ({"volumes": [{"name": "m", "claim": "c", "path": "/opt/rlhf-tasks/lib"}]}, "placement.kuberay.volumes[0].path"),
+    ({"volumes": [{"name": "m", "claim": "c", "path": "/mnt"}]}, "placement.kuberay.volumes[0].path: /mnt holds"),
+    ({"kueue_priority_class": "high"}, "placement.kuberay.kueue_priority_class: Kueue's priority class needs a queue"),
+    ({"kueue_priority_class": "high", "scheduler": "volcano", "queue": "q"},
+     "placement.kuberay.kueue_priority_class: Kueue's priority class needs a queue with scheduler kueue (scheduler is volcano"),
+    ({"kueue_priority_class": "High!", "queue": "q"}, "placement.kuberay.kueue_priority_class"),
+    ({"rdma_resource": {"rdma/ib": 0}}, "placement.kuberay.rdma_resource"),
+    ({"rdma_resource": "ib"}, "placement.kuberay.rdma_resource"),
+])
+def test_bad_pod_options_name_their_field(change, field):
+    data = {"name": "bad", "nodes": 2, "placement": {"kuberay": change}, "checkpoints": {"path": "/mnt/ckpt"},
+            "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    with pytest.raises(BadInput, match=re.escape(field)):
+        render(data)
+
+
+def test_a_bad_pod_option_is_exit_2_at_the_cli(tmp_path):
+    task = tmp_path / "bad.yaml"
+    task.write_text(yaml.safe_dump({"name": "bad", "nodes": 2, "placement": {"kuberay": {
+        "volumes": [{"name": "m", "claim": "c", "path": "/dev/shm"}]}},
+        "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "render", str(task), "--provider", "kuberay"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "placement.kuberay.volumes[0].path" in out.stderr, out.stderr
+
+
+def test_readmes_kuberay_example_renders_with_its_options():
+    """README's KubeRay task-file example is a task that renders a RayJob the schema accepts,
+    with the options it shows where they belong and nothing left for `check` to say about InfiniBand."""
+    section = (ROOT / "README.md").read_text().split("\n## KubeRay\n", 1)[1].split("\n## ", 1)[0]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    plan, _, rayjob, _ = render(example)
+    validate(rayjob)
+    assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high-priority"
+    assert rayjob["spec"]["preRunningDeadlineSeconds"] == 30 * 60
+    for role, template in pods(rayjob).items():
+        assert template["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}], role
+        assert template["metadata"]["labels"]["team"] == "rl", role
+    (head,) = pods(rayjob)["head"]["spec"]["containers"]
+    assert head["resources"]["limits"]["rdma/ib"] == "1"
+    assert head["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in head["volumeMounts"]
+    provider = providers.get("kuberay")
+    assert not [n for n in provider.notes(plan) if n.startswith("network:")]

@@ -38,6 +38,10 @@ FINISHED = ("Complete", "Failed", "ValidationFailed")
 AGENT_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+: |^" + RESULT_PREFIX)
 #: How many lines of a failed pod's output its failure quotes.
 OUTPUT_LINES = 3
+#: The operator's events when the API server refuses a pod it creates (raycluster_controller.go).
+POD_NOT_CREATED = ("FailedToCreateHeadPod", "FailedToCreateWorkerPod")
+#: The API server's words when PodSecurity admission refuses a pod: no retry of the operator's can pass.
+POD_SECURITY_REFUSAL = "violates PodSecurity"
 
 
 def free_port() -> int:
@@ -221,6 +225,7 @@ class Watch:
         self.head_seen = self.runner_seen = False
         self.ended_at: float | None = None
         self.error: str | None = None
+        self.refused: str | None = None  # the API server's refusal of the operator's pods, once seen
 
     # ------------------------------------------------------------------ asking kubectl
 
@@ -240,6 +245,19 @@ class Watch:
         self.rayjob, self.pods, self.error = rayjob, pods, None
         for name, pod in sorted(self.pods.items()):
             self._follow(name, pod)
+        if not self.pods and not self.runner_seen:
+            self.refused = self.pods_refused()
+
+    def pods_refused(self) -> str | None:
+        """While the cluster has no pod: the operator's event saying the API server's PodSecurity
+        admission refused one (the operator retries, but it never passes; the RayJob would only fail
+        at preRunningDeadlineSeconds, saying nothing of why)."""
+        try:
+            events = self.kube.events("RayCluster", self.cluster)
+        except (StepFailed, ValueError):
+            return None
+        return next((e.get("message") for e in events if e.get("reason") in POD_NOT_CREATED
+                     and POD_SECURITY_REFUSAL in (e.get("message") or "")), None)
 
     def head(self) -> dict | None:
         heads = [p for p in self.pods.values() if role(p) == "head"]
@@ -302,6 +320,11 @@ class Watch:
         own = self.agent_failed()
         if own is not None:
             raise StepFailed(own, self.undo())
+        if self.refused:
+            hint = ("; placement.kuberay.security_context: restricted makes the pods pass it"
+                    if '"restricted' in self.refused else "")
+            raise StepFailed("starting the cluster", f"the API server refuses the operator's pods: {self.refused}"
+                             f"{hint}; {self.undo()}")
         head = self.head()
         status = (self.rayjob or {}).get("status") or {}
         failed = status.get("jobDeploymentStatus") in ("Failed", "ValidationFailed")

@@ -98,6 +98,14 @@ class Kubectl:
             raise StepFailed(f"listing the pods {selector}", said(out))
         return json.loads(out.stdout).get("items") or []
 
+    def events(self, kind: str, name: str) -> list[dict]:
+        """The events recorded about one object (the operator's: a pod it could not create)."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        out = self.run("get", "events", "--field-selector", selector, "-o", "json")
+        if out.returncode != 0:
+            raise StepFailed(f"listing the events of {kind} {name}", said(out))
+        return json.loads(out.stdout).get("items") or []
+
     def delete(self, objects: list[tuple[str, str]]) -> str:
         """Delete kind/name pairs (those already gone are fine): kubectl's words."""
         if not objects:

@@ -33,6 +33,7 @@ No value of either is ever in the rendered file.
 from __future__ import annotations
 
 import base64
+import copy
 import gzip
 import io
 import json
@@ -41,9 +42,9 @@ import re
 import shlex
 import tarfile
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from ...errors import BadInput
 from ...models import StrictModel, parse_duration, size_bytes
@@ -92,6 +93,30 @@ _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _QUEUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+#: An extended resource's name (a device plugin's, e.g. rdma/ib): a domain, then a name.
+_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+#: Label and annotation keys that KubeRay, the gang schedulers or rlhf-tasks set or read on the pods:
+#: a pod label of the user's there would be overwritten, or change what they decide.
+RESERVED_KEY_PREFIXES = ("ray.io/", "rlhf-tasks/", "kueue.x-k8s.io/", "volcano.sh/", "scheduling.k8s.io/",
+                         "yunikorn.apache.org/")
+RESERVED_KEYS = ("app.kubernetes.io/name", "app.kubernetes.io/created-by", "app.kubernetes.io/managed-by")
+#: Volume names in the pods that are ours (volumes()) or KubeRay's (/dev/shm, logs, its token).
+RESERVED_VOLUMES = ("rlhf-tasks", "rlhf-tasks-node", "checkpoints", "shm", "infiniband", "shared-mem", "ray-logs",
+                    "ray-token")
+#: Where the InfiniBand devices are, on the node and in the Ray container (ib_host_device).
+IB_DEVICES = "/dev/infiniband"
+#: The Affinity object's fields (core/v1 Affinity).
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+#: The pod's and a container's securityContext fields (core/v1 PodSecurityContext, SecurityContext).
+POD_SECURITY_FIELDS = ("appArmorProfile", "fsGroup", "fsGroupChangePolicy", "runAsGroup", "runAsNonRoot", "runAsUser",
+                       "seLinuxChangePolicy", "seLinuxOptions", "seccompProfile", "supplementalGroups",
+                       "supplementalGroupsPolicy", "sysctls", "windowsOptions")
+CONTAINER_SECURITY_FIELDS = ("allowPrivilegeEscalation", "appArmorProfile", "capabilities", "privileged", "procMount",
+                             "readOnlyRootFilesystem", "runAsGroup", "runAsNonRoot", "runAsUser", "seLinuxOptions",
+                             "seccompProfile", "windowsOptions")
+#: The user the `restricted` preset runs the pods as (rayproject/ray's own user `ray` is 1000).
+DEFAULT_RUN_AS_USER = 1000
 
 
 #: With a ttl_after_finished shorter than this, KubeRay would delete a failed job's cluster before `launch`
@@ -134,6 +159,99 @@ class Toleration(StrictModel):
     tolerationSeconds: int | None = Field(None, ge=0)
 
 
+class TopologySpread(StrictModel):
+    """A pod topology spread constraint (the pod spec's own field names)."""
+
+    maxSkew: int = Field(ge=1, description="how uneven the matching pods may be across the topology's domains")
+    topologyKey: str = Field(description="the node label whose values are the domains "
+                             "(e.g. topology.kubernetes.io/zone)")
+    whenUnsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
+        description="DoNotSchedule holds a pod back; ScheduleAnyway only prefers")
+    labelSelector: dict[str, Any] | None = Field(None, description="the pods counted (a LabelSelector; the Ray "
+                                                 "pods alone: ray.io/is-ray-node: \"yes\")")
+    matchLabelKeys: list[str] | None = Field(None, description="label keys whose values the counted pods share "
+                                             "with the pod placed")
+    minDomains: int | None = Field(None, ge=1, description="the fewest domains (DoNotSchedule only)")
+    nodeAffinityPolicy: Literal["Honor", "Ignore"] | None = Field(None, description="whether the pod's node "
+                                                                  "affinity limits the domains counted")
+    nodeTaintsPolicy: Literal["Honor", "Ignore"] | None = Field(None, description="whether node taints limit "
+                                                                "the domains counted")
+
+
+class ExtraVolume(StrictModel):
+    """A volume of the user's, mounted in every Ray container (head and workers)."""
+
+    name: str = Field(description="the volume's name in the pod")
+    claim: str | None = Field(None, description="a PersistentVolumeClaim (e.g. a model cache)")
+    host_path: str | None = Field(None, description="a directory of the node (e.g. its NVMe)")
+    path: str = Field(description="where the Ray container sees it")
+    read_only: bool = Field(False, description="mounted read-only")
+
+    _name = field_validator("name")(classmethod(lambda cls, v: _dns(v)))
+    _claim = field_validator("claim")(classmethod(lambda cls, v: _dns(v, pattern=_DNS_NAME)))
+
+    @field_validator("path", "host_path")
+    @classmethod
+    def _absolute(cls, value):
+        if value is not None and (not value.startswith("/") or value.rstrip("/") == ""):
+            raise ValueError(f"{value!r} is not an absolute path below /")
+        return value if value is None else value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.claim is None) == (self.host_path is None):
+            raise ValueError(f"volume {self.name}: name exactly one of claim and host_path")
+        return self
+
+
+class SecurityContexts(StrictModel):
+    """Free-form securityContexts: the pods' own, and each container's (the Ray containers and the submitter)."""
+
+    pod: dict[str, Any] = Field({}, description="the pods' securityContext (PodSecurityContext's field names)")
+    container: dict[str, Any] = Field({}, description="each container's securityContext (SecurityContext's "
+                                      "field names)")
+
+    @field_validator("pod")
+    @classmethod
+    def _pod(cls, value):
+        return _fields_of(value, POD_SECURITY_FIELDS, "a pod securityContext")
+
+    @field_validator("container")
+    @classmethod
+    def _container(cls, value):
+        return _fields_of(value, CONTAINER_SECURITY_FIELDS, "a container securityContext")
+
+
+def _fields_of(value: dict, fields: tuple[str, ...], what: str) -> dict:
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a field of {what} ({', '.join(fields)})")
+    return value
+
+
+def _nested(path: str, other: str) -> str | None:
+    """How two mount paths clash (the same, or one inside the other), else None."""
+    if path == other:
+        return "is"
+    if path.startswith(other + "/"):
+        return "is inside"
+    if other.startswith(path + "/"):
+        return "holds"
+    return None
+
+
+def _user_keys(value: dict, what: str) -> dict:
+    """Label or annotation keys of the user's: Kubernetes' key syntax, none of the keys KubeRay, the
+    schedulers or rlhf-tasks set or read."""
+    for key in value:
+        if not _LABEL_KEY.match(key):
+            raise ValueError(f"{key!r} is not {what} key (an optional DNS prefix and '/', then at most 63 "
+                             f"letters, digits, '-', '_', '.')")
+        if key.startswith(RESERVED_KEY_PREFIXES) or key in RESERVED_KEYS:
+            raise ValueError(f"{key!r}: KubeRay, a gang scheduler or rlhf-tasks sets or reads this key on the pods")
+    return value
+
+
 # The task's `placement.kuberay`: spec.py keeps it as a mapping, this provider reads it with this model.
 class KubeRayPlacement(StrictModel):
     """Kubernetes' own options for the RayJob and its pods."""
@@ -161,6 +279,35 @@ class KubeRayPlacement(StrictModel):
                                     "network_policy admits to the head's dashboard)")
     ttl_after_finished: TTL = Field(600.0, description="how long KubeRay keeps the finished cluster "
                                          "(its logs) before deleting it")
+    image_pull_secrets: list[str] = Field([], description="Secrets (names) to pull the images with: "
+                                          "imagePullSecrets of every pod, the submitter's too")
+    affinity: dict[str, Any] | None = Field(None, description="the Ray pods' affinity (the pod spec's Affinity: "
+                                            "nodeAffinity, podAffinity, podAntiAffinity); the submitter pod gets "
+                                            "its nodeAffinity")
+    topology_spread: list[TopologySpread] = Field([], description="the Ray pods' topologySpreadConstraints "
+                                                  "(the pod spec's field names; maxSkew, topologyKey and "
+                                                  "whenUnsatisfiable required)")
+    pod_labels: dict[str, str] = Field({}, description="labels on every pod (not ray.io/*, rlhf-tasks/*, the "
+                                       "schedulers' keys)")
+    pod_annotations: dict[str, str] = Field({}, description="annotations on every pod (not ray.io/*, "
+                                            "rlhf-tasks/*, the schedulers' keys)")
+    security_context: Literal["restricted"] | SecurityContexts | None = Field(
+        None, description="`restricted`: every pod passes the restricted Pod Security Standard (non-root as "
+        "run_as_user, RuntimeDefault seccomp, no privilege escalation, every capability dropped); or "
+        "{pod: {...}, container: {...}}: the pods' and the containers' securityContext as given")
+    run_as_user: int | None = Field(None, ge=1, description="the user (and group) `security_context: restricted` "
+                                    f"runs the pods as (default {DEFAULT_RUN_AS_USER}, rayproject/ray's `ray`)")
+    volumes: list[ExtraVolume] = Field([], description="volumes mounted in every Ray container: "
+                                       "{name, claim: PVC | host_path: DIR, path, read_only}")
+    kueue_priority_class: str | None = Field(None, description="Kueue's WorkloadPriorityClass for the RayJob "
+                                             "(label kueue.x-k8s.io/priority-class; scheduler kueue only)")
+    rdma_resource: dict[str, int] = Field({}, description="the RDMA device plugin's resource for each Ray "
+                                          "container, name -> count (e.g. {rdma/ib: 1}; a bare name is 1), "
+                                          "requests = limits")
+    ipc_lock: bool = Field(False, description="the IPC_LOCK capability in the Ray containers (NCCL pins "
+                           "memory for RDMA)")
+    ib_host_device: bool = Field(False, description="mount the node's /dev/infiniband in the Ray containers "
+                                 "(hostPath), with IPC_LOCK: InfiniBand without an RDMA device plugin")
 
     _names = field_validator("namespace", "service_account", "secret", "operator_namespace")(classmethod(lambda cls, v: _dns(v)))
     _priority = field_validator("priority_class")(classmethod(
@@ -168,12 +315,97 @@ class KubeRayPlacement(StrictModel):
     _queue = field_validator("queue")(classmethod(
         lambda cls, v: _dns(v, "a queue name (letters, digits, dashes, underscores, dots)", _QUEUE)))
 
+    _pull_secrets = field_validator("image_pull_secrets")(classmethod(
+        lambda cls, v: [_dns(name, "a Secret's name (a DNS name)", _DNS_NAME) for name in v]))
+    _kueue_priority = field_validator("kueue_priority_class")(classmethod(
+        lambda cls, v: _dns(v, "a DNS name (lowercase letters, digits, dashes, dots)", _DNS_NAME)))
+    _annotations = field_validator("pod_annotations")(classmethod(lambda cls, v: _user_keys(v, "an annotation")))
+
     @field_validator("node_selector")
     @classmethod
     def _labels(cls, value):
         for key in value:
             if not _LABEL_KEY.match(key):
                 raise ValueError(f"{key!r} is not a label key")
+        return value
+
+    @field_validator("pod_labels")
+    @classmethod
+    def _pod_labels(cls, value):
+        for key, label in _user_keys(value, "a label").items():
+            if not _LABEL_VALUE.match(label):
+                raise ValueError(f"{key}: {label!r} is not a label value (at most 63 letters, digits, '-', '_', "
+                                 f"'.', starting and ending with a letter or digit)")
+        return value
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity(cls, value):
+        if value is None:
+            return value
+        _fields_of(value, AFFINITY_KINDS, "the pod spec's Affinity")
+        for kind, part in value.items():
+            if not isinstance(part, dict):
+                raise ValueError(f"{kind} is not a mapping")
+        return value
+
+    @field_validator("rdma_resource", mode="before")
+    @classmethod
+    def _rdma(cls, value):
+        value = {value: 1} if isinstance(value, str) else value
+        if isinstance(value, dict):
+            for name, count in value.items():
+                if not isinstance(name, str) or not _RESOURCE.match(name) or name.startswith("kubernetes.io/"):
+                    raise ValueError(f"{name!r} is not an extended resource's name (DOMAIN/NAME, e.g. rdma/ib)")
+                if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                    raise ValueError(f"{name}: {count!r} is not a count of at least 1")
+        return value
+
+    @field_validator("volumes")
+    @classmethod
+    def _volumes(cls, value, info: ValidationInfo):
+        host = [v.name for v in value if v.host_path]
+        if host and info.data.get("security_context") == "restricted":
+            raise ValueError(f"security_context restricted allows no hostPath volume ({', '.join(host)}): use a "
+                             f"PersistentVolumeClaim (claim)")
+        for i, volume in enumerate(value):
+            if volume.name in RESERVED_VOLUMES:
+                raise ValueError(f"volume name {volume.name!r} is one of the pods' own "
+                                 f"({', '.join(RESERVED_VOLUMES)})")
+            for other in value[:i]:
+                if volume.name == other.name:
+                    raise ValueError(f"volume name {volume.name!r} is given twice")
+                clash = _nested(volume.path, other.path)
+                if clash:
+                    raise ValueError(f"volume {volume.name}: path {volume.path} {clash} {other.name}'s {other.path}")
+        return value
+
+    # The combinations: each checked on the later field (it sees the earlier ones in `info.data`), so
+    # the error names the field to change.
+    @field_validator("kueue_priority_class")
+    @classmethod
+    def _kueue_only(cls, value, info: ValidationInfo):
+        scheduler, queue = info.data.get("scheduler") or "kueue", info.data.get("queue")
+        if value is not None and (queue is None or scheduler != "kueue"):
+            raise ValueError(f"Kueue's priority class needs a queue with scheduler kueue (scheduler is {scheduler}, "
+                             f"queue {queue or 'not named'})")
+        return value
+
+    @field_validator("run_as_user")
+    @classmethod
+    def _restricted_user(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("security_context") != "restricted":
+            raise ValueError("the user of security_context: restricted (set that, or runAsUser in "
+                             "security_context.pod)")
+        return value
+
+    @field_validator("ipc_lock", "ib_host_device")
+    @classmethod
+    def _no_capability_when_restricted(cls, value, info: ValidationInfo):
+        if value and info.data.get("security_context") == "restricted":
+            raise ValueError("security_context restricted allows no added capability (IPC_LOCK) and no hostPath "
+                             "(/dev/infiniband): with an RDMA device plugin (rdma_resource), IPC_LOCK needs a "
+                             "namespace that allows it (baseline or privileged)")
         return value
 
     @field_validator("ray_version")
@@ -188,6 +420,27 @@ class KubeRayPlacement(StrictModel):
         if self.scheduler is not None and self.queue is None:
             raise ValueError(f"scheduler {self.scheduler} needs a queue")
         return self
+
+    def pod_security(self) -> dict:
+        """The pods' securityContext (head, workers, submitter)."""
+        if self.security_context == "restricted":
+            user = self.run_as_user or DEFAULT_RUN_AS_USER
+            return {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user, "fsGroup": user,
+                    "seccompProfile": {"type": "RuntimeDefault"}}
+        return dict(self.security_context.pod) if self.security_context else {}
+
+    def container_security(self, ray: bool) -> dict:
+        """A container's securityContext: the Ray containers' (which KubeRay copies into its
+        wait-gcs-ready) add IPC_LOCK where asked; the submitter's never does."""
+        if self.security_context == "restricted":
+            out = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        else:
+            out = copy.deepcopy(self.security_context.container) if self.security_context else {}
+        if ray and (self.ipc_lock or self.ib_host_device):
+            added = out.setdefault("capabilities", {}).setdefault("add", [])
+            if "IPC_LOCK" not in added:
+                added.append("IPC_LOCK")
+        return out
 
     @property
     def ray(self) -> str:
@@ -271,6 +524,17 @@ class KubeRayRender(Provider):
         if task.ray.auth == "token" and options.version < (2, 52, 0):
             raise BadInput(f"placement.kuberay.ray_version: {options.ray} is below 2.52.0, which KubeRay's "
                            f"token auth needs (ray.auth: token); use an image with Ray >= 2.52.0")
+        ours = {CONFIGMAP_DIR: "the ConfigMap's mount", NODE_DIR: "the agent's directory", "/dev/shm": "/dev/shm",
+                IB_DEVICES: "ib_host_device's mount"}
+        ckpt = task.checkpoints.path or self.default_checkpoint_dir(task)
+        if ckpt:
+            ours[ckpt.rstrip("/") or "/"] = "checkpoints.path"
+        for i, volume in enumerate(options.volumes):
+            for path, what in ours.items():
+                clash = _nested(volume.path, path)
+                if clash:
+                    raise BadInput(f"placement.kuberay.volumes[{i}].path: {volume.path} {clash} {path}, "
+                                   f"{what}, which the pods mount themselves")
         if task.ray.dashboard_public:
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")
@@ -325,9 +589,15 @@ class KubeRayRender(Provider):
                        f"select {res.gpu_name}: add placement.kuberay.node_selector with your nodes' product label "
                        f"(GPU feature discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3)")
         if plan.network == "infiniband":
-            out.append("network: infiniband sets NCCL's InfiniBand variables, but the pods get no RDMA device: "
-                       "your cluster's RDMA resource (e.g. rdma/ib from its device plugin), the IPC_LOCK "
-                       "capability and /dev/infiniband are not rendered")
+            missing = []
+            if not options.rdma_resource and not options.ib_host_device:
+                missing.append("no RDMA device: name your device plugin's resource in placement.kuberay.rdma_resource "
+                               "(e.g. {rdma/ib: 1}), or mount the node's /dev/infiniband with ib_host_device: true")
+            if not (options.ipc_lock or options.ib_host_device):
+                missing.append("no IPC_LOCK capability (NCCL pins memory for RDMA): placement.kuberay.ipc_lock: true")
+            if missing:
+                out.append("network: infiniband sets NCCL's InfiniBand variables, but the pods get "
+                           + "; and ".join(missing))
         return out
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
@@ -399,6 +669,7 @@ class KubeRayRender(Provider):
             amounts["ephemeral-storage"] = quantity(res.disk)
         if plan.gpus_per_node:
             amounts[GPU_RESOURCE[gpu_vendor(res.gpu_name) or "nvidia"]] = str(plan.gpus_per_node)
+        amounts.update({name: str(count) for name, count in options.rdma_resource.items()})
         return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
     def env(self, plan: Plan, options: KubeRayPlacement, rank: int) -> list[dict]:
@@ -412,10 +683,10 @@ class KubeRayRender(Provider):
         out.append({"name": "BASH_ENV", "value": f"{CONFIGMAP_DIR}/{RAY_PATH_KEY}"})  # `ray` last on PATH
         return out
 
-    def volumes(self, plan: Plan) -> tuple[list[dict], list[dict]]:
-        """(the pod's volumes, the containers' mounts): the ConfigMap (plan, packed agent) and the
-        emptyDir the agent is unpacked into (shared by the head's init and Ray containers), the
-        checkpoints, /dev/shm."""
+    def volumes(self, plan: Plan, options: KubeRayPlacement) -> tuple[list[dict], list[dict]]:
+        """(the pod's volumes, the Ray container's mounts): the ConfigMap (plan, packed agent) and the
+        emptyDir the agent is unpacked into, the checkpoints, /dev/shm, then the user's: the node's
+        /dev/infiniband (ib_host_device) and placement.kuberay.volumes."""
         volumes = [{"name": "rlhf-tasks", "configMap": {"name": self.configmap_name(plan), "defaultMode": 0o555}},
                    {"name": "rlhf-tasks-node", "emptyDir": {}}]
         mounts = [{"name": "rlhf-tasks", "mountPath": CONFIGMAP_DIR, "readOnly": True},
@@ -429,6 +700,14 @@ class KubeRayRender(Provider):
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
                                                         "sizeLimit": quantity(plan.resources.shm_size)}})
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+        if options.ib_host_device:
+            volumes.append({"name": "infiniband", "hostPath": {"path": IB_DEVICES, "type": "Directory"}})
+            mounts.append({"name": "infiniband", "mountPath": IB_DEVICES})
+        for extra in options.volumes:
+            volumes.append({"name": extra.name, **({"persistentVolumeClaim": {"claimName": extra.claim}}
+                                                   if extra.claim else {"hostPath": {"path": extra.host_path}})})
+            mounts.append({"name": extra.name, "mountPath": extra.path, **({"readOnly": True} if extra.read_only
+                                                                          else {})})
         return volumes, mounts
 
     def agent_shell(self, plan: Plan, *flags: str, unpack: bool = False) -> str:
@@ -449,7 +728,7 @@ class KubeRayRender(Provider):
 
     def pod_template(self, plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
         image = plan.image or f"rayproject/ray:{options.ray}"
-        volumes, mounts = self.volumes(plan)
+        volumes, mounts = self.volumes(plan, options)
         env = self.env(plan, options, 0 if head else 1)
         container: dict = {
             "name": "ray-head" if head else "ray-worker",
@@ -472,15 +751,28 @@ class KubeRayRender(Provider):
         resources = self.resources(plan, options, head)
         if resources:
             container["resources"] = resources
+        security = options.container_security(ray=True)
+        if security:  # KubeRay copies it into the workers' wait-gcs-ready (common/pod.go)
+            container["securityContext"] = security
         spec: dict = {"containers": [container], "volumes": volumes}
         if options.service_account:
             spec["serviceAccountName"] = options.service_account
-        spec.update(self.placed(options))
-        return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
+        spec.update(self.placed(options, ray=True))
+        return {"metadata": self.pod_metadata(plan, options), "spec": spec}
 
     @staticmethod
-    def placed(options: KubeRayPlacement) -> dict:
-        """Where a pod may go: the task's node selector, tolerations and priority class."""
+    def pod_metadata(plan: Plan, options: KubeRayPlacement) -> dict:
+        """A pod template's labels (the task's, then the user's) and the user's annotations."""
+        meta: dict = {"labels": {"rlhf-tasks/task": plan.name, **options.pod_labels}}
+        if options.pod_annotations:
+            meta["annotations"] = dict(options.pod_annotations)
+        return meta
+
+    @staticmethod
+    def placed(options: KubeRayPlacement, ray: bool) -> dict:
+        """Where a pod may go and how it runs: the task's node selector, tolerations, priority class,
+        affinity, pull secrets and securityContext. The submitter pod (`ray` False) gets the
+        affinity's nodeAffinity only: the pod (anti-)affinity and the topology spread are the Ray pods'."""
         out: dict = {}
         if options.node_selector:
             out["nodeSelector"] = dict(options.node_selector)
@@ -488,6 +780,16 @@ class KubeRayRender(Provider):
             out["tolerations"] = [t.model_dump(exclude_none=True) for t in options.tolerations]
         if options.priority_class:
             out["priorityClassName"] = options.priority_class
+        affinity = {k: v for k, v in (options.affinity or {}).items() if ray or k == "nodeAffinity"}
+        if affinity:
+            out["affinity"] = copy.deepcopy(affinity)
+        if ray and options.topology_spread:
+            out["topologySpreadConstraints"] = [t.model_dump(exclude_none=True) for t in options.topology_spread]
+        if options.image_pull_secrets:
+            out["imagePullSecrets"] = [{"name": name} for name in options.image_pull_secrets]
+        security = options.pod_security()
+        if security:
+            out["securityContext"] = security
         return out
 
     def ray_start_params(self, plan: Plan, head: bool) -> dict[str, str]:
@@ -519,12 +821,16 @@ class KubeRayRender(Provider):
     def submitter(self, plan: Plan, options: KubeRayPlacement) -> dict:
         """KubeRay's submitter pod in Ray's own image (KubeRay fills in its `ray job submit` command,
         the dashboard's address and the token), placed where the task's pods may go."""
-        spec: dict = {"restartPolicy": "Never", "containers": [{
+        container: dict = {
             "name": SUBMITTER_NAME, "image": f"rayproject/ray:{options.ray}",
             "resources": {"requests": {"cpu": f"{round(SUBMITTER_CPU * 1000)}m",
                                        "memory": f"{SUBMITTER_MEMORY // 2**20}Mi"},
-                          "limits": {"cpu": "1", "memory": "1Gi"}}}], **self.placed(options)}
-        return {"metadata": {"labels": {"rlhf-tasks/task": plan.name}}, "spec": spec}
+                          "limits": {"cpu": "1", "memory": "1Gi"}}}
+        security = options.container_security(ray=False)
+        if security:
+            container["securityContext"] = security
+        spec: dict = {"restartPolicy": "Never", "containers": [container], **self.placed(options, ray=False)}
+        return {"metadata": self.pod_metadata(plan, options), "spec": spec}
 
     def rayjob(self, plan: Plan, options: KubeRayPlacement) -> dict:
         cluster: dict = {"rayVersion": options.ray}
@@ -563,8 +869,11 @@ class KubeRayRender(Provider):
         }
         if options.queue and (options.scheduler or "kueue") == "kueue":
             spec["suspend"] = True  # created held, as Kueue's webhook would make it: Kueue admits it (suspend: false)
+        labels = self.queue_labels(plan, options)
+        if options.kueue_priority_class:
+            labels["kueue.x-k8s.io/priority-class"] = options.kueue_priority_class
         return {"apiVersion": "ray.io/v1", "kind": "RayJob",
-                "metadata": self.metadata(plan, options, plan.name, self.queue_labels(plan, options)),
+                "metadata": self.metadata(plan, options, plan.name, labels),
                 "spec": spec}
 
     def render(self, plan: Plan) -> dict[str, str]:
