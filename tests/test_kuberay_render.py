@@ -493,6 +493,7 @@ def test_check_says_what_an_image_must_hold_and_what_kuberay_cannot_select():
     notes = "\n".join(provider.notes(provider.plan(load_task(ROOT / "tasks" / "openrlhf-ppo-llama3-8b.yaml"))))
     assert "image nvcr.io/nvidia/pytorch:26.03-py3: it must hold bash and python3" in notes
     assert "`ray health-check`" in notes and "placement.kuberay.ray_version" in notes
+    assert "by the time KubeRay's `ray start` runs: in the image, or installed by setup" in notes
     assert "request 8 GPUs of any type" in notes and "nvidia.com/gpu.product" in notes
     data = copy.deepcopy(FULL)  # a product selected and the Ray named: neither note
     plan = provider.plan(parse_task(data, "t.yaml"))

@@ -579,9 +579,10 @@ class KubeRayRender(Provider):
         options, res = kuberay_placement(plan.placement), plan.resources
         out = super().notes(plan)
         if plan.image:
-            out.append(f"image {plan.image}: it must hold bash and python3 (the agent), and `python` and Ray "
-                       f"{options.ray} (`ray` on PATH: KubeRay runs `ray health-check` in every worker's init "
-                       f"container and `ray job submit` beside the head, before setup could install it)"
+            out.append(f"image {plan.image}: it must hold bash and python3 (the agent), and Ray {options.ray} "
+                       f"(`ray` on PATH) by the time KubeRay's `ray start` runs: in the image, or installed by setup "
+                       f"(before setup, KubeRay's `ray health-check` in every worker's init container is answered by "
+                       f"a stand-in in the ConfigMap; the submitter runs in rayproject/ray:{options.ray})"
                        + ("" if options.ray_version else "; say which Ray it holds in placement.kuberay.ray_version "
                           f"(KubeRay picks its probes by it; {options.ray} assumed)"))
         if res.gpu_name and not any(k.endswith("/gpu.product") for k in options.node_selector):
