@@ -370,3 +370,24 @@ def test_with_a_ttl_of_0_the_failure_bundle_is_fetched_before_the_cluster_goes(k
     rayjob = kubectl_json(cluster, ns, "rayjob", "gone-fast")
     tbmod.poll(lambda: not (kubectl_json(cluster, ns, "pods", "-l", f"ray.io/cluster={rayjob['status']['rayClusterName']}")
                             or {"items": []})["items"], 120, "the operator to delete the cluster (TTL 0)")
+
+
+def test_every_shipped_tasks_rendered_file_is_what_the_api_server_takes(kube_cluster, ns, tmp_path):
+    """What `render` prints for every shipped task that KubeRay can run, applied as its header says
+    (`kubectl apply -f`, client-side, which keeps the whole object in an annotation) with the real
+    API server's validation (`--dry-run=server`: KubeRay's CRD schema, the ConfigMap's limits)."""
+    cluster = kube_cluster
+    env = cluster.env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    applied = []
+    for task in sorted((ROOT / "tasks").glob("*.yaml")):
+        check = run_cli(["check", str(task), "--provider", "kuberay"], env)
+        if check.returncode == 2 and "torchrun" in check.stderr:
+            continue  # a recipe without Ray: refused, KubeRay always starts Ray
+        out = tmp_path / f"{task.stem}.rayjob.yaml"
+        rendered = run_cli(["render", str(task), "--provider", "kuberay", "-o", str(out)], env)
+        assert rendered.returncode == 0, rendered.stderr
+        said = cluster.cp.kubectl("-n", ns, "apply", "--dry-run=server", "-f", str(out), check=False)
+        assert said.returncode == 0, f"{task.name}: {said.stdout}{said.stderr}"
+        assert "rayjob.ray.io/" in said.stdout and "(server dry run)" in said.stdout, said.stdout
+        applied.append(task.stem)
+    assert len(applied) >= 6, applied

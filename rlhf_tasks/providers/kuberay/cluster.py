@@ -319,7 +319,7 @@ class Watch:
             return
         own = self.agent_failed()
         if own is not None:
-            raise StepFailed(own, self.undo())
+            raise StepFailed("starting the cluster", f"{own}; {self.undo()}")
         if self.refused:
             hint = ("; placement.kuberay.security_context: restricted makes the pods pass it"
                     if '"restricted' in self.refused else "")
