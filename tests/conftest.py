@@ -155,3 +155,12 @@ def kube_cluster(tmp_path_factory):
     cluster = KubeCluster(tmp_path_factory.mktemp("kube"), shared=[tmp_path_factory.getbasetemp()])
     yield cluster
     cluster.close()
+
+
+@pytest.fixture
+def ns(kube_cluster, request):
+    """A namespace of the test's own on the session's Kubernetes cluster, deleted after it (pass or
+    fail), so its pods free their hosts."""
+    name = kube_cluster.namespace(request.node.name[5:30])
+    yield name
+    kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -56,12 +56,25 @@ def run_cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.Comp
                           text=True, timeout=timeout)
 
 
-@pytest.fixture
-def ns(kube_cluster, request):
-    """A namespace of the test's own, deleted after it (pass or fail), so its pods free their hosts."""
-    name = kube_cluster.namespace(request.node.name[5:30])
-    yield name
-    kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
+def cli_env(cluster, tmp_path: Path, **extra: str) -> dict:
+    """The CLI's environment in a test: the cluster's kubeconfig, a home of the test's own, no token."""
+    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+                           PYTHONUNBUFFERED="1", **extra))
+    env.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
+def launch_task(cluster, ns: str, tmp_path: Path, task: dict, env: dict | None = None,
+                timeout: float = 600) -> tuple[subprocess.CompletedProcess, str]:
+    """`launch` of `task` (written to the test's directory) in namespace `ns`: the finished process and
+    what it said (kept in launch.out)."""
+    path = tmp_path / f"{task['name']}.yaml"
+    path.write_text(yaml.safe_dump(task))
+    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns],
+                     env or cli_env(cluster, tmp_path), timeout=timeout)
+    said = launch.stdout + launch.stderr
+    (tmp_path / "launch.out").write_text(said)
+    return launch, said
 
 
 def metrics(path: Path) -> list[dict]:
@@ -78,9 +91,7 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
     shared_claim(cluster, ns, "ckpt", ckpt)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_grpo(ckpt, steps, save_every=25)))
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
-    env.pop("RAY_AUTH_TOKEN", None)
+    env = cli_env(cluster, tmp_path)
     late_node = cluster.runner.nodes and sorted(cluster.runner.nodes)[-1]
     cluster.cp.kubectl("cordon", late_node)
     cordoned = time.monotonic()
@@ -157,15 +168,9 @@ def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluste
     `logs --bundle` through it holds every node's files and no secret, and `down` leaves nothing
     of the run in the namespace."""
     cluster = kube_cluster
-    path = tmp_path / "fails.yaml"
-    path.write_text(yaml.safe_dump(failing_task(tmp_path / "ckpt")))
     secret = "fx-secret-value-0123456789"
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1", FX_SECRET=secret))
-    env.pop("RAY_AUTH_TOKEN", None)
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
-    said = launch.stdout + launch.stderr
-    (tmp_path / "launch.out").write_text(said)
+    env = cli_env(cluster, tmp_path, FX_SECRET=secret)
+    launch, said = launch_task(cluster, ns, tmp_path, failing_task(tmp_path / "ckpt"), env)
     assert launch.returncode == 1, said[-5000:]
     assert "FAILED" in said and "RuntimeError: bad shard on rank 1" in said, said[-5000:]
     status = run_cli(["status", "fails"], env)
@@ -257,8 +262,7 @@ def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, 
                     "args": {"entrypoint": "python3 -c \"print('admitted and ran')\""}}}
     path = tmp_path / "queued.yaml"
     path.write_text(yaml.safe_dump(task))
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
+    env = cli_env(cluster, tmp_path)
     out = open(tmp_path / "launch.out", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(path), "--provider", "kuberay",
                              "--namespace", ns], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -295,13 +299,7 @@ def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, n
             "placement": {"kuberay": {"ray_version": cluster_ray_version()}},
             "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
                     "args": {"entrypoint": "python3 -c \"import ray; ray.init(); print('nodes', len(ray.nodes()))\""}}}
-    path = tmp_path / "no-ray.yaml"
-    path.write_text(yaml.safe_dump(task))
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
-    said = launch.stdout + launch.stderr
-    (tmp_path / "launch.out").write_text(said)
+    launch, said = launch_task(cluster, ns, tmp_path, task)
     assert launch.returncode == 0, said[-5000:]
     assert "nodes 2" in said and "SUCCEEDED in " in said
     worker = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
@@ -326,15 +324,9 @@ def test_a_failed_setup_is_said_as_itself_before_the_operators_deadline(kube_clu
             "ray": {"object_store_memory": "80MB"}, "wait": {"head": "2m", "nodes": "2m"},
             "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
                     "args": {"entrypoint": "python3 -c \"print('never')\""}}}
-    path = tmp_path / "bad-setup.yaml"
-    path.write_text(yaml.safe_dump(task))
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
     started = time.monotonic()
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
+    launch, said = launch_task(cluster, ns, tmp_path, task)
     took = time.monotonic() - started
-    said = launch.stdout + launch.stderr
-    (tmp_path / "launch.out").write_text(said)
     assert launch.returncode == 1, said[-5000:]
     assert took < 200, f"{took:.0f}s: it waited for the operator's deadline (240 s)\n{said[-3000:]}"
     error = next(line for line in said.splitlines() if line.startswith("failed:"))
@@ -352,13 +344,7 @@ def test_with_a_ttl_of_0_the_failure_bundle_is_fetched_before_the_cluster_goes(k
     cluster = kube_cluster
     task = failing_task(tmp_path / "ckpt")
     task.update(name="gone-fast", secrets=[], placement={"kuberay": {"ttl_after_finished": 0}})
-    path = tmp_path / "gone-fast.yaml"
-    path.write_text(yaml.safe_dump(task))
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=600)
-    said = launch.stdout + launch.stderr
-    (tmp_path / "launch.out").write_text(said)
+    launch, said = launch_task(cluster, ns, tmp_path, task)
     assert launch.returncode == 1 and "RuntimeError: bad shard on rank 1" in said, said[-5000:]
     bundles = list((tmp_path / "home" / "runs" / "gone-fast").glob("*.tar.gz"))
     assert bundles, said[-3000:]

@@ -13,7 +13,7 @@ import yaml
 
 import testbed as tbmod
 from conftest import ROOT
-from test_kuberay_cluster import kubectl_json, ns, run_cli, shared_claim  # noqa: F401 (ns: the fixture)
+from test_kuberay_cluster import cli_env, kubectl_json, launch_task, run_cli, shared_claim
 
 pytestmark = pytest.mark.cluster
 
@@ -68,24 +68,17 @@ def test_a_restricted_namespace_admits_the_pods_only_with_security_context_restr
     processes run as."""
     cluster = kube_cluster
     cluster.cp.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
-    env = cluster.env(dict(os.environ, RLHF_TASKS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                           PYTHONUNBUFFERED="1"))
-    env.pop("RAY_AUTH_TOKEN", None)
-    path = tmp_path / "open.yaml"
-    path.write_text(yaml.safe_dump(small_task("open", "python3 -c \"print('should not run')\"")))
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=300)
-    said = launch.stdout + launch.stderr
+    env = cli_env(cluster, tmp_path)
+    task = small_task("open", "python3 -c \"print('should not run')\"")
+    launch, said = launch_task(cluster, ns, tmp_path, task, env, timeout=300)
     assert launch.returncode == 1, said[-4000:]
     assert "the API server refuses the operator's pods" in said and PSA_REFUSAL in said, said[-4000:]
     assert "allowPrivilegeEscalation != false" in said and "runAsNonRoot != true" in said, said[-4000:]
     assert "placement.kuberay.security_context: restricted makes the pods pass it" in said
     assert pods(cluster, ns) == [] and kubectl_json(cluster, ns, "rayjob", "open") is None  # launch cleaned up
 
-    path = tmp_path / "restricted.yaml"
-    path.write_text(yaml.safe_dump(small_task("restricted", "python3 -c \"print('admitted and ran')\"",
-                                              security_context="restricted")))
-    launch = run_cli(["launch", str(path), "--provider", "kuberay", "--namespace", ns], env, timeout=420)
-    said = launch.stdout + launch.stderr
+    task = small_task("restricted", "python3 -c \"print('admitted and ran')\"", security_context="restricted")
+    launch, said = launch_task(cluster, ns, tmp_path, task, env, timeout=420)
     assert launch.returncode == 0, said[-4000:]
     assert "admitted and ran" in said and "SUCCEEDED in " in said
     admitted = {role(p): p for p in pods(cluster, ns)}
