@@ -14,7 +14,7 @@ its guarantees around that, with the agent in its attached roles (agent/attached
   the plan's env, the agent on PYTHONPATH);
   a startupProbe covers that time, so KubeRay's liveness probe cannot kill a long setup;
 - the RayJob's entrypoint is the agent's job runner on the head: the head's services, every node
-  and GPU in (however late a worker pod is scheduled), preflight, then the recipe's command with
+  and GPU in (a late worker pod within preRunningDeadlineSeconds), preflight, then the recipe's command with
   the restart policy (a lost worker pod is replaced by KubeRay; the runner waits for it and
   resumes from the checkpoint, where KubeRay's own `backoffLimit` would rebuild the cluster).
 
