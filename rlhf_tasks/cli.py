@@ -306,15 +306,28 @@ def _bundle(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    from .agent.protocol import TERMINAL_JOB_STATES, wait_for
+    from .agent.protocol import TERMINAL_JOB_STATES, http_request, wait_for
+    from .console import say
 
     jobs = _jobs(args)
     if not jobs.stop(args.job):
         print(f"{args.job}: already finished ({jobs.status(args.job)})")
         return 0
-    status = wait_for(f"job {args.job} to stop", lambda: (lambda s: (s in TERMINAL_JOB_STATES, s))(
-        jobs.status(args.job)), args.wait)
-    print(f"{args.job}: {status}")
+
+    def stopped():
+        try:
+            status = jobs.status(args.job)
+        except StepFailed:
+            try:  # any answer, 401 included, is a dashboard that is still there
+                http_request(f"{jobs.address}/api/gcs_healthz", timeout=5.0)
+            except OSError:  # gone: a cluster ends itself once its job is over (unless kept)
+                return True, None
+            raise
+        return status in TERMINAL_JOB_STATES, status
+    status = wait_for(f"job {args.job} to stop", stopped, args.wait)
+    print(f"{args.job}: {status or 'STOPPED'}")
+    if status is None:
+        say("Ray took the stop, and then the cluster's dashboard went: the cluster ended itself with its job")
     return 0
 
 

@@ -156,3 +156,34 @@ def test_check_and_render_warn_when_a_multi_node_resume_has_no_shared_storage(tm
     assert capsys.readouterr().err.startswith("warning: checkpoints /checkpoints/verl-ppo-gsm8k is a directory on each")
     assert main(["render", task, "--provider", "sky", "-o", str(tmp_path / "x.sky.yaml")]) == 0
     assert "add checkpoints.shared.sky" in capsys.readouterr().err
+
+
+def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_path):
+    """A cluster ends itself once its job is over (unless kept), so the dashboard that took the
+    stop may be gone before `stop` sees the job STOPPED: that is the stop done, not a failure."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Dashboard(BaseHTTPRequestHandler):
+        def do_POST(self):  # Ray's answer to POST /api/jobs/ID/stop
+            body = json.dumps({"stopped": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            threading.Thread(target=lambda: (server.shutdown(), server.server_close())).start()  # the cluster ends
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RAY_", "RLHF_TASKS_"))}
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "stop", "last-job", "--address", address],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(env, RLHF_TASKS_HOME=str(tmp_path / "home")))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0] == "last-job: STOPPED"
+    assert "the cluster ended itself with its job" in out.stdout
