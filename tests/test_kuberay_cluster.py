@@ -356,6 +356,8 @@ def test_with_a_ttl_of_0_the_failure_bundle_is_fetched_before_the_cluster_goes(k
     rayjob = kubectl_json(cluster, ns, "rayjob", "gone-fast")
     tbmod.poll(lambda: not (kubectl_json(cluster, ns, "pods", "-l", f"ray.io/cluster={rayjob['status']['rayClusterName']}")
                             or {"items": []})["items"], 120, "the operator to delete the cluster (TTL 0)")
+    runner = cluster.cp.kubectl("-n", ns, "logs", "job/gone-fast").stdout  # the submitter's pod outlives the cluster
+    assert "the bundle was read; the runner exits" in runner, runner[-2000:]  # not the whole hold
 
 
 def test_every_shipped_tasks_rendered_file_is_what_the_api_server_takes(kube_cluster, ns, tmp_path):
