@@ -94,13 +94,55 @@ def pytest_configure(config):
         sys._rlhf_tasks_audit = True
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks, and before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info else ()
         if any(getattr(d.func, "starts_cluster", False) for chain in defs for d in chain):
             item.add_marker(CLUSTER)
+        group = xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # a worker of `make test`'s two (pytest-xdist): the longest first
+        items.sort(key=run_order)
+
+
+#: The fixtures whose programs `make test` builds in the background (tests/kube/build.sh): their tests
+#: are one group, which one worker runs first while the other runs the rest (and the build, at nice 19,
+#: takes what CPU the tests leave).
+KUBE_BUILD_FIXTURES = frozenset({"kube_cluster", "real_kubectl"})
+
+
+def _our_fixtures(item):
+    info = getattr(item, "_fixtureinfo", None)
+    for name, chain in (info.name2fixturedefs.items() if info else ()):
+        for d in chain:
+            if str(getattr(d.func, "__code__", None) and d.func.__code__.co_filename).startswith(str(ROOT / "tests")):
+                yield name, d
+
+
+def xdist_group(item) -> str | None:
+    """What `make test`'s workers (pytest-xdist, `--dist loadgroup`) must not split: the tests of a
+    fixture wider than one test (a module's testbed, the session's Kubernetes cluster) run in one
+    worker, so that it starts once. Other tests go one by one to whichever worker is free."""
+    scoped = [(name, d.scope) for name, d in _our_fixtures(item) if d.scope in ("module", "package", "session")]
+    if any(name in KUBE_BUILD_FIXTURES for name, _ in scoped):
+        return "kube"
+    if any(scope == "session" for _, scope in scoped):
+        return "session-" + "-".join(sorted(name for name, scope in scoped if scope == "session"))
+    if scoped:
+        return item.nodeid.split("::")[0]
+    return None
+
+
+def run_order(item) -> int:
+    """The Kubernetes tests first (the longest group; on a cold cache they wait for the build while
+    the other worker goes on), then the other cluster tests, then the fast tier (short tests that
+    even out the two workers' ends). Python's sort is stable: each keeps the collection's order."""
+    if xdist_group(item) == "kube":
+        return 0
+    return 1 if item.get_closest_marker(CLUSTER) else 2
 
 
 @pytest.hookimpl(wrapper=True)

@@ -437,12 +437,13 @@ def test_a_second_ctrl_c_before_the_rayjob_is_deleted_leaves_it_all_as_it_says(k
 @pytest.fixture(scope="module")
 def real_kubectl(tmp_path_factory) -> Path:
     """The real kubectl (Kubernetes' own, as `make kube` built it into its cache: never built here,
-    the fast tier stays fast), alone in a bin directory: no cluster is started, kubectl only reads
+    so the fast tier stays fast, though a build under way, as `make test` starts one, is waited
+    for), alone in a bin directory: no cluster is started, kubectl only reads
     a kubeconfig and dials a closed port. Skipped locally (failed in CI) when it was not built."""
     from conftest import need
     from kube.controlplane import built
 
-    found = built()
+    found = built(wait_for_a_build_under_way=True)
     need(found is not None, "the real kubectl: run `make kube` first (tests/kube/build.sh, with Go)")
     bin_dir = tmp_path_factory.mktemp("kubectl-bin")
     (bin_dir / "kubectl").symlink_to(found / "bin" / "kubectl")

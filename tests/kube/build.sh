@@ -7,6 +7,11 @@
 #     $RLHF_TASKS_KUBE_CACHE (default ~/.cache/rlhf-tasks/kube)/<key>/{bin,crd}
 # <key> hashes this script, versions.env, Go's version and the module's go.mod/go.sum, so a
 # second run builds nothing; kube-streams is rebuilt (seconds) when its source changes.
+#
+# `build.sh --background` starts the build at the lowest CPU priority and returns at once, printing
+# where its output goes (<key>.log beside the build; nothing when built or being built): `make test` overlaps the cold build with the tests that
+# need none of it. One build at a time holds <key>.lock; a second build.sh waits for it and
+# then finds the programs built.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
@@ -15,6 +20,20 @@ command -v go >/dev/null || { echo "build.sh: the Kubernetes tests need Go (go n
 key="$(cat "$0" "$here/versions.env" "$here/gomod/go.mod" "$here/gomod/go.sum" <(go env GOVERSION) \
        | sha256sum | cut -c1-16)"
 out="${RLHF_TASKS_KUBE_CACHE:-$HOME/.cache/rlhf-tasks/kube}/$key"
+mkdir -p "$(dirname "$out")"
+if [ "${1:-}" = --background ]; then
+  if [ ! -f "$out/.done" ] && flock -n "$out.lock" true; then  # neither built nor being built
+    echo "build.sh: building the Kubernetes tests' programs in the background, at nice 19 (log: $out.log)" >&2
+    nohup nice -n 19 bash "$0" >"$out.log" 2>&1 </dev/null &
+    echo "$out.log"
+  fi
+  exit 0
+fi
+exec 9>"$out.lock"
+if ! flock -n 9; then
+  echo "build.sh: waiting for the build already under way ($out.log)" >&2
+  flock 9
+fi
 start=$SECONDS
 say() { echo "build.sh: $* ($((SECONDS - start)) s)" >&2; }
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false

@@ -47,9 +47,8 @@ def build() -> Path:
     return out
 
 
-def built() -> Path | None:
-    """The cached build (as build() would print it) when it is there, without building anything:
-    None when Go is missing or these versions were never built (`make kube`). The key is build.sh's."""
+def _build_dir() -> Path | None:
+    """Where build.sh puts these versions' programs (its key), or None without Go."""
     import hashlib
     import shutil
 
@@ -59,8 +58,36 @@ def built() -> Path | None:
     hashed = b"".join((HERE / name).read_bytes() for name in ("build.sh", "versions.env", "gomod/go.mod",
                                                                "gomod/go.sum")) + version
     cache = Path(os.environ.get("RLHF_TASKS_KUBE_CACHE") or Path.home() / ".cache" / "rlhf-tasks" / "kube")
-    out = cache / hashlib.sha256(hashed).hexdigest()[:16]
-    return out if (out / ".done").exists() else None
+    return cache / hashlib.sha256(hashed).hexdigest()[:16]
+
+
+def built(wait_for_a_build_under_way: bool = False) -> Path | None:
+    """The cached build (as build() would print it) when it is there, without starting a build:
+    None when Go is missing or these versions were never built (`make kube`). With
+    `wait_for_a_build_under_way`, a build another process holds the lock for (`make test` starts
+    one in the background) is waited for."""
+    out = _build_dir()
+    if out is None:
+        return None
+    if (out / ".done").exists():
+        return out
+    if wait_for_a_build_under_way and _building(out):
+        return build()
+    return None
+
+
+def _building(out: Path) -> bool:
+    """Whether a build.sh holds this build's lock now."""
+    import fcntl
+
+    try:
+        with open(f"{out}.lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False
+    except BlockingIOError:
+        return True
+    return False
 
 
 def free_port() -> int:
