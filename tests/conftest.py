@@ -115,10 +115,13 @@ KUBE_BUILD_FIXTURES = frozenset({"kube_cluster", "real_kubectl"})
 
 
 def _our_fixtures(item):
+    """The fixtures of the item's closure that the test suite defines (not pytest's or a plugin's)."""
     info = getattr(item, "_fixtureinfo", None)
+    root = str(item.config.rootpath)
     for name, chain in (info.name2fixturedefs.items() if info else ()):
         for d in chain:
-            if str(getattr(d.func, "__code__", None) and d.func.__code__.co_filename).startswith(str(ROOT / "tests")):
+            code = getattr(d.func, "__code__", None)
+            if code and code.co_filename.startswith(root) and not code.co_filename.startswith(sys.prefix):
                 yield name, d
 
 
