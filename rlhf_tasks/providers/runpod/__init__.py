@@ -2,9 +2,10 @@
 setup; also `auto` and `ethernet`) or one Instant Cluster (`network: runpod-cluster`),
 through RunPod's REST API v2 (`api.py`, its client).
 
-`render` (pure) writes the create requests as JSON, exactly the bodies `launch` sends but
-with secret values as `${NAME}` placeholders (RunPod's v2 pod `env` holds values only: it has
-no reference to a stored secret), and `NAME.start.sh`, which carries the node agent and the
+`render` (pure) writes the create requests as JSON, exactly the bodies `launch` sends but for
+the head pod's id and the data center, each secret (the task's and the Ray token) a reference to
+an account secret in RunPod's vault (`{{ RUNPOD_SECRET_rlhf-tasks.NAME.VARIABLE }}`, which RunPod
+substitutes when a pod boots: `launch` creates them, `down` deletes them; vault.py), and `NAME.start.sh`, which carries the node agent and the
 plan inside itself (heredocs) and starts the agent; the requests pass it through the pod's
 `args` (gzip and base64 in a `bash -c`, the way SkyPilot ships its start script to RunPod).
 
@@ -26,7 +27,8 @@ by the hour) unless `launch --keep`.
 
 The package, by concern: `render` (pure: contracts, presets, the task's checks, the start
 script and the create requests), `api` (the REST v2 client), `catalog` (GPU type, data
-centers and price, before anything is created), `pods` (creating, waiting, finding,
+centers and price, before anything is created), `vault` (the secrets, as RunPod account
+secrets the pods reference), `pods` (creating, waiting, finding,
 status, terminating), `logs` (the pods' logs and following the job); this module wires
 them into the provider. The ssh tunnel is shared by providers (`providers/ssh.py`).
 """

@@ -1,7 +1,8 @@
 """What is pure of the RunPod provider: its contracts and network presets, the task's
 checks, and the rendered files: `NAME.start.sh` (the agent and the plan in heredocs, then
-the agent) and the create requests of RunPod's REST API v2 (`NAME.runpod.json`), with
-secret values as `${NAME}` placeholders that `launch` fills (`filled`)."""
+the agent) and the create requests of RunPod's REST API v2 (`NAME.runpod.json`), whose env
+references the task's secrets in RunPod's vault (`{{ RUNPOD_SECRET_rlhf-tasks.NAME.VARIABLE }}`,
+vault.py), never their values; `launch` fills the head pod's id and the data center (`filled`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, SelfEnd, env, template
 from ...spec import Task
 from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files
+from . import vault
 
 NAME = "runpod"
 #: RunPod GPU type ids for the short names a task writes (`resources.gpus: H100:8`); a name
@@ -255,11 +257,16 @@ def start_script(plan: Plan) -> str:
     return script
 
 
+def secret_names(plan: Plan) -> list[str]:
+    """The variables that go through RunPod's vault: the task's secrets and the Ray token's."""
+    return plan.secrets + ([plan.token_env] if plan.token_env else [])
+
+
 def bodies(plan: Plan, args: str) -> dict:
-    """The create requests, secrets as `${NAME}` placeholders that `launch` fills."""
+    """The create requests, each secret a reference to its account secret (vault.py)."""
     gpu_id, count = gpu_request(plan.resources)
     client = plan.job.submit == "client"
-    secrets = {name: f"${{{name}}}" for name in plan.secrets + ([plan.token_env] if plan.token_env else [])}
+    secrets = {name: vault.reference(plan.name, name) for name in secret_names(plan)}
     container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
     if plan.resources.disk:
         container["disk"] = max(1, size_bytes(plan.resources.disk) // 10**9)
@@ -292,14 +299,23 @@ def bodies(plan: Plan, args: str) -> dict:
     return {"head": pod("head", 0), "workers": [pod(f"worker-{k}", k) for k in range(1, plan.nodes)]}
 
 
-def filled(body: dict, values: dict[str, str], datacenters: list[str]) -> dict:
-    """A rendered request with its `${NAME}` env values filled (a secret not set here is left
-    out, as the launcher says) and its data centers chosen."""
+#: A rendered env value that references an account secret.
+SECRET_REFERENCE = re.compile(r"\{\{ RUNPOD_SECRET_(\S+) \}\}")
+
+
+def filled(body: dict, values: dict[str, str], datacenters: list[str], held: set[str] | frozenset = frozenset()) -> dict:
+    """A rendered request with its `${NAME}` env values filled (HEAD_POD_ID: never a secret), its
+    references kept to the account secrets `held` (a secret not set here is left out, as the
+    launcher says), and its data centers chosen."""
     out = json.loads(json.dumps(body))
     env = {}
     for key, value in out.get("env", {}).items():
         match = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", value)
-        if match is None:
+        secret = SECRET_REFERENCE.fullmatch(value)
+        if secret is not None:
+            if secret.group(1) in held:
+                env[key] = value
+        elif match is None:
             env[key] = value
         elif values.get(match.group(1)):
             env[key] = values[match.group(1)]
@@ -316,17 +332,26 @@ def render(plan: Plan) -> dict[str, str]:
         raise BadInput(f"the start script is too large for a pod's args ({len(args) // 1024} KiB compressed, "
                        f"at most {MAX_ARGS // 1024} KiB): it carries the agent and job.args' shipped modules")
     if is_cluster(plan):
-        what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch fills each ${NAME} in env from your "
-                f"environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}) and sets dataCenterIds to one data "
+        what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch sets dataCenterIds to one data "
                 "center at a time, of those whose Instant Cluster stock has the GPU type, until one takes it.")
     else:
         what = ("POST https://api.runpod.io/v2/pods, the head first, then the workers. rlhf-tasks launch fills "
-                f"each ${{NAME}} in env from your environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}; "
-                "HEAD_POD_ID: the head pod's id) and sets dataCenterIds to one data center at a time, of those "
+                "HEAD_POD_ID (the head pod's id) and sets dataCenterIds to one data center at a time, of those "
                 "whose catalog entry has Global Networking and the GPU type in stock, until one takes the head; "
                 "the workers go to the head's, once RunPod has placed it.")
     notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
              "(gzip, base64)."]
+    names = secret_names(plan)
+    if names:
+        made = ", ".join(f"{vault.secret_name(plan.name, name)} (" + (
+            f"rlhf-tasks token {plan.name}" if name == plan.token_env else f"your {name}") + ")" for name in names)
+        notes.append(
+            "Secrets are references to RunPod account secrets, substituted when a pod boots; no value is in a "
+            "request. rlhf-tasks launch creates them from your environment and deletes them at rlhf-tasks down "
+            f"{plan.name} (and when the launcher sees the cluster end). By hand, before the requests: create "
+            f"{made} in RunPod's console (Secrets) or with POST https://api.runpod.io/v2/account/secrets "
+            "{\"name\": ..., \"value\": ...}; delete them (DELETE /v2/account/secrets/{id}) once the pods are "
+            "terminated.")
     if not plan.resources.gpus:
         why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else \
             "RunPod pods with Global Networking need an NVIDIA GPU"
