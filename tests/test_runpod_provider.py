@@ -48,6 +48,8 @@ TOKEN = "runpod-contract-token-0123456789abcdef"
 IDLE_IMAGE = ("bash", "-c", "exec sleep 600", "container")
 testbed3 = tbmod.make_testbed_fixture(3, scope="module")
 
+#: What a job prints of the file its job.working_dir holds (its own working directory).
+SHOW_SHIPPED = "cat shipped.txt"
 CHECK_NODES = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.nodes() if x['Alive']); "
                "print('CONTRACT alive nodes', n); assert n == {nodes}\"")
 
@@ -146,6 +148,43 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
                      "--plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
                      "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_named_working_dir_is_shipped_in_the_start_script_or_refused_at_check(tmp_path):
+    """RunPod: nothing of this machine reaches a pod but its create request, so job.working_dir
+    (with submit: head) travels in the start script, packed as Ray would upload it; one too big
+    for a pod's args is refused at `check`, naming the field and what to do."""
+    import io
+    import tarfile
+
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "reward_fn.py").write_text("def reward(x):\n    return 1.0\n")
+    (code / "pkg" / "util.py").write_text("X = 1\n")
+    (code / "skip.log").write_text("left out by job.excludes\n")
+    task = command_task()
+    task["job"].update(working_dir=str(code), excludes=["*.log"])
+    provider, plan, files = rendered(task)
+    assert plan.job.working_dir == "."  # on the pod: where the archive is unpacked, the head submits from
+    script = files["rp-contract.start.sh"]
+    encoded = script.split("<<'RLHF_TASKS_WORKDIR'\n")[1].split("\nRLHF_TASKS_WORKDIR")[0].replace("\n", "")
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded))) as tar:
+        assert sorted(tar.getnames()) == ["pkg/util.py", "reward_fn.py"]
+        assert tar.extractfile("reward_fn.py").read() == b"def reward(x):\n    return 1.0\n"
+    assert script.index("RLHF_TASKS_WORKDIR") < script.rindex("agent/__main__.py --plan")  # before the agent runs
+    assert "shipped in the pods' start command" in provider.working_dir_words(plan)
+    assert rendered(task)[2] == files  # the same bytes for the same files
+    # Not named (the recipe's default `.`): nothing shipped, and check says where the job runs.
+    provider, plan, files = rendered(command_task(job={**command_task()["job"], "working_dir": None}))
+    assert "RLHF_TASKS_WORKDIR" not in files["rp-contract.start.sh"]
+    # Too big for a pod's args: refused at check, exit 2, naming the field and what to do.
+    (code / "vocab.py").write_text(base64.b64encode(os.urandom(200 * 1024)).decode())
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(task))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(path), "--provider", "runpod"],
+                         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"job.working_dir: {code} packs" in out.stderr and "set job.submit: client" in out.stderr, out.stderr
 
 
 def test_render_of_the_demo_ships_its_code_and_picks_a_gpu_for_global_networking():
@@ -825,9 +864,15 @@ def test_client_submission_through_the_ssh_forward_from_a_laptop(testbed3, tb_st
 
 def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp_path):
     """start.sh on three hosts as someone creating pods by hand would run it: the guide's
-    variables only (and what RunPod sets itself), the workers started well before the head."""
+    variables only (and what RunPod sets itself), the workers started well before the head; the
+    task's job.working_dir, shipped in the script, is the job's working directory."""
     tb = testbed3
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "shipped.txt").write_text("shipped in the start script\n")
     task = command_task(checkpoints={"path": str(tmp_path / "ckpt"), "resume": "never"})
+    task["job"].update(working_dir=str(code),
+                       args={"entrypoint": ["bash", "-c", f"{SHOW_SHIPPED} && {CHECK_NODES.format(nodes=3)}"]})
     _, _, files = rendered(task)
     script = tmp_path / "start.sh"
     script.write_text(files["rp-contract.start.sh"])
@@ -850,6 +895,7 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
         head = procs[0].output
         assert result["exit_code"] == 0 and (result["job"] or {})["status"] == "SUCCEEDED", head[-5000:]
         assert "CONTRACT alive nodes 3" in head and "--ray-debugger-external" in head
+        assert "shipped in the start script" in head  # job.working_dir reached the job's working directory
         assert "network preset runpod-global: GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_LAUNCH_MODE=GROUP" in head
         assert f"runpod node 0 of 3, address {tb.hosts[0].ip}, head {tb.hosts[0].ip}" in head
         for host in (1, 2):

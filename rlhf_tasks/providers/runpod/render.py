@@ -165,10 +165,45 @@ def check(task: Task) -> None:
             raise BadInput(f"placement.{field}: {why}")
 
 
-def start_script(plan: Plan) -> str:
+def pack(path: str, excludes: list[str]) -> bytes:
+    """job.working_dir as a tar.gz of what Ray would upload from it (its excludes, .gitignore and
+    .rayignore, virtualenvs left out: workdir.py), the same bytes for the same files."""
+    import io
+    import tarfile
+
+    from ... import workdir
+
+    files: list = []
+    workdir.measure(path, excludes, files)
+    root = os.path.abspath(path)
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for file in sorted(files):
+            info = tar.gettarinfo(str(file), os.path.relpath(str(file), root))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(file, "rb") as handle:
+                tar.addfile(info, handle)
+    return buffer.getvalue()
+
+
+def shipped_lines(archive: bytes | None) -> list[str]:
+    """Start-script lines that unpack job.working_dir where the agent runs (the pod's directory for it)."""
+    if archive is None:
+        return ["# job.working_dir: none shipped (the task names none): the job runs in this empty directory"]
+    encoded = base64.b64encode(archive).decode()
+    return [f"# job.working_dir, shipped: {len(archive)} bytes (tar.gz), unpacked where the agent runs",
+            f"base64 -d > {NODE_DIR}/workdir.tar.gz <<'RLHF_TASKS_WORKDIR'",
+            *(encoded[i:i + 76] for i in range(0, len(encoded), 76)), "RLHF_TASKS_WORKDIR",
+            f"python3 -m tarfile -e {NODE_DIR}/workdir.tar.gz . && rm -f {NODE_DIR}/workdir.tar.gz && "
+            'say "job.working_dir unpacked in $PWD"']
+
+
+def start_script(plan: Plan, archive: bytes | None = None) -> str:
     """What every pod runs: it writes the agent and the plan under /opt/rlhf-tasks and
     starts the agent (which runs the setup commands), then keeps the pod up, so that a
-    container restart never runs the job twice."""
+    container restart never runs the job twice. `archive`: job.working_dir (pack), unpacked
+    in the directory the agent runs in, which the head submits the job with."""
     cluster = is_cluster(plan)
     preset = " ".join(f"{k}={v}" for k, v in plan.network_env.items())
     lines = [
@@ -239,7 +274,6 @@ def start_script(plan: Plan) -> str:
         "  fi",
         "fi",
         "export PYTHONUNBUFFERED=1",
-        "# job.working_dir '.' is this empty directory: nothing of yours is uploaded from a pod",
         f"mkdir -p {NODE_DIR}/workdir && cd {NODE_DIR}/workdir",
         "if ! command -v python3 >/dev/null 2>&1; then",
         '  say "python3 is not in the image"',
@@ -248,6 +282,7 @@ def start_script(plan: Plan) -> str:
         f"  {keep}",
         "  exec sleep infinity",
         "fi",
+        *shipped_lines(archive),
         agent,
         'say "the node agent exited with code $?"',
         keep,
@@ -324,11 +359,24 @@ def filled(body: dict, values: dict[str, str], datacenters: list[str], held: set
     return out
 
 
-def render(plan: Plan) -> dict[str, str]:
-    """File name -> content: the create requests and the start script they carry."""
-    script = start_script(plan)
+def too_big_to_ship(working_dir: str, archive: bytes, args: int) -> str:
+    """Why job.working_dir cannot be shipped in a pod's start command, and what to do."""
+    return (f"job.working_dir: {working_dir} packs {len(archive) // 1024 + 1} KiB (tar.gz), too much for a pod's start "
+            f"command, which carries it beside the node agent ({args // 1024} KiB in all, at most {MAX_ARGS // 1024} "
+            f"KiB): with job.submit: head nothing else of this machine reaches a pod. Leave out what the job does not "
+            f"need (job.excludes, .rayignore), or set job.submit: client (launch then uploads job.working_dir to the "
+            f"job through the head's ssh forward), or put the code in the image or on a network volume "
+            f"(checkpoints.shared.runpod) and leave job.working_dir out")
+
+
+def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
+    """File name -> content: the create requests and the start script they carry (with
+    job.working_dir's `archive`, when the task ships one)."""
+    script = start_script(plan, archive)
     args = start_args(script)
     if len(args) > MAX_ARGS:
+        if archive is not None and len(start_args(start_script(plan))) <= MAX_ARGS:
+            raise BadInput(too_big_to_ship(plan.job.working_dir, archive, len(args)))
         raise BadInput(f"the start script is too large for a pod's args ({len(args) // 1024} KiB compressed, "
                        f"at most {MAX_ARGS // 1024} KiB): it carries the agent and job.args' shipped modules")
     if is_cluster(plan):
