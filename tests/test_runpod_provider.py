@@ -177,6 +177,12 @@ def test_a_named_working_dir_is_shipped_in_the_start_script_or_refused_at_check(
     # Not named (the recipe's default `.`): nothing shipped, and check says where the job runs.
     provider, plan, files = rendered(command_task(job={**command_task()["job"], "working_dir": None}))
     assert "RLHF_TASKS_WORKDIR" not in files["rp-contract.start.sh"]
+    # A credentials file is never shipped (a pod's args are readable in its configuration): refused, naming it.
+    (code / ".env").write_text("WANDB_API_KEY=not-for-a-pods-args\n")
+    with pytest.raises(BadInput, match=r"job.working_dir: .*code holds \.env, which would be shipped in the pods' start "
+                                       r"command.*leave it out with job.excludes"):
+        rendered(task)
+    task["job"]["excludes"].append(".env")
     # Too big for a pod's args: refused at check, exit 2, naming the field and what to do.
     (code / "vocab.py").write_text(base64.b64encode(os.urandom(200 * 1024)).decode())
     path = tmp_path / "big.yaml"

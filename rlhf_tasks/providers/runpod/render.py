@@ -165,9 +165,15 @@ def check(task: Task) -> None:
             raise BadInput(f"placement.{field}: {why}")
 
 
+#: Files of a working_dir that hold credentials by convention: never shipped in a pod's start command, which
+#: anyone who can read the account's pods reads (a task's secrets go through RunPod's vault instead).
+CREDENTIAL_FILES = re.compile(r"^(\.env(\..*)?|\.netrc|\.pgpass|id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx))$")
+
+
 def pack(path: str, excludes: list[str]) -> bytes:
     """job.working_dir as a tar.gz of what Ray would upload from it (its excludes, .gitignore and
-    .rayignore, virtualenvs left out: workdir.py), the same bytes for the same files."""
+    .rayignore, virtualenvs left out: workdir.py), the same bytes for the same files. BadInput when
+    it holds a credentials file (CREDENTIAL_FILES)."""
     import io
     import tarfile
 
@@ -176,6 +182,12 @@ def pack(path: str, excludes: list[str]) -> bytes:
     files: list = []
     workdir.measure(path, excludes, files)
     root = os.path.abspath(path)
+    credentials = sorted(os.path.relpath(str(f), root) for f in files if CREDENTIAL_FILES.match(f.name))
+    if credentials:
+        raise BadInput(f"job.working_dir: {path} holds {', '.join(credentials)}, which would be shipped in the pods' "
+                       f"start command, readable by whoever can read the pods of your RunPod account; leave "
+                       f"{'it' if len(credentials) == 1 else 'them'} out with job.excludes (and pass the values as "
+                       f"secrets:, which go through RunPod's vault)")
     buffer = io.BytesIO()
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, \
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
