@@ -79,7 +79,8 @@ def cmd_check(args) -> int:
 
         upload = provider.upload
         left = f"; left out: {', '.join(p.lstrip('/') for p in upload.left_out)}" if upload.left_out else ""
-        print(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left})")
+        print(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left}): uploaded "
+              f"from this machine, the job runs in Ray's copy of it")
     elif words := provider.working_dir_words(plan):
         print(f"  working_dir {words}")
     return 0

@@ -53,9 +53,9 @@ def _runs_dir() -> Path:
     return (state.root() / "runs").absolute()
 
 
-def measure(path: str, excludes: list[str]) -> Measure:
+def measure(path: str, excludes: list[str], files: list[Path] | None = None) -> Measure:
     """Bytes Ray would pack from `path` (before compression), by top-level entry, leaving out by
-    default what never belongs in a job's code."""
+    default what never belongs in a job's code (`files`: appended with each file packed)."""
     root = Path(path).absolute()
     out = Measure(str(path))
     sizes: dict[str, int] = {}
@@ -73,6 +73,8 @@ def measure(path: str, excludes: list[str]) -> Measure:
 
     def add(p: Path) -> None:
         if p.is_file():
+            if files is not None:
+                files.append(p)
             top = p.relative_to(root).parts[0]
             sizes[top] = sizes.get(top, 0) + p.stat().st_size
 

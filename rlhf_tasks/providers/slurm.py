@@ -60,6 +60,8 @@ from .base import Cluster, Provider
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
+#: The directory `launch` runs in, given to the script: a relative job.working_dir is read from there.
+JOB_DIR_ENV = "RLHF_TASKS_JOB_DIR"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -340,11 +342,13 @@ class SlurmProvider(Provider):
     def container_lines(self, plan: Plan) -> list[list[str]]:
         """Shell words (quoted), a line of them per option, that run the agent in the image."""
         slurm, q = slurm_placement(plan.placement), shlex.quote
-        mounts = ['"$run_dir":"$run_dir"'] + ([q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")]
-                                             if plan.checkpoint_dir else []) + [q(m) for m in slurm.mounts]
+        workdir = '"$job_dir"' if plan.job.working_dir else '"$run_dir"'
+        mounts = (['"$job_dir":"$job_dir"'] if plan.job.working_dir else []) + ['"$run_dir":"$run_dir"'] + (
+            [q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")] if plan.checkpoint_dir else []) + [
+            q(m) for m in slurm.mounts]
         if slurm.container == "pyxis":
             return [[f"--container-image={q(plan.image)}"], ["--container-mounts=" + ",".join(mounts)],
-                    ['--container-workdir="$run_dir"']]
+                    [f"--container-workdir={workdir}"]]
         engine = slurm.container
         lines = [["bash", '"$run_dir/container.sh"', '"$container"'],  # stops the container when the task ends
                  [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host", "--ipc=host"]]
@@ -363,7 +367,7 @@ class SlurmProvider(Provider):
         # No PYTHONPATH of ours: the image's own stays, the agent runs by its path and puts lib/ before
         # the image's entries for everything it starts (raynode.node_env).
         lines += [[f"--volume={mount}"] for mount in mounts]
-        lines += [['--workdir="$run_dir"'], [q(plan.image)]]
+        lines += [[f"--workdir={workdir}"], [q(plan.image)]]
         return lines
 
     def script(self, plan: Plan) -> str:
@@ -385,6 +389,7 @@ class SlurmProvider(Provider):
             "# The node agent and its plan, beside the job's output (a filesystem every node sees).",
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
+            *self.job_dir_lines(plan),
             *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
             "# The node agent's package and the code the recipe needs on the nodes (the demo's), first on",
             "# PYTHONPATH; the agent runs by its entry file's path (never `-m`: the working directory could shadow it).",
@@ -411,6 +416,8 @@ class SlurmProvider(Provider):
                               *(f"export {key}={q(value)}" for key, value in plan.env.items())]
         srun = [["srun", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
                  "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
+        if plan.job.working_dir:
+            srun[-1].append('--chdir="$job_dir"')
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
             srun += self.container_lines(plan)
         srun.append(["python3", f'"$run_dir/lib/{AGENT_ENTRY}"', "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
@@ -431,6 +438,26 @@ class SlurmProvider(Provider):
         lines.append('exit "$status"')
         return "\n".join(lines) + "\n"
 
+    def job_dir_lines(self, plan: Plan) -> list[str]:
+        """Where the agents run, so that the head's `ray job submit --working-dir` finds job.working_dir:
+        the directory `launch` ran in (RLHF_TASKS_JOB_DIR), or the one sbatch was run from."""
+        if not plan.job.working_dir:
+            return []
+        return [f"# job.working_dir {plan.job.working_dir}: the agents run in the directory `rlhf-tasks launch` ran in",
+                f"# ({JOB_DIR_ENV}), or else the one you ran sbatch in; it must be on a filesystem every node sees",
+                "# (the head uploads job.working_dir from there to the job, with Ray).",
+                f'job_dir="${{{JOB_DIR_ENV}:-${{SLURM_SUBMIT_DIR:-$PWD}}}}"']
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        wd = plan.job.working_dir
+        if not wd or plan.job.mode != "ray" or plan.job.submit != "head":
+            return None
+        where = (f"{wd}" if os.path.isabs(wd) else
+                 f"{wd} of the directory `launch` runs in ({os.path.normpath(os.path.join(os.getcwd(), wd))} from "
+                 f"here), or of the one you run `sbatch` in")
+        return (f"{where}: the head reads it there and uploads it to the job (Ray's working_dir), so it must be on "
+                f"the cluster's shared filesystem")
+
     def render(self, plan: Plan) -> dict[str, str]:
         return {f"{plan.name}.sbatch": self.script(plan)}
 
@@ -449,6 +476,8 @@ class SlurmProvider(Provider):
         self.ready(plan)
         sbatch = _cli("sbatch")
         directory, token, env = self.stage(plan, secrets)
+        if plan.job.working_dir:  # relative to where launch runs, as on every provider (the script's job_dir)
+            env[JOB_DIR_ENV] = os.getcwd()
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:
