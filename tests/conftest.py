@@ -170,6 +170,25 @@ def pytest_runtest_protocol(item):
         _stand_ins.clear()
 
 
+@pytest.fixture(autouse=True)
+def _side_by_side(request, tmp_path_factory):
+    """`make test`'s two workers run cluster tests side by side, sharing 2 cores; a test marked `alone`
+    (it bounds how fast something happens, e.g. a silent node declared dead within 18 s) runs with no
+    other cluster test beside it: it takes the workers' lock exclusively, every other cluster test
+    shares it. The fast tier takes no lock."""
+    item = request.node
+    if item.get_closest_marker(CLUSTER) is None or not hasattr(request.config, "workerinput"):
+        yield
+        return
+    import fcntl
+
+    alone = item.get_closest_marker("alone") is not None
+    # every worker's basetemp is popen-gwN in the run's own directory
+    with open(tmp_path_factory.getbasetemp().parent / "cluster-tests.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+
+
 @pytest.fixture
 def rlhf_home(tmp_path, monkeypatch):
     """A private launcher state dir (tokens, cluster records) for one test."""

@@ -213,3 +213,40 @@ def test_make_tests_two_workers_keep_each_group_together_the_kubernetes_tests_fi
     assert len({w for w, _ in lines}) == 2, lines  # both workers worked
     kube_worker = workers["kube"].pop()
     assert [k for w, k in lines if w == kube_worker][:3] == ["kube"] * 3, lines
+
+
+def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(inner, tmp_path, monkeypatch):
+    """Two workers start together: an `alone` test and another cluster test never overlap (the workers'
+    lock), while two fast tests do not wait for each other's worker."""
+    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
+                 if line.startswith("PYTEST_WORKERS"))
+    monkeypatch.setenv("SEEN", str(tmp_path))
+    inner.makepyfile(test_x="""
+        import os
+        import time
+        from pathlib import Path
+        import pytest
+
+        def hold(me):
+            # running for 2 s; says whether any other test ran meanwhile
+            seen = Path(os.environ["SEEN"])
+            (seen / f"running-{me}").touch()
+            others = set()
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                others |= {p.name for p in seen.glob("running-*")} - {f"running-{me}"}
+                time.sleep(0.05)
+            (seen / f"running-{me}").unlink()
+            (seen / f"beside-{me}").write_text(" ".join(sorted(others)))
+
+        @pytest.mark.cluster
+        @pytest.mark.alone
+        def test_alone():
+            hold("alone")
+
+        @pytest.mark.cluster
+        def test_cluster():
+            hold("cluster")
+    """)
+    inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=2)
+    assert (tmp_path / "beside-alone").read_text() == "" and (tmp_path / "beside-cluster").read_text() == ""
