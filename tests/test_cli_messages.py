@@ -139,7 +139,7 @@ def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tm
 # ---------------------------------------------------------------- RunPod pods made by hand (item 15)
 
 def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path, rlhf_home):
-    """README, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
+    """docs/runpod.md, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
     story = "on each worker its own rank, 1 to N-1 (the create requests give worker-k RAY_WORKER=k)"
     main_file = tmp_path / "tiny-grpo.runpod.json"
     assert main(["render", TINY, "--provider", "runpod", "-o", str(main_file)]) == 0
@@ -148,7 +148,7 @@ def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path,
     assert requests["head"]["env"]["RAY_WORKER"] == "0"
     flat = lambda text: " ".join(text.replace("#", " ").replace("`", "").split())  # noqa: E731
     assert story in flat((tmp_path / "tiny-grpo.start.sh").read_text())
-    assert story in flat((ROOT / "README.md").read_text())
+    assert story in flat((ROOT / "docs" / "runpod.md").read_text())
 
 
 # ---------------------------------------------------------------- launch --help (item 9)
@@ -232,7 +232,7 @@ def test_forward_on_a_local_cluster_says_its_dashboard_is_here_already(rlhf_home
 
 def test_preflight_names_nodes_of_one_machine_by_rank():
     """The local provider's nodes share a hostname: the report names them node0, node1, ... (as
-    README shows), each with its address, not by the address alone."""
+    docs/preflight.md shows), each with its address, not by the address alone."""
     from rlhf_tasks.agent.preflight import name_nodes
 
     nodes = [{"hostname": "box", "address": "127.9.9.%d" % (r + 1), "rank": r} for r in range(3)]

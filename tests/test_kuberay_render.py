@@ -735,9 +735,9 @@ def test_a_bad_pod_option_is_exit_2_at_the_cli(tmp_path):
 
 
 def test_readmes_kuberay_example_renders_with_its_options():
-    """README's KubeRay task-file example is a task that renders a RayJob the schema accepts,
+    """docs/kuberay.md's task-file example is a task that renders a RayJob the schema accepts,
     with the options it shows where they belong and nothing left for `check` to say about InfiniBand."""
-    section = (ROOT / "README.md").read_text().split("\n## KubeRay\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "kuberay.md").read_text().split("\n## An example task file\n", 1)[1].split("\n## ", 1)[0]
     example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
     plan, _, rayjob, _ = render(example)
     validate(rayjob)
