@@ -114,3 +114,31 @@ def test_a_provider_pages_rows_are_the_rows_of_the_table_that_compares_them():
     dash = [p.read_text().split("## Reaching the head's dashboard\n", 1)[1].split("\n## ", 1)[0]
             for p in (ROOT / "docs" / "dstack.md", ROOT / "docs" / "skypilot.md")]
     assert dash[0] == dash[1] and "dstack attach" in dash[0] and "ssh -L" in dash[0]
+
+
+def example(page: str) -> str:
+    """The task file under a provider page's `## An example task file`."""
+    section = (ROOT / "docs" / page).read_text().split("\n## An example task file\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_dstack_and_skypilot_pages_example_tasks_check_and_render_as_they_say(tmp_path, rlhf_home, capsys):
+    """Each example is a task `check` takes without a warning and `render` turns into what the page says
+    the provider reads from it: the shared checkpoints, dstack's fleets, retry and max_duration, SkyPilot's bucket."""
+    import yaml
+
+    from rlhf_tasks.cli import main
+
+    for page, provider, out in (("dstack.md", "dstack", "v.dstack.yml"), ("skypilot.md", "sky", "v.sky.yaml")):
+        task = tmp_path / f"{provider}.yaml"
+        task.write_text(example(page))
+        assert main(["check", str(task), "--provider", provider]) == 0, page
+        assert "warning" not in capsys.readouterr().err, page
+        assert main(["render", str(task), "--provider", provider, "-o", str(tmp_path / provider / out)]) == 0
+        rendered = yaml.safe_load((tmp_path / provider / out).read_text())
+        if provider == "dstack":
+            assert {"name": "ckpt", "path": "/checkpoints/verl-ppo-gsm8k"} in rendered["volumes"]
+            assert rendered["fleets"] == ["h100-cluster"] and rendered["max_duration"] == 72 * 3600
+            assert rendered["retry"]
+        else:
+            assert rendered["file_mounts"]["/checkpoints/verl-ppo-gsm8k"]["source"] == "s3://my-bucket/verl"
