@@ -493,6 +493,9 @@ def cmd_schema(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf-tasks", description="One task file -> a multi-node Ray cluster on "
                                      "any provider -> an RLHF job, submitted and followed.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlhf-tasks {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
@@ -594,6 +597,7 @@ def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> 
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--provider", default="local")
         shown = [name for name in [first.parse_known_args(rest)[0].provider] if name in names]
+        _foreign_options(rest, shown, names)
     flags: set[str] = set()
     for name in shown:
         options = [option for option in providers.provider_class(name).options if option.flag not in flags]
@@ -602,6 +606,26 @@ def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> 
             for option in options:
                 flags.add(option.flag)
                 group.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+
+
+def _foreign_options(rest: list[str], shown: list[str], names: list[str]) -> None:
+    """BadInput, in words, for a provider's own `launch` option given without that provider
+    (`launch x.yaml --managed` runs on local, which has no --managed), instead of the whole usage."""
+    from . import providers
+
+    own = {option.flag for name in shown for option in providers.provider_class(name).options}
+    for word in rest:
+        if word == "--":
+            return
+        flag = word.split("=", 1)[0]
+        if not flag.startswith("--") or flag in own:
+            continue
+        owners = [name for name in names if flag in {o.flag for o in providers.provider_class(name).options}]
+        if owners:
+            chosen = shown[0] if shown else "?"
+            raise BadInput(f"{flag}: an option of --provider {' or '.join(owners)}, and this launch runs on "
+                           f"{chosen}{' (the default)' if '--provider' not in ' '.join(rest) else ''}; add "
+                           f"--provider {owners[0]}, or drop {flag}")
 
 
 def _reader_left() -> bool:
