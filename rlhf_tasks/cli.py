@@ -130,7 +130,7 @@ def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
 def cmd_launch(args) -> int:
     from .launch import launch
 
-    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep)
+    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep, fresh=args.fresh)
 
 
 def _token(args, name: str | None) -> str | None:
@@ -515,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task")
     p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
+    p.add_argument("--fresh", action="store_true", help="start the run over: the head moves the old checkpoints "
+                   "aside (to CHECKPOINTS.old-<UTC time>, never deleted) before prepare, so nothing resumes from them")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")

@@ -82,3 +82,65 @@ def test_a_bearer_value_under_env_is_taken_for_a_secret(value):
 @pytest.mark.parametrize("value", ["Bearer", "auth scheme: bearer", "Bearer-token-auth"])
 def test_the_word_bearer_alone_is_no_secret(value):
     assert parse_task({**TASK, "env": {"NOTE": value}}).env["NOTE"] == value
+
+
+def test_fresh_moves_the_old_checkpoints_aside_once_and_never_deletes_them(tmp_path, capsys):
+    from rlhf_tasks.agent.head import move_aside
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_000480.pt").parent.mkdir()
+    (ckpt / "step_000480.pt").write_text("weights")
+    moved = move_aside(str(ckpt), "20261128T070000Z")
+    old = tmp_path / "checkpoints.old-20261128T070000Z"
+    assert moved == str(old) and (old / "step_000480.pt").read_text() == "weights" and not ckpt.exists()
+    assert str(old) in capsys.readouterr().out
+    ckpt.mkdir()  # the fresh run's own checkpoint, then a relaunch of the same launch: kept where it is
+    (ckpt / "step_000010.pt").write_text("new")
+    assert move_aside(str(ckpt), "20261128T070000Z") is None
+    assert (ckpt / "step_000010.pt").read_text() == "new" and (old / "step_000480.pt").exists()
+    assert move_aside(str(tmp_path / "none-yet"), "20261128T070000Z") is None
+
+
+def test_fresh_moves_the_contents_of_a_directory_that_cannot_be_renamed(tmp_path, monkeypatch, capsys):
+    """A checkpoint directory that is a mount point (a volume, a claim) cannot be renamed: its
+    contents go aside inside it, under a hidden name no recipe resumes from."""
+    import os
+
+    from rlhf_tasks.agent import head
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "ckpt").mkdir(parents=True)
+    (ckpt / "ckpt" / "latest").write_text("7")
+    real = os.rename
+
+    def busy(src, dst):
+        if os.path.abspath(src) == str(ckpt):
+            raise OSError(16, "Device or resource busy")
+        return real(src, dst)
+    monkeypatch.setattr(head.os, "rename", busy)
+    moved = head.move_aside(str(ckpt), "S")
+    assert moved == str(ckpt / ".old-S") and (ckpt / ".old-S" / "ckpt" / "latest").read_text() == "7"
+    assert os.listdir(ckpt) == [".old-S"]
+    assert head.move_aside(str(ckpt), "S") is None  # once per launch
+
+
+def test_launch_fresh_gives_the_head_the_launchs_stamp_and_says_where(tmp_path, monkeypatch, capsys, rlhf_home):
+    from rlhf_tasks.providers.local import LocalProvider
+
+    seen = []
+
+    class Fake(LocalProvider):
+        def apply(self, plan, secrets):
+            seen.append(plan)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("rlhf_tasks.cli._provider", lambda name, args=None: Fake())
+    main(["launch", str(ROOT / "tasks/tiny-grpo.yaml"), "--fresh"])
+    (plan,) = seen
+    assert re.fullmatch(r"\d{8}T\d{6}Z", plan.fresh or "")
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert f"{plan.checkpoint_dir}.old-{plan.fresh}" in said and "deleted" in said
+    seen.clear()
+    main(["launch", str(ROOT / "tasks/tiny-grpo.yaml")])
+    assert seen[0].fresh is None
