@@ -144,3 +144,20 @@ def test_launch_fresh_gives_the_head_the_launchs_stamp_and_says_where(tmp_path, 
     seen.clear()
     main(["launch", str(ROOT / "tasks/tiny-grpo.yaml")])
     assert seen[0].fresh is None
+
+
+def test_the_demos_install_says_what_pip_installs():
+    """PyPI serves torch for Linux x86_64 only as its CUDA build (its wheel requires CUDA's nvidia-*
+    wheels, some 5 GB with them); the CPU-only build is on PyTorch's own index, which `make demo`
+    does not use. So `make` must not promise "CPU torch"."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        cuda = any(r.startswith("nvidia-") for r in requires("torch") or [])
+    except PackageNotFoundError:
+        pytest.fail("torch is not installed (the demo extra holds it)")
+    makefile = (ROOT / "Makefile").read_text()
+    install = next(line for line in makefile.splitlines() if "installing rlhf-tasks with the demo's needs" in line)
+    if cuda:
+        assert "CPU torch" not in install and "CUDA" in install and "GB" in install, install
+        assert "CPU torch" not in (ROOT / "pyproject.toml").read_text()
