@@ -635,9 +635,8 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     if plan.fresh:
-        say(f"--fresh: the head moves the old checkpoints aside before prepare, nothing deleted: {plan.checkpoint_dir} "
-            f"-> {plan.checkpoint_dir}.old-{plan.fresh} (on {provider.name}'s storage for it; a mount point keeps them "
-            f"inside, in .old-{plan.fresh}); the run starts over")
+        say(f"--fresh: the run starts over; the head moves the old checkpoints aside before prepare, nothing deleted: "
+            f"{plan.checkpoint_dir} -> {plan.checkpoint_dir}.old-{plan.fresh} (its log says where they went)")
     cluster = None
     job_started = interrupted = command_started = False
     try:

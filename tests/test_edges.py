@@ -161,3 +161,32 @@ def test_the_demos_install_says_what_pip_installs():
     if cuda:
         assert "CPU torch" not in install and "CUDA" in install and "GB" in install, install
         assert "CPU torch" not in (ROOT / "pyproject.toml").read_text()
+
+
+def test_launch_fresh_on_local_starts_over_with_the_old_checkpoints_kept_aside(tmp_path, cli_env, rlhf_home):
+    """For real, on the local provider: a run, then `launch --fresh`: the second trains from step 1,
+    and the first run's checkpoints are beside, whole, where the head said."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    data.update(name="fresh", nodes=2)
+    data["job"]["args"].update(steps=10, save_every=5)
+    task = tmp_path / "fresh.yaml"
+    task.write_text(yaml.safe_dump(data))
+
+    def launch(*args):
+        done = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(task), *args], cwd=tmp_path,
+                              env=cli_env, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+        return done.stdout + done.stderr
+
+    launch()
+    ckpt = rlhf_home / "runs" / "fresh" / "checkpoints"
+    first = sorted(p.name for p in ckpt.iterdir())
+    assert "step_000010.pt" in first
+    out = launch("--fresh")
+    (old,) = ckpt.parent.glob("checkpoints.old-*")
+    assert sorted(p.name for p in old.iterdir()) == first
+    assert f"moved the old checkpoints aside, nothing deleted: {ckpt} -> {old}" in out
+    assert "over steps 1..10" in out and "resumed" not in out, out[-3000:]
+    assert (ckpt / "step_000010.pt").exists()
