@@ -141,13 +141,17 @@ def _plan_lines(provider, plan, task) -> list[str]:
     return lines
 
 
+def _hm(seconds: float) -> str:
+    """`1 h 05 m`: as the head agent's budget lines say a duration."""
+    minutes = int(round(seconds / 60.0))
+    return f"{minutes // 60} h {minutes % 60:02d} m"
+
+
 def _span(seconds: float) -> str:
     """`30s`, `2 m`, `1 h 30 m`: a grace or a cap, as `check` says it."""
-    from .agent.budget import hm
-
     if seconds < 60 or (seconds < 3600 and seconds % 60):
         return f"{seconds:.0f}s"
-    return f"{seconds / 60:.0f} m" if seconds < 3600 else hm(seconds)
+    return f"{seconds / 60:.0f} m" if seconds < 3600 else _hm(seconds)
 
 
 def _cost_line(provider, plan, neutral: bool = False) -> str | None:
@@ -156,11 +160,11 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
     (placement.max_cost at the price, placement.max_duration), then placement.stop_grace, as the head
     agent enforces them (agent/budget.py), counted from its start. None on a machine that bills
     nothing (local) with neither a price nor a cap."""
-    from .agent.budget import cap_seconds, hm
-
     budget = plan.budget
-    price, caps = budget.price_per_hour, budget.model_dump()
-    cap = cap_seconds(caps)
+    price = budget.price_per_hour
+    caps = ([budget.max_duration_s] if budget.max_duration_s else []) + (  # as agent/budget.py's cap_seconds
+        [budget.max_cost / price * 3600.0] if budget.max_cost is not None and price else [])
+    cap = min(caps) if caps else None
     source = None if neutral else provider.price_source
     if price is None and cap is None and not neutral and not provider.bills:
         return None
@@ -172,13 +176,13 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
         budget.max_duration_s is None or price is None or cap < budget.max_duration_s)
     if by_cost:
         most = f"at most about ${budget.max_cost + price * budget.stop_grace_s / 3600:.2f}: " if price else ""
-        after = f", after {hm(cap)}" if price else ", at its price"
+        after = f", after {_hm(cap)}" if price else ", at its price"
         words.append(f"{most}the head stops the job at ${budget.max_cost:.2f} (placement.max_cost{after}) and {grace}, "
                      f"counted from the head agent's start")
     elif budget.max_duration_s:
         most = (f"at most about ${price * (budget.max_duration_s + budget.stop_grace_s) / 3600:.2f}: "
                 if price is not None else "")
-        words.append(f"{most}the head stops the job after {hm(budget.max_duration_s)} (placement.max_duration) and "
+        words.append(f"{most}the head stops the job after {_hm(budget.max_duration_s)} (placement.max_duration) and "
                      f"{grace}, counted from the head agent's start")
     else:
         words.append("no cap (placement.max_cost, placement.max_duration): nothing ends the bill but the job's end")
