@@ -561,14 +561,16 @@ def refuse_live_cluster(name: str, provider: Provider) -> None:
                    f"`rlhf-tasks down {name}` (or rename this task); nothing was launched")
 
 
-def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+def launch(task: Task, provider: Provider, keep: bool = False, fresh: bool = False) -> int:
     """Launch the task, and relaunch it whole when its head is lost, as often as the
-    provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint."""
+    provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint
+    (with `fresh`, from the fresh run's: the old ones are moved aside once, by this launch's stamp)."""
     refuse_live_cluster(task.name, provider)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) if fresh else None
     relaunches = provider.relaunches()
     for attempt in range(relaunches + 1):
         try:
-            return launch_once(task, provider, keep)
+            return launch_once(task, provider, keep, stamp)
         except HeadLost as exc:
             if attempt == relaunches:
                 raise
@@ -617,17 +619,24 @@ def left_running(provider: Provider, name: str) -> str:
     return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
-def launch_once(task: Task, provider: Provider, keep: bool) -> int:
+def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = None) -> int:
     from . import state
 
     started = time.monotonic()
     plan = provider.plan(task)
     if keep:
         plan = plan.replace(keep_cluster=True)
+    if fresh:
+        if not plan.checkpoint_dir:
+            raise BadInput("--fresh: the task has no checkpoint directory to start over from (checkpoints.path)")
+        plan = plan.replace(fresh=fresh)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
+    if plan.fresh:
+        say(f"--fresh: the run starts over; the head moves the old checkpoints aside before prepare, nothing deleted: "
+            f"{plan.checkpoint_dir} -> {plan.checkpoint_dir}.old-{plan.fresh} (its log says where they went)")
     cluster = None
     job_started = interrupted = command_started = False
     try:

@@ -282,6 +282,8 @@ class Plan(StrictModel):
     resources: Resources
     image: str | None
     resume: bool = False                 # the job resumes from checkpoint_dir (checkpoints.resume: auto)
+    #: `launch --fresh`: the launch's UTC stamp; the head moves checkpoint_dir aside (DIR.old-STAMP) before prepare.
+    fresh: str | None = None
     #: This provider's entry of checkpoints.shared (its own check() validated it); None: a directory on each node.
     checkpoint_shared: dict[str, Any] | None = None
     #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.

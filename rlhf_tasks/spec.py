@@ -48,6 +48,7 @@ _SECRET_VALUES = {
     "a GitLab token (glpat-...)": r"glpat-[A-Za-z0-9_-]{20,}",
     "a Stripe live key (sk_live_..., rk_live_...)": r"[sr]k_live_[A-Za-z0-9]{16,}",
     "a Google API key (AIza...)": r"AIza[A-Za-z0-9_-]{35}",
+    "an HTTP bearer token (Bearer ...)": r"(?i:bearer)[ \t]+[A-Za-z0-9._~+/=-]{8,}",
 }
 _SECRET_VALUES = {what: re.compile(r"(?<![A-Za-z0-9_])(?:" + pattern + ")") for what, pattern in _SECRET_VALUES.items()}
 #: W&B's keys are 40 hex digits, like a git commit: only a value that is nothing else counts.
@@ -489,10 +490,45 @@ def load_task(path: str | Path) -> Task:
     except OSError as exc:
         raise BadInput(f"{path}: cannot read task file ({exc.strerror})") from None
     try:
+        twice = _key_twice(yaml.compose(text, Loader=yaml.SafeLoader))
+        if twice:
+            raise BadInput(f"{path}: {twice}")
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise BadInput(f"{path}: not valid YAML: {exc}") from None
     return parse_task(data, str(path))
+
+
+def _key_twice(node: Any, path: str = "", seen_nodes: set | None = None) -> str | None:
+    """A key written twice in one mapping of the task file, named by its path and both lines
+    (`nodes: 2` then `nodes: 3`: YAML would silently keep 3); None when there is none. A merge
+    (`<<: *anchor`) may still be overridden: that is what it is for."""
+    import yaml
+
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if node is None or id(node) in seen_nodes:
+        return None
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found = _key_twice(item, f"{path}[{index}]", seen_nodes)
+            if found:
+                return found
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            here = f"{path}.{key}" if path else str(key)
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key in lines:
+                    return (f"{here}: written twice in one mapping, on line {lines[key]} and line {line} (YAML would "
+                            f"silently keep the second); keep one")
+                lines[key] = line
+            found = _key_twice(value_node, here, seen_nodes)
+            if found:
+                return found
+    return None
 
 
 def json_schema(placement: dict[str, type[BaseModel]] | None = None) -> dict:

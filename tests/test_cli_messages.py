@@ -119,6 +119,7 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
     assert "set checkpoints.path" in err
     task = tmp_path / "t.yaml"
     task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": "/shared/ckpt/t"},
+                                "placement": {"max_duration": "2h"},  # (no --time is a warning of its own)
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
@@ -129,6 +130,7 @@ def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tm
     """Issue 32, item 10: not "the default path" for a path the task names (even the default's)."""
     task = tmp_path / "t.yaml"
     task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": path},
+                                "placement": {"max_duration": "2h"},  # (no --time is a warning of its own)
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     err = capsys.readouterr().err

@@ -352,3 +352,54 @@ def test_torchrun_runs_on_every_node_without_ray():
     with pytest.raises(BadInput, match="nproc_per_node 16 is more than the 8 GPUs"):
         provider.plan(parse_task({"name": "dpo", "nodes": 2, "resources": {"gpus": "H100:8"},
                                   "job": {"recipe": "torchrun", "args": {"module": "m", "nproc_per_node": 16}}}))
+
+
+def test_the_gpu_type_reaches_slurm_by_the_clusters_name_for_it_or_its_drop_is_said():
+    """resources.gpus H100:8 -> --gpus-per-node=h100:8 when placement.slurm.gpu_type gives the
+    cluster's name for the type (gres.conf's); without it the type is dropped, and `check` and
+    `render` say so (a warning, as the KubeRay provider's for its node selector)."""
+    provider = providers.get("slurm")
+    typed = {**FULL, "placement": {"slurm": {"gpu_type": "h100"}}}
+    plan = provider.plan(parse_task(typed))
+    assert "--gpus-per-node=h100:8" in sbatch_options(provider.render(plan)[f"{plan.name}.sbatch"])
+    assert not any("gpu_type" in note for note in provider.notes(plan))
+    untyped = provider.plan(parse_task(FULL))
+    assert "--gpus-per-node=8" in sbatch_options(render(FULL))
+    (said,) = [note for note in provider.notes(untyped) if "resources.gpus" in note]
+    assert "H100" in said and "any type" in said and "placement.slurm.gpu_type" in said
+    counted = provider.plan(parse_task({**FULL, "resources": {"gpus": "8"}}))  # no type asked for: nothing dropped
+    assert not any("resources.gpus" in note for note in provider.notes(counted))
+    gres = provider.plan(parse_task({**FULL, "placement": {"slurm": {"gres": "gpu:h100:8"}}}))
+    assert not any("resources.gpus" in note for note in provider.notes(gres))
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"placement": {"slurm": {"gpu_type": "h100", "gres": "gpu:h100:8"}}}, "placement.slurm.gres says the GPUs"),
+    ({"resources": {"cpus": 4}, "placement": {"slurm": {"gpu_type": "h100"}}}, "no GPUs"),
+    ({"placement": {"slurm": {"gpu_type": "h100 --uid=0"}}}, "one word")])
+def test_a_gpu_type_that_cannot_apply_is_refused(change, why):
+    with pytest.raises(BadInput, match=re.escape("placement.slurm.gpu_type") + ".*" + re.escape(why)):
+        providers.get("slurm").plan(parse_task({**FULL, **change}))
+
+
+def test_a_script_without_a_time_limit_is_said():
+    """No placement.max_duration and no job.timeout: no --time, so Slurm gives the partition's
+    default limit; `check` and `render` say so, with the field that sets it."""
+    provider = providers.get("slurm")
+    open_ended = {**FULL, "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}}
+    plan = provider.plan(parse_task(open_ended))
+    assert not any(o.startswith("--time") for o in sbatch_options(render(open_ended)))
+    (said,) = [note for note in provider.notes(plan) if "--time" in note]
+    assert "placement.max_duration" in said and "partition" in said
+    for limited in (FULL, {**open_ended, "placement": {"max_duration": "3h"}}):
+        assert not any("--time" in note for note in provider.notes(provider.plan(parse_task(limited))))
+
+
+def test_check_and_render_print_the_slurm_notes(tmp_path, capsys, rlhf_home):
+    from rlhf_tasks.cli import main
+
+    task = tmp_path / "t.yaml"
+    task.write_text(yaml.safe_dump({**FULL, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["render", str(task), "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: resources.gpus" in err and "--time" in err

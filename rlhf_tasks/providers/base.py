@@ -109,6 +109,11 @@ class Provider:
     shares_filesystem: ClassVar[bool] = False
     #: The task's option for storage every node sees at checkpoints.path (checkpoints.shared.<name>).
     shared_option: ClassVar[str] = ""
+    #: Where the cluster's price per hour comes from when the provider knows it itself (`check` says it);
+    #: None: placement.price_per_hour.
+    price_source: ClassVar[str | None] = None
+    #: Whether its machines are billed (`check` says the cost; the local provider's are this machine).
+    bills: ClassVar[bool] = True
 
     def __init__(self, **options: Any):
         known = {option.dest for option in self.options}

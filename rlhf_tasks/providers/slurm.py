@@ -135,11 +135,14 @@ class SlurmPlacement(StrictModel):
     reservation: str | None = None
     gres: str | None = Field(None, description="--gres instead of --gpus-per-node, in the site's GPU type names "
                                                "(e.g. gpu:h100:8)")
+    gpu_type: str | None = Field(None, description=(
+        "this cluster's name for resources.gpus' type, as its gres.conf and `sinfo -o %G` say it (e.g. h100 for "
+        "gpu:h100:8): the script asks for --gpus-per-node=TYPE:N; without it, for N GPUs of any type"))
     container: Literal["pyxis", "docker", "podman"] = Field(
         "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
     mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
 
-    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres")
+    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres", "gpu_type")
     @classmethod
     def _one_word(cls, value):
         if value is not None and not _SBATCH_VALUE.match(value):
@@ -287,6 +290,32 @@ class SlurmProvider(Provider):
             raise BadInput(f"placement.slurm.container: {slurm.container} runs the task's image; the task has no image")
         if not task.image and slurm.mounts:
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
+        if slurm.gpu_type and slurm.gres:
+            raise BadInput(f"placement.slurm.gpu_type: placement.slurm.gres says the GPUs ({slurm.gres}) with their "
+                           f"type already; give one of them")
+        if slurm.gpu_type and ":" in slurm.gpu_type:
+            raise BadInput(f"placement.slurm.gpu_type: {slurm.gpu_type!r}: the type's name alone (h100 of "
+                           f"gpu:h100:8); the count comes from resources.gpus")
+        if slurm.gpu_type and not task.resources.gpus_per_node:
+            raise BadInput("placement.slurm.gpu_type: the task asks for no GPUs (resources.gpus); give "
+                           "resources.gpus, or remove gpu_type")
+
+    def notes(self, plan: Plan) -> list[str]:
+        """Besides the shared-storage warning: what the script leaves to Slurm without a word in it,
+        the GPU type (Slurm names types per cluster) and the time limit."""
+        out, slurm, res = super().notes(plan), slurm_placement(plan.placement), plan.resources
+        if res.gpu_name and not slurm.gpu_type and not slurm.gres:
+            out.append(f"resources.gpus: the script asks Slurm for {plan.gpus_per_node} GPU(s) of any type per node "
+                       f"(--gpus-per-node={plan.gpus_per_node}): {res.gpu_name} is not passed, since each Slurm "
+                       f"cluster names its GPU types itself (gres.conf); give placement.slurm.gpu_type with your "
+                       f"cluster's name for it (`sinfo -o %G` lists them: gpu:h100:8 -> h100), or "
+                       f"placement.slurm.gres")
+        if self.time_limit(plan) is None:
+            out.append("placement.max_duration: none (nor job.timeout), so the script has no --time: Slurm gives the "
+                       "job the partition's default time limit (its DefaultTime, else its MaxTime; `sinfo -o %l` "
+                       "shows it), which may end the run early or let a stuck one hold the nodes that long; set "
+                       "placement.max_duration")
+        return out
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """A line for `check` and `render` when checkpoints go under /checkpoints (the default,
@@ -325,12 +354,12 @@ class SlurmProvider(Provider):
         if slurm.gres:
             options.append(f"--gres={slurm.gres}")
         elif plan.gpus_per_node:
-            options.append(f"--gpus-per-node={plan.gpus_per_node}")
+            typed = f"{slurm.gpu_type}:" if slurm.gpu_type else ""
+            options.append(f"--gpus-per-node={typed}{plan.gpus_per_node}")
         if res.memory:
             options.append(f"--mem={_mebibytes(res.memory)}")
         options.append("--exclusive")  # Ray's fixed ports and the GPUs are the job's alone
-        limit = plan.placement.max_duration or (
-            plan.job.timeout_s + plan.wait.head_s + plan.wait.nodes_s if plan.job.timeout_s else None)
+        limit = self.time_limit(plan)
         if limit:
             options.append(f"--time={_slurm_time(limit)}")
         options += ["--output=%x-%j.out", "--export=ALL", "--requeue" if plan.placement.retry else "--no-requeue"]
@@ -338,6 +367,12 @@ class SlurmProvider(Provider):
             if getattr(slurm, key):
                 options.append(f"--{key}={getattr(slurm, key)}")
         return options
+
+    @staticmethod
+    def time_limit(plan: Plan) -> float | None:
+        """--time in seconds: placement.max_duration, else the job's timeout and the waits before it; None: none."""
+        return plan.placement.max_duration or (
+            plan.job.timeout_s + plan.wait.head_s + plan.wait.nodes_s if plan.job.timeout_s else None)
 
     def container_lines(self, plan: Plan) -> list[list[str]]:
         """Shell words (quoted), a line of them per option, that run the agent in the image."""

@@ -64,6 +64,7 @@ class RunPodProvider(Provider):
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)
     stop_after_job = True  # pods bill by the hour: the launcher terminates them after the job unless --keep
+    price_source = "RunPod's catalog at launch (the launcher shows it and asks before it creates anything)"
 
     def __init__(self, **options: Any):
         super().__init__(**options)
