@@ -97,6 +97,16 @@ class Resources(StrictModel):
         return int(match.group("count") or match.group("only") or 1)
 
 
+def _off_on_words(value: Any) -> Any:
+    """`off` / `on` unquoted, which YAML 1.1 reads as false / true, stand for the words."""
+    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+
+def _words(*words: str) -> Any:
+    """A choice of words where YAML's booleans off/on read as those words."""
+    return Annotated[Literal[words], BeforeValidator(_off_on_words)]
+
+
 class RayConfig(StrictModel):
     port: int = Field(6379, ge=1024, le=65535)
     dashboard_port: int = Field(8265, ge=1024, le=65535)
@@ -104,7 +114,7 @@ class RayConfig(StrictModel):
     ready_port: int = Field(6390, ge=1024, le=65535, description="the head agent's ready beacon: workers join when it answers")
     dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
     auth: Literal["token", "none"] = "token"
-    debug: Literal["off", "legacy", "post_mortem"] = "off"
+    debug: _words("off", "legacy", "post_mortem") = "off"
     object_store_memory: Size | None = None
 
     @model_validator(mode="after")
@@ -214,7 +224,7 @@ IdleDuration = Annotated[Union[Duration, None], BeforeValidator(_never), WithJso
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
-    spot: Literal["off", "on", "auto"] = Field("off", description="spot instances: off, on, or auto (spot when available)")
+    spot: _words("off", "on", "auto") = Field("off", description="spot instances: off, on, or auto (spot when available)")
     max_duration: Duration | None = Field(None, description=(
         "the longest the cluster may run: the head agent stops the job at it (SIGTERM, placement.stop_grace to "
         "checkpoint) and the cluster ends"))

@@ -111,3 +111,23 @@ def test_a_missing_recipe_lists_the_recipes():
         parse_task({"name": "x", "nodes": 1, "job": {"args": {}}}, "t.yaml")
     assert "  job.recipe: missing (choose one of: command, openrlhf-m-grpo, openrlhf-ppo, search-r1, tiny-grpo, " \
            "torchrun, verl-ppo)" in str(info.value)
+
+
+def test_off_and_on_unquoted_are_the_words_yaml_reads_as_booleans():
+    """`spot: off` and `debug: off` as the docs write them: YAML 1.1 reads off/on as false/true, and
+    the task means the words."""
+    import yaml as _yaml
+
+    from rlhf_tasks.spec import parse_task
+
+    task = parse_task(_yaml.safe_load("""
+name: t
+nodes: 1
+ray: {debug: off}
+placement: {spot: on}
+job: {recipe: command, args: {entrypoint: "true"}}
+"""))
+    assert task.ray.debug == "off" and task.placement.spot == "on"
+    task = parse_task(_yaml.safe_load("name: t\nnodes: 1\nplacement: {spot: off}\n"
+                                      "job: {recipe: command, args: {entrypoint: 'true'}}\n"))
+    assert task.placement.spot == "off"
