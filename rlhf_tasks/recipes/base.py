@@ -72,6 +72,11 @@ class JobBase(StrictModel):
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def metrics_reader(self):
+        """A reader of this framework's metric lines (recipes.metrics), fresh for one job's log;
+        None where the recipe knows no metric lines (a free command)."""
+        return None
+
 
 class Infeasible(BadInput):
     """An allocation that cannot work: the task fields involved, the arithmetic, and what to change."""

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
 
@@ -411,6 +412,9 @@ class OpenRLHFPPOJob(JobBase):
 
     recipe: Literal["openrlhf-ppo"]
     args: OpenRLHFArgs
+
+    def metrics_reader(self):
+        return OpenRLHFReader()
 
     def build(self, shape: Shape) -> RecipeOutput:
         return openrlhf_command(self.args, shape)

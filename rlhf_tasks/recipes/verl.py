@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 
 from ..models import require_absolute
 from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .metrics import VerlReader
 
 VERL_VERSION = "0.9.1"
 VERL_REPO = "https://github.com/volcengine/verl"
@@ -102,6 +103,9 @@ class VerlPPOJob(JobBase):
 
     recipe: Literal["verl-ppo"]
     args: VerlPPOArgs = VerlPPOArgs()
+
+    def metrics_reader(self):
+        return VerlReader()
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
