@@ -232,6 +232,21 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _training_status(name: str, record: dict) -> list[str]:
+    """The last step `launch` read of the training (runs/NAME/metrics.jsonl) and its W&B run."""
+    from . import state
+    from .progress import last_step, status_line
+
+    lines = []
+    step = last_step(state.run_dir(name))
+    if step:
+        lines.append(f"  training: {status_line(step)} (launch's following reads it; "
+                     f"all steps: {state.run_dir(name) / 'metrics.jsonl'})")
+    if record.get("wandb_url"):
+        lines.append(f"  W&B run: {record['wandb_url']}")
+    return lines
+
+
 def _cluster_status(name: str, record: dict) -> str:
     """`status NAME`: what the provider says of its machines, what Ray says of its nodes
     (where its dashboard answers here), and its last job; or how it ended."""
@@ -256,6 +271,7 @@ def _cluster_status(name: str, record: dict) -> str:
     if job:
         seen = f" ({job['seen']})" if job.get("seen") else ""
         lines.append(f"  job {job['submission_id']}: {job['status']}{seen}")
+    lines += _training_status(name, record)
     lines.append(f"  its jobs: rlhf-tasks list --cluster {name}; one job's status: rlhf-tasks status JOB "
                  f"--cluster {name}; stop it: rlhf-tasks down {name}")
     return "\n".join(lines)
