@@ -51,6 +51,7 @@ def cmd_check(args) -> int:
     provider = _provider(name)
     plan = provider.plan(task)
     _warn_shared_storage(provider, plan)
+    _warn_wandb(task)
     if args.json:
         print(plan.to_json(), end="")
         return 0
@@ -83,6 +84,25 @@ def cmd_check(args) -> int:
     elif words := provider.working_dir_words(plan):
         print(f"  working_dir {words}")
     return 0
+
+
+def _warn_wandb(task) -> None:
+    """A task that names a W&B project logs nothing without WANDB_API_KEY: said now, not after the run."""
+    from .plan import wandb_options
+
+    told = wandb_options(task)
+    named = [f"{where}.wandb.project" for where, options in (("placement", task.placement.wandb),
+                                                              ("job", task.job.wandb)) if options and options.project]
+    own = getattr(getattr(task.job, "args", None), "wandb_project", None)
+    named += ["job.args.wandb_project"] if own else []
+    if (named or (told and told.entity)) and "WANDB_API_KEY" not in task.secrets:
+        what = named[0] if named else "placement.wandb" if task.placement.wandb else "job.wandb"
+        print(f"warning: {what} names a W&B {'project' if named else 'entity'} but WANDB_API_KEY is not among the "
+              f"task's secrets, so nothing is logged to W&B: add `secrets: [WANDB_API_KEY]` and export it where you "
+              f"launch", file=sys.stderr)
+    elif (named or told) and not os.environ.get("WANDB_API_KEY"):
+        print("warning: WANDB_API_KEY is not set in this environment: a launch from here logs nothing to W&B "
+              "(export it first)", file=sys.stderr)
 
 
 def _warn_shared_storage(provider, plan) -> None:
@@ -129,7 +149,7 @@ def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
 def cmd_launch(args) -> int:
     from .launch import launch
 
-    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep)
+    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep, fresh=args.fresh)
 
 
 def _token(args, name: str | None) -> str | None:
@@ -527,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task")
     p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
+    p.add_argument("--fresh", action="store_true", help="log to a new W&B run (by default a launch of this name, "
+                   "its restarts and relaunches continue one W&B run)")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")

@@ -571,17 +571,18 @@ def refuse_live_cluster(name: str, provider: Provider) -> None:
                    f"`rlhf-tasks down {name}` (or rename this task); nothing was launched")
 
 
-def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+def launch(task: Task, provider: Provider, keep: bool = False, fresh: bool = False) -> int:
     """Launch the task, and relaunch it whole when its head is lost, as often as the
     provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint,
     and the training's steps are read on as one (rlhf_tasks.progress)."""
     refuse_live_cluster(task.name, provider)
     relaunches = provider.relaunches()
+    wandb_env = wandb_run(task, fresh)
     training = None
     try:
         for attempt in range(relaunches + 1):
             try:
-                return launch_once(task, provider, keep, training)
+                return launch_once(task, provider, keep, training, wandb_env)
             except HeadLost as exc:
                 training = getattr(exc, "training", None) or training
                 if attempt == relaunches:
@@ -592,6 +593,29 @@ def launch(task: Task, provider: Provider, keep: bool = False) -> int:
     finally:
         if training is not None:
             training.close()
+
+
+def wandb_run(task: Task, fresh: bool = False) -> dict[str, str]:
+    """W&B's run id and resume mode for this launch (WANDB_RUN_ID, WANDB_RESUME=allow, which wandb.init
+    reads whatever framework calls it): the id kept in runs/NAME/wandb-run-id, so that the job's
+    restarts, a relaunch and a later launch of the name continue one W&B run; `launch --fresh`
+    makes a new id. Nothing where the task logs nothing to W&B (no WANDB_API_KEY secret)."""
+    import secrets as random
+
+    from . import state
+
+    if "WANDB_API_KEY" not in task.secrets:
+        return {}
+    path = state.run_dir(task.name) / "wandb-run-id"
+    run_id = None if fresh else (path.read_text().strip() if path.exists() else None)
+    if not run_id or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+        run_id = f"{task.name}-{random.token_hex(4)}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id + "\n")
+        say(f"a new W&B run: {run_id}" + (" (launch --fresh)" if fresh else ""))
+    else:
+        say(f"continuing W&B run {run_id} (launch --fresh starts a new one)")
+    return {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow"}
 
 
 def training_view(task: Task, plan: Plan, started: float) -> Training:
@@ -647,13 +671,16 @@ def left_running(provider: Provider, name: str) -> str:
     return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
-def launch_once(task: Task, provider: Provider, keep: bool, training: Training | None = None) -> int:
+def launch_once(task: Task, provider: Provider, keep: bool, training: Training | None = None,
+                wandb_env: dict[str, str] | None = None) -> int:
     from . import state
 
     started = time.monotonic()
     plan = provider.plan(task)
     if keep:
         plan = plan.replace(keep_cluster=True)
+    if wandb_env:
+        plan = plan.replace(env={**wandb_env, **plan.env})  # the task's own env wins
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
     before = provider.before_launch(task.name)

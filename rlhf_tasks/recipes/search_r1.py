@@ -214,6 +214,7 @@ class SearchR1Job(JobBase):
             # Search-R1's verl/trainer/runtime_env.yaml (vLLM with Qwen2 and flash-attn misbehaves).
             env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES + ["*.index"],
-            wandb_args=["trainer.logger=[console,wandb]"],
+            wandb_args=["trainer.logger=[console,wandb]"] + (
+                [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
         )
