@@ -599,23 +599,42 @@ def wandb_run(task: Task, fresh: bool = False) -> dict[str, str]:
     """W&B's run id and resume mode for this launch (WANDB_RUN_ID, WANDB_RESUME=allow, which wandb.init
     reads whatever framework calls it): the id kept in runs/NAME/wandb-run-id, so that the job's
     restarts, a relaunch and a later launch of the name continue one W&B run; `launch --fresh`
-    makes a new id. Nothing where the task logs nothing to W&B (no WANDB_API_KEY secret)."""
+    makes a new id. Nothing where the task logs nothing to W&B (no WANDB_API_KEY secret). Writes
+    nothing: `keep_wandb_run` does, once the launch goes ahead."""
     import secrets as random
-
-    from . import state
 
     if "WANDB_API_KEY" not in task.secrets:
         return {}
-    path = state.run_dir(task.name) / "wandb-run-id"
-    run_id = None if fresh else (path.read_text().strip() if path.exists() else None)
-    if not run_id or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+    run_id = None if fresh else kept_wandb_run(task.name)
+    if not run_id:
         run_id = f"{task.name}-{random.token_hex(4)}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(run_id + "\n")
-        say(f"a new W&B run: {run_id}" + (" (launch --fresh)" if fresh else ""))
-    else:
-        say(f"continuing W&B run {run_id} (launch --fresh starts a new one)")
     return {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow"}
+
+
+def kept_wandb_run(name: str) -> str | None:
+    from . import state
+
+    try:
+        run_id = (state.run_dir(name) / "wandb-run-id").read_text().strip()
+    except OSError:
+        return None
+    return run_id if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id) else None
+
+
+def keep_wandb_run(name: str, env: dict[str, str]) -> None:
+    """Keep the W&B run id this launch uses for the next one of the name, and say which it is."""
+    from . import state
+
+    run_id = env.get("WANDB_RUN_ID")
+    if not run_id:
+        return
+    if kept_wandb_run(name) == run_id:
+        say(f"W&B: continuing run id {run_id} (launch --fresh starts a new one)")
+        return
+    path = state.run_dir(name) / "wandb-run-id"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    say(f"W&B: a new run id {run_id}; this name's restarts and next launches continue it")
 
 
 def training_view(task: Task, plan: Plan, started: float) -> Training:
@@ -683,6 +702,8 @@ def launch_once(task: Task, provider: Provider, keep: bool, training: Training |
         plan = plan.replace(env={**wandb_env, **plan.env})  # the task's own env wins
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
+    if wandb_env and secrets.get("WANDB_API_KEY"):
+        keep_wandb_run(task.name, wandb_env)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
     cluster = None

@@ -15,7 +15,7 @@ import pytest
 import frameworks
 from conftest import ROOT, need
 from rlhf_tasks import providers
-from rlhf_tasks.launch import wandb_run
+from rlhf_tasks.launch import keep_wandb_run, wandb_run
 from rlhf_tasks.spec import parse_task
 from test_framework_validation import OPENRLHF, hydra, openrlhf, verl_config  # noqa: F401 - fixtures
 
@@ -111,6 +111,8 @@ def test_two_attempts_of_a_job_write_into_one_wandb_run(rlhf_home, tmp_path):
     plan = providers.get("dstack").plan(task)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     run_env = wandb_run(task)
+    assert not (rlhf_home / "runs").exists()  # nothing written before the launch goes ahead
+    keep_wandb_run(task.name, run_env)
 
     def attempt():
         done = subprocess.run([sys.executable, "-c", ATTEMPT], capture_output=True, text=True, timeout=300, env={
@@ -126,7 +128,9 @@ def test_two_attempts_of_a_job_write_into_one_wandb_run(rlhf_home, tmp_path):
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith("-" + run_env["WANDB_RUN_ID"]) for name in runs)
     fresh = wandb_run(task, fresh=True)
-    assert fresh["WANDB_RUN_ID"] != run_env["WANDB_RUN_ID"] and wandb_run(task) == fresh
+    assert fresh["WANDB_RUN_ID"] != run_env["WANDB_RUN_ID"] and wandb_run(task) == run_env
+    keep_wandb_run(task.name, fresh)
+    assert wandb_run(task) == fresh
     other = wandb_run(task_with(VERL).model_copy(update={"name": "other"}))
     assert other["WANDB_RUN_ID"].startswith("other-") and other["WANDB_RUN_ID"] != fresh["WANDB_RUN_ID"]
     assert wandb_run(task_with(VERL, secrets=())) == {}  # no key: W&B is off, nothing to continue
