@@ -87,6 +87,11 @@ class Training:
             except (AttributeError, ValueError):
                 terminal = False
         self.terminal = terminal
+        self._last_drawn: str | None = None
+        if terminal:
+            from . import console
+
+            console.before_say.append(self._clear)  # a message of the launcher's takes the line first
         self.say, self.on_wandb = say, on_wandb
         self.plain_every_s = PLAIN_EVERY_S if plain_every_s is None else plain_every_s
         self.steps: dict[int, dict] = {}
@@ -215,10 +220,12 @@ class Training:
         if text is None:
             return
         if self.terminal:
+            if self.drawn and text == self._last_drawn:
+                return
             width = shutil.get_terminal_size((120, 24)).columns
             self.out.write("\r\x1b[K" + text[: max(20, width - 1)])
             self.out.flush()
-            self.drawn = True
+            self.drawn, self._last_drawn = True, text
             return
         now = self.clock()
         if now - self.last_plain >= self.plain_every_s and self.order[-1] != self.plain_step:
@@ -239,6 +246,10 @@ class Training:
             self.pending = ""
         self._clear()
         self.out.flush()
+        from . import console
+
+        if self._clear in console.before_say:
+            console.before_say.remove(self._clear)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -189,3 +189,55 @@ def test_status_of_a_running_cluster_shows_the_last_step(rlhf_home, capsys):
     assert re.search(r"\n  training: step 40/150 · reward 0\.612 · loss 0\.031 · 0\.42 s/step \(read \d+ s ago\) "
                      r"\(launch's following reads it; all steps: .*/runs/tiny-grpo/metrics\.jsonl\)\n", out), out
     assert "\n  W&B run: https://wandb.ai/t/p/runs/x\n" in out
+
+
+def test_a_message_of_the_launchers_wipes_the_line_first(tmp_path, capsys):
+    import sys as _sys
+
+    from rlhf_tasks.console import before_say, say
+
+    view = Training(TinyGrpoReader(), _sys.stdout, tmp_path, terminal=True)
+    view.write("step 1/10  reward 0.100  loss +0.500  800 ms\n")
+    view.tick()  # unchanged: not drawn again
+    say("a node is slow")
+    view.tick()  # drawn again under the message
+    view.close()
+    out = capsys.readouterr().out
+    assert out.count("\r\x1b[Kstep 1/10 · ") == 2
+    assert screen(out).splitlines()[1].endswith("rlhf-tasks: a node is slow") and not before_say
+
+
+def test_following_through_the_dashboard_reads_the_steps(tmp_path, rlhf_home):
+    """The dashboard path (dstack, SkyPilot, submit: client): the job's log through Ray's Jobs API."""
+    import yaml
+
+    from rlhf_tasks import providers
+    from rlhf_tasks.jobs import Jobs
+    from rlhf_tasks.launch import LogTail, follow_attempts
+    from rlhf_tasks.spec import parse_task
+    from conftest import ROOT
+    from test_messages import FakeDashboard
+
+    data = yaml.safe_load(open(ROOT / "tasks" / "tiny-grpo.yaml"))
+    data["job"]["submit"] = "client"
+    plan = providers.get("dstack").plan(parse_task(data))
+
+    class Cluster:
+        def tend(self):
+            return []
+
+        def head_alive(self):
+            return True
+
+    dashboard = FakeDashboard()
+    dashboard.jobs["j1"] = "SUCCEEDED"
+    dashboard.logs["j1"] = "".join(f"step {s}/150  reward {s / 150:.3f}  loss +0.100  20 ms\n" for s in (1, 10, 20))
+    out = io.StringIO()
+    view = Training(TinyGrpoReader(), out, tmp_path, terminal=False)
+    try:
+        status, sid = follow_attempts(Jobs(dashboard.url, None), Cluster(), plan, "j1", LogTail([], None, out=view))
+    finally:
+        dashboard.close()
+    view.close()
+    assert (status, sid) == ("SUCCEEDED", "j1")
+    assert out.getvalue() == dashboard.logs["j1"] and sorted(view.steps) == [1, 10, 20]
