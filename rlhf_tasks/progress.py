@@ -139,7 +139,7 @@ class Training:
         self._show()
 
     def _read(self, line: str) -> None:
-        if self.wandb_url is None and "wandb" in line:
+        if self.wandb_url is None and "View run" in line and "wandb" in line and len(line) < 4096:
             found = WANDB_RUN.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
             if found:
                 self.wandb_url = found.group(1).rstrip(".,)")

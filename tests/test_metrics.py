@@ -191,8 +191,16 @@ def test_torchrun_trainers_read_their_step_bar(module, postfix_first):
 
 
 def test_tiny_grpo_reads_its_step_line():
+    from conftest import ROOT
+
+    source = (ROOT / "rlhf_tasks" / "demo" / "train.py").read_text()
+    assert """print(f"step {step}/{args.steps}  reward {last['mean_reward']:.3f}  loss {last['loss']:+.3f}  "
+                      f"{last['seconds'] * 1000:.0f} ms", flush=True)""" in source
+    step, steps, last = 25, 150, {"mean_reward": 0.4312, "loss": 0.0121, "seconds": 0.8341}
+    line = f"step {step}/{steps}  reward {last['mean_reward']:.3f}  loss {last['loss']:+.3f}  " \
+           f"{last['seconds'] * 1000:.0f} ms"
     reader = TinyGrpoJob.model_validate({"recipe": "tiny-grpo"}).metrics_reader()
-    found = reader.read("(JobSupervisor pid=1) step 25/150  reward 0.431  loss +0.012  834 ms\n")
+    found = reader.read(f"(JobSupervisor pid=1) {line}\n")
     assert (found["step"], found["total"], found["reward"], found["loss"], found["step_s"]) == \
         (25, 150, 0.431, 0.012, 0.834)
 
@@ -207,3 +215,22 @@ def test_numbers():
     assert number("np.float64(0.5)") == 0.5 and number("tensor(0.25, device='cuda:0')") == 0.25
     assert number("-.0005") == -0.0005 and number("1e-06") == 1e-06 and number("True") is None
     assert number("[1, 2]") is None and number("abc") is None
+
+
+#: Long odd lines, of the shapes a regular expression's backtracking makes slow.
+LONG = ["1" * 200_000, " " * 200_000, "1 " * 100_000, "step:1 - " + "a:" * 100_000, "x: " + "1" * 100_000 + "%|",
+        "Episode [1/1]:  " + " 1" * 50_000, "step 1/2  reward " + " " * 100_000, "%|" * 100_000,
+        "Episode [1/1]: 1%|" + "|" * 100_000, "Episode [1/1]: 1%|| 1/2 [" + "<" * 100_000 + "]",
+        "Episode [1/1]: 1%|| 1/2 [0<0, " + ", " * 100_000 + "]", "(" * 100_000, "(a pid=1" + " " * 100_000,
+        "x" * (2 << 20)]
+
+
+@pytest.mark.parametrize("reader", [VerlReader, OpenRLHFReader, TorchrunTrainerReader, TinyGrpoReader])
+def test_long_odd_lines_are_read_quickly(reader):
+    import time
+
+    r = reader()
+    for line in LONG:
+        started = time.perf_counter()
+        assert r.read(line) is None
+        assert time.perf_counter() - started < 1.0, line[:40]

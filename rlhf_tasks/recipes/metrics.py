@@ -31,6 +31,8 @@ import ast
 import math
 import re
 
+#: Longer lines are left alone: no framework prints a step's metrics in a megabyte.
+MAX_LINE = 1 << 20
 #: Ray's prefix of a worker's line, `(TaskRunner pid=123, ip=10.0.0.2) `, and terminal colours.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RAY_PREFIX = re.compile(r"^\s*\(\w[\w.-]* pid=\d+(?:, ip=[\w.:-]+)?\)\s?")
@@ -46,6 +48,8 @@ def clean(line: str) -> str:
 def number(text: str) -> float | None:
     """A printed number: `0.43`, `1e-06`, `nan`, `np.float64(0.5)`, `tensor(0.5)`; None for anything else."""
     text = text.strip()
+    if len(text) > 80:  # no number is that long; nor is it worth a regular expression's time
+        return None
     wrapped = re.fullmatch(r"[\w.]+\(([^()]*?)(?:,.*)?\)", text)  # np.float64(0.5), tensor(0.5, device=...)
     if wrapped:
         text = wrapped.group(1).strip()
@@ -84,6 +88,8 @@ class Reader:
         self.total = total
 
     def read(self, line: str) -> dict | None:
+        if len(line) > MAX_LINE:
+            return None
         try:
             for part in clean(line).split("\r"):  # a tqdm bar redraws itself after a carriage return
                 part = clean(part)
@@ -169,8 +175,28 @@ class OpenRLHFReader(Reader):
                            ("timing/step_total", "tqdm/s_per_it"))
 
 
-_TQDM = re.compile(r"^(?P<desc>.*?):?\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s+"
-                   r"\[(?P<elapsed>[^<\]]*)<(?P<left>[^,\]]*)(?:,\s*(?P<rate>[^,\]]*))?(?:,\s*(?P<postfix>.*))?\]\s*$")
+#: What follows a tqdm bar: `| 12/100 [08:12<1:00:01, 41.02s/it, k=v, k=v]` (matched after the bar).
+_TQDM_TAIL = re.compile(r"\s*(?P<n>\d+)/(?P<total>\d+)\s+\[(?P<elapsed>[^<\]]*)<(?P<left>[^,\]]*)"
+                        r"(?:,\s*(?P<rate>[^,\]]*))?(?:,\s*(?P<postfix>.*))?\]\s*$")
+_PERCENT = re.compile(r"(\d{1,3})\s*$")
+
+
+def tqdm_meter(line: str) -> dict | None:
+    """A tqdm bar's printed meter, `DESC:  12%|bar| 12/100 [08:12<1:00:01, 41.02s/it, k=v]`, as
+    {desc, n, total, rate, postfix}; found from its `%|` (no regular expression over the whole line,
+    whose backtracking a long odd line could make slow)."""
+    at = line.find("%|")
+    if at < 0:
+        return None
+    percent = _PERCENT.search(line, max(0, at - 8), at)
+    end = line.find("|", at + 2)
+    if percent is None or end < 0:
+        return None
+    tail = _TQDM_TAIL.match(line, end + 1)
+    if tail is None:
+        return None
+    desc = line[:percent.start()].rstrip().removesuffix(":")
+    return {"desc": desc, **tail.groupdict()}
 
 
 def tqdm_rate(text: str | None) -> float | None:
@@ -208,25 +234,25 @@ class TqdmBar:
         self.epochs: int | None = None
 
     def read(self, line: str) -> tuple[int, int | None, dict[str, float], float | None] | None:
-        found = _TQDM.match(line)
+        found = tqdm_meter(line)
         if not found:
             return None
-        desc = self.desc.search(found.group("desc"))
+        desc = self.desc.search(found["desc"])
         if not desc:
             return None
-        values = tqdm_postfix(found.group("postfix"))
+        values = tqdm_postfix(found["postfix"])
         if not values:
             return None
-        n, per_epoch = int(found.group("n")), int(found.group("total"))
-        changed = found.group("postfix") != self.last_postfix
-        self.last_postfix = found.group("postfix")
+        n, per_epoch = int(found["n"]), int(found["total"])
+        changed = found["postfix"] != self.last_postfix
+        self.last_postfix = found["postfix"]
         n = n + 1 if self.postfix_first and changed else n
         if n < 1 or n > per_epoch:
             return None
         epoch = int(desc.group(1)) - self.epoch_base if desc.groups() else 0
         epochs = int(desc.group(2)) if desc.groups() and desc.re.groups >= 2 and desc.group(2) else self.epochs
         total = per_epoch * epochs if epochs else None
-        return epoch * per_epoch + n, total, values, tqdm_rate(found.group("rate"))
+        return epoch * per_epoch + n, total, values, tqdm_rate(found["rate"])
 
 
 _EPOCHS_BAR = re.compile(r"^Train epoch:?\s+\d+%\|[^|]*\|\s*\d+/(\d+)\s")
