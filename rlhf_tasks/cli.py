@@ -52,6 +52,7 @@ def cmd_check(args) -> int:
     plan = provider.plan(task)
     if args.provider:
         _warn_shared_storage(provider, plan)
+    _warn_wandb(task)
     if args.json:
         print(plan.to_json(), end="")
         return 0
@@ -187,6 +188,25 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
     else:
         words.append("no cap (placement.max_cost, placement.max_duration): nothing ends the bill but the job's end")
     return "  cost      " + "; ".join(words)
+
+
+def _warn_wandb(task) -> None:
+    """A task that names a W&B project logs nothing without WANDB_API_KEY: said now, not after the run."""
+    from .plan import wandb_options
+
+    told = wandb_options(task)
+    named = [f"{where}.wandb.project" for where, options in (("placement", task.placement.wandb),
+                                                              ("job", task.job.wandb)) if options and options.project]
+    own = getattr(getattr(task.job, "args", None), "wandb_project", None)
+    named += ["job.args.wandb_project"] if own else []
+    if (named or (told and told.entity)) and "WANDB_API_KEY" not in task.secrets:
+        what = named[0] if named else "placement.wandb" if task.placement.wandb else "job.wandb"
+        print(f"warning: {what} names a W&B {'project' if named else 'entity'} but WANDB_API_KEY is not among the "
+              f"task's secrets, so nothing is logged to W&B: add `secrets: [WANDB_API_KEY]` and export it where you "
+              f"launch", file=sys.stderr)
+    elif (named or told) and not os.environ.get("WANDB_API_KEY"):
+        print("warning: WANDB_API_KEY is not set in this environment: a launch from here logs nothing to W&B "
+              "(export it first)", file=sys.stderr)
 
 
 def _warn_shared_storage(provider, plan) -> None:
@@ -336,6 +356,21 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _training_status(name: str, record: dict) -> list[str]:
+    """The last step `launch` read of the training (runs/NAME/metrics.jsonl) and its W&B run."""
+    from . import state
+    from .progress import last_step, status_line
+
+    lines = []
+    step = last_step(state.run_dir(name))
+    if step:
+        lines.append(f"  training: {status_line(step)} (launch's following reads it; "
+                     f"all steps: {state.run_dir(name) / 'metrics.jsonl'})")
+    if record.get("wandb_url"):
+        lines.append(f"  W&B run: {record['wandb_url']}")
+    return lines
+
+
 def _cluster_status(name: str, record: dict) -> str:
     """`status NAME`: what the provider says of its machines, what Ray says of its nodes
     (where its dashboard answers here), and its last job; or how it ended."""
@@ -360,6 +395,7 @@ def _cluster_status(name: str, record: dict) -> str:
     if job:
         seen = f" ({job['seen']})" if job.get("seen") else ""
         lines.append(f"  job {job['submission_id']}: {job['status']}{seen}")
+    lines += _training_status(name, record)
     lines.append(f"  its jobs: rlhf-tasks list --cluster {name}; one job's status: rlhf-tasks status JOB "
                  f"--cluster {name}; stop it: rlhf-tasks down {name}")
     return "\n".join(lines)
@@ -619,7 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
     p.add_argument("--fresh", action="store_true", help="start the run over: the head moves the old checkpoints "
-                   "aside (to CHECKPOINTS.old-<UTC time>, never deleted) before prepare, so nothing resumes from them")
+                   "aside (to CHECKPOINTS.old-<UTC time>, never deleted) before prepare, so nothing resumes from them; "
+                   "and it logs to a new W&B run (by default a launch of this name, its restarts and relaunches "
+                   "continue one W&B run)")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")

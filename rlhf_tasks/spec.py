@@ -18,7 +18,8 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
-from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
+from .models import (NAME_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits, did_you_mean,
+                     require_absolute)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 
@@ -244,6 +245,8 @@ class Placement(StrictModel):
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
+    wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of the run (job.wandb "
+                                       "overrides them field by field); logging is on when WANDB_API_KEY is a secret")
     slurm: dict[str, Any] = Field({}, description=(
         "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))

@@ -166,13 +166,14 @@ def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_p
 
     class Dashboard(BaseHTTPRequestHandler):
         def do_POST(self):  # Ray's answer to POST /api/jobs/ID/stop
+            server.socket.close()  # the cluster ends: nothing answers after this answer (no race with stop's next ask)
             body = json.dumps({"stopped": True}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            threading.Thread(target=lambda: (server.shutdown(), server.server_close())).start()  # the cluster ends
+            threading.Thread(target=server.shutdown).start()
 
         def log_message(self, *args):
             pass
