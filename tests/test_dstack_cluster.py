@@ -2,9 +2,22 @@
 are dstack's own, the fleet is provisioned by the server over SSH, the shim and runner are ours (played)."""
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
+import yaml
 
 pytestmark = pytest.mark.cluster
+
+
+def wait_for(fn, timeout, what, interval=1.0):
+    import testbed
+    return testbed.poll(fn, timeout, what, interval)
+
+
+def dump(data):
+    return json.dumps(data, indent=1, default=str)
 
 
 def test_server_answers_and_cli_lists_runs(dstack_bed):
@@ -14,3 +27,103 @@ def test_server_answers_and_cli_lists_runs(dstack_bed):
     assert "NAME" in out.upper() or "No runs" in out or out.strip() == "", out
     projects = dstack_bed.cli("project", "list").output
     assert "main" in projects and "127.0.0.1:3000" in projects, projects
+
+
+def _fleet_instances(bed, name):
+    fleet = bed.api(f"/api/project/main/fleets/get", {"name": name})
+    return [(i["hostname"], i["status"]) for i in fleet["instances"]]
+
+
+@pytest.fixture(scope="session")
+def dstack_fleet(dstack_bed):
+    """An SSH fleet of the bed's two hosts, applied with the real CLI and provisioned by the real server
+    (its own SSH steps, our shim downloaded from the bed). Shared by the tests; they run one at a time."""
+    bed = dstack_bed
+    name = "hosts"
+    fleet = {"type": "fleet", "name": name, "placement": "cluster", "ssh_config": bed.ssh_config()}
+    work = bed.dir / "fleet-apply"
+    work.mkdir(exist_ok=True)
+    (work / "fleet.dstack.yml").write_text(yaml.safe_dump(fleet))
+    started = time.monotonic()
+    bed.cli("apply", "-f", "fleet.dstack.yml", "-y", "-d", cwd=work, timeout=300)
+
+    def idle():
+        got = _fleet_instances(bed, name)
+        bad = [s for _, s in got if s in ("terminated", "terminating")]
+        assert not bad, got
+        return len(got) == 2 and all(s == "idle" for _, s in got) and got
+    try:
+        got = wait_for(idle, 300, "both fleet instances idle", 2)
+    except (TimeoutError, AssertionError) as exc:
+        raise AssertionError(f"{exc}\nserver log:\n{bed.server.output[-6000:]}") from None
+    print(f"fleet {name} provisioned in {time.monotonic() - started:.0f} s: {got}")
+    return name
+
+
+def test_fleet_is_provisioned_by_the_server_over_ssh(dstack_bed, dstack_fleet):
+    bed = dstack_bed
+    assert sorted(h for h, _ in _fleet_instances(bed, dstack_fleet)) == sorted(bed.fleet_hosts())
+    for h in bed.tb.hosts:
+        # what the server's SSH setup left on the host: the unit, the env file, the shim it downloaded
+        unit = bed.tb.sh(h, "cat /etc/systemd/system/dstack-shim.service", cwd="/")
+        assert "ExecStart=/usr/local/bin/dstack-shim" in unit
+        env = bed.tb.sh(h, "cat /root/.dstack/shim.env", cwd="/")
+        assert "DSTACK_RUNNER_DOWNLOAD_URL=" in env and "DSTACK_SERVICE_MODE=\"1\"" in env
+        assert "added by dstack" in bed.tb.sh(h, "cat /root/.ssh/authorized_keys", cwd="/")
+    out = bed.cli("fleet").output
+    assert dstack_fleet in out, out
+
+
+def test_multinode_task_gets_dstack_environment(dstack_bed, dstack_fleet, tmp_path):
+    """A 2-node task through `dstack apply`: the job spec, the cluster info and the run's states are the
+    server's; each node's environment and working directory are what the runner gives."""
+    bed = dstack_bed
+    task = {"type": "task", "name": "envcheck", "nodes": 2, "fleets": [dstack_fleet],
+            "commands": ["echo rank=$DSTACK_NODE_RANK nodes=$DSTACK_NODES_NUM master=$DSTACK_MASTER_NODE_IP",
+                         "echo wd=$PWD dwd=$DSTACK_WORKING_DIR gpus=$DSTACK_GPUS_PER_NODE run=$DSTACK_RUN_NAME",
+                         "echo ips=$(echo $DSTACK_NODES_IPS | tr '\\n' ,)", "cat data/hello.txt"],
+            "files": ["data:/opt/envcheck/data"], "working_dir": "/opt/envcheck",
+            "resources": {"cpu": "1..", "memory": "0.1GB..", "disk": "1GB.."}}
+    work = tmp_path / "task"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "hello.txt").write_text("hello from files\n")
+    (work / "task.dstack.yml").write_text(yaml.safe_dump(task))
+    bed.cli("apply", "-f", "task.dstack.yml", "-y", "-d", cwd=work, timeout=180)
+    run = _wait_run(bed, "envcheck", ("done", "failed", "terminated"), 240)
+    assert run["status"] == "done", _why(bed, run, work)
+    logs = bed.cli("logs", "envcheck", "--replica", "0", "--job", "1", cwd=work).output
+    head_ip, worker_ip = bed.fleet_hosts()[0], bed.fleet_hosts()[1]
+    assert "rank=1 nodes=2 master=" in logs, logs
+    assert "wd=/opt/envcheck dwd=/opt/envcheck gpus=0 run=envcheck" in logs, logs
+    assert "hello from files" in logs, logs
+    logs0 = bed.cli("logs", "envcheck", cwd=work).output
+    assert "rank=0 nodes=2" in logs0, logs0
+    assert f"master={head_ip}" in logs0 and f"ips={head_ip} {worker_ip}," in logs0, logs0
+
+
+def _wait_run(bed, name, statuses, timeout):
+    def finished():
+        run = bed.api("/api/project/main/runs/get", {"run_name": name})
+        return run if run["status"] in statuses else None
+    try:
+        return wait_for(finished, timeout, f"run {name} to reach one of {statuses}", 2)
+    except TimeoutError as exc:
+        run = bed.api("/api/project/main/runs/get", {"run_name": name})
+        raise AssertionError(f"{exc}\n{dump(run)[-4000:]}\nserver log:\n{bed.server.output[-6000:]}") from None
+
+
+def _why(bed, run, cwd):
+    """What a failed run's jobs say: each job's state and reason, its log, the runners' own logs."""
+    lines = [f"run {run['run_spec']['run_name']}: {run['status']} {run.get('termination_reason')}"]
+    for job in run["jobs"]:
+        sub = job["job_submissions"][-1]
+        lines.append(f"job {job['job_spec']['job_num']}: {sub['status']} {sub.get('termination_reason')} "
+                     f"{sub.get('termination_reason_message')} exit={sub.get('exit_status')}")
+        proc = bed.cli("logs", run["run_spec"]["run_name"], "--job", str(job["job_spec"]["job_num"]), "-d",
+                       cwd=cwd, check=False)
+        lines.append(proc.output[-3000:])
+    for h in bed.tb.hosts:
+        lines.append(f"--- {h.name} runner and shim")
+        lines.append(bed.tb.run(h, "tail -n 40 /tmp/runner/runner.out /root/.systemctl/*.log", cwd="/",
+                                background=False).output[-4000:])
+    return "\n".join(lines)

@@ -155,6 +155,21 @@ for name in names:
         sys.exit(0 if pid_of(name) else 3)
 '''
 
+# uv stand-in: dstack's default image (dstackai/base) has uv, and with no `image:` the server prefixes the
+# job's commands with `uv venv -q --prompt dstack -p 3.11 --seed $DSTACK_VENV_DIR` and sources its
+# activate (dstack/_internal/server/services/jobs/configurators/base.py, _dstack_image_commands). The image
+# played here is the host with the test virtualenv: the venv made is that virtualenv (its bin first on PATH).
+UV = """#!/bin/sh
+# uv stand-in (tests/dstack): `uv python find` finds no preinstalled build; `uv venv ... DIR` makes DIR a
+# venv whose activate puts the test virtualenv first on PATH (the played image's Python, with Ray and torch).
+case "$1" in
+  python) exit 1;;
+  venv) for last; do :; done; mkdir -p "$last/bin"
+        printf 'export VIRTUAL_ENV=%s\\nexport PATH={venv_bin}:$PATH\\n' "$last" > "$last/bin/activate";;
+  *) echo "uv stand-in: $* not played" >&2; exit 2;;
+esac
+"""
+
 SSHD_CONFIG = """Port 22
 HostKey {key}
 AuthorizedKeysFile .ssh/authorized_keys {extra}
@@ -274,7 +289,7 @@ class DstackBed:
         base = self.dir / "fleet" / h.name
         root, ulb = base / "root", base / "usr-local-bin"
         for d in (root / ".pyenv", root / ".cache", root / ".ssh", ulb, base / "systemd", base / "opt",
-                  base / "checkpoints"):
+                  base / "checkpoints", base / "dstack"):
             d.mkdir(parents=True, exist_ok=True)
         for name in (".bashrc", ".profile"):  # a fresh Debian root's
             src = Path("/etc/skel") / name
@@ -285,7 +300,8 @@ class DstackBed:
                 (ulb / entry.name).symlink_to(entry)
         (ulb / "sudo").write_text(SUDO)
         (ulb / "systemctl").write_text(SYSTEMCTL.replace("{python}", sys.executable))
-        for name in ("sudo", "systemctl"):
+        (ulb / "uv").write_text(UV.replace("{venv_bin}", tbmod.BIN_DIR))
+        for name in ("sudo", "systemctl", "uv"):
             os.chmod(ulb / name, 0o755)
         keys = self.dir / "ssh"
         keys.mkdir(exist_ok=True)
@@ -297,7 +313,9 @@ class DstackBed:
         home = Path.home()
         mounts = [(home / ".pyenv", root / ".pyenv"), (home / ".cache", root / ".cache"), (root, "/root"),
                   (ulb, "/usr/local/bin"), (base / "systemd", "/etc/systemd/system"), (base / "opt", "/opt"),
-                  (base / "checkpoints", "/checkpoints")]
+                  (base / "checkpoints", "/checkpoints"), (base / "dstack", "/dstack")]
+        for mountpoint in ("/checkpoints", "/dstack"):  # a container's own directories: empty mount points here
+            os.makedirs(mountpoint, exist_ok=True)
         script = "set -e\n" + "".join(f"mount --rbind {src} {dst}\n" for src, dst in mounts if Path(src).exists())
         self.tb.sh(h, script, cwd="/")
         os.makedirs("/run/sshd", exist_ok=True)
