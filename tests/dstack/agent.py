@@ -46,6 +46,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _handle(self, method):
         path = urlparse(self.path).path
+        if method == "GET" and path == "/logs_ws" and RUNNER is not None:
+            return self.logs_ws()
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         for m, rx, fn in self.routes:
@@ -71,6 +73,43 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._handle("POST")
+
+    def logs_ws(self):
+        """runner/internal/runner/api/ws.go: the job's output as binary WebSocket messages from `start_time`
+        on, then a close once the job is over and everything is sent (what `dstack apply`/`attach` read)."""
+        import hashlib
+        key = self.headers.get("Sec-WebSocket-Key", "")
+        accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept.decode())
+        self.end_headers()
+        self.close_connection = True
+        start = 0
+        st = self.query().get("start_time")
+        if st:
+            from datetime import datetime
+            start = int(datetime.fromisoformat(st.replace("Z", "+00:00")).timestamp()) * 1000
+        pos = sum(1 for ts, _ in RUNNER.ws_logs if ts < start) if start else 0
+        try:
+            while True:
+                if pos < len(RUNNER.ws_logs):
+                    data = RUNNER.ws_logs[pos][1]
+                    n = len(data)
+                    head = bytes([0x82, n]) if n < 126 else (bytes([0x82, 126]) + n.to_bytes(2, "big") if n < 65536
+                                                               else bytes([0x82, 127]) + n.to_bytes(8, "big"))
+                    self.wfile.write(head + data)
+                    self.wfile.flush()
+                    pos += 1
+                elif RUNNER.state == "WaitLogsFinished":
+                    self.wfile.write(bytes([0x88, 0]))
+                    self.wfile.flush()
+                    return
+                else:
+                    time.sleep(0.1)
+        except OSError:
+            return
 
     def query(self):
         return {k: v[-1] for k, v in parse_qs(urlparse(self.path).query).items()}
@@ -150,6 +189,7 @@ class Task:
             temp = "/tmp/runner"
             shutil.rmtree(temp, ignore_errors=True)
             os.makedirs(temp)
+            add_host_keys(self.req.get("host_ssh_keys") or [])
             keys = list(self.req.get("container_ssh_keys") or [])
             with open(os.path.join(temp, "authorized_keys"), "w") as f:
                 f.write("\n".join(keys) + "\n")
@@ -193,6 +233,18 @@ class Task:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def add_host_keys(keys):
+    """runner/internal/shim/authorized_keys.go: the task's host keys (the jump host for `dstack attach`)
+    in the host user's ~/.ssh/authorized_keys, marked as the shim's."""
+    path = os.path.expanduser("~/.ssh/authorized_keys")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    have = open(path).read().splitlines() if os.path.exists(path) else []
+    mine = [k.strip() + " # added by dstack-shim" for k in keys if k.strip()]
+    kept = [line for line in have if not line.endswith("# added by dstack-shim")]
+    with open(path, "w") as f:
+        f.write("\n".join(kept + mine) + "\n")
 
 
 @route("GET", "/api/healthcheck")
@@ -313,6 +365,7 @@ class Runner:
         self.code = None
         self.states = []
         self.job_logs = []
+        self.ws_logs = []  # (timestamp, bytes): jobWsLogs, what /logs_ws streams
         self.runner_logs = []
         self.t0 = time.time()
         self.counter = 0
@@ -444,7 +497,9 @@ class Runner:
                 break
             joblog.write(data)
             joblog.flush()
-            self.job_logs.append({"timestamp": self.stamp(), "message": base64.b64encode(data).decode()})
+            ts = self.stamp()
+            self.job_logs.append({"timestamp": ts, "message": base64.b64encode(data).decode()})
+            self.ws_logs.append((ts, data))
             if deadline and time.monotonic() > deadline and not timed_out:
                 timed_out = True
                 os.kill(pid, signal.SIGINT)
