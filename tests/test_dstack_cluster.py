@@ -172,3 +172,31 @@ def test_tiny_grpo_launch_succeeds_on_a_two_host_fleet(dstack_bed, dstack_fleet,
     final = _wait_run(bed, "tiny-grpo", ("done", "failed", "terminated"), 120)
     assert final["status"] == "done", _why(bed, final, tmp_path)
     assert [j["job_submissions"][-1]["status"] for j in final["jobs"]] == ["done", "done"]
+
+
+def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(dstack_bed, dstack_fleet, tmp_path):
+    """The job raises on the head: `launch` exits 1 and its summary names the node and its first error; the run
+    ends failed in dstack (the head's agent exits 1, the master-done run ends); `down` stops it and the fleet's
+    hosts run no job afterwards."""
+    bed = dstack_bed
+    task = tmp_path / "fail.yaml"
+    task.write_text(yaml.safe_dump({
+        "name": "fail", "nodes": 2, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "3m"},
+        "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
+                "args": {"entrypoint": "python3 -c 'import json; json.loads(\"{\")'"}}}))
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], timeout=600)
+    out = launch.output
+    assert launch.returncode == 1, out[-6000:]
+    assert "first error on each node:" in out, out[-4000:]
+    firsts = out[out.index("first error on each node:"):].splitlines()
+    assert firsts[1].strip().startswith("node0") and "JSONDecodeError" in firsts[1], out[-3000:]
+    run = _wait_run(bed, "fail", ("done", "failed", "terminated"), 180)
+    assert run["status"] in ("failed", "terminated"), _why(bed, run, tmp_path)
+    down = launcher(bed, tmp_path, ["down", "fail"], timeout=120)
+    assert down.returncode == 0, down.output
+    for h in bed.tb.hosts:  # no job process is left on a host: only the shim (and sshd) run there
+        wait_for(lambda: "dstack-runner" not in bed.tb.sh(h, "ps -eo args", cwd="/"), 60,
+                 f"the runner on {h.name} to be gone")
+    fleet = _fleet_instances(bed, dstack_fleet)
+    assert all(s == "idle" for _, s in fleet), fleet
