@@ -3,6 +3,7 @@ are dstack's own, the fleet is provisioned by the server over SSH, the shim and 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -23,7 +24,7 @@ def dump(data):
     return json.dumps(data, indent=1, default=str)
 
 
-def test_server_answers_and_cli_lists_runs(dstack_bed):
+def test_server_answers_and_cli_lists_runs(dstack_bed, dstack_fleet):
     info = dstack_bed.api("/api/server/get_info")
     assert info["server_version"] == "0.22.5"
     out = dstack_bed.cli("ps").output
@@ -75,6 +76,10 @@ def test_fleet_is_provisioned_by_the_server_over_ssh(dstack_bed, dstack_fleet):
         assert "added by dstack" in bed.tb.sh(h, "cat /root/.ssh/authorized_keys", cwd="/")
     out = bed.cli("fleet").output
     assert dstack_fleet in out, out
+    # the offer is what the shim's host_info.json said: 2 CPUs, no GPU, the free disk under /var/lib/docker
+    fleet = bed.api("/api/project/main/fleets/get", {"name": dstack_fleet})
+    res = fleet["instances"][0]["instance_type"]["resources"]
+    assert res["cpus"] == os.cpu_count() and res["gpus"] == [] and 150_000 < res["disk"]["size_mib"] <= 204_800, res
 
 
 def test_multinode_task_gets_dstack_environment(dstack_bed, dstack_fleet, tmp_path):
@@ -101,7 +106,10 @@ def test_multinode_task_gets_dstack_environment(dstack_bed, dstack_fleet, tmp_pa
     assert "hello from files" in logs, logs
     logs0 = bed.cli("logs", "envcheck", cwd=work).output
     assert "rank=0 nodes=2" in logs0, logs0
-    assert f"master={head_ip}" in logs0 and f"ips={head_ip} {worker_ip}," in logs0, logs0
+    master = logs0.split("master=")[1].split()[0]  # which host is job 0's is the server's choice
+    ips = logs0.split("ips=")[1].split(",")[0].split()
+    assert sorted(ips) == sorted([head_ip, worker_ip]) and ips[0] == master, logs0
+    assert f"master={master}" in logs, logs
 
 
 def _wait_run(bed, name, statuses, timeout):

@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlparse
 
 VERSION = "@DSTACK_VERSION@"
 IMAGE_PATH = "@IMAGE_PATH@"
+DOCKER_ROOT = "/var/lib/docker"
 
 
 def log(*args):
@@ -102,7 +103,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(head + data)
                     self.wfile.flush()
                     pos += 1
-                elif RUNNER.state == "WaitLogsFinished":
+                elif RUNNER.done.is_set():  # ws.go: closed at the runner's shutdown, after the server's last pull
                     self.wfile.write(bytes([0x88, 0]))
                     self.wfile.flush()
                     return
@@ -149,7 +150,8 @@ def host_info():
     for line in open("/proc/meminfo"):
         if line.startswith("MemTotal:"):
             mem = int(line.split()[1]) * 1024
-    st = os.statvfs("/")
+    # host/host.go GetDiskSize: the space free (Bavail) under Docker's root dir, where dstack's containers live
+    st = os.statvfs(DOCKER_ROOT if os.path.isdir(DOCKER_ROOT) else "/")
     addrs = []
     try:
         for iface in json.loads(subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True).stdout):
@@ -159,7 +161,7 @@ def host_info():
     except (OSError, ValueError):
         pass
     return {"gpu_vendor": "", "gpu_name": "", "gpu_memory": 0, "gpu_count": 0, "addresses": addrs,
-            "disk_size": st.f_blocks * st.f_frsize, "cpus": os.cpu_count() or 1, "memory": mem}
+            "disk_size": st.f_bavail * st.f_bsize, "cpus": os.cpu_count() or 1, "memory": mem}
 
 
 class Task:
@@ -640,7 +642,7 @@ def runner_main(argv):
         RUNNER.stop()
     signal.signal(signal.SIGTERM, on_term)
     RUNNER.done.wait()
-    time.sleep(0.5)  # let the last pull's answer go out
+    time.sleep(1)  # let the last pull's answer and the WebSocket's close go out (ws.go waits for wsDoneCh)
     if sshd:
         sshd.terminate()
     server.shutdown()

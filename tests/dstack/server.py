@@ -53,6 +53,8 @@ SERVER_PORT = 3000
 DOWNLOAD_PORT = 3001
 PROJECT = "main"
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+#: Each fleet host's disk as its shim reports it (free space under /var/lib/docker, a tmpfs of this size).
+DOCKER_DISK = "200g"
 
 
 def cache_dir() -> Path:
@@ -314,9 +316,12 @@ class DstackBed:
         mounts = [(home / ".pyenv", root / ".pyenv"), (home / ".cache", root / ".cache"), (root, "/root"),
                   (ulb, "/usr/local/bin"), (base / "systemd", "/etc/systemd/system"), (base / "opt", "/opt"),
                   (base / "checkpoints", "/checkpoints"), (base / "dstack", "/dstack")]
-        for mountpoint in ("/checkpoints", "/dstack"):  # a container's own directories: empty mount points here
+        for mountpoint in ("/checkpoints", "/dstack", "/var/lib/docker"):  # a container's own directories: empty mount points here
             os.makedirs(mountpoint, exist_ok=True)
         script = "set -e\n" + "".join(f"mount --rbind {src} {dst}\n" for src, dst in mounts if Path(src).exists())
+        # The host's disk as its shim reports it: the free space under Docker's root dir (a tmpfs of
+        # DOCKER_DISK here, nothing allocated until written), as a rented machine's data disk.
+        script += f"mount -t tmpfs -o size={DOCKER_DISK} tmpfs /var/lib/docker\n"
         self.tb.sh(h, script, cwd="/")
         os.makedirs("/run/sshd", exist_ok=True)
         sshd = self.tb.run(h, [tbmod.SSHD, "-D", "-e", "-f", str(base / "sshd_config")], name="sshd", cwd="/")
