@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -39,17 +40,29 @@ def _fleet_instances(bed, name):
 
 
 @pytest.fixture(scope="session")
-def dstack_fleet(dstack_bed):
-    """An SSH fleet of the bed's two hosts, applied with the real CLI and provisioned by the real server
-    (its own SSH steps, our shim downloaded from the bed). Shared by the tests; they run one at a time."""
+def dstack_fleet(dstack_bed, tmp_path_factory):
+    """The project's rendered fleet for tiny-grpo made an SSH fleet of the bed's two hosts, applied with the
+    real CLI and provisioned by the real server (its own SSH steps, our shim downloaded from the bed). Shared
+    by the tests; they run one at a time. The edits are those an on-prem user makes to today's render: the
+    hosts in `ssh_config` and none of the fields dstack refuses for an SSH fleet (its own list,
+    `BackendFleetConfiguraionProps`); the render should give this itself (issue 40, item 5)."""
+    from dstack._internal.core.models.fleets import BackendFleetConfiguraionProps
+
     bed = dstack_bed
-    name = "hosts"
-    fleet = {"type": "fleet", "name": name, "placement": "cluster", "ssh_config": bed.ssh_config()}
-    work = bed.dir / "fleet-apply"
-    work.mkdir(exist_ok=True)
+    work = tmp_path_factory.mktemp("fleet-apply")
+    task = tiny_grpo(work, steps=10)
+    render = subprocess.run([f"{tbmod.BIN_DIR}/rlhf-tasks", "render", str(task), "--provider", "dstack",
+                             "-o", str(work / "tiny-grpo.dstack.yml")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert render.returncode == 0, render.stderr
+    fleet = yaml.safe_load((work / "tiny-grpo-fleet.dstack.yml").read_text())
+    dropped = [key for key in BackendFleetConfiguraionProps.model_fields if fleet.pop(key, None) is not None]
+    fleet["ssh_config"] = bed.ssh_config()
+    print(f"rendered fleet made an SSH fleet: dropped {dropped}, added ssh_config")
     (work / "fleet.dstack.yml").write_text(yaml.safe_dump(fleet))
     started = time.monotonic()
     bed.cli("apply", "-f", "fleet.dstack.yml", "-y", "-d", cwd=work, timeout=300)
+    name = fleet["name"]
 
     def idle():
         got = _fleet_instances(bed, name)
