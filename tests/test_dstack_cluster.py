@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -216,8 +217,40 @@ def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(
     assert run["status"] in ("failed", "terminated"), _why(bed, run, tmp_path)
     down = launcher(bed, tmp_path, ["down", "fail"], timeout=120)
     assert down.returncode == 0, down.output
-    for h in bed.tb.hosts:  # no job process is left on a host: only the shim (and sshd) run there
-        wait_for(lambda: "dstack-runner" not in bed.tb.sh(h, "ps -eo args", cwd="/"), 60,
-                 f"the runner on {h.name} to be gone")
+    for h in bed.tb.hosts:  # nothing of the run is left on a host: no runner, no Ray, no agent
+        wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
     fleet = _fleet_instances(bed, dstack_fleet)
     assert all(s == "idle" for _, s in fleet), fleet
+
+
+def _run_processes(bed, h) -> list[str]:
+    """What runs on a fleet host beyond its own sshd, the shim and the testbed's probes."""
+    out = bed.tb.sh(h, "ps -eo pid=,args=", cwd="/")
+    keep = ("sshd", "dstack-shim", "hostinit", "ps -eo", "wait_port", "bash -c ps")
+    return [line.strip() for line in out.splitlines() if line.strip() and not any(k in line for k in keep)]
+
+
+def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, dstack_fleet, tmp_path):
+    """`status` while tiny-grpo runs says so; `down` (`dstack stop`) ends the run in dstack and leaves no process
+    of it on the hosts (the shim tears the job down as a container's end would); the fleet's hosts are idle."""
+    bed = dstack_bed
+    task = tiny_grpo(tmp_path, steps=100000)
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    try:
+        wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
+                 "the launcher to show the job's steps", 1)
+        assert launch.running(), launch.output[-4000:]
+        status = launcher(bed, tmp_path, ["status", "tiny-grpo"], timeout=120)
+        assert status.returncode == 0 and "RUNNING" in status.output, status.output
+        down = launcher(bed, tmp_path, ["down", "tiny-grpo"], timeout=180)
+        assert down.returncode == 0, down.output
+        run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
+        assert run["status"] == "terminated", _why(bed, run, tmp_path)
+        for h in bed.tb.hosts:
+            wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
+        wait_for(lambda: all(s == "idle" for _, s in _fleet_instances(bed, dstack_fleet)), 120,
+                 "the fleet's instances idle again")
+        launch.wait(120)
+    finally:
+        if launch.running():
+            launch.kill()

@@ -32,6 +32,9 @@ from urllib.parse import parse_qs, urlparse
 VERSION = "@DSTACK_VERSION@"
 IMAGE_PATH = "@IMAGE_PATH@"
 DOCKER_ROOT = "/var/lib/docker"
+#: The one variable of ours in a job's environment: it marks the task's processes, which a container's
+#: teardown would kill (there is no container here).
+CONTAINER_MARK = "DSTACK_TEST_CONTAINER"
 
 
 def log(*args):
@@ -195,7 +198,7 @@ class Task:
             keys = list(self.req.get("container_ssh_keys") or [])
             with open(os.path.join(temp, "authorized_keys"), "w") as f:
                 f.write("\n".join(keys) + "\n")
-            env = {"PATH": IMAGE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root",
+            env = {"PATH": IMAGE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", CONTAINER_MARK: self.id,
                    "DSTACK_RUNNER_LOG": os.path.join(temp, "runner.out")}
             logf = open(os.path.join(temp, "runner.out"), "ab")
             # the shim's runner command, runner/internal/shim/docker.go getRunnerCmd: `dstack-runner --log-level
@@ -208,6 +211,7 @@ class Task:
                 start_new_session=True)
             self.status = "running"
             code = self.proc.wait()
+            kill_container(self.id)  # the container ends with its main process: everything in it goes
             if self.status == "running":
                 self.status = "terminated"
                 if code == 0:
@@ -229,12 +233,44 @@ class Task:
         self.reason = reason or "terminated_by_server"
         self.message = message
         if p and p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGTERM)  # `docker stop -t timeout`: SIGTERM, then SIGKILL to all
             try:
                 p.wait(max(timeout, 1))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        kill_container(self.id)
+
+
+def container_pids(task_id):
+    """The processes of the task's "container": every process carrying its mark in its environment (the runner
+    gets it from the shim, the job from the runner, their children inherit it), in place of a cgroup."""
+    mark = f"{CONTAINER_MARK}={task_id}".encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_container(task_id, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = container_pids(task_id)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    log("task", task_id, "processes left after", timeout, "s:", container_pids(task_id))
 
 
 def add_host_keys(keys):
