@@ -228,3 +228,20 @@ def ns(kube_cluster, request):
     name = kube_cluster.namespace(request.node.name[5:30])
     yield name
     kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+@starts_cluster
+def dstack_bed(tmp_path_factory):
+    """The session's real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be
+    an SSH fleet (tests/dstack/README.md). dstack[server] is installed into a cached virtualenv first."""
+    reason = tbmod.require_root()
+    need(reason is None, reason or "")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dstack_bed_server", ROOT / "tests" / "dstack" / "server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    bed = module.DstackBed(2, tmp_path_factory.mktemp("dstack"), shared=[tmp_path_factory.getbasetemp()])
+    yield bed
+    bed.close()
