@@ -140,12 +140,16 @@ def xdist_group(item) -> str | None:
 
 
 def run_order(item) -> int:
-    """The Kubernetes tests first (the longest group; on a cold cache they wait for the build while
-    the other worker goes on), then the other cluster tests, then the fast tier (short tests that
+    """The longest first, so that the two workers end together: the Kubernetes tests (on a cold
+    cache they wait for their build while the other worker goes on), then the other session-wide
+    groups (the dstack server's), then the other cluster tests, then the fast tier (short tests that
     even out the two workers' ends). Python's sort is stable: each keeps the collection's order."""
-    if xdist_group(item) == "kube":
+    group = xdist_group(item) or ""
+    if group == "kube":
         return 0
-    return 1 if item.get_closest_marker(CLUSTER) else 2
+    if group.startswith("session-"):
+        return 1
+    return 2 if item.get_closest_marker(CLUSTER) else 3
 
 
 @pytest.hookimpl(wrapper=True)
