@@ -109,6 +109,9 @@ class Provider:
     shares_filesystem: ClassVar[bool] = False
     #: The task's option for storage every node sees at checkpoints.path (checkpoints.shared.<name>).
     shared_option: ClassVar[str] = ""
+    #: The directory the rendered files are written to (set by `render -o` and `stage`); None: the
+    #: current directory. A provider whose CLI resolves local paths from there (SkyPilot) uses it.
+    render_dir: Path | None = None
 
     def __init__(self, **options: Any):
         known = {option.dest for option in self.options}
@@ -255,6 +258,7 @@ class Provider:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
         make the cluster's token, and the CLI's environment (secrets and token by value)."""
         directory = state.run_dir(plan.name) / self.name
+        self.render_dir = directory
         write_files(directory, self.render(plan))
         token = state.new_token(plan.name) if plan.token_env else None
         env = {**os.environ, **secrets, **({plan.token_env: token} if token else {})}
