@@ -219,6 +219,9 @@ def cmd_render(args) -> int:
     provider = _provider(args.provider)
     plan = provider.plan(task)
     _warn_shared_storage(provider, plan)
+    if args.output:  # where the files go, for a provider whose CLI resolves paths from there
+        provider.render_dir = Path(args.output) if (Path(args.output).is_dir() or args.output.endswith(os.sep)) \
+            else Path(args.output).parent
     files = provider.render(plan)
     if not args.output:
         main_name, *others = files

@@ -177,6 +177,8 @@ class RayPlan(StrictModel):
     num_cpus: int | None
     num_gpus: int | None
     temp_dir: str | None = None          # one per node below it, when set
+    min_worker_port: int | None = None   # Ray's worker port range when a provider moves it (SkyPilot's
+    max_worker_port: int | None = None   # own Ray holds Ray's default one); None: Ray's default
 
 
 class WaitPlan(StrictModel):

@@ -333,7 +333,7 @@ def test_the_demo_ships_its_code_and_imports_only_the_shipped_copy(provider_name
         command = main["commands"][-1]
     else:
         assert main["file_mounts"]["/opt/rlhf-tasks"] == "rlhf-tasks"  # the whole directory, lib/ included
-        command = main["run"]
+        command = main["run"].splitlines()[-1]  # after the lines that put back what SkyPilot's runner leaks
     assert command.startswith("PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} "
                               "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py")
     for name, text in files.items():

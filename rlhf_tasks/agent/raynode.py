@@ -128,7 +128,8 @@ def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
         cmd += ["--address", "%s:%s" % (info.head, ray["port"])]
     if ray.get("temp_dir"):  # one per node: raylets sharing a session dir race for socket names
         cmd += ["--temp-dir", "%s/n%d" % (ray["temp_dir"], info.rank)]
-    for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus")):
+    for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus"),
+                      ("--min-worker-port", "min_worker_port"), ("--max-worker-port", "max_worker_port")):
         if ray.get(key) is not None:
             cmd += [flag, str(ray[key])]
     if ray.get("debug") == "legacy":

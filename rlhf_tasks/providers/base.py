@@ -114,6 +114,9 @@ class Provider:
     price_source: ClassVar[str | None] = None
     #: Whether its machines are billed (`check` says the cost; the local provider's are this machine).
     bills: ClassVar[bool] = True
+    #: The directory the rendered files are written to (set by `render -o` and `stage`); None: the
+    #: current directory. A provider whose CLI resolves local paths from there (SkyPilot) uses it.
+    render_dir: Path | None = None
 
     def __init__(self, **options: Any):
         known = {option.dest for option in self.options}
@@ -260,6 +263,7 @@ class Provider:
         """For `apply` through a provider CLI: write the rendered files under runs/NAME/PROVIDER,
         make the cluster's token, and the CLI's environment (secrets and token by value)."""
         directory = state.run_dir(plan.name) / self.name
+        self.render_dir = directory
         write_files(directory, self.render(plan))
         token = state.new_token(plan.name) if plan.token_env else None
         env = {**os.environ, **secrets, **({plan.token_env: token} if token else {})}

@@ -2,10 +2,22 @@
 or `sky jobs launch` (a managed job that SkyPilot recovers).
 
 SkyPilot runs its own Ray on every node (GCS 6380, dashboard 8266, dashboard agent
-52365), so ours takes other ports and is never stopped machine-wide. `setup` runs the
-task's setup commands; `run` starts the node agent, which reads SKYPILOT_NODE_RANK,
-SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES. Secrets and the Ray token are `secrets:` with
-null values, filled by `sky launch --secret NAME` from the local environment.
+52365, object manager 8076, client server 10001 on its head, workers on 11002-19999 on its
+head and Ray's default 10002-19999 on the others: sky/provision/instance_setup.py), so ours
+takes other ports, its workers included, and is never stopped machine-wide. SkyPilot's
+command runner exports OMP_NUM_THREADS=1 and PYTHONWARNINGS=ignore before its `ray start`,
+and its job hands them on to the task over the task's own envs (log_lib.add_ray_env_vars):
+`run` puts back the task's value or unsets them, so that our Ray gives each of its workers
+Ray's own default. `setup` runs the task's setup commands; `run` starts the node agent,
+which reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES. Secrets and the
+Ray token are `secrets:` with null values, filled by `sky launch --secret NAME` from the
+local environment.
+
+`sky launch` resolves `file_mounts` sources and `workdir` against the directory it runs
+from, which the header names: the directory of the rendered file, so both are written
+relative to it. The task's job.working_dir (with `submit: head`) is SkyPilot's `workdir`,
+synced to ~/sky_workdir on every node, where SkyPilot's run script starts `run`; the head
+submits the job from there.
 
 Checkpoints go to a directory on each node unless the task names shared storage in
 `checkpoints.shared.sky`: a bucket mounted at the path, or a SkyPilot volume. The
@@ -15,6 +27,7 @@ image; a VM without one keeps its own /dev/shm (the rendered file says so).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -31,10 +44,21 @@ from ..spec import Task
 from .base import Cluster, Option, Provider, end_process, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
-#: Ports SkyPilot's own Ray uses on every node (NOTES.md): ours must never collide.
-RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent"}
+#: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
+#: defaults for what it leaves out): ours must never collide.
+RESERVED_PORTS = {6380: "SkyPilot's Ray GCS", 8266: "SkyPilot's Ray dashboard", 52365: "SkyPilot's dashboard agent",
+                  8076: "SkyPilot's Ray object manager", 10001: "SkyPilot's Ray client server"}
+#: SkyPilot's Ray workers: 11002-19999 on its head, Ray's default 10002-19999 on the other nodes.
+SKYPILOT_WORKER_PORTS = (10002, 19999)
 #: Our dashboard agent must not take SkyPilot's 52365.
 AGENT_LISTEN_PORT = 52366
+#: Ray's own layout moved up by 10000: our client server (unless the task names one) and our workers.
+CLIENT_SERVER_PORT = 20001
+WORKER_PORTS = (20002, 22999)
+#: What SkyPilot's command runner exports before its `ray start`, which its job hands to the task.
+LEAKED_ENV = ("OMP_NUM_THREADS", "PYTHONWARNINGS")
+#: Where SkyPilot syncs the task's `workdir` on every node, and where its run script starts `run`.
+SKY_WORKDIR = "~/sky_workdir"
 #: Where `sky` starts its local API server by default.
 API_SERVER_PORT = 46580
 
@@ -76,20 +100,57 @@ class SkyProvider(Provider):
         cluster_id=env("SKYPILOT_TASK_ID"),
         gpus_per_node=env("SKYPILOT_NUM_GPUS_PER_NODE"),
     )
-    ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT}
+    ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT, "min_worker_port": WORKER_PORTS[0],
+                     "max_worker_port": WORKER_PORTS[1]}
     options = (Option("--managed", "run as a SkyPilot managed job (recovered on preemption)"),)
     _started_api_server = False
 
     def check(self, task: Task) -> None:
         for field in ("port", "dashboard_port", "client_server_port", "ready_port"):
+            if field == "client_server_port" and field not in task.ray.model_fields_set:
+                continue  # moved to CLIENT_SERVER_PORT by build()
             port = getattr(task.ray, field)
             if port in RESERVED_PORTS:
                 raise BadInput(f"ray.{field}: {port} is used by {RESERVED_PORTS[port]} on every SkyPilot node; "
                                f"choose another")
+            for (low, high), whose in ((SKYPILOT_WORKER_PORTS, "SkyPilot's Ray workers"),
+                                       ((CLIENT_SERVER_PORT, WORKER_PORTS[1]), "our Ray's client server and workers")):
+                if low <= port <= high:
+                    raise BadInput(f"ray.{field}: {port} is inside {low}-{high}, the ports of {whose} on a "
+                                   f"SkyPilot node; choose another")
         shared_entry(SkyShared, task.checkpoints.shared.get(self.name), self.name)
         if self.chosen["managed"] and task.job.submit != "head":
             raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
                            "since SkyPilot relaunches the whole task on recovery")
+
+    def build(self, task: Task) -> Plan:
+        plan = super().build(task)
+        if "client_server_port" not in task.ray.model_fields_set:  # 10001 is SkyPilot's Ray's
+            plan = plan.replace(ray=plan.ray.model_copy(update={"client_server_port": CLIENT_SERVER_PORT}))
+        return plan
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        if not plan.job.working_dir or plan.job.submit != "head":
+            return None
+        return (f"{plan.job.working_dir}: `sky launch` syncs it to {SKY_WORKDIR} on every node (SkyPilot's "
+                f"workdir; what .skyignore, else .gitignore, names is left out), and the head submits the job "
+                f"from there (leaving out job.excludes)")
+
+    def workdir(self, plan: Plan) -> str | None:
+        """SkyPilot's `workdir`: job.working_dir as seen from where `sky launch` runs (the rendered
+        files' directory: render_dir, or the current directory, where render writes them)."""
+        if not plan.job.working_dir or plan.job.submit != "head":
+            return None
+        here = os.path.abspath(self.render_dir or ".")
+        return os.path.relpath(os.path.abspath(os.path.expanduser(plan.job.working_dir)), here)
+
+    @staticmethod
+    def node_plan(plan: Plan) -> Plan:
+        """The plan the nodes read: with a workdir, the job's working_dir is SkyPilot's copy of it,
+        the directory `run` starts in."""
+        if not plan.job.working_dir or plan.job.submit != "head":
+            return plan
+        return plan.replace(job=plan.job.model_copy(update={"working_dir": "."}))
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """A line for `check` and `render` when a multi-node run resumes from per-node directories."""
@@ -143,6 +204,9 @@ class SkyProvider(Provider):
         secrets = list(plan.secrets) + ([plan.token_env] if plan.token_env else [])
         if secrets:
             config["secrets"] = {name: None for name in secrets}
+        workdir = self.workdir(plan)
+        if workdir:
+            config["workdir"] = workdir
         config["file_mounts"] = {NODE_DIR: LOCAL_DIR}
         setup = ["set -e"] + list(plan.setup)
         shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
@@ -157,19 +221,23 @@ class SkyProvider(Provider):
         if res.shm_size and plan.image:  # SkyPilot's own --shm-size guess is skipped when one is given
             config["config"] = {"docker": {"run_options": [f"--shm-size={size_bytes(res.shm_size)}b"]}}
         config["setup"] = "\n".join(setup) + "\n"
-        config["run"] = agent_command(plan) + "\n"
+        leaked = [f"export {k}={shlex.quote(plan.env[k])}" if k in plan.env else f"unset {k}" for k in LEAKED_ENV]
+        config["run"] = (f"# SkyPilot's runner exports {' '.join(LEAKED_ENV)} for its own Ray, and its job passes them "
+                         f"on: the task's, or Ray's defaults\n" + "; ".join(leaked) + "\n" + agent_command(plan) + "\n")
         return config
 
     def render(self, plan: Plan) -> dict[str, str]:
         names = " ".join(f"--secret {n}" for n in plan.secrets + ([plan.token_env] if plan.token_env else []))
-        header = (f"# Rendered by rlhf-tasks for SkyPilot. From this directory:\n"
+        header = (f"# Rendered by rlhf-tasks for SkyPilot. From this directory (the one this file is in):\n"
                   f"#   sky launch -c {plan.name} {plan.name}.sky.yaml {names}\n"
                   f"# or as a managed job: sky jobs launch {plan.name}.sky.yaml {names}\n")
         if plan.resources.shm_size and not plan.image:
             header += (f"# resources.shm_size {plan.resources.shm_size} is not applied: without an image SkyPilot runs "
                        f"on the VM, whose /dev/shm SkyPilot does not size (give the task an image to get a container "
                        f"with --shm-size)\n")
-        return {f"{plan.name}.sky.yaml": dump_yaml(self.task_config(plan), header), **shipped_files(plan)}
+        header += ("# (sky launch resolves file_mounts and workdir against the directory it runs from)\n")
+        return {f"{plan.name}.sky.yaml": dump_yaml(self.task_config(plan), header),
+                **shipped_files(self.node_plan(plan))}
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """`sky launch` (then the dashboard through `ssh -L` to the head, which SkyPilot
