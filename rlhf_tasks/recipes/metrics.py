@@ -165,14 +165,19 @@ class OpenRLHFReader(Reader):
             if not values:
                 return None
             return step_record(int(found.group(1)), values, self.total, self.REWARD, self.LOSS, self.KL, self.STEP_S)
-        seen = self.bar.read(line)
-        if seen is None:
-            return None
-        step, total, values, rate_s = seen
-        if rate_s is not None:
-            values.setdefault("tqdm/s_per_it", rate_s)
-        return step_record(step, values, total or self.total, self.REWARD, self.LOSS, self.KL,
-                           ("timing/step_total", "tqdm/s_per_it"))
+        return bar_record(self.bar, line, self.total, self.REWARD, self.LOSS, self.KL,
+                          ("timing/step_total", "tqdm/s_per_it"))
+
+
+def bar_record(bar: "TqdmBar", line: str, total, reward, loss, kl, step_s) -> dict | None:
+    """The step a tqdm bar's line shows, its rate (seconds per step) among its values."""
+    seen = bar.read(line)
+    if seen is None:
+        return None
+    step, bar_total, values, rate_s = seen
+    if rate_s is not None:
+        values.setdefault("tqdm/s_per_it", rate_s)
+    return step_record(step, values, bar_total or total, reward, loss, kl, step_s)
 
 
 #: What follows a tqdm bar: `| 12/100 [08:12<1:00:01, 41.02s/it, k=v, k=v]` (matched after the bar).
@@ -275,13 +280,7 @@ class TorchrunTrainerReader(Reader):
         if epochs:
             self.bar.epochs = int(epochs.group(1))
             return None
-        seen = self.bar.read(line)
-        if seen is None:
-            return None
-        step, total, values, rate_s = seen
-        if rate_s is not None:
-            values.setdefault("tqdm/s_per_it", rate_s)
-        return step_record(step, values, total or self.total, self.REWARD, self.LOSS, (), ("tqdm/s_per_it",))
+        return bar_record(self.bar, line, self.total, self.REWARD, self.LOSS, (), ("tqdm/s_per_it",))
 
 
 _TINY = re.compile(r"^step (\d+)/(\d+)\s+reward (\S+)\s+loss (\S+)\s+(\d+) ms\s*$")
