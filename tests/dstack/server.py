@@ -194,7 +194,8 @@ class DstackBed:
     def __init__(self, n: int, dir: Path, shared=()):
         self.bin = ensure_dstack()
         self.dir = Path(dir).resolve()
-        self.tb = tbmod.Testbed(n, self.dir / "testbed", shared=[*shared, self.dir])
+        # the cached virtualenv is on every host, as the test's own is (sys.prefix), wherever HOME is (/tmp too)
+        self.tb = tbmod.Testbed(n, self.dir / "testbed", shared=[*shared, self.dir, self.bin.parent])
         try:
             self.home = self.dir / "home"  # the laptop user's home: the CLI's ~/.dstack
             self.server_dir = self.dir / "server"
