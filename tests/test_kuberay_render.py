@@ -397,6 +397,25 @@ def agent_plan(tmp_path: Path, **extra) -> tuple[Path, dict]:
     return path, rayjob
 
 
+@pytest.fixture(autouse=True)
+def _no_agent_left(tmp_path):
+    """What an agent run with --before-ray leaves running for the pod (a process of its own, forked
+    with the same command line) ends with the test: it names the test's plan, in its tmp_path."""
+    yield
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlhf_tasks.agent" in argv and any(str(tmp_path).encode() in a for a in argv):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_agent(plan: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
     env = {**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan), *flags], env=env,
