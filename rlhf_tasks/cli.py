@@ -354,9 +354,21 @@ def cmd_status(args) -> int:
         return 0
     status = _jobs(args).status(args.job)
     if status is None:
-        raise BadInput(f"JOB: no job {args.job} on this cluster")
+        raise BadInput(_no_such_job(args))
     print(status)
     return 0
+
+
+def _no_such_job(args) -> str:
+    """`status`/`logs` of an id the cluster has no job of; a cluster's name says how to ask for it."""
+    from . import state
+
+    said = f"JOB: no job {args.job} on this cluster"
+    if state.load(args.job) is not None:
+        said += (f"; {args.job} is a cluster's name: its jobs with `rlhf-tasks list --cluster {args.job}`, "
+                 f"one job's logs with `rlhf-tasks logs JOB --cluster {args.job}`, every node's logs with "
+                 f"`rlhf-tasks logs {args.job} --bundle`")
+    return said
 
 
 def _training_status(name: str, record: dict) -> list[str]:
@@ -410,6 +422,8 @@ def cmd_logs(args) -> int:
     from .jobs import PreflightShown
 
     jobs = _jobs(args)
+    if jobs.status(args.job) is None:  # Ray answers an unknown id's log with nothing: say so instead
+        raise BadInput(_no_such_job(args))
     out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
         try:
@@ -454,7 +468,10 @@ def cmd_stop(args) -> int:
 
     jobs = _jobs(args)
     if not jobs.stop(args.job):
-        print(f"{args.job}: already finished ({jobs.status(args.job)})")
+        status = jobs.status(args.job)
+        print(f"{args.job}: already finished ({status})")
+        if status in TERMINAL_JOB_STATES:
+            _record_stopped(args, status, "it had ended before `rlhf-tasks stop`")
         return 0
 
     def stopped():
@@ -469,9 +486,22 @@ def cmd_stop(args) -> int:
         return status in TERMINAL_JOB_STATES, status
     status = wait_for(f"job {args.job} to stop", stopped, args.wait)
     print(f"{args.job}: {status or 'STOPPED'}")
+    _record_stopped(args, status or "STOPPED", "stopped by `rlhf-tasks stop`")
     if status is None:
         say("Ray took the stop, and then the cluster's dashboard went: the cluster ended itself with its job")
     return 0
+
+
+def _record_stopped(args, status: str, how: str) -> None:
+    """The record of the cluster whose last job this is (--cluster's, or the one that names the
+    job) keeps how it ended: the cluster may end itself with it, and `status`/`down` read the record."""
+    from . import state
+
+    for name in [args.cluster] if args.cluster else state.known():
+        record = state.load(name) or {}
+        if not record.get("ended") and (record.get("job") or {}).get("submission_id") == args.job:
+            state.update(name, job={"submission_id": args.job, "status": status, "how": how})
+            return
 
 
 def cmd_list(args) -> int:
