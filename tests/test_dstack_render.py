@@ -84,6 +84,14 @@ def test_every_gpu_name_renders_to_one_dstacks_catalog_knows(spec, name, memory)
             assert memory in table[name.lower()]
 
 
+@pytest.mark.parametrize("spec,count", [("A100-80GB", 1), ("H100", 1), ("4", 4)])
+def test_a_bare_gpu_name_is_exactly_one_gpu(spec, count):
+    """The spec reads `gpus: H100` as one GPU; dstack reads a bare `gpu: H100` as one or more."""
+    task, fleet = render({"resources": {"gpus": spec}})
+    for config in (task, fleet):
+        assert config.resources.gpu.count.min == config.resources.gpu.count.max == count
+
+
 def test_amounts_render_as_at_least_ranges():
     """`cpus: 28` is "at least 28": dstack reads `cpu: 28` as exactly 28, so we render `28..`."""
     task, fleet = render({"resources": {"cpus": 28, "memory": "200GB", "disk": "500GB", "shm_size": "64GB"}})

@@ -42,12 +42,15 @@ _GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<mem
 
 
 def dstack_gpu(gpus: str) -> str:
-    """`resources.gpus` in dstack's words: `A100-80GB:8` -> `A100:80GB:8`; `H100:8`, `MI300X` and `8` as given."""
+    """`resources.gpus` in dstack's words: `A100-80GB:8` -> `A100:80GB:8`; `H100:8` and `8` as given; a bare
+    name is one GPU (`MI300X` -> `MI300X:1`: dstack reads a bare name as one GPU or more)."""
+    if gpus.isdigit():
+        return gpus
     name, _, count = gpus.partition(":")
     match = _GPU_MEMORY_SUFFIX.match(name)
     if match:
         name = f"{match.group('name')}:{match.group('memory')}GB"
-    return f"{name}:{count}" if count else name
+    return f"{name}:{count or 1}"
 
 
 def at_least(value) -> str:
