@@ -97,7 +97,7 @@ def test_dstack_parser_accepts_every_task(task_path):
     task_cfg = parse(yaml.safe_load(files[f"{name}.dstack.yml"]))
     fleet_cfg = parse(yaml.safe_load(files[f"{name}-fleet.dstack.yml"]))
     assert task_cfg.type == "task" and fleet_cfg.type == "fleet"
-    assert task_cfg.nodes == fleet_cfg.nodes.min == load_task(task_path).nodes
+    assert task_cfg.nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
     assert {m.local_path for m in task_cfg.files} <= set(files)
     assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
 

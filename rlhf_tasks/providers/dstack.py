@@ -13,6 +13,7 @@ declares shared (an NFS mount on every fleet host).
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 from pydantic import Field, field_validator, model_validator
@@ -25,6 +26,52 @@ from .base import Cluster, Provider, require_cli, stop_with_cli
 from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
+
+#: What we render when the task gives no disk. dstack's own default is `100GB..` (resources.DEFAULT_DISK),
+#: which it compares to an offer's disk and, on an SSH fleet, to the host's free disk: a host with less is no
+#: offer. 50GB holds the image with Ray and torch and a small model; a task that needs more says `disk:`.
+DEFAULT_DISK = "50GB"
+
+#: The fleet's `idle_duration` when the task does not set `placement.idle`: dstack's own default for a run's
+#: instances (fleets.py: "Defaults to `5m` for runs and `3d` for fleets"), not the fleet's 3 days.
+FLEET_IDLE_S = 300
+
+#: A GPU name with its memory as a suffix (A100-80GB, V100-32G), which dstack's GPUSpec parser takes whole as a
+#: name its catalog (gpuhunt's KNOWN_ACCELERATORS) does not know: dstack writes the memory as its own field.
+_GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<memory>\d+)\s*G(?:i?B)?$", re.IGNORECASE)
+
+
+def dstack_gpu(gpus: str) -> str:
+    """`resources.gpus` in dstack's words: `A100-80GB:8` -> `A100:80GB:8`; `H100:8` and `8` as given; a bare
+    name is one GPU (`MI300X` -> `MI300X:1`: dstack reads a bare name as one GPU or more)."""
+    if gpus.isdigit():
+        return gpus
+    name, _, count = gpus.partition(":")
+    match = _GPU_MEMORY_SUFFIX.match(name)
+    if match:
+        name = f"{match.group('name')}:{match.group('memory')}GB"
+    return f"{name}:{count or 1}"
+
+
+def at_least(value) -> str:
+    """A task's amount (`cpus: 28`, `disk: 500GB`) is a minimum: dstack reads a bare `cpu: 28` as exactly 28,
+    and `28..` as 28 or more."""
+    return f"{value}.."
+
+
+def dstack_resources(res, keys: tuple[str, ...]) -> dict:
+    """The resources block for a task or fleet: GPUs in dstack's catalog names, amounts as `N..` ranges."""
+    resources: dict = {}
+    if "shm_size" in keys and res.shm_size:
+        resources["shm_size"] = res.shm_size  # a size dstack gives the container, not an offer filter
+    if "memory" in keys and res.memory:
+        resources["memory"] = at_least(res.memory)
+    resources["disk"] = at_least(res.disk or DEFAULT_DISK)
+    if res.gpus:
+        resources["gpu"] = dstack_gpu(res.gpus)
+    if "cpu" in keys and res.cpus:
+        resources["cpu"] = at_least(res.cpus)
+    return resources
 
 
 class DstackShared(StrictModel):
@@ -81,12 +128,7 @@ class DstackProvider(Provider):
         config["files"] = [f"{local}:{node_path(local)}" for local in files]
         config["commands"] = list(plan.setup) + [agent_command(plan)]
         config["ports"] = [plan.ray.dashboard_port]
-        resources = {key: getattr(res, key) for key in ("shm_size", "disk", "memory") if getattr(res, key)}
-        if res.gpus:
-            resources["gpu"] = res.gpus
-        if res.cpus:
-            resources["cpu"] = res.cpus
-        config["resources"] = resources
+        config["resources"] = dstack_resources(res, ("shm_size", "memory", "cpu"))
         ckpt = plan.checkpoint_dir
         if ckpt:
             shared = shared_entry(DstackShared, plan.checkpoint_shared, self.name)
@@ -107,14 +149,18 @@ class DstackProvider(Provider):
         return config
 
     def fleet_config(self, plan: Plan) -> dict:
-        """A fleet with `placement: cluster` (nodes on one fast network) that fits the task."""
-        res = plan.resources
-        fleet: dict = {"type": "fleet", "name": f"{plan.name}-fleet", "nodes": plan.nodes, "placement": "cluster"}
-        resources = {"disk": res.disk} if res.disk else {}
-        if res.gpus:
-            resources["gpu"] = res.gpus
-        if resources:
-            fleet["resources"] = resources
+        """A fleet with `placement: cluster` (nodes on one fast network) that fits the task.
+
+        `nodes: {min: 0, max: N}`: the fleet starts empty, the run provisions its N instances in it, and an
+        instance idle for `idle_duration` (placement.idle where the task sets it, `never` rendering `off`; else
+        FLEET_IDLE_S) is terminated, since dstack terminates only instances above `nodes.min` (fleets.py,
+        idle_duration): nothing is left billing.
+        """
+        placement = plan.placement
+        idle = placement.idle if "idle" in placement.model_fields_set else FLEET_IDLE_S
+        fleet: dict = {"type": "fleet", "name": f"{plan.name}-fleet", "nodes": {"min": 0, "max": plan.nodes},
+                       "idle_duration": int(idle) if idle else "off", "placement": "cluster"}
+        fleet["resources"] = dstack_resources(plan.resources, ())
         fleet["spot_policy"] = SPOT[plan.placement.spot]
         for key in ("backends", "regions"):
             if getattr(plan.placement, key):
