@@ -313,7 +313,7 @@ class DstackBed:
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hostkey)], check=True)
         (keys / "authorized_keys").write_text(Path(str(self.key) + ".pub").read_text())
         (base / "sshd_config").write_text(SSHD_CONFIG.format(key=hostkey, extra=keys / "authorized_keys"))
-        home = Path.home()
+        home = Path("/root")  # what the host's own /root hides of this machine's (the interpreter, caches), whatever HOME says
         mounts = [(home / ".pyenv", root / ".pyenv"), (home / ".cache", root / ".cache"), (root, "/root"),
                   (ulb, "/usr/local/bin"), (base / "systemd", "/etc/systemd/system"), (base / "opt", "/opt"),
                   (base / "checkpoints", "/checkpoints"), (base / "dstack", "/dstack")]
