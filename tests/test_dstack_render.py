@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from rlhf_tasks import providers
+from rlhf_tasks.providers.dstack import JOB_DIR
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT, need
@@ -361,10 +362,10 @@ def test_the_working_dir_reaches_the_directory_the_job_runs_in(output, tmp_path)
     main = code / output / "wd.dstack.yml" if output.endswith("/") else code / output
     config = resolved_files(main)
     mapped = {f.path: f.local_path for f in config.files}
-    assert config.working_dir == "/workflow" and Path(mapped["/workflow"]).resolve() == code / "src"
-    assert "src/reward_fn.py" in archive_names(mapped["/workflow"])
+    assert config.working_dir == JOB_DIR and Path(mapped[JOB_DIR]).resolve() == code / "src"
+    assert "src/reward_fn.py" in archive_names(mapped[JOB_DIR])
     shipped = json.loads((main.parent / "rlhf-tasks" / "wd.plan.json").read_text())
-    assert shipped["job"]["working_dir"] == "/workflow"
+    assert shipped["job"]["working_dir"] == JOB_DIR
 
 
 def test_check_says_where_the_jobs_working_directory_will_be(tmp_path):
@@ -372,7 +373,7 @@ def test_check_says_where_the_jobs_working_directory_will_be(tmp_path):
     out = cli(["check", "task.yaml", "--provider", "dstack"], code, tmp_path / "home")
     assert out.returncode == 0, out.stderr
     assert re.search(r"working_dir src \(\d+ KiB as dstack packs it, its limit 2 MiB\): `dstack apply` ships it "
-                     r"\(dstack's files:.*\) to /workflow on every node, where the job's commands run", out.stdout), \
+                     r"\(dstack's files:.*\) to /opt/rlhf-tasks-workdir on every node, where the job's commands run", out.stdout), \
         out.stdout
     client = project(tmp_path / "c", submit="client")
     config = yaml.safe_load(cli(["render", "task.yaml", "--provider", "dstack"], client, tmp_path / "home").stdout)

@@ -100,7 +100,7 @@ def test_dstack_parser_accepts_every_task(task_path):
     assert task_cfg.nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
     shipped = {(m.local_path, m.path) for m in task_cfg.files}  # one directory, and the working_dir (from here)
     assert ("rlhf-tasks", "/opt/rlhf-tasks") in shipped and any(name.startswith("rlhf-tasks/") for name in files)
-    assert shipped <= {("rlhf-tasks", "/opt/rlhf-tasks"), (".", "/workflow")}
+    assert shipped <= {("rlhf-tasks", "/opt/rlhf-tasks"), (".", "/opt/rlhf-tasks-workdir")}
     assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
 
 

@@ -56,8 +56,10 @@ DEFAULT_DISK = "50GB"
 FLEET_IDLE_S = 300
 
 #: Where the task's job.working_dir lands on every node (dstack's `files:`), and the directory the job's
-#: commands run in (dstack's `working_dir`; without it, the image's, `/` in many).
-JOB_DIR = "/workflow"
+#: commands run in (dstack's `working_dir`; without it, the image's, `/` in many). Not dstack's repo directory
+#: (/workflow), nor below /opt/rlhf-tasks: dstack's runner replaces a `files:` target whole (executor/files.go,
+#: as tests/dstack/agent.py plays it), so no image's directory and no other archive's may be it.
+JOB_DIR = "/opt/rlhf-tasks-workdir"
 
 #: dstack's server refuses a `files:` archive above this (DSTACK_SERVER_CODE_UPLOAD_LIMIT, 2 MiB by default:
 #: server/settings.py); read from this environment too, for a server started here with another limit.
