@@ -68,12 +68,73 @@ def secret_look(name: str, value: str) -> str | None:
     return None
 
 
+#: Amounts a task gives per node (cpus, memory, disk) that a provider may read as "at least" or "exactly".
+AMOUNTS = ("cpus", "memory", "disk")
+_AT_LEAST = re.compile(r"^\s*(?P<value>\S.*?)\s*(?:\.\.|\+)\s*$")
+_AMOUNT_WORDS = ("write N (at least N), or N.. / N+ (the same); list the field under resources.exact for exactly N "
+                 "(a range N..M is not supported)")
+
+
+def _at_least(value: Any) -> Any:
+    """`28..`, `28+`, `500GB..` (dstack's and SkyPilot's ways to say "at least") -> the amount itself:
+    every amount is a minimum unless the field is listed under resources.exact."""
+    if isinstance(value, str):
+        match = _AT_LEAST.match(value)
+        if match:
+            return match.group("value")
+        if ".." in value:
+            raise ValueError(f"{value!r} is not an amount: {_AMOUNT_WORDS}")
+    return value
+
+
+def _cpu_count(value: Any) -> Any:
+    value = _at_least(value)
+    if isinstance(value, str):
+        if not value.strip().isdigit():
+            raise ValueError(f"{value!r} is not a CPU count: {_AMOUNT_WORDS}")
+        return int(value)
+    return value
+
+
+_AMOUNT_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": r"^\s*\d+\s*(\.\.|\+)?\s*$"}]}
+CpuCount = Annotated[int, BeforeValidator(_cpu_count), WithJsonSchema(_AMOUNT_SCHEMA)]
+#: A size as written (`500GB`), or with `..` / `+` (at least, as without); the field holds the size.
+AmountSize = Annotated[Size, BeforeValidator(_at_least)]
+
+
 class Resources(StrictModel):
     gpus: str | None = Field(None, description="per node: NAME:COUNT (H100:8), NAME (one GPU) or COUNT")
-    cpus: int | None = Field(None, ge=1, description="CPUs per node to register with Ray")
-    memory: Size | None = None
+    cpus: CpuCount | None = Field(None, ge=1, description=(
+        "CPUs per node to register with Ray; at least this many (28, 28.. or 28+) unless listed under exact"))
+    memory: AmountSize | None = Field(None, description="memory per node, at least this much (200GB, 200GB..) "
+                                      "unless listed under exact")
     shm_size: Size | None = None
-    disk: Size | None = None
+    disk: AmountSize | None = Field(None, description="disk per node, at least this much (500GB, 500GB..) unless "
+                                    "listed under exact")
+    exact: list[Literal[AMOUNTS]] = Field([], description=(  # type: ignore[valid-type]
+        "amounts (cpus, memory, disk) meant exactly, not at least: e.g. [disk] with disk: 500GB asks a 500GB disk "
+        "(dstack: `disk: 500GB` instead of `500GB..`; SkyPilot: `cpus: 8` instead of `8+`)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _exact_or_at_least(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("exact"), list):
+            for field in data["exact"]:
+                value = data.get(field) if field in AMOUNTS else None
+                if isinstance(value, str) and _AT_LEAST.match(value):
+                    raise ValueError(f"{field}: {value!r} says at least, and exact lists {field}: say one")
+        return data
+
+    @model_validator(mode="after")
+    def _exact_amounts(self):
+        missing = [field for field in self.exact if getattr(self, field) is None]
+        if missing:
+            raise ValueError(f"exact lists {', '.join(missing)}, which the task does not give")
+        return self
+
+    def is_exact(self, field: str) -> bool:
+        """Whether the task means this amount exactly (resources.exact), not as a minimum."""
+        return field in self.exact
 
     @field_validator("gpus")
     @classmethod
@@ -250,6 +311,10 @@ class Placement(StrictModel):
     slurm: dict[str, Any] = Field({}, description=(
         "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
+    dstack: dict[str, Any] = Field({}, description=(
+        "dstack's own options, read by the dstack provider with its model (providers/dstack.py): ssh (the fleet is "
+        "your own hosts: user, identity_file, hosts), and for a custom image its user, cpu_arch and registry_auth "
+        "(a dstack secret's name)"))
     kuberay: dict[str, Any] = Field({}, description=(
         "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
         "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
@@ -257,7 +322,7 @@ class Placement(StrictModel):
 
 #: Keys of `placement` whose options a provider owns and reads with its own model (spec.py imports
 #: no provider; `rlhf-tasks schema` composes the providers' models into the schema).
-PROVIDER_PLACEMENT = ("slurm", "kuberay")
+PROVIDER_PLACEMENT = ("slurm", "kuberay", "dstack")
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]

@@ -14,7 +14,8 @@ from rlhf_tasks.cli import main
 from conftest import ROOT
 
 GPU_TASK = {"name": "t", "nodes": 2, "resources": {"gpus": "H100:8"},
-            "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}}
+            "job": {"recipe": "command", "working_dir": None,  # (".": the tests' directory, over dstack's limit)
+                    "args": {"entrypoint": "python3 train.py"}}}
 
 
 def check(tmp_path, capsys, data, *args):

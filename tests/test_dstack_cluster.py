@@ -68,27 +68,21 @@ def _fleet_instances(bed, name):
 
 @pytest.fixture(scope="session")
 def dstack_fleet(dstack_bed, tmp_path_factory):
-    """The project's rendered fleet for tiny-grpo made an SSH fleet of the bed's two hosts, applied with the
-    real CLI and provisioned by the real server (its own SSH steps, our shim downloaded from the bed). Shared
-    by the tests; they run one at a time. The edits are those an on-prem user makes to today's render: the
-    hosts in `ssh_config` and none of the fields dstack refuses for an SSH fleet (its own list,
-    `BackendFleetConfiguraionProps`); the render should give this itself (issue 40, item 5)."""
-    from dstack._internal.core.models.fleets import BackendFleetConfiguraionProps
-
+    """The project's rendered fleet for tiny-grpo with the bed's two hosts as its SSH fleet
+    (`placement.dstack.ssh`, as an on-prem user writes it), applied as rendered with the real CLI and
+    provisioned by the real server (its own SSH steps, our shim downloaded from the bed). Shared by the tests;
+    they run one at a time."""
     bed = dstack_bed
     work = tmp_path_factory.mktemp("fleet-apply")
-    task = tiny_grpo(work, steps=10)
+    task = tiny_grpo(work, steps=10, placement={"dstack": {"ssh": bed.ssh_config()}})
     render = subprocess.run([f"{tbmod.BIN_DIR}/rlhf-tasks", "render", str(task), "--provider", "dstack",
                              "-o", str(work / "tiny-grpo.dstack.yml")], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert render.returncode == 0, render.stderr
     fleet = yaml.safe_load((work / "tiny-grpo-fleet.dstack.yml").read_text())
-    dropped = [key for key in BackendFleetConfiguraionProps.model_fields if fleet.pop(key, None) is not None]
-    fleet["ssh_config"] = bed.ssh_config()
-    print(f"rendered fleet made an SSH fleet: dropped {dropped}, added ssh_config")
-    (work / "fleet.dstack.yml").write_text(yaml.safe_dump(fleet))
+    assert fleet["ssh_config"]["hosts"] == bed.fleet_hosts() and "nodes" not in fleet, fleet
     started = time.monotonic()
-    bed.cli("apply", "-f", "fleet.dstack.yml", "-y", "-d", cwd=work, timeout=300)
+    bed.cli("apply", "-f", "tiny-grpo-fleet.dstack.yml", "-y", "-d", cwd=work, timeout=300)
     name = fleet["name"]
 
     def idle():
@@ -184,13 +178,11 @@ def _why(bed, run, cwd):
 
 
 def tiny_grpo(tmp_path, steps: int, nodes: int = 2, **changes):
-    """tasks/tiny-grpo.yaml on `nodes` hosts with fewer steps. `resources.cpus: 1` is dropped: the render
-    gives `cpu: 1`, which dstack reads as exactly one CPU, and the hosts have two (the render's fix is issue
-    40 item 5; without `cpu` dstack asks for its default `2..`)."""
+    """tasks/tiny-grpo.yaml on `nodes` hosts with fewer steps (its `resources.cpus: 1` renders `cpu: 1..`, which
+    the hosts' two CPUs meet)."""
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["nodes"] = nodes
     task["job"]["args"].update(steps=steps, save_every=5)
-    task["resources"].pop("cpus", None)
     task["preflight"] = "off"
     task.update(changes)
     path = tmp_path / "tiny-grpo.yaml"
@@ -220,6 +212,42 @@ def test_tiny_grpo_launch_succeeds_on_a_two_host_fleet(dstack_bed, dstack_fleet,
     final = _wait_run(bed, "tiny-grpo", ("done", "failed", "terminated"), 120)
     assert final["status"] == "done", _why(bed, final, tmp_path)
     assert [j["job_submissions"][-1]["status"] for j in final["jobs"]] == ["done", "done"]
+
+
+def test_launch_refuses_a_run_no_offer_fits_before_it_submits(dstack_bed, dstack_fleet, tmp_path):
+    """8 H100s on the CPU-only fleet: dstack's own plan has no offer, so `launch` exits 2 before `dstack apply`
+    of the task (which with -d would submit it and exit 0), no run is submitted, and the user's fleet stays."""
+    bed = dstack_bed
+    task = tiny_grpo(tmp_path, steps=10, name="nogpu", resources={"gpus": "H100:8"})
+    run = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], timeout=180)
+    assert run.returncode == 2, run.output[-4000:]
+    assert "dstack's plan for nogpu has no offer for 2 of its 2 jobs" in run.output and "gpu=H100:8" in run.output, \
+        run.output[-3000:]
+    runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": False, "include_jobs": False})
+    assert "nogpu" not in [r["run_spec"]["run_name"] for r in runs]
+    assert sorted(h for h, _ in _fleet_instances(bed, dstack_fleet)) == sorted(bed.fleet_hosts())
+
+
+def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_path):
+    """job.working_dir (src/ beside the task) goes through dstack's `files:` to the directory the job's commands
+    run in, and the head submits the job from there: the job imports the module it holds (issue 37, item 1).
+    The render applied by hand, as README says (`launch` of a job this short races its own end: the launcher
+    takes `dstack apply`'s exit before the cluster's for a lost head, whatever the head's result line says)."""
+    bed = dstack_bed
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "reward_fn.py").write_text("def score(x):\n    return 1.5\n")
+    entry = "python3 -c 'import reward_fn; print(\"REWARD\", reward_fn.score(0))'"
+    task = tiny_grpo(tmp_path, steps=10, name="wd", job={"recipe": "command", "working_dir": "src", "timeout": "5m",
+                                                          "max_restarts": 0, "args": {"entrypoint": entry}})
+    render = launcher(bed, tmp_path, ["render", str(task), "--provider", "dstack", "-o", "out/"], timeout=120)
+    assert render.returncode == 0, render.output
+    bed.cli("apply", "-f", "wd.dstack.yml", "-y", "-d", cwd=tmp_path / "out", timeout=180,
+            env=bed.env(RAY_AUTH_TOKEN="0123456789abcdef" * 4))
+    run = _wait_run(bed, "wd", ("done", "failed", "terminated"), 300)
+    assert run["status"] == "done", _why(bed, run, tmp_path / "out")
+    logs = bed.cli("logs", "wd", cwd=tmp_path / "out").output
+    assert "REWARD 1.5" in logs and "job wd-wd SUCCEEDED" in logs, logs[-4000:]
+    assert "submitting job wd-wd with working_dir /opt/rlhf-tasks-workdir" in logs, logs[-4000:]
 
 
 # alone: under two workers' load the job failed before the launcher's forward through `dstack apply` was up, and

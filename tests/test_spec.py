@@ -82,11 +82,12 @@ def test_durations(text, seconds):
 def test_schema_is_exported_and_describes_recipes(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
+    from rlhf_tasks.providers.dstack import DstackPlacement
     from rlhf_tasks.providers.kuberay import KubeRayPlacement
     from rlhf_tasks.providers.slurm import SlurmPlacement
 
     # the providers' own placement options composed in
-    assert schema == json_schema({"slurm": SlurmPlacement, "kuberay": KubeRayPlacement})
+    assert schema == json_schema({"slurm": SlurmPlacement, "kuberay": KubeRayPlacement, "dstack": DstackPlacement})
     assert schema["$defs"]["Placement"]["properties"]["kuberay"]["$ref"] == "#/$defs/KubeRayPlacement"
     text = json.dumps(schema)
     assert "tiny-grpo" in text and "additionalProperties" in text
