@@ -279,7 +279,7 @@ def _ended(name: str, record: dict) -> str:
         how += f" ({job['how']})" if job.get("how") else ""
     capped = record.get("budget") or {}
     if capped.get("words"):  # the head ended it at placement.max_cost or max_duration
-        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none'}"
+        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none yet'}"
     logs = state.run_dir(name) / "nodes"
     where = f"; node logs: {logs}" if logs.is_dir() else ""
     return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"
