@@ -304,7 +304,32 @@ def _jobs(args):
     if not address:
         raise BadInput("--address: no dashboard address given (e.g. --address http://localhost:8265 through "
                        "your port forward), and no single known cluster to use")
-    return Jobs(address, _token(args, name))
+    jobs = Jobs(address, _token(args, name))
+    jobs.cluster = name if not args.address else args.cluster  # the record it speaks for, where there is one
+    return jobs
+
+
+def _where(args, jobs) -> tuple[str, str]:
+    """How a message names the cluster `jobs` reaches, and the flag that reaches it again."""
+    cluster = getattr(jobs, "cluster", None)
+    return (f"cluster {cluster}", f"--cluster {cluster}") if cluster else \
+        (f"the cluster at {jobs.address}", f"--address {jobs.address}")
+
+
+def _not_a_cluster_name(args) -> None:
+    """BadInput when JOB is the name of a cluster launched from here (and no cluster was named):
+    the command wants one of its jobs; say which, and where the cluster's own logs are."""
+    from . import state
+    from .jobs import last_job
+
+    record = None if args.address or args.cluster else state.load(args.job)
+    if record is None:
+        return
+    name = args.job
+    job = None if record.get("ended") else last_job(name, record, _token(None, name))
+    its = (f"its job's log: rlhf-tasks logs {job['submission_id']} --cluster {name}; " if job else "")
+    raise BadInput(f"JOB: {name} is a cluster's name, not a job's: {its}its jobs: rlhf-tasks list --cluster {name}; "
+                   f"every node's logs: rlhf-tasks logs {name} --bundle")
 
 
 def cmd_submit(args) -> int:
@@ -409,7 +434,11 @@ def cmd_logs(args) -> int:
         return _bundle(args)
     from .jobs import PreflightShown
 
+    _not_a_cluster_name(args)
     jobs = _jobs(args)
+    if jobs.status(args.job) is None:
+        where, flag = _where(args, jobs)
+        raise BadInput(f"JOB: no job {args.job} on {where}; its jobs: rlhf-tasks list {flag}")
     out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
         try:
@@ -471,7 +500,22 @@ def cmd_stop(args) -> int:
     print(f"{args.job}: {status or 'STOPPED'}")
     if status is None:
         say("Ray took the stop, and then the cluster's dashboard went: the cluster ended itself with its job")
+    _record_stopped(getattr(jobs, "cluster", None), args.job, status, ended=status is None)
     return 0
+
+
+def _record_stopped(name: str | None, sid: str, status: str | None, ended: bool) -> None:
+    """The cluster's record keeps how its job ended when `stop` ended it: `status NAME` and `down`
+    read it once the dashboard is gone (a cluster ends itself with its last job)."""
+    from . import state
+    from .agent.protocol import is_submission_of
+
+    record = state.load(name) if name else None
+    if record is None or record.get("ended") or not is_submission_of(name, sid):
+        return
+    state.update(name, job={"submission_id": sid, "status": status or "STOPPED",
+                            "how": "stopped by `rlhf-tasks stop`" + (", and the cluster ended itself with it"
+                                                                     if ended else "")})
 
 
 def cmd_list(args) -> int:

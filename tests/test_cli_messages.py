@@ -257,3 +257,50 @@ def test_forward_of_a_cluster_that_ended_says_it_ended(provider, rlhf_home, caps
     err = capsys.readouterr().err
     assert "failed: forwarding tiny-grpo's dashboard: the cluster ended at " in err, err
     assert "its job tiny-grpo-c1 ended SUCCEEDED" in err and "already" not in err
+
+
+# ---------------------------------------------------------------- issue 37: logs of a wrong id, stop's record
+
+def test_logs_of_an_unknown_job_or_a_clusters_name_says_so(rlhf_home, capsys):
+    """`logs nonexistent-job --cluster tiny-grpo` and `logs tiny-grpo` printed nothing and exited 0."""
+    from test_messages import FakeDashboard
+
+    dashboard = FakeDashboard()
+    dashboard.jobs["tiny-grpo-c1"] = "RUNNING"
+    dashboard.logs["tiny-grpo-c1"] = "step 1\n"
+    try:
+        state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "dashboard": dashboard.url})
+        assert main(["logs", "nonexistent-job", "--cluster", "tiny-grpo"]) == 2
+        said = capsys.readouterr()
+        assert said.out == "" and "JOB: no job nonexistent-job on cluster tiny-grpo" in said.err, said
+        assert "rlhf-tasks list --cluster tiny-grpo" in said.err
+        assert main(["logs", "tiny-grpo"]) == 2
+        said = capsys.readouterr()
+        assert said.out == "" and "JOB: tiny-grpo is a cluster's name, not a job's" in said.err, said
+        assert "rlhf-tasks logs tiny-grpo-c1 --cluster tiny-grpo" in said.err  # its job, named
+        assert main(["logs", "tiny-grpo-c1", "--cluster", "tiny-grpo"]) == 0
+        assert "step 1" in capsys.readouterr().out
+    finally:
+        dashboard.close()
+
+
+def test_stop_of_the_clusters_job_records_it_stopped(rlhf_home, capsys):
+    """`stop JOB` answered STOPPED; the record still said RUNNING (last seen) for `status NAME`
+    and `down` once the cluster had ended itself."""
+    from test_messages import FakeDashboard
+
+    dashboard = FakeDashboard()
+    dashboard.jobs["tiny-grpo-c1"] = "RUNNING"
+    try:
+        state.save("tiny-grpo", {"provider": "dstack", "cluster_id": "c1", "dashboard": dashboard.url,
+                                 "job": {"submission_id": "tiny-grpo-c1", "status": "RUNNING"}})
+        assert main(["stop", "tiny-grpo-c1", "--cluster", "tiny-grpo", "--wait", "20"]) == 0
+        assert "tiny-grpo-c1: STOPPED" in capsys.readouterr().out
+    finally:
+        dashboard.close()  # the cluster ended itself: only the record answers now
+    job = state.load("tiny-grpo")["job"]
+    assert job["submission_id"] == "tiny-grpo-c1" and job["status"] == "STOPPED"
+    assert "rlhf-tasks stop" in job["how"]
+    assert main(["status", "tiny-grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "job tiny-grpo-c1: STOPPED" in out and "RUNNING" not in out, out
