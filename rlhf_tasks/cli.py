@@ -373,6 +373,17 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     from . import state
 
+    if args.job is None:  # no name: every cluster launched from here, as `ps`
+        if args.cluster and not args.address:
+            record = state.load(args.cluster)
+            if record is None:
+                raise BadInput(f"--cluster: no cluster named {args.cluster} was launched from here "
+                               f"(known: {', '.join(state.known()) or 'none'})")
+            print(_cluster_status(args.cluster, record))
+            return 0
+        if args.address:
+            raise BadInput("JOB: give the job's id (rlhf-tasks list --address ... lists them)")
+        return cmd_ps(args)
     record = None if args.address or args.cluster else state.load(args.job)
     if record:  # a cluster's name: the cluster
         print(_cluster_status(args.job, record))
@@ -519,9 +530,59 @@ def _record_stopped(name: str | None, sid: str, status: str | None, ended: bool)
 
 
 def cmd_list(args) -> int:
+    from .jobs import shown_command
+
     for job in _jobs(args).list():
-        print(f"{job.get('submission_id') or job.get('job_id')}\t{job.get('status')}\t{(job.get('entrypoint') or '')[:80]}")
+        command = shown_command(job.get("entrypoint") or "")
+        print(f"{job.get('submission_id') or job.get('job_id')}\t{job.get('status')}\t"
+              f"{command if len(command) <= 100 else command[:99] + '…'}")
     return 0
+
+
+def cmd_ps(args) -> int:
+    """Every cluster launched from here and not ended, on every provider: its state as its provider
+    reports it now (asked; unreachable said as such), its age and its cost so far, one line each."""
+    import time
+
+    from . import state
+
+    names = state.known()
+    if not names:
+        print("no cluster launched from here is running (rlhf-tasks launch TASK.yaml starts one)")
+        return 0
+    rows = [("NAME", "PROVIDER", "AGE", "COST", "STATE (as its provider reports it now)")]
+    for name in names:
+        record = state.load(name) or {}
+        provider = record.get("provider") or "?"
+        launched = record.get("launched")
+        if launched is None:  # a record older than `launched`: its token was made at launch
+            try:
+                launched = (state.cluster_dir(name) / "token").stat().st_mtime
+            except OSError:
+                pass
+        age = time.time() - launched if launched else None
+        price = record.get("price_per_hour")
+        cost = f"${price * age / 3600.0:.2f}" if price is not None and age is not None else "-"
+        rows.append((name, provider, _hm(age) if age is not None else "?", cost, _state_now(name, provider)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+def _state_now(name: str, provider_name: str) -> str:
+    """`ps`'s state column: the provider's own line, or why there is none."""
+    from .agent.protocol import AgentError
+
+    try:
+        provider = _provider(provider_name)
+        said = provider.state_line(name)
+    except (OSError, ValueError, StepFailed, BadInput, AgentError) as exc:
+        return f"unreachable: {exc}".replace("\n", " ")
+    if said:
+        return said.replace("\n", " ")
+    where = provider.state_elsewhere
+    return f"not asked here ({where.format(name=name)} says it)" if where else f"{provider_name} reports none"
 
 
 def cmd_down(args) -> int:
@@ -714,10 +775,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
                    "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
-                                   "from here: its machines as the provider reports them, Ray's nodes, its last job)"), ("logs", cmd_logs, "a job's logs"),
+                                   "from here: its machines as the provider reports them, Ray's nodes, its last job); "
+                                   "without either, every cluster launched from here (as `ps`)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
-        p.add_argument("job", metavar="JOB")
+        p.add_argument("job", metavar="JOB", **({"nargs": "?"} if name == "status" else {}))
         p.add_argument("--address")
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
@@ -728,6 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":
             p.add_argument("--wait", type=float, default=120, metavar="SECONDS", help="how long to wait for it to stop")
+    add("ps", cmd_ps, "every cluster launched from here, on every provider: its state as the provider reports it "
+        "now, its age and its cost so far (also `status` without a name)")
     p = add("list", cmd_list, "list the jobs on a cluster")
     p.add_argument("--address")
     p.add_argument("--cluster")

@@ -726,6 +726,8 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
     job_started = interrupted = command_started = False
     try:
         cluster = provider.apply(plan, secrets)
+        if plan.budget.price_per_hour is not None and "price_per_hour" not in (state.load(plan.name) or {}):
+            state.update(plan.name, price_per_hour=plan.budget.price_per_hour)  # `ps` counts the cost so far
         training = training or training_view(task, plan, started)
         tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log, out=training)
         via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")

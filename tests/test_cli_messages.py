@@ -304,3 +304,76 @@ def test_stop_of_the_clusters_job_records_it_stopped(rlhf_home, capsys):
     assert main(["status", "tiny-grpo"]) == 0
     out = capsys.readouterr().out
     assert "job tiny-grpo-c1: STOPPED" in out and "RUNNING" not in out, out
+
+
+# ---------------------------------------------------------------- issue 37: ps, and list's command column
+
+def test_ps_lists_every_cluster_launched_from_here_with_its_state_age_and_cost(rlhf_home, capsys, monkeypatch):
+    """`ps` (and `status` without a name): one line per cluster not ended, its state as its provider
+    reports it now (unreachable said as such), its age and its cost so far; exit 0."""
+    import subprocess as sp
+    import time
+
+    from rlhf_tasks.errors import StepFailed
+    from rlhf_tasks.providers.kuberay import KubeRayProvider
+
+    assert main(["ps"]) == 0
+    assert capsys.readouterr().out == "no cluster launched from here is running (rlhf-tasks launch TASK.yaml starts one)\n"
+    sleeper = sp.Popen(["sleep", "60"])
+    try:
+        state.save("alive", {"provider": "local", "cluster_id": "c1", "pids": [sleeper.pid],
+                             "price_per_hour": 36.0})
+        state.update("alive", launched=time.time() - 3600)
+        state.save("gone", {"provider": "local", "cluster_id": "c2", "pids": [2**22 + 1]})
+        state.save("kube", {"provider": "kuberay", "cluster_id": "c3"})
+        state.save("old", {"provider": "local", "cluster_id": "c4", "ended": "2026-11-24 12:00:00"})
+
+        def unreachable(self, name):
+            raise StepFailed("asking Kubernetes", "connection refused")
+        monkeypatch.setattr(KubeRayProvider, "state_line", unreachable)
+        for argv in (["ps"], ["status"]):
+            assert main(argv) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert len(lines) == 4, lines  # a header, a line each, never the ended one
+            alive = next(line for line in lines if line.startswith("alive "))
+            assert "local" in alive and "1 h 00 m" in alive and "$36.00" in alive
+            assert "running (1 of 1 node agents on this machine)" in alive
+            assert "ended on its own" in next(line for line in lines if line.startswith("gone "))
+            kube = next(line for line in lines if line.startswith("kube "))
+            assert "kuberay" in kube and "unreachable: asking Kubernetes: connection refused" in kube
+            assert not any(line.startswith("old ") for line in lines)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_list_shows_the_trainers_command_not_the_gate():
+    from rlhf_tasks.jobs import shown_command
+
+    gated = ("python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py gate /tmp/rlhf-tasks/x.gate 900 "
+             "--preflight --plan p.json -- python3 -m rlhf_tasks.demo.train --data '/c/data/prompts.jsonl'")
+    assert shown_command(gated) == "python3 -m rlhf_tasks.demo.train --data /c/data/prompts.jsonl"
+    assert shown_command("python3 -m openrlhf.cli.train_ppo_ray --x 1") == "python3 -m openrlhf.cli.train_ppo_ray --x 1"
+    assert shown_command("") == ""
+
+
+def test_ps_asks_dstack_for_its_run(tmp_path, monkeypatch):
+    """dstack's state is its Run as `dstack ps --json` prints it (dstack 0.22.5's PsCommandOutput:
+    project, runs[] with run_spec.run_name, status, status_message, cost)."""
+    from rlhf_tasks.errors import StepFailed
+    from rlhf_tasks.providers import dstack as dmod
+
+    runs = {"project": "main", "runs": [
+        {"run_spec": {"run_name": "other"}, "status": "running", "cost": 9.0},
+        {"run_spec": {"run_name": "tiny-grpo"}, "status": "running", "status_message": "running", "cost": 1.5}]}
+    fake = tmp_path / "dstack"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv'}\ncat <<'EOF'\n{json.dumps(runs)}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(dmod, "require_cli", lambda *a: str(fake))
+    provider = dmod.DstackProvider()
+    assert provider.state_line("tiny-grpo") == "dstack run tiny-grpo: running, $1.50 so far (dstack's)"
+    assert (tmp_path / "argv").read_text().split() == ["ps", "--json", "--last", str(dmod.PS_RUNS)]
+    assert provider.state_line("absent").startswith("no run named absent among dstack's last")
+    fake.write_text("#!/bin/sh\necho 'Server is not reachable' >&2\nexit 1\n")
+    with pytest.raises(StepFailed, match="Server is not reachable"):
+        provider.state_line("tiny-grpo")

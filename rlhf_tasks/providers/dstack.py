@@ -13,6 +13,7 @@ declares shared (an NFS mount on every fleet host).
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 from pydantic import Field, field_validator, model_validator
@@ -25,6 +26,10 @@ from .base import Cluster, Provider, require_cli, stop_with_cli
 from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
+
+
+#: How many of dstack's latest runs `ps` looks through for a cluster's run.
+PS_RUNS = 100
 
 
 class DstackShared(StrictModel):
@@ -45,6 +50,7 @@ class DstackShared(StrictModel):
 
 class DstackProvider(Provider):
     name = "dstack"
+    state_elsewhere = "dstack ps"
     shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
     contract = Contract(
         rank=env("DSTACK_NODE_RANK"),
@@ -159,6 +165,24 @@ class DstackProvider(Provider):
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None, head_log=head_log,
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
+
+    def state_line(self, name: str) -> str | None:
+        """The run's status as `dstack ps --json` gives it (dstack's Run: status, status_message, cost)."""
+        from ..errors import StepFailed
+
+        out = subprocess.run([require_cli("dstack", "dstack"), "ps", "--json", "--last", str(PS_RUNS)],
+                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise StepFailed("asking dstack for its runs (dstack ps)", (out.stderr or out.stdout).strip()[-300:]
+                             or f"exit code {out.returncode}")
+        runs = [run for run in json.loads(out.stdout).get("runs") or []
+                if (run.get("run_spec") or {}).get("run_name") == name]
+        if not runs:
+            return f"no run named {name} among dstack's last {PS_RUNS} runs"
+        run = runs[0]
+        message = f" ({run['status_message']})" if run.get("status_message") and \
+            run["status_message"] != run.get("status") else ""
+        return f"dstack run {name}: {run.get('status')}{message}, ${float(run.get('cost') or 0):.2f} so far (dstack's)"
 
     def down(self, name: str) -> str:
         return stop_with_cli([require_cli("dstack", "dstack"), "stop", name, "-y"], name)

@@ -231,6 +231,12 @@ class LocalProvider(Provider):
         return f"{name}: a local cluster; node agents: {len(running)} of {len(pids)} running on this machine" + \
             (f" (PIDs {', '.join(map(str, running))})" if running else "")
 
+    def state_line(self, name: str) -> str | None:
+        pids = (state.load(name) or {}).get("pids") or []
+        running = [pid for pid in pids if pid_alive(pid)]
+        return (f"running ({len(running)} of {len(pids)} node agents on this machine)" if running else
+                "ended on its own (none of its node agents runs)")
+
     def forward(self, name: str, port: int | None = None) -> int:
         """Nothing to forward: a local cluster's dashboard is on this machine already."""
         dashboard = (state.load(name) or {}).get("dashboard") or "its recorded address (none is known here)"
