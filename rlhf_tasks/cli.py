@@ -235,11 +235,41 @@ def cmd_render(args) -> int:
     else:
         targets = {name: (output if i == 0 else output.parent / name) for i, name in enumerate(files)}
         files = _renamed(files, next(iter(files)), output.name)
+    _refuse_overwriting(targets, files, Path(args.task), args.force)
     for name, content in files.items():
         targets[name].parent.mkdir(parents=True, exist_ok=True)
         targets[name].write_text(content)
         print(f"wrote {targets[name]}", file=sys.stderr)
     return 0
+
+
+def _refuse_overwriting(targets: dict[str, Path], files: dict[str, str], task: Path, force: bool) -> None:
+    """BadInput, before anything is written, where a file would go over the task file itself (never
+    done) or over a file rlhf-tasks did not write (its header says which it did: the user's), unless
+    --force. A file already as it would be written, or one rlhf-tasks rendered before, is rewritten."""
+    from .providers.shipping import WRITTEN_BY, written_by_us
+
+    theirs = []
+    for name, target in targets.items():
+        if not target.exists() and not target.is_symlink():
+            continue
+        if target.resolve() == task.resolve():
+            raise BadInput(f"-o: {target} is the task file itself ({task}): render never writes over it, --force "
+                           f"or not; nothing written; choose another path")
+        if target.is_dir():
+            raise BadInput(f"-o: {target} is a directory, where {name} would go; nothing written")
+        try:
+            old = target.read_text(errors="replace")
+        except OSError as exc:
+            raise BadInput(f"-o: {target} cannot be read ({exc}); nothing written") from None
+        if old != files[name] and not written_by_us(old):
+            theirs.append(target)
+    if theirs and not force:
+        more = f" (and {len(theirs) - 1} more: {', '.join(map(str, theirs[1:4]))}{', ...' if len(theirs) > 4 else ''})" \
+            if len(theirs) > 1 else ""
+        raise BadInput(f"-o: {theirs[0]}{more} exists and rlhf-tasks did not write it (it has no "
+                       f"`{WRITTEN_BY}` header): nothing written; choose another path, or add --force to write "
+                       f"over it")
 
 
 def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
@@ -757,7 +787,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("render", cmd_render, "write the provider's native file(s); pure: no cluster, no network")
     p.add_argument("task")
     p.add_argument("--provider", required=True)
-    p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted")
+    p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted. Never "
+                   "over the task file, nor over a file rlhf-tasks did not write (without its `Rendered by "
+                   "rlhf-tasks` header) unless --force")
+    p.add_argument("--force", action="store_true", help="with -o: write over files rlhf-tasks did not write")
     p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
     p.add_argument("task")
     p.add_argument("--provider", default="local", help="where to run it (default: local)")

@@ -377,3 +377,61 @@ def test_ps_asks_dstack_for_its_run(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\necho 'Server is not reachable' >&2\nexit 1\n")
     with pytest.raises(StepFailed, match="Server is not reachable"):
         provider.state_line("tiny-grpo")
+
+
+# ---------------------------------------------------------------- issue 37 item 2: render -o overwrites nothing of the user's
+
+def _tree(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_render_never_writes_over_the_task_file(tmp_path, capsys, rlhf_home):
+    task = tmp_path / "v.yaml"
+    task.write_text((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    before = _tree(tmp_path)
+    for extra in ([], ["--force"]):
+        assert main(["render", str(task), "--provider", "sky", "-o", str(task), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"-o: {task} is the task file itself" in err and "nothing written" in err, err
+        assert _tree(tmp_path) == before
+
+
+def test_render_writes_over_no_file_it_did_not_write_without_force(tmp_path, capsys, rlhf_home):
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "tiny-grpo.sky.yaml"
+    mine.write_text("# my own SkyPilot file\nresources: {cpus: 1}\n")
+    before = _tree(tmp_path)
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o: {mine} exists and rlhf-tasks did not write it" in err and "--force" in err, err
+    assert _tree(tmp_path) == before  # nothing written: not the plan beside it either
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine), "--force"]) == 0
+    capsys.readouterr()
+    assert "Rendered by rlhf-tasks" in mine.read_text()
+    # What rlhf-tasks wrote (its header says so), it writes again: every file, the plan and the agent's included.
+    (out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").write_text('{"version": 0, "name": "x", "provider": "sky", '
+                                                                 '"contract": {}, "job": {}}')
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine)]) == 0
+    assert json.loads((out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").read_text())["name"] == "tiny-grpo"
+
+
+def test_renders_for_two_providers_share_a_folder(tmp_path, capsys, rlhf_home):
+    """dstack's file ships rlhf-tasks/NAME.dstack.plan.json, SkyPilot's NAME.sky.plan.json: one folder holds both."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["render", TINY, "--provider", "dstack", "-o", str(out)]) == 0
+    assert main(["render", TINY, "--provider", "sky", "-o", str(out)]) == 0
+    dstack_plan = json.loads((out / "rlhf-tasks" / "tiny-grpo.dstack.plan.json").read_text())
+    sky_plan = json.loads((out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").read_text())
+    assert dstack_plan["provider"] == "dstack" and sky_plan["provider"] == "sky"
+    import yaml
+
+    dstack_file = yaml.safe_load((out / "tiny-grpo.dstack.yml").read_text())
+    assert "rlhf-tasks/tiny-grpo.dstack.plan.json:/opt/rlhf-tasks/tiny-grpo.dstack.plan.json" in dstack_file["files"]
+    assert any("--plan /opt/rlhf-tasks/tiny-grpo.dstack.plan.json" in c for c in dstack_file["commands"])
+    assert "tiny-grpo.sky.plan.json" in (out / "tiny-grpo.sky.yaml").read_text()
+    # every file rendered says who wrote it, the fleet's and the shipped sources included
+    for path in out.rglob("*"):
+        if path.is_file() and not path.name.endswith(".json"):
+            assert "Rendered by rlhf-tasks" in "\n".join(path.read_text().splitlines()[:5]), path

@@ -23,7 +23,7 @@ from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Provider, require_cli, stop_with_cli
-from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
+from .shipping import WRITTEN_BY, agent_command, dump_yaml, node_path, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
 
@@ -134,7 +134,8 @@ class DstackProvider(Provider):
                   f"# Values filled from your environment at apply time: {secrets}\n")
         out = {f"{plan.name}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
                f"{plan.name}-fleet.dstack.yml": dump_yaml(self.fleet_config(plan),
-                                                         "# Apply once before the task: dstack apply -f <this file>\n")}
+                                                         f"# {WRITTEN_BY} for dstack: the fleet {plan.name} runs on. "
+                                                         "Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
 

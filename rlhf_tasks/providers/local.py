@@ -135,7 +135,7 @@ class LocalProvider(Provider):
         run_dir = self.run_dir(plan.name)
         plan_path, logs, pids = run_dir / "plan.json", run_dir / "nodes", run_dir / "pids"
         lines = ["#!/usr/bin/env bash",
-                 "# What `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
+                 "# Rendered by rlhf-tasks: what `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
                  f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
                  "# per cluster). Usage: start-nodes.sh [RANK ...] (default: every node); appends",
                  "# 'RANK PID' lines to pids. The launcher runs it again for one rank to replace a node",
