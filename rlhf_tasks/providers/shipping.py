@@ -23,7 +23,8 @@ LOCAL_DIR = "rlhf-tasks"
 NODE_DIR = "/opt/rlhf-tasks"
 #: Where shipped packages go (on PYTHONPATH of the agent and everything it starts).
 LIB = "lib"
-#: The node agent's package, shipped verbatim below lib/: rlhf-tasks itself is not installed on the nodes.
+#: The node agent's package, shipped verbatim below lib/ (after a comment line that says rlhf-tasks wrote
+#: the copy): rlhf-tasks itself is not installed on the nodes.
 AGENT = "rlhf_tasks.agent"
 #: The agent's entry file on a node, run by its path: `python3 -m` would put the working directory
 #: first on sys.path (dstack runs the commands in the repo's directory, which may hold an rlhf_tasks).
