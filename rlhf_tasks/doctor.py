@@ -52,9 +52,9 @@ class Target:
 
 def saved_plan(name: str) -> Plan | None:
     """The plan a launch from here staged for cluster `name` (local: runs/NAME/plan.json;
-    others: runs/NAME/PROVIDER/rlhf-tasks/NAME.plan.json), or None."""
+    others: runs/NAME/PROVIDER/rlhf-tasks/NAME.PROVIDER.plan.json), or None."""
     run = state.run_dir(name)
-    for path in [run / "plan.json", *sorted(run.glob(f"*/rlhf-tasks/{name}.plan.json"))]:
+    for path in [run / "plan.json", *sorted(run.glob(f"*/rlhf-tasks/{name}.*.plan.json"))]:
         try:
             return Plan.model_validate_json(path.read_text())
         except (OSError, ValueError):

@@ -271,6 +271,10 @@ def test_logs_of_an_unknown_job_or_of_a_clusters_name_exits_2_saying_so(tmp_path
         assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
         assert "tiny-grpo is a cluster's name" in out.stderr
         assert "--cluster tiny-grpo" in out.stderr and "logs tiny-grpo --bundle" in out.stderr
+        assert "rlhf-tasks logs tiny-grpo-abcd1234 --cluster tiny-grpo" in out.stderr  # its job, named
+        _launched(tmp_path, "other", "http://127.0.0.1:9", "other-abcd1234")  # two known: still said, nothing asked
+        out = _cli(tmp_path, "logs", "tiny-grpo")
+        assert out.returncode == 2 and "tiny-grpo is a cluster's name" in out.stderr, out.stdout + out.stderr
     finally:
         server.shutdown()
 
