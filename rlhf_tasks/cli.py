@@ -485,6 +485,16 @@ def cmd_logs(args) -> int:
     return 0
 
 
+def bundle_secret_names(name: str) -> list[str]:
+    """The task's secrets, by its launch's record and every plan staged for it here, whichever
+    provider: their values are scrubbed from a bundle."""
+    from . import state
+    from .doctor import saved_plans
+
+    recorded = (state.load(name) or {}).get("secrets") or []
+    return sorted({*recorded, *(secret for plan in saved_plans(name) for secret in plan.secrets)})
+
+
 def _bundle(args) -> int:
     """`logs NAME --bundle`: every node's logs of a running cluster in one .tar.gz, through its dashboard."""
     from . import state
@@ -492,13 +502,7 @@ def _bundle(args) -> int:
 
     args.cluster = args.cluster or args.job
     jobs = _jobs(args)
-    names = set()  # the task's secrets, by the plans rendered for it here: their values are scrubbed
-    for plan in state.run_dir(args.cluster).rglob("plan.json"):
-        try:
-            names.update(json.loads(plan.read_text()).get("secrets") or [])
-        except (OSError, ValueError):
-            pass
-    secrets = {n: os.environ[n] for n in sorted(names) if os.environ.get(n)}
+    secrets = {n: os.environ[n] for n in bundle_secret_names(args.cluster) if os.environ.get(n)}
     if jobs.token:
         secrets["RAY_AUTH_TOKEN"] = jobs.token
     bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),

@@ -728,6 +728,7 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
         cluster = provider.apply(plan, secrets)
         if plan.budget.price_per_hour is not None and "price_per_hour" not in (state.load(plan.name) or {}):
             state.update(plan.name, price_per_hour=plan.budget.price_per_hour)  # `ps` counts the cost so far
+        state.update(plan.name, secrets=plan.secrets)  # their names (never values): `logs --bundle` scrubs them
         training = training or training_view(task, plan, started)
         tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log, out=training)
         via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")

@@ -314,3 +314,24 @@ def test_stop_by_address_records_the_job_whose_record_names_it(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     record = json.loads((tmp_path / "home" / "clusters" / "tiny-grpo" / "cluster.json").read_text())
     assert record["job"]["status"] == "STOPPED", record
+
+
+@pytest.mark.parametrize("provider", ["dstack", "sky", "slurm", "runpod"])
+def test_a_bundle_scrubs_the_secrets_of_the_plan_staged_for_any_provider(provider, rlhf_home):
+    """`logs --bundle` scrubs the task's secrets by the plans staged for it here: a remote provider
+    stages NAME.PROVIDER.plan.json (its secrets were not scrubbed while only plan.json was read)."""
+    from rlhf_tasks import providers, state
+    from rlhf_tasks.cli import bundle_secret_names
+    from rlhf_tasks.spec import load_task
+
+    task = load_task(str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml"))
+    assert task.secrets, "the task names secrets"
+    chosen = providers.get(provider)
+    plan = chosen.plan(task)
+    chosen.stage(plan, {})  # as launch stages it (local's plan.json: test_e2e_local's bundle test)
+    if provider in ("dstack", "sky"):  # a plan file staged beside the render
+        assert bundle_secret_names(task.name) == sorted(task.secrets)
+    else:  # the plan travels inside the sbatch script or the pods' start: the launch's record says them
+        assert bundle_secret_names(task.name) == []
+    state.save(task.name, {"provider": provider, "secrets": plan.secrets})
+    assert bundle_secret_names(task.name) == sorted(task.secrets)
