@@ -162,29 +162,13 @@ def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_p
     """A cluster ends itself once its job is over (unless kept), so the dashboard that took the
     stop may be gone before `stop` sees the job STOPPED: that is the stop done, not a failure."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Dashboard(BaseHTTPRequestHandler):
-        def do_POST(self):  # Ray's answer to POST /api/jobs/ID/stop
-            server.socket.close()  # the cluster ends: nothing answers after this answer (no race with stop's next ask)
-            body = json.dumps({"stopped": True}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            threading.Thread(target=server.shutdown).start()
+    def cluster_ends(server):  # nothing answers after this answer (no race with stop's next ask)
+        server.socket.close()
+        threading.Thread(target=server.shutdown).start()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    address = f"http://127.0.0.1:{server.server_address[1]}"
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RAY_", "RLHF_TASKS_"))}
-    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "stop", "last-job", "--address", address],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env=dict(env, RLHF_TASKS_HOME=str(tmp_path / "home")))
+    server, address = _dashboard({}, on_stop=cluster_ends)
+    out = _cli(tmp_path, "stop", "last-job", "--address", address)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[0] == "last-job: STOPPED"
     assert "the cluster ended itself with its job" in out.stdout
