@@ -95,3 +95,4 @@ def test_sky_launch_runs_setup_and_run_on_two_slurm_nodes(sky_slurm):
     tbmod.poll(lambda: not node_sh(sky_slurm, "squeue -h -o '%j'").strip(), 60, "SkyPilot's Slurm job to end")
     status = plain(sky_slurm.sky("status", timeout=120, check=True).output)
     assert "No existing clusters." in status, status
+

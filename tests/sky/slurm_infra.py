@@ -150,7 +150,7 @@ class SkySlurm:
     under the pytest basetemp (every host sees it).
     """
 
-    def __init__(self, slurm, base: Path, cache: Path | None = None):
+    def __init__(self, slurm, base: Path, cache: Path | None = None, site_python: bool = False):
         self.slurm = slurm
         self.tb = slurm.testbed
         self.base = Path(base).resolve()
@@ -161,6 +161,7 @@ class SkySlurm:
         self.play = self.base / "play"
         self.sshd_dir = self.base / "sshd"
         self.sshd: tbmod.Proc | None = None
+        self.site_python = site_python
         self.api_started = False
         for d in (self.home, self.laptop_home, self.play, self.sshd_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -200,9 +201,13 @@ class SkySlurm:
             cmds.append(f"mount --rbind {shlex.quote(str(home))} /root")
             if h is not self.tb.laptop:
                 cmds.append(f"mount --bind {shlex.quote(str(self.play / 'curl'))} /usr/bin/curl")
+                # a node's /opt is its own, empty (file_mounts such as /opt/rlhf-tasks land here)
+                opt = self.base / f"opt-{h.name}"
+                opt.mkdir(exist_ok=True)
+                cmds.append(f"mount --bind {shlex.quote(str(opt))} /opt")
             cmds.append(f"test \"$(cat /root/.rlhf-tasks-test-home)\" = {shlex.quote(str(home))}")
             self.tb.run(h, ["/bin/sh", "-c", " && ".join(cmds)], env=self.tb.env(), check=True,
-                        timeout=30, name="mount-home")
+                        background=False, timeout=30, name="mount-home")
 
     def _ssh(self) -> None:
         """The user's key (laptop), root's authorized_keys (shared home), sshd on the login node."""
@@ -225,10 +230,21 @@ class SkySlurm:
             "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "AllowTcpForwarding yes",
             "PidFile none", "UseDNS no", "LogLevel VERBOSE", "MaxSessions 100", "MaxStartups 100",
             # the site's Slurm clients find their config (Debian's default is /etc/slurm)
-            f"SetEnv SLURM_CONF={self.slurm.conf}", ""]))
+            f"SetEnv SLURM_CONF={self.slurm.conf}{self._site_python_env()}", ""]))
         os.makedirs("/run/sshd", exist_ok=True)
         self.sshd = self.tb.run(self.login, [tbmod.SSHD, "-D", "-e", "-f", str(conf)], name="sshd-login")
         self.tb.wait_port(self.login, 22, self.login.ip, 30)
+
+    def _site_python_env(self) -> str:
+        """With ``site_python``: the user's login environment has a Python environment active, as
+        a site's conda env would be (``CONDA_PREFIX``, its bin first on ``PATH``): this checkout's
+        virtualenv (Ray, torch).  SkyPilot's task script then leaves its own ~/sky-user-env
+        inactive (ACTIVATE_SKY_USER_ENV only activates it when no conda env is)."""
+        if not self.site_python:
+            return ""
+        venv = Path(sys.executable).parent.parent
+        return (f" CONDA_PREFIX={venv} PATH={venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
+                ":/sbin:/bin")
 
     def _write_client_config(self) -> None:
         slurm_dir = self.laptop_home / ".slurm"
