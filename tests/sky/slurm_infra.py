@@ -236,15 +236,18 @@ class SkySlurm:
         self.tb.wait_port(self.login, 22, self.login.ip, 30)
 
     def _site_python_env(self) -> str:
-        """With ``site_python``: the user's login environment has a Python environment active, as
-        a site's conda env would be (``CONDA_PREFIX``, its bin first on ``PATH``): this checkout's
-        virtualenv (Ray, torch).  SkyPilot's task script then leaves its own ~/sky-user-env
-        inactive (ACTIVATE_SKY_USER_ENV only activates it when no conda env is)."""
-        if not self.site_python:
-            return ""
-        venv = Path(sys.executable).parent.parent
-        return (f" CONDA_PREFIX={venv} PATH={venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
-                ":/sbin:/bin")
+        """With ``site_python``: the user's login profile on the cluster activates a Python
+        environment as a site's conda env would be (``CONDA_PREFIX``, its bin first on ``PATH``):
+        this checkout's virtualenv (Ray, torch).  SkyPilot's task script then leaves its own
+        ~/sky-user-env inactive (ACTIVATE_SKY_USER_ENV only activates it when no conda env is).
+        In ~/.profile (SkyPilot's SSH commands are login shells: Debian's /etc/profile resets a
+        PATH given by sshd's SetEnv); the job's steps inherit it through sbatch and srun."""
+        if self.site_python:
+            venv = Path(sys.executable).parent.parent
+            (self.home / ".profile").write_text(
+                "# the site's Python environment, active at login (tests/sky/slurm_infra.py)\n"
+                f"export CONDA_PREFIX={venv}\nexport PATH={venv}/bin:$PATH\n")
+        return ""
 
     def _write_client_config(self) -> None:
         slurm_dir = self.laptop_home / ".slurm"
