@@ -1,0 +1,171 @@
+"""`sky launch --infra slurm` run by SkyPilot itself on the project's real Slurm.
+
+SkyPilot 0.14.1's own CLI and API server (on the testbed's laptop, loopback), its optimizer, its
+Slurm provisioner (an sbatch "virtual instance" job, srun --overlap into it over SSH through the
+login node) and its setup and run machinery, against tests/slurm_testbed.py's Slurm
+(slurmctld + one slurmd per namespace host).  tests/sky/README.md ("Slurm") says what is real
+and what is played; tests/sky/slurm_infra.py builds it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_testbed as stmod
+import testbed as tbmod
+from conftest import ROOT, starts_cluster
+
+sys.path.insert(0, str(ROOT / "tests" / "sky"))
+import slurm_infra  # noqa: E402  (tests/sky has no __init__: a package named sky would hide SkyPilot's)
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+slurm = stmod.make_slurm_fixture(2, real_memory_mb=8192)
+
+
+def plain(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+@pytest.fixture(scope="module")
+def sky_slurm(slurm, tmp_path_factory):
+    pytest.importorskip("sky")
+    started = time.monotonic()
+    cache = slurm_infra.prepare()
+    infra = slurm_infra.SkySlurm(slurm, tmp_path_factory.mktemp("skyslurm"), cache)
+    infra.prepare_s = time.monotonic() - started
+    yield infra
+    infra.close()
+
+
+def _three_nodes(tmp_path_factory):
+    reason = tbmod.require_root() or stmod.slurm_missing()
+    if reason:
+        if tbmod.in_ci():
+            pytest.fail(f"required in CI: {reason}")
+        pytest.skip(reason)
+    pytest.importorskip("sky")
+    base = tmp_path_factory.mktemp("skyslurm3-")
+    tb = tbmod.Testbed(3, base / "testbed", shared=[tmp_path_factory.getbasetemp()])
+    cluster = infra = None
+    try:
+        cluster = stmod.SlurmCluster(tb, base / "slurm", real_memory_mb=8192)
+        infra = slurm_infra.SkySlurm(cluster, base / "sky", slurm_infra.prepare(), site_python=True)
+        yield infra
+    finally:
+        if infra is not None:
+            infra.close()
+        if cluster is not None:
+            cluster.close()
+        tb.close()
+
+
+def node_sh(infra, cmd: str) -> str:
+    """A shell command on the login node (its /root is the cluster's shared home)."""
+    return infra.slurm.run(["/bin/bash", "-c", cmd], 0, cwd="/root", timeout=60).output
+
+
+def test_sky_check_enables_the_testbed_slurm(sky_slurm):
+    """`sky check slurm` reaches the login node over SSH, runs sinfo there and enables the
+    cluster named in ~/.slurm/config; `sky gpus list` asks the same Slurm for its GPUs."""
+    out = plain(sky_slurm.sky("check", "slurm", timeout=240, check=True).output)
+    assert re.search(r"Slurm: enabled", out), out
+    assert re.search(rf"{slurm_infra.SLURM_CLUSTER}: enabled", out), out
+    gpus = plain(sky_slurm.sky("show-gpus", "--infra", "slurm", timeout=120, check=True).output)
+    assert "No GPUs found in any Slurm partition" in gpus, gpus  # the testbed's nodes have none
+
+
+def test_sky_launch_runs_setup_and_run_on_two_slurm_nodes(sky_slurm):
+    """A trivial two-node task through `sky launch -c t1 t1.yaml --infra slurm`: SkyPilot's
+    sbatch job holds both nodes, its runtime is installed on them, setup runs on each node with
+    its SKYPILOT_SETUP_NODE_RANK, run on each with SKYPILOT_NODE_RANK, the job SUCCEEDS; `sky
+    down` cancels the Slurm job."""
+    (sky_slurm.laptop_home / "t1.yaml").write_text(
+        "name: t1\nnum_nodes: 2\nresources:\n  cpus: 1\n  memory: 1\n"
+        "setup: echo SETUP rank=$SKYPILOT_SETUP_NODE_RANK\n"
+        "run: |\n"
+        "  echo RUN rank=$SKYPILOT_NODE_RANK host=$(hostname) ips=$(echo $SKYPILOT_NODE_IPS)"
+        " omp=${OMP_NUM_THREADS-unset} pwd=$PWD\n")
+    sky_slurm.sky("check", "slurm", timeout=240, check=True)
+    started = time.monotonic()
+    launch = sky_slurm.sky("launch", "-c", "t1", "t1.yaml", "--infra", "slurm", "-y", timeout=600)
+    launch_s = time.monotonic() - started
+    out = plain(launch.output)
+    logs = node_sh(sky_slurm, "cd /root/.sky_clusters/t1-*/ && for f in $(find sky_logs -name '*.log'); "
+                              "do echo \"--- $f\"; cat \"$f\"; done")
+    print(f"sky launch took {launch_s:.0f} s\n{out}\n{logs}")
+    assert launch.returncode == 0, out + logs
+    assert "Job finished (status: SUCCEEDED)" in out, out
+    assert re.search(r"\(setup pid=\d+\) SETUP rank=0", out), out
+    assert re.search(r"\(setup pid=\d+, ip=10\.77\.0\.11\) SETUP rank=1", out), out
+    # run: one Slurm task per node (SlurmCodeGen: srun --ntasks-per-node=1, rank = SLURM_PROCID),
+    # in ~/sky_workdir of the cluster's own home; SkyPilot's runner's OMP_NUM_THREADS=1 reaches it
+    ips = "10.77.0.10 10.77.0.11"
+    assert re.search(rf"\(head, rank=0, pid=\d+\) RUN rank=0 host=node0 ips={ips} omp=1 "
+                     r"pwd=/root/\.sky_clusters/t1-\w+/sky_workdir$", out, re.M), out
+    assert re.search(rf"\(worker1, rank=1, pid=\d+, ip=10\.77\.0\.11\) RUN rank=1 host=node1 ips={ips} omp=1 ",
+                     out), out
+    jobs = node_sh(sky_slurm, "squeue -h -o '%i %j %T %D'")
+    assert re.search(r"^\d+ t1-\w+ RUNNING 2$", jobs, re.M), jobs  # SkyPilot's virtual instance
+    queue = plain(sky_slurm.sky("queue", "t1", timeout=120, check=True).output)
+    assert re.search(r"^1\s+t1\s+root\s.*SUCCEEDED", queue, re.M), queue
+    down = sky_slurm.sky("down", "t1", "-y", timeout=300)
+    assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(sky_slurm, "squeue -h -o '%j'").strip(), 60, "SkyPilot's Slurm job to end")
+    status = plain(sky_slurm.sky("status", timeout=120, check=True).output)
+    assert "No existing clusters." in status, status
+
+
+TOKEN = "sky-slurm-test-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+@starts_cluster
+def sky_slurm3(tmp_path_factory):
+    """Three Slurm nodes (tiny-grpo's num_nodes), the site's Python active on them."""
+    yield from _three_nodes(tmp_path_factory)
+
+
+def test_rendered_tiny_grpo_through_sky_launch_infra_slurm(sky_slurm3, tmp_path):
+    """`rlhf-tasks render tasks/tiny-grpo.yaml --provider sky`, then, from the rendered file's
+    directory, `sky launch -c tiny-grpo tiny-grpo.sky.yaml --infra slurm --secret RAY_AUTH_TOKEN`."""
+    import yaml
+    infra = sky_slurm3
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["job"]["args"].update(steps=4, save_every=10)
+    task["checkpoints"]["path"] = str(tmp_path / "ckpt")  # shared by the nodes, never the machine's /
+    src = tmp_path / "tiny-grpo.yaml"
+    src.write_text(yaml.safe_dump(task))
+    render_dir = infra.laptop_home / "render"
+    render_dir.mkdir()
+    r = infra.tb.run(infra.tb.laptop, [str(Path(sys.executable).parent / "rlhf-tasks"), "render", str(src), "--provider", "sky",
+                                       "-o", str(render_dir / "tiny-grpo.sky.yaml")],
+                     env=infra.env(), timeout=120, background=False)
+    assert r.returncode == 0, r.output
+    infra.sky("check", "slurm", timeout=240, check=True)
+    started = time.monotonic()
+    launch = infra.sky("launch", "-c", "tiny-grpo", "tiny-grpo.sky.yaml", "--infra", "slurm",
+                       "--secret", "RAY_AUTH_TOKEN", "-y", timeout=600, cwd=render_dir,
+                       env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    out = plain(launch.output)
+    logs = node_sh(infra, "cd /root/.sky_clusters/tiny-grpo-*/ && for f in $(find sky_logs -name '*.log'); "
+                          "do echo \"--- $f\"; tail -40 \"$f\"; done")
+    print(f"sky launch took {time.monotonic() - started:.0f} s\n{out}\n{logs}")
+    assert launch.returncode == 0, out + logs
+    assert "Job finished (status: SUCCEEDED)" in out, out + logs
+    # the task's own result, as the agent on the head prints it: the job SUCCEEDED, the reward rose
+    assert re.search(r"\(head, rank=0, pid=\d+\) \[[\d:]+\] node0: job \S+ SUCCEEDED after", out), out
+    assert re.search(r"done: steps 1\.\.4 in [\d.]+s, reward ([\d.]+) -> ([\d.]+)", out), out
+    for rank in (1, 2):
+        assert re.search(rf"\(worker{rank}, rank={rank}, pid=\d+, ip=10\.77\.0\.1{rank}\) .*"
+                         rf'RLHF_TASKS_RESULT {{"error": null, "exit_code": 0, "rank": {rank}', out), out
+    status = plain(infra.sky("status", timeout=120, check=True).output)
+    print(status)  # the render's autostop (idle 1 min, down) on a Slurm cluster without containers
+    assert re.search(r"^tiny-grpo\s+Slurm \(testbed\)\s+3x", status, re.M), status
+    down = infra.sky("down", "tiny-grpo", "-y", timeout=300)
+    assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 60, "SkyPilot's Slurm job to end")
