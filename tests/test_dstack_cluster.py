@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 import time
 
 import pytest
@@ -250,14 +251,31 @@ def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_pat
     assert "submitting job wd-wd with working_dir /opt/rlhf-tasks-workdir" in logs, logs[-4000:]
 
 
-# alone: under two workers' load the job failed before the launcher's forward through `dstack apply` was up, and
-# dstack ended the run at once, so the summary had the head's last lines but not each node's first error (a race
-# of the product's, open: the summary should take the first errors from the head's result line)
-@pytest.mark.alone
+def test_a_job_of_a_second_through_launch_succeeds_from_the_heads_result_line(dstack_bed, dstack_fleet, tmp_path):
+    """A `submit: head` job that ends within a second: the head submits it, sees it end and leaves, and the run can be
+    done before the launcher follows it (or before `dstack apply` attaches at all). `launch` reports the head's
+    result line, not "the head's process exited"."""
+    bed = dstack_bed
+    entry = "python3 -c 'print(\"quick job says hello\")'"
+    task = tiny_grpo(tmp_path, steps=10, name="quick", job={"recipe": "command", "working_dir": None, "timeout": "5m",
+                                                             "max_restarts": 0, "args": {"entrypoint": entry}})
+    started = time.monotonic()
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], timeout=300)
+    out = launch.output
+    assert launch.returncode == 0, out[-6000:]
+    assert "job quick-quick: SUCCEEDED" in out and "process exited" not in out, out[-4000:]
+    assert "quick job says hello" in out, out[-4000:]
+    print(f"launch took {time.monotonic() - started:.0f} s")
+    run = _wait_run(bed, "quick", ("done", "failed", "terminated"), 60)
+    assert run["status"] == "done", _why(bed, run, tmp_path)
+
+
 def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(dstack_bed, dstack_fleet, tmp_path):
     """The job raises on the head: `launch` exits 1 and its summary names the node and its first error; the run
     ends failed in dstack (the head's agent exits 1, the master-done run ends); `down` stops it and the fleet's
-    hosts run no job afterwards."""
+    hosts run no job afterwards. Whatever the timing: when dstack ends the run (its failed job ends every job of
+    it) before the launcher follows the job, or before `dstack apply` attaches at all, the first errors come
+    from the head's result line (in `dstack logs` where apply showed none of it)."""
     bed = dstack_bed
     task = tmp_path / "fail.yaml"
     task.write_text(yaml.safe_dump({
@@ -269,8 +287,14 @@ def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(
     out = launch.output
     assert launch.returncode == 1, out[-6000:]
     assert "first error on each node:" in out, out[-4000:]
+    print(out[out.find("== summary =="):])
     firsts = out[out.index("first error on each node:"):].split("\nfailed:")[0].splitlines()[1:]
     assert any(f.strip().startswith("node0 (") and "JSONDecodeError" in f for f in firsts), out[-3000:]
+    bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", out)  # gathered here, through the dashboard or dstack
+    assert bundle and os.path.isfile(bundle.group(1)), out[-3000:]
+    with tarfile.open(bundle.group(1)) as tar:
+        names = [m.name.split("/", 1)[1] for m in tar.getmembers()]
+    assert "index.txt" in names and any(n.startswith("node0/") for n in names), names
     run = _wait_run(bed, "fail", ("done", "failed", "terminated"), 180)
     assert run["status"] in ("failed", "terminated"), _why(bed, run, tmp_path)
     down = launcher(bed, tmp_path, ["down", "fail"], timeout=120)

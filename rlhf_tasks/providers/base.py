@@ -53,6 +53,9 @@ class Cluster:
     #: Set by the launcher when Ctrl-C ended the launch: what becomes of the cluster was decided
     #: then (`down`, or left as a second Ctrl-C asked), so close() must not remove anything.
     interrupted: bool = False
+    #: Every node's logs gathered here into a bundle by the provider's own means, for a failure whose bundle
+    #: the dashboard can no longer give (the run over): its path and how it was made, or None.
+    gather_here: Callable[[str], tuple[str, str] | None] | None = None
 
     @property
     def logs_dir(self) -> str | None:
