@@ -790,7 +790,9 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
                 say("stopped following; the job's command keeps running on every node")
             elif sid:
                 say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} "
-                    f"--cluster {task.name}")
+                    f"--cluster {task.name}" + (f" (with `rlhf-tasks forward {task.name}` running in another shell: "
+                                                f"the launch's own forward of the dashboard has ended)"
+                                                if provider.forward_after_launch else ""))
             say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}" if keep or
                 plan.job.submit == "client" else
                 f"the cluster ends itself when the job ends (or now: rlhf-tasks down {task.name})")

@@ -100,6 +100,9 @@ class Provider:
     placement_options: ClassVar[type | None] = None
     #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
     stop_after_job: ClassVar[bool] = False
+    #: The dashboard `launch` followed goes when the launcher ends (a port forward of the launch's own, such as
+    #: `dstack apply`'s): after Ctrl-C, `rlhf-tasks stop` reaches it again through `rlhf-tasks forward NAME`.
+    forward_after_launch: ClassVar[bool] = False
     #: What a second Ctrl-C does while `launch` stops the cluster it cancels (`down`): said with the first.
     down_again: ClassVar[str] = "Ctrl-C again leaves it running"
     #: The head's job.working_dir is this machine's directory (its node agents run here), so

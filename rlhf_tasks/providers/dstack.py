@@ -28,8 +28,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -42,7 +44,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import Cluster, Provider, require_cli, stop_with_cli
+from .base import Cluster, Provider, end_process, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -222,6 +224,8 @@ class DstackProvider(Provider):
         cluster_id=env("DSTACK_RUN_NAME"),
         gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
     )
+    #: `dstack apply`'s port forward ends with the launch (Ctrl-C detaches it): `forward` is `dstack attach`.
+    forward_after_launch = True
     #: What the last plan's job.working_dir packs as dstack archives it (None: nothing shipped).
     packed: workdir.Measure | None = None
     #: The fleet this launch applied (and `abandon` deletes when the launch fails before its job).
@@ -462,7 +466,8 @@ class DstackProvider(Provider):
         dashboard = f"http://localhost:{plan.ray.dashboard_port}"
         self._made_fleet = self.fleet_to_make(plan, self.ask("listing dstack's fleets", ["fleets"], directory, env)
                                               ["fleets"])
-        record = {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard}
+        record = {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard,
+                  "dashboard_port": plan.ray.dashboard_port}  # the head's port, which `forward` forwards
         if self._made_fleet:
             record["fleet_made"] = self._made_fleet  # `down` deletes it
             state.save(plan.name, record)
@@ -518,6 +523,48 @@ class DstackProvider(Provider):
                 undone.append(f"the fleet {self._made_fleet} this launch applied is left: {exc}")
             self._made_fleet = None
         return undone
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """`dstack attach NAME -p LOCAL:PORT` (dstack's own SSH tunnel through the fleet host to the head's dashboard
+        port) until Ctrl-C. The address is said and recorded once the dashboard answers through it. The attach is
+        ended with SIGINT, as dstack's CLI expects: its tunnel is a background `ssh -f` it closes itself
+        (`ssh -O exit`) on the way out, which a SIGTERM would leave holding the port."""
+        from ..agent.protocol import AgentError, http_check, wait_for
+        from ..console import say
+
+        dstack = require_cli("dstack", "dstack")
+        record = state.load(name) or {}
+        remote = record.get("dashboard_port") or 8265
+        local = port or remote
+        dashboard = f"http://localhost:{local}"
+        proc = subprocess.Popen([dstack, "attach", name, "-p", f"{local}:{remote}"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        said: list[bytes] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
+        reader.start()
+
+        def answers():
+            if proc.poll() is not None:
+                reader.join(5)
+                words = " ".join(b"".join(said).decode(errors="replace").split())[-600:]
+                raise StepFailed(f"forwarding the dashboard of {name}",
+                                 f"dstack attach exited {proc.returncode}: {words or 'no output'}")
+            return http_check(f"{dashboard}/api/gcs_healthz")
+        try:
+            try:
+                wait_for(f"the dashboard of {name} through dstack attach", answers, 120, interval=0.5,
+                         max_interval=2.0)
+            except AgentError as exc:
+                raise StepFailed(f"forwarding the dashboard of {name}", str(exc)) from None
+            if record:
+                state.update(name, dashboard=dashboard)
+            say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
+                f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, rlhf-tasks list --cluster {name}")
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            end_attach(proc)
 
     def down(self, name: str) -> str:
         """`dstack stop` of the run, then `dstack fleet delete` of the fleet `launch` applied for it (none: the
@@ -584,6 +631,18 @@ def bundle_from_dstack_logs(dstack: str, name: str, jobs: int, directory: Path, 
         return write_bundle(gathered, out_dir, name)
     except OSError:
         return None
+
+
+def end_attach(proc: subprocess.Popen) -> None:
+    """End a `dstack attach` (or `dstack apply`) this launcher started: SIGINT, so that it closes its SSH tunnel
+    itself, then SIGTERM and SIGKILL if it does not end."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        end_process(proc)
 
 
 def delete_fleet(name: str, deadline_s: float = 300) -> str:
