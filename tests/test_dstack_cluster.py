@@ -45,16 +45,34 @@ def no_run_left(request):
     if "dstack_bed" not in request.fixturenames:
         return
     bed = request.getfixturevalue("dstack_bed")
-    for pid in bed.tb.processes("laptop"):
-        try:
-            argv = [os.path.basename(a) for a in open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")]
-        except (OSError, UnicodeDecodeError):
-            continue
-        if "rlhf-tasks" in argv[:2] or any(a == "dstack" and b in ("apply", "attach") for a, b in zip(argv, argv[1:])):
+
+    def left(tunnels: bool) -> list[int]:
+        pids = []
+        for pid in bed.tb.processes("laptop"):
             try:
-                os.kill(pid, 9)
+                args = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+            except (OSError, UnicodeDecodeError):
+                continue
+            argv = [os.path.basename(a) for a in args]
+            if "rlhf-tasks" in argv[:2] or any(a == "dstack" and b in ("apply", "attach") for a, b in zip(argv, argv[1:])) \
+                    or (tunnels and argv[:1] == ["ssh"] and "-f" in args and any("dstack" in a for a in args)):
+                pids.append(pid)
+        return pids
+
+    def signal_all(pids, sig):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+    # SIGINT first, as a terminal's Ctrl-C: dstack's CLI then closes its background `ssh -f` tunnel itself (a SIGKILL
+    # leaves it holding the forwarded port); then SIGKILL what is left, and any dstack tunnel left behind
+    signal_all(left(False), signal.SIGINT)
+    try:
+        wait_for(lambda: not left(False), 20, "the launchers and dstack CLIs to end on SIGINT", 0.5)
+    except TimeoutError:
+        pass
+    signal_all(left(True), signal.SIGKILL)
     active = [r["run_spec"]["run_name"] for r in bed.api("/api/runs/list", {"project_name": "main", "only_active": True,
                                                                            "include_jobs": False})]
     if active:
@@ -292,7 +310,8 @@ def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(
     print(out[out.find("== summary =="):])
     firsts = out[out.index("first error on each node:"):].split("\nfailed:")[0].splitlines()[1:]
     assert any(f.strip().startswith("node0 (") and "JSONDecodeError" in f for f in firsts), out[-3000:]
-    bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", out)  # gathered here, through the dashboard or dstack
+    summary = out[out.rindex("== summary =="):]
+    bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", summary)  # gathered here, by the dashboard or dstack
     assert bundle and os.path.isfile(bundle.group(1)), out[-3000:]
     with tarfile.open(bundle.group(1)) as tar:
         names = [m.name.split("/", 1)[1] for m in tar.getmembers()]

@@ -511,6 +511,7 @@ class DstackProvider(Provider):
         state.save(plan.name, record)
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
+                       close=lambda: end_attach(proc),
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
 
     def abandon(self, before: state.Before) -> list[str]:
@@ -635,7 +636,9 @@ def bundle_from_dstack_logs(dstack: str, name: str, jobs: int, directory: Path, 
 
 def end_attach(proc: subprocess.Popen) -> None:
     """End a `dstack attach` (or `dstack apply`) this launcher started: SIGINT, so that it closes its SSH tunnel
-    itself, then SIGTERM and SIGKILL if it does not end."""
+    itself (`dstack apply -y` detaches on it and leaves the run as it is), then SIGTERM and SIGKILL if it does not
+    end. A `dstack apply` left behind would hold the dashboard's port for the next launch ("port 8265 is already in
+    use") while it waits up to 30 s for the finished run's final status."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGINT)
