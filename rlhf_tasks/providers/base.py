@@ -250,7 +250,7 @@ class Provider:
     def forward(self, name: str, port: int | None = None) -> int:
         """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
-                       f"(e.g. dstack attach, ssh -L)")
+                       f"(e.g. ssh -L)")
 
     def ready(self, plan: Plan) -> None:
         """What `apply` needs of this machine (its CLI, credentials), checked before the
