@@ -235,11 +235,41 @@ def cmd_render(args) -> int:
     else:
         targets = {name: (output if i == 0 else output.parent / name) for i, name in enumerate(files)}
         files = _renamed(files, next(iter(files)), output.name)
+    _refuse_overwriting(targets, files, Path(args.task), args.force)
     for name, content in files.items():
         targets[name].parent.mkdir(parents=True, exist_ok=True)
         targets[name].write_text(content)
         print(f"wrote {targets[name]}", file=sys.stderr)
     return 0
+
+
+def _refuse_overwriting(targets: dict[str, Path], files: dict[str, str], task: Path, force: bool) -> None:
+    """BadInput, before anything is written, where a file would go over the task file itself (never
+    done) or over a file rlhf-tasks did not write (its header says which it did: the user's), unless
+    --force. A file already as it would be written, or one rlhf-tasks rendered before, is rewritten."""
+    from .providers.shipping import WRITTEN_BY, written_by_us
+
+    theirs = []
+    for name, target in targets.items():
+        if not target.exists() and not target.is_symlink():
+            continue
+        if target.resolve() == task.resolve():
+            raise BadInput(f"-o: {target} is the task file itself ({task}): render never writes over it, --force "
+                           f"or not; nothing written; choose another path")
+        if target.is_dir():
+            raise BadInput(f"-o: {target} is a directory, where {name} would go; nothing written")
+        try:
+            old = target.read_text(errors="replace")
+        except OSError as exc:
+            raise BadInput(f"-o: {target} cannot be read ({exc}); nothing written") from None
+        if old != files[name] and not written_by_us(old):
+            theirs.append(target)
+    if theirs and not force:
+        more = f" (and {len(theirs) - 1} more: {', '.join(map(str, theirs[1:4]))}{', ...' if len(theirs) > 4 else ''})" \
+            if len(theirs) > 1 else ""
+        raise BadInput(f"-o: {theirs[0]}{more} exists and rlhf-tasks did not write it (it has no "
+                       f"`{WRITTEN_BY}` header): nothing written; choose another path, or add --force to write "
+                       f"over it")
 
 
 def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
@@ -279,7 +309,7 @@ def _ended(name: str, record: dict) -> str:
         how += f" ({job['how']})" if job.get("how") else ""
     capped = record.get("budget") or {}
     if capped.get("words"):  # the head ended it at placement.max_cost or max_duration
-        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none'}"
+        how += f"; {capped['words']}; the last checkpoint: {capped.get('checkpoint') or 'none yet'}"
     logs = state.run_dir(name) / "nodes"
     where = f"; node logs: {logs}" if logs.is_dir() else ""
     return f"the cluster ended at {record['ended']}{how}{where} (launch it again to use it)"
@@ -348,6 +378,17 @@ def cmd_submit(args) -> int:
 def cmd_status(args) -> int:
     from . import state
 
+    if args.job is None:  # no name: every cluster launched from here, as `ps`
+        if args.cluster and not args.address:
+            record = state.load(args.cluster)
+            if record is None:
+                raise BadInput(f"--cluster: no cluster named {args.cluster} was launched from here "
+                               f"(known: {', '.join(state.known()) or 'none'})")
+            print(_cluster_status(args.cluster, record))
+            return 0
+        if args.address:
+            raise BadInput("JOB: give the job's id (rlhf-tasks list --address ... lists them)")
+        return cmd_ps(args)
     record = None if args.address or args.cluster else state.load(args.job)
     if record:  # a cluster's name: the cluster
         print(_cluster_status(args.job, record))
@@ -359,13 +400,17 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _no_such_job(args) -> str:
-    """`status`/`logs` of an id the cluster has no job of; a cluster's name says how to ask for it."""
+def _no_such_job(args, asked: bool = True) -> str:
+    """`status`/`logs` of an id the cluster has no job of (`asked`: a cluster was asked); a cluster's
+    name says how to ask for it, and its last recorded job."""
     from . import state
 
-    said = f"JOB: no job {args.job} on this cluster"
-    if state.load(args.job) is not None:
-        said += (f"; {args.job} is a cluster's name: its jobs with `rlhf-tasks list --cluster {args.job}`, "
+    record = state.load(args.job)
+    said = f"JOB: no job {args.job} on this cluster" if asked else f"JOB: {args.job} is not a job's id"
+    if record is not None:
+        sid = (record.get("job") or {}).get("submission_id")
+        its = f"its job's logs with `rlhf-tasks logs {sid} --cluster {args.job}`, " if sid else ""
+        said += (f"; {args.job} is a cluster's name: {its}its jobs with `rlhf-tasks list --cluster {args.job}`, "
                  f"one job's logs with `rlhf-tasks logs JOB --cluster {args.job}`, every node's logs with "
                  f"`rlhf-tasks logs {args.job} --bundle`")
     return said
@@ -419,8 +464,11 @@ def _cluster_status(name: str, record: dict) -> str:
 def cmd_logs(args) -> int:
     if args.bundle:
         return _bundle(args)
+    from . import state
     from .jobs import PreflightShown
 
+    if not args.address and not args.cluster and state.load(args.job) is not None:
+        raise BadInput(_no_such_job(args, asked=False))  # a cluster's name, said before any cluster is asked
     jobs = _jobs(args)
     if jobs.status(args.job) is None:  # Ray answers an unknown id's log with nothing: say so instead
         raise BadInput(_no_such_job(args))
@@ -437,6 +485,16 @@ def cmd_logs(args) -> int:
     return 0
 
 
+def bundle_secret_names(name: str) -> list[str]:
+    """The task's secrets, by its launch's record and every plan staged for it here, whichever
+    provider: their values are scrubbed from a bundle."""
+    from . import state
+    from .doctor import saved_plans
+
+    recorded = (state.load(name) or {}).get("secrets") or []
+    return sorted({*recorded, *(secret for plan in saved_plans(name) for secret in plan.secrets)})
+
+
 def _bundle(args) -> int:
     """`logs NAME --bundle`: every node's logs of a running cluster in one .tar.gz, through its dashboard."""
     from . import state
@@ -444,13 +502,7 @@ def _bundle(args) -> int:
 
     args.cluster = args.cluster or args.job
     jobs = _jobs(args)
-    names = set()  # the task's secrets, by the plans rendered for it here: their values are scrubbed
-    for plan in state.run_dir(args.cluster).rglob("plan.json"):
-        try:
-            names.update(json.loads(plan.read_text()).get("secrets") or [])
-        except (OSError, ValueError):
-            pass
-    secrets = {n: os.environ[n] for n in sorted(names) if os.environ.get(n)}
+    secrets = {n: os.environ[n] for n in bundle_secret_names(args.cluster) if os.environ.get(n)}
     if jobs.token:
         secrets["RAY_AUTH_TOKEN"] = jobs.token
     bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
@@ -505,9 +557,59 @@ def _record_stopped(args, status: str, how: str) -> None:
 
 
 def cmd_list(args) -> int:
+    from .jobs import shown_command
+
     for job in _jobs(args).list():
-        print(f"{job.get('submission_id') or job.get('job_id')}\t{job.get('status')}\t{(job.get('entrypoint') or '')[:80]}")
+        command = shown_command(job.get("entrypoint") or "")
+        print(f"{job.get('submission_id') or job.get('job_id')}\t{job.get('status')}\t"
+              f"{command if len(command) <= 100 else command[:99] + '…'}")
     return 0
+
+
+def cmd_ps(args) -> int:
+    """Every cluster launched from here and not ended, on every provider: its state as its provider
+    reports it now (asked; unreachable said as such), its age and its cost so far, one line each."""
+    import time
+
+    from . import state
+
+    names = state.known()
+    if not names:
+        print("no cluster launched from here is running (rlhf-tasks launch TASK.yaml starts one)")
+        return 0
+    rows = [("NAME", "PROVIDER", "AGE", "COST", "STATE (as its provider reports it now)")]
+    for name in names:
+        record = state.load(name) or {}
+        provider = record.get("provider") or "?"
+        launched = record.get("launched")
+        if launched is None:  # a record older than `launched`: its token was made at launch
+            try:
+                launched = (state.cluster_dir(name) / "token").stat().st_mtime
+            except OSError:
+                pass
+        age = time.time() - launched if launched else None
+        price = record.get("price_per_hour")
+        cost = f"${price * age / 3600.0:.2f}" if price is not None and age is not None else "-"
+        rows.append((name, provider, _hm(age) if age is not None else "?", cost, _state_now(name, provider)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+def _state_now(name: str, provider_name: str) -> str:
+    """`ps`'s state column: the provider's own line, or why there is none."""
+    from .agent.protocol import AgentError
+
+    try:
+        provider = _provider(provider_name)
+        said = provider.state_line(name)
+    except (OSError, ValueError, StepFailed, BadInput, AgentError) as exc:
+        return f"unreachable: {exc}".replace("\n", " ")
+    if said:
+        return said.replace("\n", " ")
+    where = provider.state_elsewhere
+    return f"not asked here ({where.format(name=name)} says it)" if where else f"{provider_name} reports none"
 
 
 def cmd_down(args) -> int:
@@ -682,7 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("render", cmd_render, "write the provider's native file(s); pure: no cluster, no network")
     p.add_argument("task")
     p.add_argument("--provider", required=True)
-    p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted")
+    p.add_argument("-o", "--output", help="path of the main file (others go beside it); stdout when omitted. Never "
+                   "over the task file, nor over a file rlhf-tasks did not write (without its `Rendered by "
+                   "rlhf-tasks` header) unless --force")
+    p.add_argument("--force", action="store_true", help="with -o: write over files rlhf-tasks did not write")
     p = add("launch", cmd_launch, "render, apply, wait for the cluster, submit and follow the job")
     p.add_argument("task")
     p.add_argument("--provider", default="local", help="where to run it (default: local)")
@@ -700,10 +805,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="run it again when its job already ran on this cluster: "
                    "as the next submission id (<task>-<cluster>-r1, -r2, ...); refused while one still runs")
     for name, func, help_text in (("status", cmd_status, "a job's status, or a cluster's (NAME of a cluster launched "
-                                   "from here: its machines as the provider reports them, Ray's nodes, its last job)"), ("logs", cmd_logs, "a job's logs"),
+                                   "from here: its machines as the provider reports them, Ray's nodes, its last job); "
+                                   "without either, every cluster launched from here (as `ps`)"), ("logs", cmd_logs, "a job's logs"),
                                   ("stop", cmd_stop, "stop a job")):
         p = add(name, func, help_text)
-        p.add_argument("job", metavar="JOB")
+        p.add_argument("job", metavar="JOB", **({"nargs": "?"} if name == "status" else {}))
         p.add_argument("--address")
         p.add_argument("--cluster", help="name of a cluster launched from here (for its address and token)")
         if name == "logs":
@@ -714,6 +820,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "agents', services', Ray's), each node's first error, in one .tar.gz under runs/NAME")
         if name == "stop":
             p.add_argument("--wait", type=float, default=120, metavar="SECONDS", help="how long to wait for it to stop")
+    add("ps", cmd_ps, "every cluster launched from here, on every provider: its state as the provider reports it "
+        "now, its age and its cost so far (also `status` without a name)")
     p = add("list", cmd_list, "list the jobs on a cluster")
     p.add_argument("--address")
     p.add_argument("--cluster")

@@ -50,16 +50,22 @@ class Target:
     plan: Plan | None
 
 
-def saved_plan(name: str) -> Plan | None:
-    """The plan a launch from here staged for cluster `name` (local: runs/NAME/plan.json;
-    others: runs/NAME/PROVIDER/rlhf-tasks/NAME.plan.json), or None."""
+def saved_plans(name: str) -> list[Plan]:
+    """The plans launches and renders from here staged for cluster `name` (local: runs/NAME/plan.json;
+    others: runs/NAME/PROVIDER/rlhf-tasks/NAME.PROVIDER.plan.json)."""
     run = state.run_dir(name)
-    for path in [run / "plan.json", *sorted(run.glob(f"*/rlhf-tasks/{name}.plan.json"))]:
+    plans = []
+    for path in [run / "plan.json", *sorted(run.glob(f"*/rlhf-tasks/{name}.*.plan.json"))]:
         try:
-            return Plan.model_validate_json(path.read_text())
+            plans.append(Plan.model_validate_json(path.read_text()))
         except (OSError, ValueError):
             continue
-    return None
+    return plans
+
+
+def saved_plan(name: str) -> Plan | None:
+    """The first of `saved_plans`, or None."""
+    return next(iter(saved_plans(name)), None)
 
 
 def resolve(target: str, address: str | None, provider_name: str | None) -> Target:

@@ -176,6 +176,18 @@ class PreflightShown:
         self.out.flush()
 
 
+def shown_command(entrypoint: str) -> str:
+    """A job's command as `list` shows it: the trainer's, not the gate the head puts before it
+    (`python3 .../agent/__main__.py gate FILE TIMEOUT [--preflight ...] -- CMD...`: CMD)."""
+    try:
+        words = shlex.split(entrypoint)
+    except ValueError:
+        return entrypoint
+    if len(words) > 2 and words[1].endswith("/agent/__main__.py") and words[2] == "gate" and "--" in words:
+        return shlex.join(words[words.index("--") + 1:])
+    return entrypoint
+
+
 def last_job(name: str, record: dict, token: str | None) -> dict | None:
     """Task `name`'s last job on a cluster launched from here: {"submission_id", "status"}, as
     its dashboard says now (one still running first), or, when the dashboard does not answer

@@ -137,11 +137,18 @@ class Outcome:
                    budget=result.get("budget") if (result.get("budget") or {}).get("capped") else None)
 
 
+#: Lines that are not the job's own: Ray's log records (Python's and its C++ core's, `[2026-11-28
+#: 08:00:00,123 E 4242 4242] logging.cc:474: ...`), and the stack dump a SIGTERM makes Ray's core
+#: print (`*** SIGTERM received at time=...`, `PC: @ 0x7f50... (unknown)`, `@ 0x7f50... (unknown)`).
+NOT_THE_JOBS = re.compile(r"^(\(|\d{4}-\d\d-\d\d \d|\[\d{4}-\d\d-\d\d [\d:,.]+ [A-Z] \d+ \d+\]|"
+                          r"\*\*\* \w+ received at time=|(PC: )?@\s+0x[0-9a-fA-F]+)")
+
+
 def job_said(log: str) -> str | None:
-    """The job's own last line: not Ray's log records nor its worker-prefixed lines."""
+    """The job's own last line: not Ray's log records, its signal dumps nor its worker-prefixed lines."""
     for line in reversed(log.splitlines()):
         line = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-        if line and not line.startswith("(") and not re.match(r"^\d{4}-\d\d-\d\d \d", line):
+        if line and not NOT_THE_JOBS.match(line):
             return line
     return None
 
@@ -469,7 +476,7 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
         where = outcome.budget.get("checkpoint")
         lines.append(outcome.budget.get("words") or "stopped at the budget cap")
         lines.append(f"the last checkpoint: {where}" if where else
-                     f"no checkpoint was written{f' in {plan.checkpoint_dir}' if plan.checkpoint_dir else ''}")
+                     f"the last checkpoint: none yet{f' (in {plan.checkpoint_dir})' if plan.checkpoint_dir else ''}")
     if outcome.last_line:
         lines.append(f"the job's last line: {outcome.last_line}")
     if outcome.steps:
@@ -736,6 +743,9 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
     job_started = interrupted = command_started = False
     try:
         cluster = provider.apply(plan, secrets)
+        if plan.budget.price_per_hour is not None and "price_per_hour" not in (state.load(plan.name) or {}):
+            state.update(plan.name, price_per_hour=plan.budget.price_per_hour)  # `ps` counts the cost so far
+        state.update(plan.name, secrets=plan.secrets)  # their names (never values): `logs --bundle` scrubs them
         training = training or training_view(task, plan, started)
         tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log, out=training)
         via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")

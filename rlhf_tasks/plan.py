@@ -286,6 +286,8 @@ class Plan(StrictModel):
     resume: bool = False                 # the job resumes from checkpoint_dir (checkpoints.resume: auto)
     #: `launch --fresh`: the launch's UTC stamp; the head moves checkpoint_dir aside (DIR.old-STAMP) before prepare.
     fresh: str | None = None
+    #: The recipe's checkpoint files below checkpoint_dir (shell patterns, e.g. `step_*.pt`); [] where not known.
+    checkpoint_files: list[str] = []
     #: This provider's entry of checkpoints.shared (its own check() validated it); None: a directory on each node.
     checkpoint_shared: dict[str, Any] | None = None
     #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.
@@ -425,6 +427,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         resources=task.resources,
         image=task.image,
         resume=task.checkpoints.resume == "auto",
+        checkpoint_files=out.checkpoint_files if checkpoint_dir else [],
         checkpoint_shared=task.checkpoints.shared.get(provider),
         modules=out.modules,
         node_inputs=out.node_inputs,

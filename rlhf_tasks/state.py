@@ -58,6 +58,8 @@ def token(name: str) -> str | None:
 
 
 def save(name: str, record: dict) -> None:
+    """A cluster's record; a new one (a launch's) is stamped with when it was made (`launched`, for `ps`)."""
+    record = record if "launched" in record else {**record, "launched": time.time()}
     directory = cluster_dir(name)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = directory / "cluster.json.tmp"

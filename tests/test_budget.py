@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -196,3 +197,47 @@ def test_a_fork_beside_the_running_watch_prints_no_traceback(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert done.returncode == 0 and "forked" in done.stdout, done.stderr
     assert "Exception ignored" not in done.stderr and "not callable" not in done.stderr, done.stderr
+
+
+def test_the_last_checkpoint_is_the_recipes_newest_checkpoint_file(tmp_path):
+    """Issue 37: tiny-grpo's checkpoint dir also holds metrics.jsonl and the prepared data, both
+    newer than its last step_NNNNNN.pt: the recipe's own file names decide; none yet: None."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "data").mkdir(parents=True)
+    (ckpt / "data" / "prompts.jsonl").write_text("{}\n")
+    assert bmod.newest_checkpoint(str(ckpt), ["step_*.pt"]) is None  # only the prepared data: none yet
+    for age, name in ((30, "step_000460.pt"), (20, "step_000480.pt"), (10, "metrics.jsonl")):
+        (ckpt / name).write_text(name)
+        os.utime(ckpt / name, (time.time() - age, time.time() - age))
+    (ckpt / "data" / "prompts.jsonl").write_text("{}\n")  # the newest entry of all
+    assert bmod.newest_checkpoint(str(ckpt), ["step_*.pt"]) == str(ckpt / "step_000480.pt")
+    # verl's global_step_N directories (their files inside count as theirs)
+    (ckpt / "global_step_40" / "actor").mkdir(parents=True)
+    assert bmod.newest_checkpoint(str(ckpt), ["global_step_*"]) == str(ckpt / "global_step_40")
+    # A recipe that knows none (a free command): the newest file, as before
+    assert bmod.newest_checkpoint(str(ckpt), []) == str(ckpt / "data" / "prompts.jsonl")
+
+
+def test_the_recipes_say_their_checkpoint_files(tmp_path):
+    from rlhf_tasks.spec import load_task
+    from rlhf_tasks.providers.local import LocalProvider
+
+    plan = LocalProvider().plan(load_task(str(ROOT / "tasks" / "tiny-grpo.yaml")))
+    assert plan.checkpoint_files == ["step_*.pt"]
+
+
+def test_the_jobs_last_line_is_its_own_not_rays_sigterm_dump():
+    from rlhf_tasks.launch import job_said
+
+    tail = "\n".join([
+        "step 480 reward 0.91",
+        "saved step_000480.pt",
+        "*** SIGTERM received at time=1764318000 on cpu 1 ***",
+        "PC: @     0x7f50a1b2c3d4  (unknown)  pthread_cond_timedwait@@GLIBC_2.3.2",
+        "    @     0x7f50a1b2c3d4  (unknown)  (unknown)",
+        "[2026-11-28 08:00:00,123 E 4242 4242] logging.cc:474: *** SIGTERM received at time=1764318000 on cpu 1 ***",
+        "[2026-11-28 08:00:00,124 E 4242 4242] logging.cc:474: PC: @     0x7f50a1b2c3d4  (unknown)  (unknown)",
+        "[2026-11-28 08:00:00,124 E 4242 4242] logging.cc:474:     @     0x7f50a1b2c3d4  (unknown)  (unknown)",
+        "",
+    ])
+    assert job_said(tail) == "saved step_000480.pt"

@@ -162,29 +162,13 @@ def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_p
     """A cluster ends itself once its job is over (unless kept), so the dashboard that took the
     stop may be gone before `stop` sees the job STOPPED: that is the stop done, not a failure."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Dashboard(BaseHTTPRequestHandler):
-        def do_POST(self):  # Ray's answer to POST /api/jobs/ID/stop
-            server.socket.close()  # the cluster ends: nothing answers after this answer (no race with stop's next ask)
-            body = json.dumps({"stopped": True}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            threading.Thread(target=server.shutdown).start()
+    def cluster_ends(server):  # nothing answers after this answer (no race with stop's next ask)
+        server.socket.close()
+        threading.Thread(target=server.shutdown).start()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    address = f"http://127.0.0.1:{server.server_address[1]}"
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RAY_", "RLHF_TASKS_"))}
-    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "stop", "last-job", "--address", address],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env=dict(env, RLHF_TASKS_HOME=str(tmp_path / "home")))
+    server, address = _dashboard({}, on_stop=cluster_ends)
+    out = _cli(tmp_path, "stop", "last-job", "--address", address)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[0] == "last-job: STOPPED"
     assert "the cluster ended itself with its job" in out.stdout
@@ -271,6 +255,10 @@ def test_logs_of_an_unknown_job_or_of_a_clusters_name_exits_2_saying_so(tmp_path
         assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
         assert "tiny-grpo is a cluster's name" in out.stderr
         assert "--cluster tiny-grpo" in out.stderr and "logs tiny-grpo --bundle" in out.stderr
+        assert "rlhf-tasks logs tiny-grpo-abcd1234 --cluster tiny-grpo" in out.stderr  # its job, named
+        _launched(tmp_path, "other", "http://127.0.0.1:9", "other-abcd1234")  # two known: still said, nothing asked
+        out = _cli(tmp_path, "logs", "tiny-grpo")
+        assert out.returncode == 2 and "tiny-grpo is a cluster's name" in out.stderr, out.stdout + out.stderr
     finally:
         server.shutdown()
 
@@ -310,3 +298,24 @@ def test_stop_by_address_records_the_job_whose_record_names_it(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     record = json.loads((tmp_path / "home" / "clusters" / "tiny-grpo" / "cluster.json").read_text())
     assert record["job"]["status"] == "STOPPED", record
+
+
+@pytest.mark.parametrize("provider", ["dstack", "sky", "slurm", "runpod"])
+def test_a_bundle_scrubs_the_secrets_of_the_plan_staged_for_any_provider(provider, rlhf_home):
+    """`logs --bundle` scrubs the task's secrets by the plans staged for it here: a remote provider
+    stages NAME.PROVIDER.plan.json (its secrets were not scrubbed while only plan.json was read)."""
+    from rlhf_tasks import providers, state
+    from rlhf_tasks.cli import bundle_secret_names
+    from rlhf_tasks.spec import load_task
+
+    task = load_task(str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml"))
+    assert task.secrets, "the task names secrets"
+    chosen = providers.get(provider)
+    plan = chosen.plan(task)
+    chosen.stage(plan, {})  # as launch stages it (local's plan.json: test_e2e_local's bundle test)
+    if provider in ("dstack", "sky"):  # a plan file staged beside the render
+        assert bundle_secret_names(task.name) == sorted(task.secrets)
+    else:  # the plan travels inside the sbatch script or the pods' start: the launch's record says them
+        assert bundle_secret_names(task.name) == []
+    state.save(task.name, {"provider": provider, "secrets": plan.secrets})
+    assert bundle_secret_names(task.name) == sorted(task.secrets)

@@ -257,3 +257,158 @@ def test_forward_of_a_cluster_that_ended_says_it_ended(provider, rlhf_home, caps
     err = capsys.readouterr().err
     assert "failed: forwarding tiny-grpo's dashboard: the cluster ended at " in err, err
     assert "its job tiny-grpo-c1 ended SUCCEEDED" in err and "already" not in err
+
+
+# ---------------------------------------------------------------- issue 37: stop's record (logs of a wrong id: test_cli.py)
+
+def test_stop_of_the_clusters_job_records_it_stopped(rlhf_home, capsys):
+    """`stop JOB` answered STOPPED; the record still said RUNNING (last seen) for `status NAME`
+    and `down` once the cluster had ended itself."""
+    from test_messages import FakeDashboard
+
+    dashboard = FakeDashboard()
+    dashboard.jobs["tiny-grpo-c1"] = "RUNNING"
+    try:
+        state.save("tiny-grpo", {"provider": "dstack", "cluster_id": "c1", "dashboard": dashboard.url,
+                                 "job": {"submission_id": "tiny-grpo-c1", "status": "RUNNING"}})
+        assert main(["stop", "tiny-grpo-c1", "--cluster", "tiny-grpo", "--wait", "20"]) == 0
+        assert "tiny-grpo-c1: STOPPED" in capsys.readouterr().out
+    finally:
+        dashboard.close()  # the cluster ended itself: only the record answers now
+    job = state.load("tiny-grpo")["job"]
+    assert job["submission_id"] == "tiny-grpo-c1" and job["status"] == "STOPPED"
+    assert "rlhf-tasks stop" in job["how"]
+    assert main(["status", "tiny-grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "job tiny-grpo-c1: STOPPED" in out and "RUNNING" not in out, out
+
+
+# ---------------------------------------------------------------- issue 37: ps, and list's command column
+
+def test_ps_lists_every_cluster_launched_from_here_with_its_state_age_and_cost(rlhf_home, capsys, monkeypatch):
+    """`ps` (and `status` without a name): one line per cluster not ended, its state as its provider
+    reports it now (unreachable said as such), its age and its cost so far; exit 0."""
+    import subprocess as sp
+    import time
+
+    from rlhf_tasks.errors import StepFailed
+    from rlhf_tasks.providers.kuberay import KubeRayProvider
+
+    assert main(["ps"]) == 0
+    assert capsys.readouterr().out == "no cluster launched from here is running (rlhf-tasks launch TASK.yaml starts one)\n"
+    sleeper = sp.Popen(["sleep", "60"])
+    try:
+        state.save("alive", {"provider": "local", "cluster_id": "c1", "pids": [sleeper.pid],
+                             "price_per_hour": 36.0})
+        state.update("alive", launched=time.time() - 3600)
+        state.save("gone", {"provider": "local", "cluster_id": "c2", "pids": [2**22 + 1]})
+        state.save("kube", {"provider": "kuberay", "cluster_id": "c3"})
+        state.save("old", {"provider": "local", "cluster_id": "c4", "ended": "2026-11-24 12:00:00"})
+
+        def unreachable(self, name):
+            raise StepFailed("asking Kubernetes", "connection refused")
+        monkeypatch.setattr(KubeRayProvider, "state_line", unreachable)
+        for argv in (["ps"], ["status"]):
+            assert main(argv) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert len(lines) == 4, lines  # a header, a line each, never the ended one
+            alive = next(line for line in lines if line.startswith("alive "))
+            assert "local" in alive and "1 h 00 m" in alive and "$36.00" in alive
+            assert "running (1 of 1 node agents on this machine)" in alive
+            assert "ended on its own" in next(line for line in lines if line.startswith("gone "))
+            kube = next(line for line in lines if line.startswith("kube "))
+            assert "kuberay" in kube and "unreachable: asking Kubernetes: connection refused" in kube
+            assert not any(line.startswith("old ") for line in lines)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_list_shows_the_trainers_command_not_the_gate():
+    from rlhf_tasks.jobs import shown_command
+
+    gated = ("python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py gate /tmp/rlhf-tasks/x.gate 900 "
+             "--preflight --plan p.json -- python3 -m rlhf_tasks.demo.train --data '/c/data/prompts.jsonl'")
+    assert shown_command(gated) == "python3 -m rlhf_tasks.demo.train --data /c/data/prompts.jsonl"
+    assert shown_command("python3 -m openrlhf.cli.train_ppo_ray --x 1") == "python3 -m openrlhf.cli.train_ppo_ray --x 1"
+    assert shown_command("") == ""
+
+
+def test_ps_asks_dstack_for_its_run(tmp_path, monkeypatch):
+    """dstack's state is its Run as `dstack ps --json` prints it (dstack 0.22.5's PsCommandOutput:
+    project, runs[] with run_spec.run_name, status, status_message, cost)."""
+    from rlhf_tasks.errors import StepFailed
+    from rlhf_tasks.providers import dstack as dmod
+
+    runs = {"project": "main", "runs": [
+        {"run_spec": {"run_name": "other"}, "status": "running", "cost": 9.0},
+        {"run_spec": {"run_name": "tiny-grpo"}, "status": "running", "status_message": "running", "cost": 1.5}]}
+    fake = tmp_path / "dstack"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv'}\ncat <<'EOF'\n{json.dumps(runs)}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(dmod, "require_cli", lambda *a: str(fake))
+    provider = dmod.DstackProvider()
+    assert provider.state_line("tiny-grpo") == "dstack run tiny-grpo: running, $1.50 so far (dstack's)"
+    assert (tmp_path / "argv").read_text().split() == ["ps", "--json", "--last", str(dmod.PS_RUNS)]
+    assert provider.state_line("absent").startswith("no run named absent among dstack's last")
+    fake.write_text("#!/bin/sh\necho 'Server is not reachable' >&2\nexit 1\n")
+    with pytest.raises(StepFailed, match="Server is not reachable"):
+        provider.state_line("tiny-grpo")
+
+
+# ---------------------------------------------------------------- issue 37 item 2: render -o overwrites nothing of the user's
+
+def _tree(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_render_never_writes_over_the_task_file(tmp_path, capsys, rlhf_home):
+    task = tmp_path / "v.yaml"
+    task.write_text((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    before = _tree(tmp_path)
+    for extra in ([], ["--force"]):
+        assert main(["render", str(task), "--provider", "sky", "-o", str(task), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"-o: {task} is the task file itself" in err and "nothing written" in err, err
+        assert _tree(tmp_path) == before
+
+
+def test_render_writes_over_no_file_it_did_not_write_without_force(tmp_path, capsys, rlhf_home):
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "tiny-grpo.sky.yaml"
+    mine.write_text("# my own SkyPilot file\nresources: {cpus: 1}\n")
+    before = _tree(tmp_path)
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o: {mine} exists and rlhf-tasks did not write it" in err and "--force" in err, err
+    assert _tree(tmp_path) == before  # nothing written: not the plan beside it either
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine), "--force"]) == 0
+    capsys.readouterr()
+    assert "Rendered by rlhf-tasks" in mine.read_text()
+    # What rlhf-tasks wrote (its header says so), it writes again: every file, the plan and the agent's included.
+    (out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").write_text('{"version": 0, "name": "x", "provider": "sky", '
+                                                                 '"contract": {}, "job": {}}')
+    assert main(["render", TINY, "--provider", "sky", "-o", str(mine)]) == 0
+    assert json.loads((out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").read_text())["name"] == "tiny-grpo"
+
+
+def test_renders_for_two_providers_share_a_folder(tmp_path, capsys, rlhf_home):
+    """dstack's file ships rlhf-tasks/NAME.dstack.plan.json, SkyPilot's NAME.sky.plan.json: one folder holds both."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["render", TINY, "--provider", "dstack", "-o", str(out)]) == 0
+    assert main(["render", TINY, "--provider", "sky", "-o", str(out)]) == 0
+    dstack_plan = json.loads((out / "rlhf-tasks" / "tiny-grpo.dstack.plan.json").read_text())
+    sky_plan = json.loads((out / "rlhf-tasks" / "tiny-grpo.sky.plan.json").read_text())
+    assert dstack_plan["provider"] == "dstack" and sky_plan["provider"] == "sky"
+    import yaml
+
+    dstack_file = yaml.safe_load((out / "tiny-grpo.dstack.yml").read_text())
+    assert "rlhf-tasks:/opt/rlhf-tasks" in dstack_file["files"]  # the folder, each plan by its own name in it
+    assert any("--plan /opt/rlhf-tasks/tiny-grpo.dstack.plan.json" in c for c in dstack_file["commands"])
+    assert "tiny-grpo.sky.plan.json" in (out / "tiny-grpo.sky.yaml").read_text()
+    # every file rendered says who wrote it, the fleet's and the shipped sources included
+    for path in out.rglob("*"):
+        if path.is_file() and not path.name.endswith(".json"):
+            assert "Rendered by rlhf-tasks" in "\n".join(path.read_text().splitlines()[:5]), path

@@ -139,6 +139,8 @@ def test_the_head_stops_the_run_at_its_budget_cap(tmp_path, cli_env, rlhf_home):
     summary = out.stdout.split("== summary ==")[1]
     assert "stopped at the budget cap: $0.45 after 0 h 01 m (placement.max_cost $0.45)" in summary
     assert f"the last checkpoint: {ckpt / 'final.json'}" in summary
+    assert "the job's last line: checkpointed at SIGTERM" in summary  # its own, not Ray's (issue 37)
+    assert "Exception ignored" not in said  # the budget watch's after-fork TypeError (issue 37)
     rec = record(rlhf_home, "capped")
     assert rec["ended"] and rec["budget"]["checkpoint"] == str(ckpt / "final.json")
     ended = cli(tmp_path, cli_env, "status", "capped")

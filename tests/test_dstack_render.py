@@ -334,7 +334,7 @@ def test_files_is_one_directory_mapping(tmp_path):
     config = resolved_files(tmp_path / "t.dstack.yml")
     assert [(f.local_path, f.path) for f in config.files] == [(str(tmp_path / "rlhf-tasks"), "/opt/rlhf-tasks")]
     names = archive_names(config.files[0].local_path)
-    assert {"rlhf-tasks/t.plan.json", "rlhf-tasks/lib/rlhf_tasks/agent/__main__.py"} <= names
+    assert {"rlhf-tasks/t.dstack.plan.json", "rlhf-tasks/lib/rlhf_tasks/agent/__main__.py"} <= names
 
 
 def project(tmp_path: Path, submit: str = "head") -> Path:
@@ -364,7 +364,7 @@ def test_the_working_dir_reaches_the_directory_the_job_runs_in(output, tmp_path)
     mapped = {f.path: f.local_path for f in config.files}
     assert config.working_dir == JOB_DIR and Path(mapped[JOB_DIR]).resolve() == code / "src"
     assert "src/reward_fn.py" in archive_names(mapped[JOB_DIR])
-    shipped = json.loads((main.parent / "rlhf-tasks" / "wd.plan.json").read_text())
+    shipped = json.loads((main.parent / "rlhf-tasks" / "wd.dstack.plan.json").read_text())
     assert shipped["job"]["working_dir"] == JOB_DIR
 
 

@@ -177,6 +177,13 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
 
     task = tmp_path / "long.yaml"
     sleeping_task(task, "long")
+    # A secret the job prints: the bundle of its logs must not hold its value.
+    spec = yaml.safe_load(task.read_text())
+    spec["secrets"] = ["LONG_SECRET"]
+    spec["job"]["args"]["entrypoint"] = spec["job"]["args"]["entrypoint"].replace(
+        "import time;", "import os, time; print(os.environ[\"LONG_SECRET\"]);")
+    task.write_text(yaml.safe_dump(spec))
+    cli_env = dict(cli_env, LONG_SECRET="long-secret-value-7")
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=tmp_path, env=cli_env,
@@ -204,6 +211,8 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         assert bundle.startswith(str(rlhf_home / "runs" / "long"))
         with tarfile.open(bundle) as tar:
             names = tar.getnames()
+            held = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+        assert b"long-secret-value-7" not in held and b"[secret LONG_SECRET]" in held  # printed, scrubbed
         assert any("/node0/rlhf-tasks/agent-node0.log" in n for n in names), names
         assert any("/node1/rlhf-tasks/agent-node1.log" in n for n in names), names
         stop = cli("stop", job, "--cluster", "long")
@@ -214,6 +223,7 @@ def test_ctrl_c_while_following_leaves_the_job_running(tmp_path, cli_env, rlhf_h
         from testbed import poll
 
         record = json.loads((rlhf_home / "clusters" / "long" / "cluster.json").read_text())
+        assert record["secrets"] == ["LONG_SECRET"]  # names only, for the bundles of any provider's run
         poll(lambda: not any(pid_alive(pid) for pid in record["pids"]) and no_leftovers(record["cluster_id"]), 60,
              "the cluster to end itself after its job was stopped")
     finally:

@@ -33,7 +33,8 @@ def acme_site(tmp_path_factory) -> Path:
 
 
 def cli(args, site: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(site), RLHF_TASKS_HOME=str(cwd / "home"))
+    # the checkout under test after the plugin (a worktree's, not the one the venv installed)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), RLHF_TASKS_HOME=str(cwd / "home"))
     return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -55,7 +56,7 @@ def test_an_outside_provider_is_listed_and_renders(acme_site, tmp_path):
     rendered = tmp_path / "out" / "acme-job.acme.sh"
     out = cli(["render", str(acme_task(tmp_path)), "--provider", "acme", "-o", str(rendered)], acme_site, tmp_path)
     assert out.returncode == 0, out.stderr
-    plan = json.loads((rendered.parent / "rlhf-tasks" / "acme-job.plan.json").read_text())
+    plan = json.loads((rendered.parent / "rlhf-tasks" / "acme-job.acme.plan.json").read_text())
     assert plan["contract"]["rank"] == {"env": "ACME_RANK", "template": None, "command": None, "value": None,
                                         "item": None, "plus": 0, "default": None}
     assert plan["network_env"] == {"GLOO_SOCKET_IFNAME": "{iface}", "ACME_FABRIC": "on"}

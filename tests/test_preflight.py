@@ -82,7 +82,8 @@ def test_the_plan_carries_preflight_and_the_model_size_for_its_messages():
     assert plan.preflight.weight_bytes == 14 * 10**9  # one bf16 copy
     files = providers.get("dstack").render(plan)
     shipped = "rlhf-tasks/lib/rlhf_tasks/agent/preflight.py"
-    assert files[shipped] == (ROOT / "rlhf_tasks" / "agent" / "preflight.py").read_text()
+    header, source = files[shipped].split("\n", 1)  # verbatim below the header that says who wrote it
+    assert header.startswith("# Rendered by rlhf-tasks") and source == (ROOT / "rlhf_tasks" / "agent" / "preflight.py").read_text()
     config = yaml.safe_load(files["v.dstack.yml"])
     assert "rlhf-tasks:/opt/rlhf-tasks" in config["files"]  # the whole directory, this file among
 

@@ -145,7 +145,7 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
     assert "cat > /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py <<'RLHF_TASKS_EOF'" in script
     agent = [line for line in script.splitlines() if line.startswith("PYTHONPATH=")]
     assert agent == ["PYTHONPATH=/opt/rlhf-tasks/lib${PYTHONPATH:+:$PYTHONPATH} python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py "
-                     "--plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
+                     "--plan /opt/rlhf-tasks/rp-contract.runpod.plan.json --log-dir "
                      "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 

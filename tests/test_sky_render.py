@@ -183,9 +183,9 @@ def test_sky_launch_from_where_the_header_says_finds_the_mounts_and_the_working_
     finally:
         os.chdir(ROOT)
     assert task.file_mounts["/opt/rlhf-tasks"] == str(main.parent / "rlhf-tasks")
-    assert Path(task.file_mounts["/opt/rlhf-tasks"], "wd.plan.json").is_file()
+    assert Path(task.file_mounts["/opt/rlhf-tasks"], "wd.sky.plan.json").is_file()
     assert task.workdir == str(code / "src") and (Path(task.workdir) / "reward_fn.py").is_file()
-    shipped = json.loads((main.parent / "rlhf-tasks" / "wd.plan.json").read_text())
+    shipped = json.loads((main.parent / "rlhf-tasks" / "wd.sky.plan.json").read_text())
     assert shipped["job"]["working_dir"] == "."  # ~/sky_workdir: SkyPilot's run script cd's there
 
 

@@ -16,6 +16,7 @@ thread only reads the clock and the Jobs API and signals the agent's main thread
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -88,16 +89,25 @@ def describe(budget: dict, nodes: int) -> Optional[str]:
     return "budget: " + "; ".join(parts)
 
 
-def newest_checkpoint(directory: Optional[str], limit: int = 20000) -> Optional[str]:
-    """The newest entry under the checkpoint directory (bounded walk), where a stopped run's last
-    checkpoint is; None when there is none."""
+def newest_checkpoint(directory: Optional[str], patterns: Optional[List[str]] = None,
+                      limit: int = 20000) -> Optional[str]:
+    """The newest checkpoint under the checkpoint directory (bounded walk), where a stopped run's
+    last checkpoint is; None when there is none yet. `patterns` are the recipe's checkpoint file
+    names (the plan's checkpoint_files, shell patterns of paths relative to the directory, e.g.
+    tiny-grpo's `step_*.pt`): only a path they match counts, never the metrics or the prepared data
+    beside them. Without patterns (a recipe that knows none), the newest file."""
     if not directory or not os.path.isdir(directory):
         return None
     newest, when, seen = None, -1.0, 0
     for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
+        matched = []
+        for name in (dirs + files) if patterns else files:
             path = os.path.join(root, name)
             seen += 1
+            if patterns:
+                if not any(_matches(os.path.relpath(path, directory), pattern) for pattern in patterns):
+                    continue
+                matched.append(name)
             try:
                 mtime = os.path.getmtime(path)
             except OSError:
@@ -106,7 +116,14 @@ def newest_checkpoint(directory: Optional[str], limit: int = 20000) -> Optional[
                 newest, when = path, mtime
             if seen >= limit:
                 return newest
+        dirs[:] = [d for d in dirs if d not in matched]  # a checkpoint directory is one checkpoint
     return newest
+
+
+def _matches(relative: str, pattern: str) -> bool:
+    """A relative path against a shell pattern, part by part (`*` never crosses a `/`)."""
+    parts, wanted = relative.replace(os.sep, "/").split("/"), pattern.split("/")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted))
 
 
 def job_sessions(sid: str, proc: str = "/proc") -> List[int]:
@@ -172,6 +189,7 @@ class Watch(threading.Thread):
         threading.Thread.__init__(self, name="rlhf-tasks-budget", daemon=True)
         self.budget = plan.get("budget") or {}
         self.nodes, self.checkpoints = plan["nodes"], plan.get("checkpoint_dir")
+        self.checkpoint_files = plan.get("checkpoint_files") or []  # the recipe's own names for them
         self.jobs, self.kept, self.client, self.clock = jobs, kept, client, clock
         self.started = clock()
         self.run_over = threading.Event()
@@ -286,8 +304,8 @@ class Watch(threading.Thread):
                 self._stop_job(sid)
             except (OSError, AgentError):
                 pass
-        checkpoint = newest_checkpoint(self.checkpoints)
-        log("the last checkpoint: %s" % (checkpoint or "none in %s" % self.checkpoints if self.checkpoints
+        checkpoint = newest_checkpoint(self.checkpoints, self.checkpoint_files)
+        log("the last checkpoint: %s" % (checkpoint or "none yet in %s" % self.checkpoints if self.checkpoints
                                           else "no checkpoint directory"))
         self._end(Ending("the budget cap", words, code=1),
                   {"capped": True, "words": words, "seconds": round(seconds, 1),

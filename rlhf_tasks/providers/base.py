@@ -239,6 +239,19 @@ class Provider:
         """What the provider says of the cluster's machines (`rlhf-tasks status NAME`), if it can."""
         return None
 
+    def state_line(self, name: str) -> str | None:
+        """The cluster's state in one line, as the provider reports it now (`rlhf-tasks ps`): the first
+        line of `status`; None where the provider reports none from here. Raises (OSError, StepFailed,
+        BadInput) where it cannot be asked."""
+        said = self.status(name)
+        if not said:
+            return None
+        first = said.splitlines()[0].strip()
+        return first[len(name) + 2:] if first.startswith(f"{name}: ") else first
+
+    #: Where a provider that reports no state here has it said (`rlhf-tasks ps`), `{name}` the cluster's.
+    state_elsewhere: ClassVar[str | None] = None
+
     def cluster_token(self, name: str) -> str | None:
         """The Ray token of a cluster whose token the provider makes itself (kept here for `env`,
         `token`, `submit`); None where rlhf-tasks makes it (the record's token file is the one)."""

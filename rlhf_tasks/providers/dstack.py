@@ -45,7 +45,7 @@ from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
 from .base import Cluster, Provider, end_process, require_cli, stop_with_cli
-from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
+from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
 
@@ -106,6 +106,10 @@ def dstack_resources(res, keys: tuple[str, ...], cpu_arch: str | None = None) ->
     if "cpu" in keys and (res.cpus or cpu_arch):
         resources["cpu"] = ":".join(part for part in (cpu_arch, res.cpus and amount(res, "cpus")) if part)
     return resources
+
+
+#: How many of dstack's latest runs `ps` looks through for a cluster's run.
+PS_RUNS = 100
 
 
 class DstackShared(StrictModel):
@@ -214,6 +218,7 @@ def upload_limit() -> int:
 
 class DstackProvider(Provider):
     name = "dstack"
+    state_elsewhere = "dstack ps"
     shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
     placement_options = DstackPlacement
     contract = Contract(
@@ -406,7 +411,8 @@ class DstackProvider(Provider):
                        f"{plan.job.working_dir} is {self.files_path(plan)} from there)\n")
         out = {f"{plan.name}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
                f"{fleet_name(plan)}.dstack.yml": dump_yaml(
-                   self.fleet_config(plan), "# Apply once before the task: dstack apply -f <this file>\n")}
+                   self.fleet_config(plan), f"# {WRITTEN_BY} for dstack: the fleet {plan.name} runs on. "
+                   "Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
 
@@ -566,6 +572,22 @@ class DstackProvider(Provider):
             return 0
         finally:
             end_attach(proc)
+
+    def state_line(self, name: str) -> str | None:
+        """The run's status as `dstack ps --json` gives it (dstack's Run: status, status_message, cost)."""
+        out = subprocess.run([require_cli("dstack", "dstack"), "ps", "--json", "--last", str(PS_RUNS)],
+                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise StepFailed("asking dstack for its runs (dstack ps)", (out.stderr or out.stdout).strip()[-300:]
+                             or f"exit code {out.returncode}")
+        runs = [run for run in json.loads(out.stdout).get("runs") or []
+                if (run.get("run_spec") or {}).get("run_name") == name]
+        if not runs:
+            return f"no run named {name} among dstack's last {PS_RUNS} runs"
+        run = runs[0]
+        message = f" ({run['status_message']})" if run.get("status_message") and \
+            run["status_message"] != run.get("status") else ""
+        return f"dstack run {name}: {run.get('status')}{message}, ${float(run.get('cost') or 0):.2f} so far (dstack's)"
 
     def down(self, name: str) -> str:
         """`dstack stop` of the run, then `dstack fleet delete` of the fleet `launch` applied for it (none: the

@@ -135,7 +135,7 @@ class LocalProvider(Provider):
         run_dir = self.run_dir(plan.name)
         plan_path, logs, pids = run_dir / "plan.json", run_dir / "nodes", run_dir / "pids"
         lines = ["#!/usr/bin/env bash",
-                 "# What `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
+                 "# Rendered by rlhf-tasks: what `rlhf-tasks launch` runs for the local provider: one node agent per node, each in a",
                  f"# session of its own. Needs ${TOKEN_ENV} when token auth is on (the launcher makes one",
                  "# per cluster). Usage: start-nodes.sh [RANK ...] (default: every node); appends",
                  "# 'RANK PID' lines to pids. The launcher runs it again for one rank to replace a node",
@@ -230,6 +230,12 @@ class LocalProvider(Provider):
         running = [pid for pid in pids if pid_alive(pid)]
         return f"{name}: a local cluster; node agents: {len(running)} of {len(pids)} running on this machine" + \
             (f" (PIDs {', '.join(map(str, running))})" if running else "")
+
+    def state_line(self, name: str) -> str | None:
+        pids = (state.load(name) or {}).get("pids") or []
+        running = [pid for pid in pids if pid_alive(pid)]
+        return (f"running ({len(running)} of {len(pids)} node agents on this machine)" if running else
+                "ended on its own (none of its node agents runs)")
 
     def forward(self, name: str, port: int | None = None) -> int:
         """Nothing to forward: a local cluster's dashboard is on this machine already."""

@@ -7,6 +7,7 @@ and the heredoc that carries a file inside a rendered shell script."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 from pathlib import Path
 
@@ -22,11 +23,36 @@ LOCAL_DIR = "rlhf-tasks"
 NODE_DIR = "/opt/rlhf-tasks"
 #: Where shipped packages go (on PYTHONPATH of the agent and everything it starts).
 LIB = "lib"
-#: The node agent's package, shipped verbatim below lib/: rlhf-tasks itself is not installed on the nodes.
+#: The node agent's package, shipped verbatim below lib/ (after a comment line that says rlhf-tasks wrote
+#: the copy): rlhf-tasks itself is not installed on the nodes.
 AGENT = "rlhf_tasks.agent"
 #: The agent's entry file on a node, run by its path: `python3 -m` would put the working directory
 #: first on sys.path (dstack runs the commands in the repo's directory, which may hold an rlhf_tasks).
 NODE_ENTRY = f"{NODE_DIR}/{LIB}/{AGENT_ENTRY}"
+
+
+#: Near the top of every file rlhf-tasks renders (a comment; a JSON document's `note`): `render -o`
+#: writes over no file that does not say it (the user's) without --force.
+WRITTEN_BY = "Rendered by rlhf-tasks"
+#: The keys of a plan (JSON holds no comment: its own shape says who wrote it).
+PLAN_KEYS = {"version", "name", "provider", "contract", "job"}
+
+
+def written_by_us(text: str) -> bool:
+    """Whether a file's text is one rlhf-tasks rendered: WRITTEN_BY in its first lines, or a plan."""
+    if WRITTEN_BY in "\n".join(text.splitlines()[:5]):
+        return True
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and PLAN_KEYS <= set(data)
+
+
+def plan_file(plan: Plan) -> str:
+    """The plan's file name, beside the rendered file (under rlhf-tasks/) and on the nodes: it names
+    the provider, so that renders for two providers into one folder keep each its own plan."""
+    return f"{plan.name}.{plan.provider}.plan.json"
 
 
 def module_files(modules: list[str]) -> dict[str, str]:
@@ -53,8 +79,9 @@ def module_files(modules: list[str]) -> dict[str, str]:
 
 def shipped_files(plan: Plan) -> dict[str, str]:
     """Local path (relative to the rendered file) -> content."""
-    files = {f"{LOCAL_DIR}/{plan.name}.plan.json": plan.to_json()}
-    files.update({f"{LOCAL_DIR}/{LIB}/{path}": text for path, text in module_files([AGENT, *plan.modules]).items()})
+    files = {f"{LOCAL_DIR}/{plan_file(plan)}": plan.to_json()}
+    files.update({f"{LOCAL_DIR}/{LIB}/{path}": f"# {WRITTEN_BY}: a copy of {path} for the nodes\n{text}"
+                  for path, text in module_files([AGENT, *plan.modules]).items()})
     return files
 
 
@@ -67,7 +94,7 @@ def node_path(local: str) -> str:
 def agent_command(plan: Plan) -> str:
     """The agent's command line: lib/ goes first on PYTHONPATH (the image's is kept after
     it), so that the agent's package imports; the agent, Ray and the job inherit it."""
-    command = shlex.join(["python3", NODE_ENTRY, "--plan", f"{NODE_DIR}/{plan.name}.plan.json",
+    command = shlex.join(["python3", NODE_ENTRY, "--plan", f"{NODE_DIR}/{plan_file(plan)}",
                           "--skip-setup", "--log-dir", f"{NODE_DIR}/logs"])
     return f"PYTHONPATH={NODE_DIR}/{LIB}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
 

@@ -91,6 +91,7 @@ class SkyShared(StrictModel):
 
 class SkyProvider(Provider):
     name = "sky"
+    state_elsewhere = "sky status {name}"  # asking starts SkyPilot's API server: `ps` leaves it to the user
     shared_option = "checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}"
     contract = Contract(
         rank=env("SKYPILOT_NODE_RANK"),

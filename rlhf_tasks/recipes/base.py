@@ -48,6 +48,10 @@ class RecipeOutput:
     excludes: list[str] = field(default_factory=list)
     wandb_args: list[str] = field(default_factory=list)
     summary: dict | None = None
+    #: The framework's checkpoints, as shell patterns of paths relative to the checkpoint directory
+    #: (tiny-grpo's `step_*.pt`): the newest match is "the last checkpoint" a budget cap names, never
+    #: the metrics or the prepared data beside them. Empty: not known (the newest file counts).
+    checkpoint_files: list[str] = field(default_factory=list)
     #: Paths that `prepare` makes on the head and every node reads (an every-node service's index):
     #: where the nodes share no storage for them, the provider refuses the task.
     node_inputs: list[str] = field(default_factory=list)

@@ -406,6 +406,7 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
         wandb_args=wandb.argv,
         summary={"roles": roles, "vllm_engines": engines, "flags": "dotted" if cmd.dotted else "flat",
                  "checkpoints": f"{ckpt}/ckpt"},
+        checkpoint_files=["ckpt/_actor/global_step*"],  # strategy.save_ckpt(<ckpt_path>/_actor, tag=global_stepN)
     )
 
 

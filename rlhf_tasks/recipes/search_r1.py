@@ -217,4 +217,5 @@ class SearchR1Job(JobBase):
             wandb_args=["trainer.logger=[console,wandb]"] + (
                 [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
+            checkpoint_files=["global_step_*"],  # verl's trainer: <default_local_dir>/global_step_N
         )

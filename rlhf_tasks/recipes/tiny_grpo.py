@@ -85,4 +85,5 @@ class TinyGrpoJob(JobBase):
             setup=[SETUP],
             modules=["rlhf_tasks.demo"],
             summary={"metrics": f"{ckpt}/metrics.jsonl"},
+            checkpoint_files=["step_*.pt"],  # demo/train.py's CHECKPOINT_RE
         )

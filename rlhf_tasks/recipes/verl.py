@@ -210,4 +210,5 @@ class VerlPPOJob(JobBase):
             wandb_args=["trainer.logger=[console,wandb]"] + (
                 [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "train_files": train, "gpus": gpus},
+            checkpoint_files=["global_step_*"],  # verl's trainer: <default_local_dir>/global_step_N
         )

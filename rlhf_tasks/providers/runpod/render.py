@@ -21,7 +21,7 @@ from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, SelfEnd, env, template
 from ...spec import Task
-from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files
+from ..shipping import NODE_DIR, WRITTEN_BY, plan_file, agent_command, heredoc, node_path, shared_entry, shipped_files
 from . import vault
 
 NAME = "runpod"
@@ -257,7 +257,7 @@ def start_script(plan: Plan, archive: bytes | None = None) -> str:
     script = "\n".join(lines) + "\n"
     for local, text in shipped_files(plan).items():
         script += _shipped(node_path(local), text)
-    plan_path = f"{NODE_DIR}/{plan.name}.plan.json"
+    plan_path = f"{NODE_DIR}/{plan_file(plan)}"
     # The agent runs the setup commands itself (no --skip-setup): its result line covers them.
     agent = agent_command(plan).replace(" --skip-setup", "")
     keep = (f'say "the pod stays up (and billed) until it is terminated: rlhf-tasks down {plan.name}, '
@@ -399,7 +399,7 @@ def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
                 "HEAD_POD_ID (the head pod's id) and sets dataCenterIds to one data center at a time, of those "
                 "whose catalog entry has Global Networking and the GPU type in stock, until one takes the head; "
                 "the workers go to the head's, once RunPod has placed it.")
-    notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
+    notes = [f"{WRITTEN_BY}: the create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
              "(gzip, base64)."]
     names = secret_names(plan)
     if names:
