@@ -829,8 +829,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TASK.yaml|NAME")
     p.add_argument("--provider")
     p = add("forward", cmd_forward, "forward the head's dashboard to 127.0.0.1:PORT through the provider's tunnel "
-            "(RunPod: ssh to the head pod; KubeRay: kubectl port-forward), for submit, logs, Ray's CLI and a browser; "
-            "until Ctrl-C")
+            "(RunPod: ssh to the head pod; KubeRay: kubectl port-forward; dstack: dstack attach), for submit, logs, "
+            "Ray's CLI and a browser; until Ctrl-C")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--port", type=int, help="local port (default: the task's ray.dashboard_port)")
     p.add_argument("--provider")

@@ -213,8 +213,19 @@ def cost_so_far(plan: Plan, seconds: float) -> str:
 # ------------------------------------------------------------------ through the dashboard
 
 
+class HeadEnded(Exception):
+    """The head ended while the launcher was still waiting to follow its job through the dashboard, and its
+    result line says how the job ended (a job of a second or two: the head submitted it, saw it end, and left
+    before the dashboard was seen): that line is the outcome, not a lost head."""
+
+    def __init__(self, result: dict):
+        super().__init__("the head reported the job's end")
+        self.result = result
+
+
 def _watching(cluster: Cluster, tail: LogTail, check):
-    """A wait_for check that also echoes node logs and notices a dead head."""
+    """A wait_for check that also echoes node logs and notices a dead head: one that said how the job ended
+    (its result line) is HeadEnded, one that failed a step of its own StepFailed, else HeadLost."""
     def wrapped():
         tail.pump()
         for message in cluster.tend():
@@ -222,8 +233,10 @@ def _watching(cluster: Cluster, tail: LogTail, check):
         if not cluster.head_alive():
             tail.pump()
             log = cluster.read_head_log()
-            where = "its log is above" if cluster.node_logs else "last lines:\n" + "\n".join(log.splitlines()[-20:])
             said = parse_result(log) or {}
+            if (said.get("job") or {}).get("status"):  # it ran the job to its end: its line says how that ended
+                raise HeadEnded(said)
+            where = "its log is above" if cluster.node_logs else "last lines:\n" + "\n".join(log.splitlines()[-20:])
             if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
                 error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
                 raise StepFailed(said["failed_step"], f"{error} ({where})")
@@ -519,6 +532,10 @@ def fetch_bundle(plan: Plan, cluster: Cluster | None, found: dict) -> dict:
             return {**found, "bundle": str(local), "where": f"fetched from the head's {path}"}
         except (OSError, ValueError, KeyError):
             pass
+    if cluster is not None and cluster.gather_here is not None:  # the run is over: the provider's own means
+        made = cluster.gather_here(f"{plan.name} failed; the head's own bundle is {path} on the head machine")
+        if made:
+            return {**found, "bundle": made[0], "where": f"{made[1]}; the head's own is {path} on the head machine"}
     return {**found, "where": f"on the head node; `rlhf-tasks logs {plan.name} --bundle` makes one from here while "
             f"the cluster is up"}
 
@@ -744,9 +761,16 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
 
             outcome = follow_head_log(cluster, plan, tail, on_start=record_start)
         else:
-            sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
-            job_started = command_started = True
-            outcome = follow_dashboard(cluster, plan, tail, sid, node_ids, secrets)
+            try:
+                sid, node_ids = start_through_dashboard(cluster, plan, tail, secrets)
+                job_started = command_started = True
+                outcome = follow_dashboard(cluster, plan, tail, sid, node_ids, secrets)
+            except HeadEnded as ended:  # the job was over before it could be followed: the head's line says how
+                job_started = command_started = True
+                tail.pump()
+                outcome = Outcome.from_result(ended.result)
+                say(f"the head ended before its job could be followed here; its result line says job "
+                    f"{outcome.submission_id} ended {outcome.status}")
         if outcome.status is not None or not (state.load(plan.name) or {}).get("job"):  # not over `down`'s word
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         if outcome.budget:  # `status NAME` says it too
@@ -776,7 +800,9 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
                 say("stopped following; the job's command keeps running on every node")
             elif sid:
                 say(f"stopped following; job {sid} keeps running. Stop it with: rlhf-tasks stop {sid} "
-                    f"--cluster {task.name}")
+                    f"--cluster {task.name}" + (f" (with `rlhf-tasks forward {task.name}` running in another shell: "
+                                                f"the launch's own forward of the dashboard has ended)"
+                                                if provider.forward_after_launch else ""))
             say(f"the cluster keeps running; stop it with: rlhf-tasks down {task.name}" if keep or
                 plan.job.submit == "client" else
                 f"the cluster ends itself when the job ends (or now: rlhf-tasks down {task.name})")

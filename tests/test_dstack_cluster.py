@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import tarfile
 import time
 
 import pytest
@@ -43,16 +45,34 @@ def no_run_left(request):
     if "dstack_bed" not in request.fixturenames:
         return
     bed = request.getfixturevalue("dstack_bed")
-    for pid in bed.tb.processes("laptop"):
-        try:
-            argv = [os.path.basename(a) for a in open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")]
-        except (OSError, UnicodeDecodeError):
-            continue
-        if "rlhf-tasks" in argv[:2] or any(a == "dstack" and b in ("apply", "attach") for a, b in zip(argv, argv[1:])):
+
+    def left(tunnels: bool) -> list[int]:
+        pids = []
+        for pid in bed.tb.processes("laptop"):
             try:
-                os.kill(pid, 9)
+                args = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+            except (OSError, UnicodeDecodeError):
+                continue
+            argv = [os.path.basename(a) for a in args]
+            if "rlhf-tasks" in argv[:2] or any(a == "dstack" and b in ("apply", "attach") for a, b in zip(argv, argv[1:])) \
+                    or (tunnels and argv[:1] == ["ssh"] and "-f" in args and any("dstack" in a for a in args)):
+                pids.append(pid)
+        return pids
+
+    def signal_all(pids, sig):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+    # SIGINT first, as a terminal's Ctrl-C: dstack's CLI then closes its background `ssh -f` tunnel itself (a SIGKILL
+    # leaves it holding the forwarded port); then SIGKILL what is left, and any dstack tunnel left behind
+    signal_all(left(False), signal.SIGINT)
+    try:
+        wait_for(lambda: not left(False), 20, "the launchers and dstack CLIs to end on SIGINT", 0.5)
+    except TimeoutError:
+        pass
+    signal_all(left(True), signal.SIGKILL)
     active = [r["run_spec"]["run_name"] for r in bed.api("/api/runs/list", {"project_name": "main", "only_active": True,
                                                                            "include_jobs": False})]
     if active:
@@ -95,6 +115,7 @@ def dstack_fleet(dstack_bed, tmp_path_factory):
     except (TimeoutError, AssertionError) as exc:
         raise AssertionError(f"{exc}\nserver log:\n{bed.server.output[-6000:]}") from None
     print(f"fleet {name} provisioned in {time.monotonic() - started:.0f} s: {got}")
+    bed.fleet_file = work / "tiny-grpo-fleet.dstack.yml"  # for a test that deletes the fleet to put it back
     return name
 
 
@@ -250,14 +271,31 @@ def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_pat
     assert "submitting job wd-wd with working_dir /opt/rlhf-tasks-workdir" in logs, logs[-4000:]
 
 
-# alone: under two workers' load the job failed before the launcher's forward through `dstack apply` was up, and
-# dstack ended the run at once, so the summary had the head's last lines but not each node's first error (a race
-# of the product's, open: the summary should take the first errors from the head's result line)
-@pytest.mark.alone
+def test_a_job_of_a_second_through_launch_succeeds_from_the_heads_result_line(dstack_bed, dstack_fleet, tmp_path):
+    """A `submit: head` job that ends within a second: the head submits it, sees it end and leaves, and the run can be
+    done before the launcher follows it (or before `dstack apply` attaches at all). `launch` reports the head's
+    result line, not "the head's process exited"."""
+    bed = dstack_bed
+    entry = "python3 -c 'print(\"quick job says hello\")'"
+    task = tiny_grpo(tmp_path, steps=10, name="quick", job={"recipe": "command", "working_dir": None, "timeout": "5m",
+                                                             "max_restarts": 0, "args": {"entrypoint": entry}})
+    started = time.monotonic()
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], timeout=300)
+    out = launch.output
+    assert launch.returncode == 0, out[-6000:]
+    assert "job quick-quick: SUCCEEDED" in out and "process exited" not in out, out[-4000:]
+    assert "quick job says hello" in out, out[-4000:]
+    print(f"launch took {time.monotonic() - started:.0f} s")
+    run = _wait_run(bed, "quick", ("done", "failed", "terminated"), 60)
+    assert run["status"] == "done", _why(bed, run, tmp_path)
+
+
 def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(dstack_bed, dstack_fleet, tmp_path):
     """The job raises on the head: `launch` exits 1 and its summary names the node and its first error; the run
     ends failed in dstack (the head's agent exits 1, the master-done run ends); `down` stops it and the fleet's
-    hosts run no job afterwards."""
+    hosts run no job afterwards. Whatever the timing: when dstack ends the run (its failed job ends every job of
+    it) before the launcher follows the job, or before `dstack apply` attaches at all, the first errors come
+    from the head's result line (in `dstack logs` where apply showed none of it)."""
     bed = dstack_bed
     task = tmp_path / "fail.yaml"
     task.write_text(yaml.safe_dump({
@@ -269,8 +307,15 @@ def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(
     out = launch.output
     assert launch.returncode == 1, out[-6000:]
     assert "first error on each node:" in out, out[-4000:]
+    print(out[out.find("== summary =="):])
     firsts = out[out.index("first error on each node:"):].split("\nfailed:")[0].splitlines()[1:]
     assert any(f.strip().startswith("node0 (") and "JSONDecodeError" in f for f in firsts), out[-3000:]
+    summary = out[out.rindex("== summary =="):]
+    bundle = re.search(r"every node's logs: (\S+\.tar\.gz)", summary)  # gathered here, by the dashboard or dstack
+    assert bundle and os.path.isfile(bundle.group(1)), out[-3000:]
+    with tarfile.open(bundle.group(1)) as tar:
+        names = [m.name.split("/", 1)[1] for m in tar.getmembers()]
+    assert "index.txt" in names and any(n.startswith("node0/") for n in names), names
     run = _wait_run(bed, "fail", ("done", "failed", "terminated"), 180)
     assert run["status"] in ("failed", "terminated"), _why(bed, run, tmp_path)
     down = launcher(bed, tmp_path, ["down", "fail"], timeout=120)
@@ -312,3 +357,109 @@ def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_b
     finally:
         if launch.running():
             launch.kill()
+
+
+def _port_open(bed, port: int) -> bool:
+    return bed.tb.run("laptop", ["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), 2)"],
+                      cwd="/", background=False).returncode == 0
+
+
+def test_ctrl_c_after_the_jobs_start_then_forward_bundle_and_stop_as_it_says(dstack_bed, dstack_fleet, tmp_path):
+    """Ctrl-C (the terminal's: the launcher and its `dstack apply`) once the job runs: launch exits 130 saying the job
+    keeps running, how to stop it, and that the cluster ends itself when the job ends; each is true: the run runs on
+    in dstack, `forward` (dstack attach) reaches its dashboard, which lists the job RUNNING, `logs --bundle` gathers
+    both nodes through it, `stop` through it ends the job, and the run then ends without `down`. Ctrl-C closes the
+    forward's tunnel."""
+    bed = dstack_bed
+    task = tiny_grpo(tmp_path, steps=100000, name="cc")
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    forward = None
+    try:
+        wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
+                 "the launcher to show the job's steps", 1)
+        assert launch.running(), launch.output[-4000:]
+        launch.kill(signal.SIGINT)
+        assert launch.wait(60) == 130, launch.output[-4000:]
+        said = launch.output[launch.output.rindex("stopped following"):]
+        print(said)
+        assert "job cc-cc keeps running" in said and "rlhf-tasks stop cc-cc --cluster cc (with `rlhf-tasks forward " \
+            "cc` running in another shell: the launch's own forward of the dashboard has ended)" in said, said
+        wait_for(lambda: not _port_open(bed, 8265), 30, "`dstack apply`'s forward to close (it detached on Ctrl-C)")
+        assert "the cluster ends itself when the job ends (or now: rlhf-tasks down cc)" in said, said
+        run = bed.api("/api/project/main/runs/get", {"run_name": "cc"})
+        assert run["status"] == "running", _why(bed, run, tmp_path)
+        assert [j["job_submissions"][-1]["status"] for j in run["jobs"]] == ["running", "running"], dump(run)[-3000:]
+
+        forward = launcher(bed, tmp_path, ["forward", "cc", "--port", "8301"], background=True)
+        wait_for(lambda: "is at http://localhost:8301" in forward.output or not forward.running(), 120,
+                 "the forward's dashboard", 1)
+        assert forward.running(), forward.output
+        listed = launcher(bed, tmp_path, ["list", "--cluster", "cc"], timeout=60)
+        assert listed.returncode == 0 and re.search(r"cc-cc\s.*RUNNING", listed.output), listed.output
+        bundle = launcher(bed, tmp_path, ["logs", "cc", "--bundle"], timeout=120)
+        assert bundle.returncode == 0, bundle.output
+        path = re.search(r"every node's logs: (\S+\.tar\.gz)", bundle.output)
+        assert path and os.path.isfile(path.group(1)), bundle.output
+        with tarfile.open(path.group(1)) as tar:
+            index = json.load(tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/index.json"))))
+        assert len(index["nodes"]) == 2 and all(n["state"] == "ALIVE" for n in index["nodes"]), index["nodes"]
+
+        stop = launcher(bed, tmp_path, ["stop", "cc-cc", "--cluster", "cc"], timeout=120)
+        assert stop.returncode == 0, stop.output
+        run = _wait_run(bed, "cc", ("done", "failed", "terminated"), 120)  # the cluster ends itself, no `down`
+        print(f"after stop: the run {run['status']}")
+        forward.kill(signal.SIGINT)
+        assert forward.wait(30) == 0, forward.output
+        wait_for(lambda: not _port_open(bed, 8301), 20, "the forward's port to close")
+    finally:
+        for proc in (launch, forward):
+            if proc is not None and proc.running():
+                proc.kill()
+
+
+def _fleet_gone(bed, name) -> bool:
+    fleets = bed.api("/api/project/main/fleets/list", {})  # the project's fleets, a deleted one gone from it
+    return not [f for f in fleets if f["name"] == name]
+
+
+def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch_applied(dstack_bed, dstack_fleet,
+                                                                                          tmp_path):
+    """The task's fleet is its own SSH hosts (placement.dstack.ssh) and not there yet: `launch` applies it, then the
+    task. Ctrl-C (the terminal's) once the run is submitted, before the job's command runs: launch exits 130 and
+    nothing is left: the run stopped, the fleet launch applied deleted (the session's fleet, deleted for this test,
+    is put back after it)."""
+    bed = dstack_bed
+    bed.cli("fleet", "delete", dstack_fleet, "-y", timeout=120)
+    wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, f"the session's fleet {dstack_fleet} deleted", 2)
+    task = tiny_grpo(tmp_path, steps=10, placement={"dstack": {"ssh": bed.ssh_config()}})
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    started = time.monotonic()
+    try:
+        def submitted():
+            runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": True, "include_jobs": False})
+            return any(r["run_spec"]["run_name"] == "tiny-grpo" for r in runs) or not launch.running()
+        wait_for(submitted, 300, "launch to apply its fleet and submit the run", 1)
+        assert launch.running(), launch.output[-4000:]
+        assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
+        assert "the command runs" not in launch.output  # not started yet
+        launch.kill(signal.SIGINT)
+        assert launch.wait(240) == 130, launch.output[-4000:]
+        out = launch.output
+        print(out[out.rindex("interrupted"):])
+        assert "interrupted before the job's command started: stopping the cluster tiny-grpo" in out, out[-3000:]
+        assert "the job of tiny-grpo did not run" in out, out[-3000:]
+        run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
+        assert run["status"] == "terminated", _why(bed, run, tmp_path)
+        gone = time.monotonic()  # `dstack fleet delete` said "deleted"; the server removes it in the background
+        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, "the fleet launch applied to be gone", 2)
+        print(f"the fleet was gone {time.monotonic() - gone:.0f} s after `down` said it was deleted")
+        for h in bed.tb.hosts:
+            wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
+        print(f"Ctrl-C before the start: {time.monotonic() - started:.0f} s")
+    finally:
+        if launch.running():
+            launch.kill()
+        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, "the fleet launch applied to be gone", 2)
+        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
+        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, dstack_fleet)) == ["idle", "idle"], 300,
+                 "the session's fleet back", 2)

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import yaml
@@ -453,3 +454,75 @@ def test_a_provider_that_runs_without_a_secret_says_so_once_before_launching(tmp
     said = out.out + out.err
     assert said.count("HF_TOKEN") == 1 and "not set in your environment, so not passed: HF_TOKEN" in said
     assert said.index("HF_TOKEN") < said.index("launching t on slurm")
+
+
+#: A `dstack` whose run ended before `dstack apply` attached (a job of seconds; or one failed job, which ends a
+#: multi-node run at once): apply prints its table and the run's end, none of the head's log (dstack's CLI
+#: attaches only to a run that is running or done: cli/services/configurators/run.py), and exits; `dstack logs`
+#: gives job 0's log as the server kept it.
+ENDED_BEFORE_ATTACH = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:]}}) + "\\n")
+if sys.argv[1] == "apply":
+    print(" NAME      BACKEND  RESOURCES  PRICE  STATUS  SUBMITTED\\n boundary  ssh      cpu=2      $0     {status}\\n")
+    print("boundary provisioning completed ({status})", flush=True)
+    sys.exit({code})
+if sys.argv[1] == "logs":  # job 0's log (job 1's the same here), a secret in it as a job might print one
+    text = {head_log!r} + "job " + sys.argv[-1] + " saw WANDB_API_KEY=" + os.environ.get("WANDB_API_KEY", "") + "\\n"
+    sys.stdout.buffer.write(text.encode().replace(b"\\n", b"\\r\\n"))  # a PTY's line ends
+"""
+
+
+def ended_before_attach(tmp_path: Path, status: str, code: int, result: dict) -> tuple[dict, Path]:
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    head_log = "[10:00:01] node0: Ray head up\n[10:00:03] node0: job boundary-boundary: the command runs\n" \
+        "job output here\n" + RESULT_PREFIX + json.dumps(result) + "\n[10:00:05] node0: stopped Ray\n"
+    path = bin_dir / "dstack"
+    path.write_text(ENDED_BEFORE_ATTACH.format(python=sys.executable, log=str(log), status=status, code=code,
+                                               head_log=head_log))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return env_with(tmp_path, bin_dir), log
+
+
+def test_dstack_a_job_over_before_apply_attached_is_summarised_from_the_heads_result_line(tmp_path):
+    """A `submit: head` job of a second: the head submitted it, saw it end and left, and dstack's run was done
+    before `dstack apply` attached or the launcher saw the dashboard. The outcome is the head's result line (from
+    `dstack logs`, since apply showed none of it), not "the head's process exited"."""
+    env, log = ended_before_attach(tmp_path, "done", 0, {
+        "exit_code": 0, "rank": 0, "node_ids": ["a", "b"],
+        "job": {"submission_id": "boundary-boundary", "status": "SUCCEEDED", "attempts": []}})
+    out = run_cli(["launch", str(task_file(tmp_path, submit="head")), "--provider", "dstack"], tmp_path, env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "job boundary-boundary: SUCCEEDED" in out.stdout and "process exited" not in out.stdout + out.stderr
+    assert out.stdout.count("job output here") == 1 and RESULT_PREFIX not in out.stdout
+    assert ("logs", {"project": None, "diagnose": False, "replica": 0, "job": 0, "since": None, "run_name": "boundary"}
+            ) in dstack_calls(log)[3:]
+
+
+def test_dstack_a_failed_job_over_before_apply_attached_names_each_nodes_first_error(tmp_path):
+    """The job failed on the head and dstack ended the run (JOB_FAILED) before `dstack apply` attached: the
+    summary still names each node's first error, from the head's result line, and the launch exits 1."""
+    first = {"label": "node0", "ip": "10.0.0.2", "error": "json.decoder.JSONDecodeError: Expecting property name",
+             "kind": "traceback", "at": "10:00:04", "file": "rlhf-tasks/job-boundary-boundary.log"}
+    env, _ = ended_before_attach(tmp_path, "failed", 1, {
+        "exit_code": 1, "rank": 0, "error": "running job boundary-boundary failed: it ended FAILED",
+        "failed_step": "running job boundary-boundary",
+        "job": {"submission_id": "boundary-boundary", "status": "FAILED", "attempts": []},
+        "forensics": {"gathered": True, "bundle": "/opt/rlhf-tasks/logs/forensics-boundary-x.tar.gz", "problem": None,
+                      "first_errors": [first]}})
+    out = run_cli(["launch", str(task_file(tmp_path, submit="head")), "--provider", "dstack"], tmp_path, env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "first error on each node:" in out.stdout and "node0 (10.0.0.2)" in out.stdout, out.stdout
+    assert "JSONDecodeError" in out.stdout and "running job boundary-boundary: it ended FAILED" in out.stderr
+    # the bundle, gathered here from each job's `dstack logs` (the dashboard is gone with the run), secrets scrubbed
+    bundles = list((tmp_path / "home" / "runs" / "boundary").glob("forensics-boundary-*.tar.gz"))
+    assert len(bundles) == 1 and f"every node's logs: {bundles[0]} (each node's log as dstack's server kept it " \
+        f"(`dstack logs boundary --job N`); the head's own is /opt/rlhf-tasks/logs/forensics-boundary-x.tar.gz on " \
+        f"the head machine)" in out.stdout, out.stdout
+    with tarfile.open(bundles[0]) as tar:
+        texts = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers()}
+    assert "job output here" in texts["node0/dstack-logs-job0.log"] and "job 1 saw" in texts["node1/dstack-logs-job1.log"]
+    assert "wandb-value-xyz" not in "".join(texts.values()) and "[secret WANDB_API_KEY]" in texts["node0/dstack-logs-job0.log"]
+    assert "process exited" not in out.stdout + out.stderr

@@ -53,6 +53,9 @@ class Cluster:
     #: Set by the launcher when Ctrl-C ended the launch: what becomes of the cluster was decided
     #: then (`down`, or left as a second Ctrl-C asked), so close() must not remove anything.
     interrupted: bool = False
+    #: Every node's logs gathered here into a bundle by the provider's own means, for a failure whose bundle
+    #: the dashboard can no longer give (the run over): its path and how it was made, or None.
+    gather_here: Callable[[str], tuple[str, str] | None] | None = None
 
     @property
     def logs_dir(self) -> str | None:
@@ -97,6 +100,9 @@ class Provider:
     placement_options: ClassVar[type | None] = None
     #: The launcher stops the cluster once the job has ended (unless `launch --keep`).
     stop_after_job: ClassVar[bool] = False
+    #: The dashboard `launch` followed goes when the launcher ends (a port forward of the launch's own, such as
+    #: `dstack apply`'s): after Ctrl-C, `rlhf-tasks stop` reaches it again through `rlhf-tasks forward NAME`.
+    forward_after_launch: ClassVar[bool] = False
     #: What a second Ctrl-C does while `launch` stops the cluster it cancels (`down`): said with the first.
     down_again: ClassVar[str] = "Ctrl-C again leaves it running"
     #: The head's job.working_dir is this machine's directory (its node agents run here), so
@@ -257,7 +263,7 @@ class Provider:
     def forward(self, name: str, port: int | None = None) -> int:
         """Forward the head's dashboard to this machine until Ctrl-C (`rlhf-tasks forward NAME`)."""
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
-                       f"(e.g. dstack attach, ssh -L)")
+                       f"(e.g. ssh -L)")
 
     def ready(self, plan: Plan) -> None:
         """What `apply` needs of this machine (its CLI, credentials), checked before the

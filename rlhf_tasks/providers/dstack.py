@@ -28,8 +28,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -37,11 +39,12 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .. import state, workdir
+from ..agent.protocol import RESULT_PREFIX
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import Cluster, Provider, require_cli, stop_with_cli
+from .base import Cluster, Provider, end_process, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -226,6 +229,8 @@ class DstackProvider(Provider):
         cluster_id=env("DSTACK_RUN_NAME"),
         gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
     )
+    #: `dstack apply`'s port forward ends with the launch (Ctrl-C detaches it): `forward` is `dstack attach`.
+    forward_after_launch = True
     #: What the last plan's job.working_dir packs as dstack archives it (None: nothing shipped).
     packed: workdir.Measure | None = None
     #: The fleet this launch applied (and `abandon` deletes when the launch fails before its job).
@@ -467,7 +472,8 @@ class DstackProvider(Provider):
         dashboard = f"http://localhost:{plan.ray.dashboard_port}"
         self._made_fleet = self.fleet_to_make(plan, self.ask("listing dstack's fleets", ["fleets"], directory, env)
                                               ["fleets"])
-        record = {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard}
+        record = {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard,
+                  "dashboard_port": plan.ray.dashboard_port}  # the head's port, which `forward` forwards
         if self._made_fleet:
             record["fleet_made"] = self._made_fleet  # `down` deletes it
             state.save(plan.name, record)
@@ -487,13 +493,31 @@ class DstackProvider(Provider):
                                     cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
 
+        kept: list[str] = []  # the head's log as dstack's server kept it, once `dstack apply` ended without it
+
         def head_log() -> str:
+            """`dstack apply`'s output; once it has ended without the head's result line, after a run that ended
+            before it attached (a job of seconds, or a failed job, which ends a multi-node run at once), job 0's
+            log from dstack's server too. Only once apply said `NAME provisioning completed` (its own run was
+            running or over by then): before that, `dstack logs NAME` could be an earlier run's of the name."""
             with open(path, "rb") as handle:
                 handle.seek(start)
-                return handle.read().decode(errors="replace")
+                text = handle.read().decode(errors="replace")
+            if proc.poll() is None or RESULT_PREFIX in text or f"{plan.name} provisioning completed" not in text:
+                return text
+            if not kept:
+                kept.append(server_head_log(dstack, plan.name, directory, env))
+            return text + kept[0]
+        def gather_here(reason: str) -> tuple[str, str] | None:
+            scrub = {**secrets, **({"RAY_AUTH_TOKEN": token} if token else {})}
+            made = bundle_from_dstack_logs(dstack, plan.name, plan.nodes, directory, env, scrub,
+                                           str(state.run_dir(plan.name)), reason)
+            return (made, f"each node's log as dstack's server kept it (`dstack logs {plan.name} --job N`)") \
+                if made else None
         state.save(plan.name, record)
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: proc.poll() is None, head_log=head_log,
+                       head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
+                       close=lambda: end_attach(proc),
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
 
     def abandon(self, before: state.Before) -> list[str]:
@@ -506,6 +530,48 @@ class DstackProvider(Provider):
                 undone.append(f"the fleet {self._made_fleet} this launch applied is left: {exc}")
             self._made_fleet = None
         return undone
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """`dstack attach NAME -p LOCAL:PORT` (dstack's own SSH tunnel through the fleet host to the head's dashboard
+        port) until Ctrl-C. The address is said and recorded once the dashboard answers through it. The attach is
+        ended with SIGINT, as dstack's CLI expects: its tunnel is a background `ssh -f` it closes itself
+        (`ssh -O exit`) on the way out, which a SIGTERM would leave holding the port."""
+        from ..agent.protocol import AgentError, http_check, wait_for
+        from ..console import say
+
+        dstack = require_cli("dstack", "dstack")
+        record = state.load(name) or {}
+        remote = record.get("dashboard_port") or 8265
+        local = port or remote
+        dashboard = f"http://localhost:{local}"
+        proc = subprocess.Popen([dstack, "attach", name, "-p", f"{local}:{remote}"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        said: list[bytes] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
+        reader.start()
+
+        def answers():
+            if proc.poll() is not None:
+                reader.join(5)
+                words = " ".join(b"".join(said).decode(errors="replace").split())[-600:]
+                raise StepFailed(f"forwarding the dashboard of {name}",
+                                 f"dstack attach exited {proc.returncode}: {words or 'no output'}")
+            return http_check(f"{dashboard}/api/gcs_healthz")
+        try:
+            try:
+                wait_for(f"the dashboard of {name} through dstack attach", answers, 120, interval=0.5,
+                         max_interval=2.0)
+            except AgentError as exc:
+                raise StepFailed(f"forwarding the dashboard of {name}", str(exc)) from None
+            if record:
+                state.update(name, dashboard=dashboard)
+            say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
+                f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, rlhf-tasks list --cluster {name}")
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            end_attach(proc)
 
     def state_line(self, name: str) -> str | None:
         """The run's status as `dstack ps --json` gives it (dstack's Run: status, status_message, cost)."""
@@ -531,6 +597,77 @@ class DstackProvider(Provider):
         if record.get("fleet_made"):
             said += "\n" + delete_fleet(record["fleet_made"])
         return said
+
+
+def server_head_log(dstack: str, name: str, directory: Path, env: dict[str, str]) -> str:
+    """Job 0's log as dstack's server kept it (`dstack logs NAME`: the head's, result line included), for a run
+    that ended before `dstack apply` attached to it: apply then shows none of it (it attaches only to a run that
+    is running or done, and a failed job ends a multi-node run at once, JOB_FAILED). "" when dstack has none."""
+    try:
+        out = subprocess.run([dstack, "logs", name], cwd=directory, env=env, capture_output=True, timeout=120,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    text = out.stdout.decode(errors="replace").replace("\r\n", "\n")
+    if out.returncode != 0 or not text.strip():
+        return ""
+    return f"[dstack: `dstack apply` ended without the head's log; `dstack logs {name}` from dstack's server:]\n" \
+        + text + ("" if text.endswith("\n") else "\n")
+
+
+def bundle_from_dstack_logs(dstack: str, name: str, jobs: int, directory: Path, env: dict[str, str],
+                            secrets: dict[str, str], out_dir: str, reason: str) -> str | None:
+    """A failure bundle made here of each job's log as dstack's server kept it (`dstack logs NAME --job N`: what
+    each node's agent printed, the head's with the job's log it relays), the errors found in each, secrets
+    scrubbed: for a run that is over, whose dashboard can no longer give Ray's logs. Its path, or None when dstack
+    gave no log."""
+    from ..agent.protocol.bundle import find_errors, first_error, node_order, scrub, write_bundle
+
+    nodes, files, problems = [], [], []
+    for job in range(jobs):
+        try:
+            out = subprocess.run([dstack, "logs", name, "--job", str(job)], cwd=directory, env=env,
+                                 capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problems.append(f"dstack logs {name} --job {job}: {exc}")
+            continue
+        if out.returncode != 0:
+            problems.append(f"dstack logs {name} --job {job}: "
+                            f"{out.stderr.decode(errors='replace').strip()[-300:] or f'exit code {out.returncode}'}")
+            continue
+        text = scrub(out.stdout.decode(errors="replace").replace("\r\n", "\n"), secrets)
+        label, file = f"node{job}", f"dstack-logs-job{job}.log"
+        found = find_errors(text, file)
+        nodes.append({"label": label, "ip": "", "state": f"dstack job {job}", "head": job == 0, "rank": job,
+                      "first_error": first_error(found), "findings": found})
+        files.append({"node": label, "label": label, "name": file, "text": text, "truncated": False,
+                      "found": [f"{f['kind']}: {f['error']}" for f in found][:20]})
+    if not files:
+        return None
+    first = [{"label": n["label"], "ip": "", "error": n["first_error"]["error"], "kind": n["first_error"]["kind"],
+              "at": n["first_error"]["at"], "file": n["first_error"]["file"]} for n in node_order(nodes)]
+    gathered = {"reason": scrub(reason, secrets), "made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "nodes": [{k: v for k, v in n.items() if k != "findings"} for n in nodes], "first_errors": first,
+                "files": files, "problems": problems,
+                "state": json.dumps({"run": name, "jobs": [n["state"] for n in nodes]}, indent=2)}
+    try:
+        return write_bundle(gathered, out_dir, name)
+    except OSError:
+        return None
+
+
+def end_attach(proc: subprocess.Popen) -> None:
+    """End a `dstack attach` (or `dstack apply`) this launcher started: SIGINT, so that it closes its SSH tunnel
+    itself (`dstack apply -y` detaches on it and leaves the run as it is), then SIGTERM and SIGKILL if it does not
+    end. A `dstack apply` left behind would hold the dashboard's port for the next launch ("port 8265 is already in
+    use") while it waits up to 30 s for the finished run's final status."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        end_process(proc)
 
 
 def delete_fleet(name: str, deadline_s: float = 300) -> str:
