@@ -93,8 +93,7 @@ class HostRunner:
                 # shell with -c, in the login environment of the node), the log written here by tee or a
                 # redirect, bash as the local shell.
                 command = [tbmod.NSENTER, f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
-                           "--net", f"--wd={env['HOME']}", "--", "/usr/bin/env", "-i",
-                           *(f"{k}={v}" for k, v in env.items()), "/bin/bash", "-c"]
+                           "--net", f"--wd={env['HOME']}", "--", "/bin/bash", "-c"]
                 command = [*map(shlex.quote, command), shlex.quote(remote)]
                 log_dir = os.path.expanduser(os.path.dirname(log_path))
                 os.makedirs(log_dir, exist_ok=True)
@@ -102,7 +101,7 @@ class HostRunner:
                     command += [f"| tee {log_path}", "; exit ${PIPESTATUS[0]}"] if stream_logs else [f"> {log_path}"]
                 return log_lib.run_with_log(" ".join(command), log_path, require_outputs=require_outputs,
                                             stream_logs=stream_logs, process_stream=process_stream, shell=True,
-                                            executable="/bin/bash", **kwargs)
+                                            executable="/bin/bash", env=env, **kwargs)
 
             def rsync(self, source, target, *, up, log_path=os.devnull, stream_logs=True, max_retry=1,
                       timeout=None):
