@@ -89,19 +89,16 @@ class HostRunner:
                                                    skip_num_lines=skip_num_lines, source_bashrc=source_bashrc,
                                                    run_in_background=run_in_background)
                 host = tb.host(rank)
-                # As SSHCommandRunner.run: the remote command quoted whole (sshd hands it to the user's
-                # shell with -c, in the login environment of the node), the log written here by tee or a
-                # redirect, bash as the local shell.
-                command = [tbmod.NSENTER, f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
-                           "--net", f"--wd={env['HOME']}", "--", "/bin/bash", "-c"]
-                command = [*map(shlex.quote, command), shlex.quote(remote)]
-                log_dir = os.path.expanduser(os.path.dirname(log_path))
-                os.makedirs(log_dir, exist_ok=True)
-                if not process_stream:
-                    command += [f"| tee {log_path}", "; exit ${PIPESTATUS[0]}"] if stream_logs else [f"> {log_path}"]
-                return log_lib.run_with_log(" ".join(command), log_path, require_outputs=require_outputs,
-                                            stream_logs=stream_logs, process_stream=process_stream, shell=True,
-                                            executable="/bin/bash", env=env, **kwargs)
+                # The transport (ssh's argv) replaced by nsenter; the command line after it is SkyPilot's.
+                # (A variant quoting it whole as SSHCommandRunner does, with the log tee'd here, left
+                # SkyPilot's worker raylet out of the cluster twice: RayCodeGen waited for 2 nodes.)
+                prefix = [tbmod.NSENTER, f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
+                          "--net", f"--wd={env['HOME']}", "--"]
+                line = " ".join(map(shlex.quote, prefix)) + " " + remote
+                os.makedirs(os.path.dirname(os.path.expanduser(log_path)) or ".", exist_ok=True)
+                return log_lib.run_with_log(line, log_path, require_outputs=require_outputs, stream_logs=stream_logs,
+                                            process_stream=process_stream, shell=True, executable="/bin/bash",
+                                            env=env, **kwargs)
 
             def rsync(self, source, target, *, up, log_path=os.devnull, stream_logs=True, max_retry=1,
                       timeout=None):
