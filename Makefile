@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 install-demo: $(PY)
-	@echo "make: installing rlhf-tasks with the demo's needs (Ray, CPU torch) into $(VENV): about a minute the first time"
+	@echo "make: installing rlhf-tasks with the demo's needs into $(VENV): Ray, and torch as PyPI serves it for Linux, the CUDA build (about 4.5 GB with CUDA's libraries; the demo runs it on the CPU): a few minutes the first time"
 	$(PY) -m pip install -q -e '.[demo]'
 
 install-test: $(PY)

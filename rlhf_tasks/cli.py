@@ -50,39 +50,163 @@ def cmd_check(args) -> int:
     name, fits, refusals = (args.provider, [args.provider], {}) if args.provider else _fitting_provider(task)
     provider = _provider(name)
     plan = provider.plan(task)
-    _warn_shared_storage(provider, plan)
+    if args.provider:
+        _warn_shared_storage(provider, plan)
+    _warn_wandb(task)
     if args.json:
         print(plan.to_json(), end="")
         return 0
-    import shlex
-
     res = task.resources
     print(f"{args.task}: ok")
     print(f"  cluster   {task.nodes} node(s) x {res.gpus or 'no GPU'}"
-          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + f" on {name}")
-    if not args.provider:
-        print(f"  providers {', '.join(fits)} can run it" + "".join(
-            f"\n            not {n}: {why.split(': ', 1)[-1]}" for n, why in refusals.items()))
+          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + (f" on {name}" if args.provider else ""))
+    if args.provider:
+        print("\n".join(_plan_lines(provider, plan, task)))
+        cost = _cost_line(provider, plan)
+        if cost:
+            print(cost)
+        return 0
+    # No provider chosen: speak for none in particular. Each provider's own plan; the lines that
+    # differ between them said per group; their warnings counted, not given as the user's.
+    plans, warned = {}, {}
+    for other in fits:
+        each = provider if other == name else _provider(other)
+        try:
+            plans[other] = (each, plan if other == name else each.plan(task))
+        except BadInput as exc:
+            refusals[other] = str(exc)
+            continue
+        notes = each.notes(plans[other][1])
+        if notes:
+            warned[other] = len(notes)
+    print(f"  providers {', '.join(plans)} can run it" + "".join(
+        f"\n            not {n}: {why.split(': ', 1)[-1]}" for n, why in refusals.items()))
+    if warned:
+        print(f"            with warnings on {', '.join(f'{n} ({count})' for n, count in warned.items())}: "
+              f"rlhf-tasks check {args.task} --provider NAME says them")
+    for line in _merged({other: _plan_lines(each, each_plan, task) for other, (each, each_plan) in plans.items()}):
+        print(line)
+    cost = _cost_line(provider, plan, neutral=True)
+    if cost:
+        print(cost)
+    return 0
+
+
+def _merged(lines: dict[str, list[str]]) -> list[str]:
+    """Each provider's `check` lines as one list: a line every provider says alike, once; a line
+    that differs, once per group of providers that say it alike (`checkpoints on local: ...`)."""
+    keyed: dict[tuple, dict[str, str]] = {}
+    for name, own in lines.items():
+        seen: dict[str, int] = {}
+        for line in own:
+            label, _, rest = line.strip().partition(" ")
+            seen[label] = seen.get(label, -1) + 1
+            keyed.setdefault((label, seen[label]), {})[name] = rest.strip()
+    out = []
+    for (label, _), said in keyed.items():
+        groups: dict[str, list[str]] = {}
+        for name, rest in said.items():
+            groups.setdefault(rest, []).append(name)
+        if len(groups) == 1 and len(said) == len(lines):
+            out.append(f"  {label.ljust(9)} {next(iter(groups))}")
+            continue
+        out += [f"  {label} on {', '.join(names)}: {rest}" for rest, names in groups.items()]
+    return out
+
+
+def _plan_lines(provider, plan, task) -> list[str]:
+    """What `check` says of a provider's plan: services, prepare, the job, checkpoints, working_dir."""
+    import shlex
+
+    lines = []
     for service in plan.services:
         ready = service.ready
         probe = ("no readiness check" if ready is None else f"{ready.method} {ready.http}"
                  if hasattr(ready, "http") else f"tcp {ready.tcp}")
-        print(f"  service   {service.name} on {service.where} ({probe})")
+        lines.append(f"  service   {service.name} on {service.where} ({probe})")
     for command in plan.prepare:
-        print(f"  prepare   {command}  (rank 0)")
-    print(f"  job       {plan.job.recipe}, submitted from {plan.job.submit}")
-    print(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
+        lines.append(f"  prepare   {command}  (rank 0)")
+    lines.append(f"  job       {plan.job.recipe}, submitted from {plan.job.submit}")
+    lines.append(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
     if plan.checkpoint_dir:
-        print(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")
+        lines.append(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")
     if provider.upload is not None:
         from .workdir import human
 
         upload = provider.upload
         left = f"; left out: {', '.join(p.lstrip('/') for p in upload.left_out)}" if upload.left_out else ""
-        print(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left})")
+        lines.append(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left}): "
+                     f"uploaded from this machine, the job runs in Ray's copy of it")
     elif words := provider.working_dir_words(plan):
-        print(f"  working_dir {words}")
-    return 0
+        lines.append(f"  working_dir {words}")
+    return lines
+
+
+def _hm(seconds: float) -> str:
+    """`1 h 05 m`: as the head agent's budget lines say a duration."""
+    minutes = int(round(seconds / 60.0))
+    return f"{minutes // 60} h {minutes % 60:02d} m"
+
+
+def _span(seconds: float) -> str:
+    """`30s`, `2 m`, `1 h 30 m`: a grace or a cap, as `check` says it."""
+    if seconds < 60 or (seconds < 3600 and seconds % 60):
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f} m" if seconds < 3600 else _hm(seconds)
+
+
+def _cost_line(provider, plan, neutral: bool = False) -> str | None:
+    """`check`'s cost line: the price per hour where it is known (the task's placement.price_per_hour,
+    or where the provider takes it from), and the most the run may cost: up to the first cap
+    (placement.max_cost at the price, placement.max_duration), then placement.stop_grace, as the head
+    agent enforces them (agent/budget.py), counted from its start. None on a machine that bills
+    nothing (local) with neither a price nor a cap."""
+    budget = plan.budget
+    price = budget.price_per_hour
+    caps = ([budget.max_duration_s] if budget.max_duration_s else []) + (  # as agent/budget.py's cap_seconds
+        [budget.max_cost / price * 3600.0] if budget.max_cost is not None and price else [])
+    cap = min(caps) if caps else None
+    source = None if neutral else provider.price_source
+    if price is None and cap is None and not neutral and not provider.bills:
+        return None
+    words = [f"${price:.2f}/h for the cluster (placement.price_per_hour)" if price is not None else
+             f"the price per hour comes from {source}" if source else
+             "price per hour not given (placement.price_per_hour)"]
+    grace = f"the cluster ends within placement.stop_grace {_span(budget.stop_grace_s)} after it"
+    by_cost = budget.max_cost is not None and (price or source) and (
+        budget.max_duration_s is None or price is None or cap < budget.max_duration_s)
+    if by_cost:
+        most = f"at most about ${budget.max_cost + price * budget.stop_grace_s / 3600:.2f}: " if price else ""
+        after = f", after {_hm(cap)}" if price else ", at its price"
+        words.append(f"{most}the head stops the job at ${budget.max_cost:.2f} (placement.max_cost{after}) and {grace}, "
+                     f"counted from the head agent's start")
+    elif budget.max_duration_s:
+        most = (f"at most about ${price * (budget.max_duration_s + budget.stop_grace_s) / 3600:.2f}: "
+                if price is not None else "")
+        words.append(f"{most}the head stops the job after {_hm(budget.max_duration_s)} (placement.max_duration) and "
+                     f"{grace}, counted from the head agent's start")
+    else:
+        words.append("no cap (placement.max_cost, placement.max_duration): nothing ends the bill but the job's end")
+    return "  cost      " + "; ".join(words)
+
+
+def _warn_wandb(task) -> None:
+    """A task that names a W&B project logs nothing without WANDB_API_KEY: said now, not after the run."""
+    from .plan import wandb_options
+
+    told = wandb_options(task)
+    named = [f"{where}.wandb.project" for where, options in (("placement", task.placement.wandb),
+                                                              ("job", task.job.wandb)) if options and options.project]
+    own = getattr(getattr(task.job, "args", None), "wandb_project", None)
+    named += ["job.args.wandb_project"] if own else []
+    if (named or (told and told.entity)) and "WANDB_API_KEY" not in task.secrets:
+        what = named[0] if named else "placement.wandb" if task.placement.wandb else "job.wandb"
+        print(f"warning: {what} names a W&B {'project' if named else 'entity'} but WANDB_API_KEY is not among the "
+              f"task's secrets, so nothing is logged to W&B: add `secrets: [WANDB_API_KEY]` and export it where you "
+              f"launch", file=sys.stderr)
+    elif (named or told) and not os.environ.get("WANDB_API_KEY"):
+        print("warning: WANDB_API_KEY is not set in this environment: a launch from here logs nothing to W&B "
+              "(export it first)", file=sys.stderr)
 
 
 def _warn_shared_storage(provider, plan) -> None:
@@ -132,7 +256,7 @@ def _renamed(files: dict[str, str], old: str, new: str) -> dict[str, str]:
 def cmd_launch(args) -> int:
     from .launch import launch
 
-    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep)
+    return launch(_task(args.task), _provider(args.provider, args), keep=args.keep, fresh=args.fresh)
 
 
 def _token(args, name: str | None) -> str | None:
@@ -230,9 +354,36 @@ def cmd_status(args) -> int:
         return 0
     status = _jobs(args).status(args.job)
     if status is None:
-        raise BadInput(f"JOB: no job {args.job} on this cluster")
+        raise BadInput(_no_such_job(args))
     print(status)
     return 0
+
+
+def _no_such_job(args) -> str:
+    """`status`/`logs` of an id the cluster has no job of; a cluster's name says how to ask for it."""
+    from . import state
+
+    said = f"JOB: no job {args.job} on this cluster"
+    if state.load(args.job) is not None:
+        said += (f"; {args.job} is a cluster's name: its jobs with `rlhf-tasks list --cluster {args.job}`, "
+                 f"one job's logs with `rlhf-tasks logs JOB --cluster {args.job}`, every node's logs with "
+                 f"`rlhf-tasks logs {args.job} --bundle`")
+    return said
+
+
+def _training_status(name: str, record: dict) -> list[str]:
+    """The last step `launch` read of the training (runs/NAME/metrics.jsonl) and its W&B run."""
+    from . import state
+    from .progress import last_step, status_line
+
+    lines = []
+    step = last_step(state.run_dir(name))
+    if step:
+        lines.append(f"  training: {status_line(step)} (launch's following reads it; "
+                     f"all steps: {state.run_dir(name) / 'metrics.jsonl'})")
+    if record.get("wandb_url"):
+        lines.append(f"  W&B run: {record['wandb_url']}")
+    return lines
 
 
 def _cluster_status(name: str, record: dict) -> str:
@@ -259,6 +410,7 @@ def _cluster_status(name: str, record: dict) -> str:
     if job:
         seen = f" ({job['seen']})" if job.get("seen") else ""
         lines.append(f"  job {job['submission_id']}: {job['status']}{seen}")
+    lines += _training_status(name, record)
     lines.append(f"  its jobs: rlhf-tasks list --cluster {name}; one job's status: rlhf-tasks status JOB "
                  f"--cluster {name}; stop it: rlhf-tasks down {name}")
     return "\n".join(lines)
@@ -270,6 +422,8 @@ def cmd_logs(args) -> int:
     from .jobs import PreflightShown
 
     jobs = _jobs(args)
+    if jobs.status(args.job) is None:  # Ray answers an unknown id's log with nothing: say so instead
+        raise BadInput(_no_such_job(args))
     out = sys.stdout if args.raw else PreflightShown(sys.stdout)
     if args.follow:
         try:
@@ -314,7 +468,10 @@ def cmd_stop(args) -> int:
 
     jobs = _jobs(args)
     if not jobs.stop(args.job):
-        print(f"{args.job}: already finished ({jobs.status(args.job)})")
+        status = jobs.status(args.job)
+        print(f"{args.job}: already finished ({status})")
+        if status in TERMINAL_JOB_STATES:
+            _record_stopped(args, status, "it had ended before `rlhf-tasks stop`")
         return 0
 
     def stopped():
@@ -329,9 +486,22 @@ def cmd_stop(args) -> int:
         return status in TERMINAL_JOB_STATES, status
     status = wait_for(f"job {args.job} to stop", stopped, args.wait)
     print(f"{args.job}: {status or 'STOPPED'}")
+    _record_stopped(args, status or "STOPPED", "stopped by `rlhf-tasks stop`")
     if status is None:
         say("Ray took the stop, and then the cluster's dashboard went: the cluster ended itself with its job")
     return 0
+
+
+def _record_stopped(args, status: str, how: str) -> None:
+    """The record of the cluster whose last job this is (--cluster's, or the one that names the
+    job) keeps how it ended: the cluster may end itself with it, and `status`/`down` read the record."""
+    from . import state
+
+    for name in [args.cluster] if args.cluster else state.known():
+        record = state.load(name) or {}
+        if not record.get("ended") and (record.get("job") or {}).get("submission_id") == args.job:
+            state.update(name, job={"submission_id": args.job, "status": status, "how": how})
+            return
 
 
 def cmd_list(args) -> int:
@@ -495,6 +665,9 @@ def cmd_schema(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf-tasks", description="One task file -> a multi-node Ray cluster on "
                                      "any provider -> an RLHF job, submitted and followed.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlhf-tasks {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
@@ -514,6 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task")
     p.add_argument("--provider", default="local", help="where to run it (default: local)")
     p.add_argument("--keep", action="store_true", help="keep the cluster running after the job (until `down`)")
+    p.add_argument("--fresh", action="store_true", help="start the run over: the head moves the old checkpoints "
+                   "aside (to CHECKPOINTS.old-<UTC time>, never deleted) before prepare, so nothing resumes from them; "
+                   "and it logs to a new W&B run (by default a launch of this name, its restarts and relaunches "
+                   "continue one W&B run)")
     launch_parser = p
     p = add("submit", cmd_submit, "submit a task's job through a dashboard address (e.g. a forwarded port)")
     p.add_argument("task")
@@ -596,6 +773,7 @@ def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> 
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--provider", default="local")
         shown = [name for name in [first.parse_known_args(rest)[0].provider] if name in names]
+        _foreign_options(rest, shown, names)
     flags: set[str] = set()
     for name in shown:
         options = [option for option in providers.provider_class(name).options if option.flag not in flags]
@@ -604,6 +782,26 @@ def _launch_options(launch_parser: argparse.ArgumentParser, rest: list[str]) -> 
             for option in options:
                 flags.add(option.flag)
                 group.add_argument(option.flag, dest=option.dest, help=option.help, **option.kwargs)
+
+
+def _foreign_options(rest: list[str], shown: list[str], names: list[str]) -> None:
+    """BadInput, in words, for a provider's own `launch` option given without that provider
+    (`launch x.yaml --managed` runs on local, which has no --managed), instead of the whole usage."""
+    from . import providers
+
+    own = {option.flag for name in shown for option in providers.provider_class(name).options}
+    for word in rest:
+        if word == "--":
+            return
+        flag = word.split("=", 1)[0]
+        if not flag.startswith("--") or flag in own:
+            continue
+        owners = [name for name in names if flag in {o.flag for o in providers.provider_class(name).options}]
+        if owners:
+            chosen = shown[0] if shown else "?"
+            raise BadInput(f"{flag}: an option of --provider {' or '.join(owners)}, and this launch runs on "
+                           f"{chosen}{' (the default)' if '--provider' not in ' '.join(rest) else ''}; add "
+                           f"--provider {owners[0]}, or drop {flag}")
 
 
 def _reader_left() -> bool:

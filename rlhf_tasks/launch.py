@@ -29,6 +29,7 @@ from .agent.protocol.bundle import OWN, RayLogs, gather, result_part, summary_li
 from .console import say
 from .errors import BadInput, HeadLost, StepFailed
 from .plan import Plan
+from .progress import Training
 from .providers import Cluster, Provider
 from .spec import Task
 
@@ -162,6 +163,9 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
 
     def ended():
         tail.pump()
+        tick = getattr(tail.out, "tick", None)
+        if tick:
+            tick()
         for message in cluster.tend():
             say(message)
         if not started and tail.head_started:
@@ -320,6 +324,9 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
     status and last submission id. The head has given up when its result line names the
     attempt that just ended, or when it is gone."""
     def tend(status):
+        tick = getattr(tail.out, "tick", None)
+        if tick:
+            tick()
         for message in cluster.tend():
             say(message)
 
@@ -327,7 +334,7 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
     after = PREFLIGHT_PREFIX if gated_preflight(plan, sid) else None
     while True:
         try:
-            status = jobs.follow(sid, plan.job.timeout_s, watch=tend, hint_on_interrupt=False, after=after,
+            status = jobs.follow(sid, plan.job.timeout_s, out=tail.out, watch=tend, hint_on_interrupt=False, after=after,
                                  final_status=lambda shown: final_status_from_head(cluster, shown))
         except StepFailed as exc:
             if not cluster.head_alive():
@@ -431,7 +438,8 @@ def merge_forensics(head: dict | None, here: dict | None) -> dict | None:
 # ------------------------------------------------------------------ the summary
 
 
-def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | None = None) -> None:
+def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | None = None,
+              training: Training | None = None) -> None:
     """What this run did: only the metrics rows its own nodes wrote (a resumed run's file
     also holds the rows of the runs before it, on other clusters), the restarts, and what the
     provider tells of its machines."""
@@ -471,6 +479,8 @@ def summarise(plan: Plan, outcome: Outcome, started: float, cluster: Cluster | N
             lines.append(f"it wrote no metrics row before it ended {outcome.status or 'without running'} "
                          f"(the file's last row, step {rows[-1]['step']}, is an earlier run's)")
         lines.append(f"metrics: {metrics_path}")
+    if training is not None:
+        lines += training.summary_lines()
     if cluster is not None:
         lines += cluster.describe()
     if plan.checkpoint_dir:
@@ -561,20 +571,85 @@ def refuse_live_cluster(name: str, provider: Provider) -> None:
                    f"`rlhf-tasks down {name}` (or rename this task); nothing was launched")
 
 
-def launch(task: Task, provider: Provider, keep: bool = False) -> int:
+def launch(task: Task, provider: Provider, keep: bool = False, fresh: bool = False) -> int:
     """Launch the task, and relaunch it whole when its head is lost, as often as the
-    provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint."""
+    provider says (`launch --retry N` on local): the new cluster resumes from the checkpoint
+    (with `fresh`, from the fresh run's: the old ones are moved aside once, by this launch's stamp),
+    and the training's steps are read on as one (rlhf_tasks.progress)."""
     refuse_live_cluster(task.name, provider)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) if fresh else None
     relaunches = provider.relaunches()
-    for attempt in range(relaunches + 1):
-        try:
-            return launch_once(task, provider, keep)
-        except HeadLost as exc:
-            if attempt == relaunches:
-                raise
-            say(f"the head is lost ({exc}); relaunching {task.name}, {attempt + 1} of {relaunches}: "
-                f"it resumes from the checkpoint")
-    raise AssertionError("unreachable")
+    wandb_env = wandb_run(task, fresh)
+    training = None
+    try:
+        for attempt in range(relaunches + 1):
+            try:
+                return launch_once(task, provider, keep, stamp, training, wandb_env)
+            except HeadLost as exc:
+                training = getattr(exc, "training", None) or training
+                if attempt == relaunches:
+                    raise
+                say(f"the head is lost ({exc}); relaunching {task.name}, {attempt + 1} of {relaunches}: "
+                    f"it resumes from the checkpoint")
+        raise AssertionError("unreachable")
+    finally:
+        if training is not None:
+            training.close()
+
+
+def wandb_run(task: Task, fresh: bool = False) -> dict[str, str]:
+    """W&B's run id and resume mode for this launch (WANDB_RUN_ID, WANDB_RESUME=allow, which wandb.init
+    reads whatever framework calls it): the id kept in runs/NAME/wandb-run-id, so that the job's
+    restarts, a relaunch and a later launch of the name continue one W&B run; `launch --fresh`
+    makes a new id. Nothing where the task logs nothing to W&B (no WANDB_API_KEY secret). Writes
+    nothing: `keep_wandb_run` does, once the launch goes ahead."""
+    import secrets as random
+
+    if "WANDB_API_KEY" not in task.secrets:
+        return {}
+    run_id = None if fresh else kept_wandb_run(task.name)
+    if not run_id:
+        run_id = f"{task.name}-{random.token_hex(4)}"
+    return {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow"}
+
+
+def kept_wandb_run(name: str) -> str | None:
+    from . import state
+
+    try:
+        run_id = (state.run_dir(name) / "wandb-run-id").read_text().strip()
+    except OSError:
+        return None
+    return run_id if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id) else None
+
+
+def keep_wandb_run(name: str, env: dict[str, str]) -> None:
+    """Keep the W&B run id this launch uses for the next one of the name, and say which it is."""
+    from . import state
+
+    run_id = env.get("WANDB_RUN_ID")
+    if not run_id:
+        return
+    if kept_wandb_run(name) == run_id:
+        say(f"W&B: continuing run id {run_id} (launch --fresh starts a new one)")
+        return
+    path = state.run_dir(name) / "wandb-run-id"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    say(f"W&B: a new run id {run_id}; this name's restarts and next launches continue it")
+
+
+def training_view(task: Task, plan: Plan, started: float) -> Training:
+    """What follows the training in the job's log (rlhf_tasks.progress): the recipe's reader of
+    its framework's metric lines; its steps go to runs/NAME/metrics.jsonl."""
+    from . import state
+
+    try:
+        reader = task.job.metrics_reader()
+    except Exception:  # noqa: BLE001 - no progress line rather than no run
+        reader = None
+    return Training(reader, sys.stdout, state.run_dir(task.name), plan.budget.price_per_hour, started, say=say,
+                    on_wandb=lambda url: state.update(task.name, wandb_url=url))
 
 
 def cancel(name: str, provider: Provider, made: bool, head_log: Callable[[], str] = lambda: "",
@@ -617,22 +692,35 @@ def left_running(provider: Provider, name: str) -> str:
     return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
-def launch_once(task: Task, provider: Provider, keep: bool) -> int:
+def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = None,
+                training: Training | None = None, wandb_env: dict[str, str] | None = None) -> int:
     from . import state
 
     started = time.monotonic()
     plan = provider.plan(task)
     if keep:
         plan = plan.replace(keep_cluster=True)
+    if fresh:
+        if not plan.checkpoint_dir:
+            raise BadInput("--fresh: the task has no checkpoint directory to start over from (checkpoints.path)")
+        plan = plan.replace(fresh=fresh)
+    if wandb_env:
+        plan = plan.replace(env={**wandb_env, **plan.env})  # the task's own env wins
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
+    if wandb_env and secrets.get("WANDB_API_KEY"):
+        keep_wandb_run(task.name, wandb_env)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
+    if plan.fresh:
+        say(f"--fresh: the run starts over; the head moves the old checkpoints aside before prepare, nothing deleted: "
+            f"{plan.checkpoint_dir} -> {plan.checkpoint_dir}.old-{plan.fresh} (its log says where they went)")
     cluster = None
     job_started = interrupted = command_started = False
     try:
         cluster = provider.apply(plan, secrets)
-        tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log)
+        training = training or training_view(task, plan, started)
+        tail = LogTail(cluster.node_logs, None if cluster.node_logs else cluster.head_log, out=training)
         via_head_log = plan.job.submit == "head" and bool(cluster.node_logs or plan.job.mode == "every_node")
         if via_head_log:  # the head runs the job: from here on the cluster is the user's, to `down`
             job_started = True
@@ -653,7 +741,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         if outcome.budget:  # `status NAME` says it too
             state.update(plan.name, budget={k: outcome.budget.get(k) for k in ("words", "checkpoint")})
-        summarise(plan, outcome, started, cluster)
+        training.close()
+        summarise(plan, outcome, started, cluster, training)
         if keep and not outcome.budget:
             idle = plan.budget.idle_s
             say(f"the cluster keeps running: `eval \"$(rlhf-tasks env {plan.name})\"` sets up this shell for Ray's own "
@@ -662,6 +751,8 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         return verdict(plan, outcome, via_head_log)
     except KeyboardInterrupt as exc:  # wherever it lands: while bringing the cluster up, submitting, or following
         interrupted = True
+        if training is not None:
+            training.close()
         if cluster is not None:  # what becomes of the cluster is decided here, not by its close()
             cluster.interrupted = True
         print(file=sys.stderr)
@@ -683,13 +774,17 @@ def launch_once(task: Task, provider: Provider, keep: bool) -> int:
         made = cluster is not None or state.before_launch(task.name, before.staged).record != before.record
         return cancel(task.name, provider, made, cluster.read_head_log if cluster is not None else lambda: "",
                       getattr(exc, "waiting_for", None))
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, HeadLost) and training is not None:
+            exc.training = training  # the relaunch goes on reading the same training
         if not job_started and not provider.stop_after_job:
             undone = provider.abandon(before)
             if undone:
                 say(f"cleaned up what this launch created for {task.name}: {'; '.join(undone)}")
         raise
     finally:
+        if training is not None and not isinstance(sys.exc_info()[1], HeadLost):
+            training.close()
         if cluster is not None:
             cluster.close()
         if provider.stop_after_job and cluster is not None and not keep and not interrupted:

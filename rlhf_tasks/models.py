@@ -25,6 +25,26 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class WandbOptions(StrictModel):
+    """Where a run logs in W&B, at `placement.wandb` or `job.wandb` (the job's fields win). Logging
+    itself is on when WANDB_API_KEY is given (a secret of the task)."""
+
+    entity: str | None = Field(None, description="W&B entity (team or user): WANDB_ENTITY, or the framework's flag")
+    project: str | None = Field(None, description="W&B project: the framework's own project flag, and WANDB_PROJECT")
+    group: str | None = Field(None, description="W&B run group: WANDB_RUN_GROUP, or the framework's flag")
+    tags: list[str] = Field([], description="W&B tags: WANDB_TAGS")
+
+    def merged(self, over: "WandbOptions | None") -> "WandbOptions":
+        """These options with `over`'s set fields in their place."""
+        return self if over is None else self.model_copy(update=over.model_dump(exclude_unset=True))
+
+    def env(self) -> dict[str, str]:
+        """W&B's own environment variables, which wandb.init reads whatever framework calls it."""
+        pairs = {"WANDB_ENTITY": self.entity, "WANDB_PROJECT": self.project, "WANDB_RUN_GROUP": self.group,
+                 "WANDB_TAGS": ",".join(self.tags) or None}
+        return {key: value for key, value in pairs.items() if value}
+
+
 def did_you_mean(word: str, choices, listing: str = "choose one of") -> str:
     """'(did you mean steps?)' for a near miss, else '(choose one of: a, b, c)'."""
     choices = list(choices)

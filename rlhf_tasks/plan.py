@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
-from .models import Service, StrictModel, size_bytes
+from .models import Service, StrictModel, WandbOptions, size_bytes
 from .recipes.base import Shape
 from .spec import Placement, Resources, Task
 
@@ -284,6 +284,8 @@ class Plan(StrictModel):
     resources: Resources
     image: str | None
     resume: bool = False                 # the job resumes from checkpoint_dir (checkpoints.resume: auto)
+    #: `launch --fresh`: the launch's UTC stamp; the head moves checkpoint_dir aside (DIR.old-STAMP) before prepare.
+    fresh: str | None = None
     #: This provider's entry of checkpoints.shared (its own check() validated it); None: a directory on each node.
     checkpoint_shared: dict[str, Any] | None = None
     #: Packages of rlhf_tasks the recipe's commands import; providers that ship the agent ship them too.
@@ -329,6 +331,13 @@ def check_budget(task: Task, provider: str, priced: bool) -> None:
                        f"hour for the whole cluster), or use placement.max_duration")
 
 
+def wandb_options(task: Task) -> WandbOptions | None:
+    """placement.wandb with job.wandb over it, field by field; None where the task names neither."""
+    if task.placement.wandb is None and task.job.wandb is None:
+        return None
+    return (task.placement.wandb or WandbOptions()).merged(task.job.wandb)
+
+
 def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str, dict[str, str]],
                checkpoint_dir: str | None, ray_overrides: dict | None = None, priced: bool = False) -> Plan:
     """Task + recipe + the provider's choices -> the plan every node runs.
@@ -340,9 +349,10 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     check_contract_env(task, contract, provider)
     check_budget(task, provider, priced)
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
+    wandb = wandb_options(task)
     shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
                   checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto",
-                  node_silence_s=task.wait.node_silence)
+                  node_silence_s=task.wait.node_silence, wandb=wandb)
     out = task.job.build(shape)
 
     services = list(out.services) + list(task.services)
@@ -382,7 +392,8 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         contract=contract,
         network=task.network,
         network_env=presets[task.network],
-        env={**accelerator_env(task.resources.gpu_name, task.resources.gpus_per_node), **out.env, **task.env},
+        env={**accelerator_env(task.resources.gpu_name, task.resources.gpus_per_node), **out.env,
+             **(wandb.env() if wandb else {}), **task.env},
         secrets=list(task.secrets),
         token_env=TOKEN_ENV if task.ray.auth == "token" and out.mode == "ray" else None,
         setup=list(task.setup) + out.setup,

@@ -18,7 +18,8 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
-from .models import NAME_PATTERN, Duration, Service, Size, StrictModel, bandwidth_bits, did_you_mean, require_absolute
+from .models import (NAME_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits, did_you_mean,
+                     require_absolute)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 
@@ -48,6 +49,7 @@ _SECRET_VALUES = {
     "a GitLab token (glpat-...)": r"glpat-[A-Za-z0-9_-]{20,}",
     "a Stripe live key (sk_live_..., rk_live_...)": r"[sr]k_live_[A-Za-z0-9]{16,}",
     "a Google API key (AIza...)": r"AIza[A-Za-z0-9_-]{35}",
+    "an HTTP bearer token (Bearer ...)": r"(?i:bearer)[ \t]+[A-Za-z0-9._~+/=-]{8,}",
 }
 _SECRET_VALUES = {what: re.compile(r"(?<![A-Za-z0-9_])(?:" + pattern + ")") for what, pattern in _SECRET_VALUES.items()}
 #: W&B's keys are 40 hex digits, like a git commit: only a value that is nothing else counts.
@@ -66,12 +68,73 @@ def secret_look(name: str, value: str) -> str | None:
     return None
 
 
+#: Amounts a task gives per node (cpus, memory, disk) that a provider may read as "at least" or "exactly".
+AMOUNTS = ("cpus", "memory", "disk")
+_AT_LEAST = re.compile(r"^\s*(?P<value>\S.*?)\s*(?:\.\.|\+)\s*$")
+_AMOUNT_WORDS = ("write N (at least N), or N.. / N+ (the same); list the field under resources.exact for exactly N "
+                 "(a range N..M is not supported)")
+
+
+def _at_least(value: Any) -> Any:
+    """`28..`, `28+`, `500GB..` (dstack's and SkyPilot's ways to say "at least") -> the amount itself:
+    every amount is a minimum unless the field is listed under resources.exact."""
+    if isinstance(value, str):
+        match = _AT_LEAST.match(value)
+        if match:
+            return match.group("value")
+        if ".." in value:
+            raise ValueError(f"{value!r} is not an amount: {_AMOUNT_WORDS}")
+    return value
+
+
+def _cpu_count(value: Any) -> Any:
+    value = _at_least(value)
+    if isinstance(value, str):
+        if not value.strip().isdigit():
+            raise ValueError(f"{value!r} is not a CPU count: {_AMOUNT_WORDS}")
+        return int(value)
+    return value
+
+
+_AMOUNT_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": r"^\s*\d+\s*(\.\.|\+)?\s*$"}]}
+CpuCount = Annotated[int, BeforeValidator(_cpu_count), WithJsonSchema(_AMOUNT_SCHEMA)]
+#: A size as written (`500GB`), or with `..` / `+` (at least, as without); the field holds the size.
+AmountSize = Annotated[Size, BeforeValidator(_at_least)]
+
+
 class Resources(StrictModel):
     gpus: str | None = Field(None, description="per node: NAME:COUNT (H100:8), NAME (one GPU) or COUNT")
-    cpus: int | None = Field(None, ge=1, description="CPUs per node to register with Ray")
-    memory: Size | None = None
+    cpus: CpuCount | None = Field(None, ge=1, description=(
+        "CPUs per node to register with Ray; at least this many (28, 28.. or 28+) unless listed under exact"))
+    memory: AmountSize | None = Field(None, description="memory per node, at least this much (200GB, 200GB..) "
+                                      "unless listed under exact")
     shm_size: Size | None = None
-    disk: Size | None = None
+    disk: AmountSize | None = Field(None, description="disk per node, at least this much (500GB, 500GB..) unless "
+                                    "listed under exact")
+    exact: list[Literal[AMOUNTS]] = Field([], description=(  # type: ignore[valid-type]
+        "amounts (cpus, memory, disk) meant exactly, not at least: e.g. [disk] with disk: 500GB asks a 500GB disk "
+        "(dstack: `disk: 500GB` instead of `500GB..`; SkyPilot: `cpus: 8` instead of `8+`)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _exact_or_at_least(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("exact"), list):
+            for field in data["exact"]:
+                value = data.get(field) if field in AMOUNTS else None
+                if isinstance(value, str) and _AT_LEAST.match(value):
+                    raise ValueError(f"{field}: {value!r} says at least, and exact lists {field}: say one")
+        return data
+
+    @model_validator(mode="after")
+    def _exact_amounts(self):
+        missing = [field for field in self.exact if getattr(self, field) is None]
+        if missing:
+            raise ValueError(f"exact lists {', '.join(missing)}, which the task does not give")
+        return self
+
+    def is_exact(self, field: str) -> bool:
+        """Whether the task means this amount exactly (resources.exact), not as a minimum."""
+        return field in self.exact
 
     @field_validator("gpus")
     @classmethod
@@ -96,6 +159,16 @@ class Resources(StrictModel):
         return int(match.group("count") or match.group("only") or 1)
 
 
+def _off_on_words(value: Any) -> Any:
+    """`off` / `on` unquoted, which YAML 1.1 reads as false / true, stand for the words."""
+    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+
+def _words(*words: str) -> Any:
+    """A choice of words where YAML's booleans off/on read as those words."""
+    return Annotated[Literal[words], BeforeValidator(_off_on_words)]
+
+
 class RayConfig(StrictModel):
     port: int = Field(6379, ge=1024, le=65535)
     dashboard_port: int = Field(8265, ge=1024, le=65535)
@@ -103,7 +176,7 @@ class RayConfig(StrictModel):
     ready_port: int = Field(6390, ge=1024, le=65535, description="the head agent's ready beacon: workers join when it answers")
     dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
     auth: Literal["token", "none"] = "token"
-    debug: Literal["off", "legacy", "post_mortem"] = "off"
+    debug: _words("off", "legacy", "post_mortem") = "off"
     object_store_memory: Size | None = None
 
     @model_validator(mode="after")
@@ -213,7 +286,7 @@ IdleDuration = Annotated[Union[Duration, None], BeforeValidator(_never), WithJso
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
-    spot: Literal["off", "on", "auto"] = Field("off", description="spot instances: off, on, or auto (spot when available)")
+    spot: _words("off", "on", "auto") = Field("off", description="spot instances: off, on, or auto (spot when available)")
     max_duration: Duration | None = Field(None, description=(
         "the longest the cluster may run: the head agent stops the job at it (SIGTERM, placement.stop_grace to "
         "checkpoint) and the cluster ends"))
@@ -233,9 +306,15 @@ class Placement(StrictModel):
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
+    wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of the run (job.wandb "
+                                       "overrides them field by field); logging is on when WANDB_API_KEY is a secret")
     slurm: dict[str, Any] = Field({}, description=(
         "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
+    dstack: dict[str, Any] = Field({}, description=(
+        "dstack's own options, read by the dstack provider with its model (providers/dstack.py): ssh (the fleet is "
+        "your own hosts: user, identity_file, hosts), and for a custom image its user, cpu_arch and registry_auth "
+        "(a dstack secret's name)"))
     kuberay: dict[str, Any] = Field({}, description=(
         "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
         "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
@@ -243,7 +322,7 @@ class Placement(StrictModel):
 
 #: Keys of `placement` whose options a provider owns and reads with its own model (spec.py imports
 #: no provider; `rlhf-tasks schema` composes the providers' models into the schema).
-PROVIDER_PLACEMENT = ("slurm", "kuberay")
+PROVIDER_PLACEMENT = ("slurm", "kuberay", "dstack")
 
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
@@ -489,10 +568,45 @@ def load_task(path: str | Path) -> Task:
     except OSError as exc:
         raise BadInput(f"{path}: cannot read task file ({exc.strerror})") from None
     try:
+        twice = _key_twice(yaml.compose(text, Loader=yaml.SafeLoader))
+        if twice:
+            raise BadInput(f"{path}: {twice}")
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise BadInput(f"{path}: not valid YAML: {exc}") from None
     return parse_task(data, str(path))
+
+
+def _key_twice(node: Any, path: str = "", seen_nodes: set | None = None) -> str | None:
+    """A key written twice in one mapping of the task file, named by its path and both lines
+    (`nodes: 2` then `nodes: 3`: YAML would silently keep 3); None when there is none. A merge
+    (`<<: *anchor`) may still be overridden: that is what it is for."""
+    import yaml
+
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if node is None or id(node) in seen_nodes:
+        return None
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found = _key_twice(item, f"{path}[{index}]", seen_nodes)
+            if found:
+                return found
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            here = f"{path}.{key}" if path else str(key)
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key in lines:
+                    return (f"{here}: written twice in one mapping, on line {lines[key]} and line {line} (YAML would "
+                            f"silently keep the second); keep one")
+                lines[key] = line
+            found = _key_twice(value_node, here, seen_nodes)
+            if found:
+                return found
+    return None
 
 
 def json_schema(placement: dict[str, type[BaseModel]] | None = None) -> dict:

@@ -53,9 +53,9 @@ def _runs_dir() -> Path:
     return (state.root() / "runs").absolute()
 
 
-def measure(path: str, excludes: list[str]) -> Measure:
+def measure(path: str, excludes: list[str], files: list[Path] | None = None) -> Measure:
     """Bytes Ray would pack from `path` (before compression), by top-level entry, leaving out by
-    default what never belongs in a job's code."""
+    default what never belongs in a job's code (`files`: appended with each file packed)."""
     root = Path(path).absolute()
     out = Measure(str(path))
     sizes: dict[str, int] = {}
@@ -73,6 +73,8 @@ def measure(path: str, excludes: list[str]) -> Measure:
 
     def add(p: Path) -> None:
         if p.is_file():
+            if files is not None:
+                files.append(p)
             top = p.relative_to(root).parts[0]
             sizes[top] = sizes.get(top, 0) + p.stat().st_size
 
@@ -127,10 +129,10 @@ def human(size: int) -> str:
 
 # ------------------------------------------------------------------ without Ray: the same rules
 
-def _travel(path: Path, excludes: list[Callable[[Path], bool]], handler: Callable[[Path], None]) -> None:
-    """Ray's `_dir_travel`: a directory's .gitignore and .rayignore apply below it."""
-    added = [m for m in (_ignore_file(path / ".gitignore"), _ignore_file(path / ".rayignore")) if m] \
-        if path.is_dir() else []
+def _travel(path: Path, excludes: list[Callable[[Path], bool]], handler: Callable[[Path], None],
+            ignore_files: tuple[str, ...] = (".gitignore", ".rayignore")) -> None:
+    """Ray's `_dir_travel`: a directory's .gitignore and .rayignore (or `ignore_files`) apply below it."""
+    added = [m for m in (_ignore_file(path / name) for name in ignore_files) if m] if path.is_dir() else []
     excludes = excludes + added
     if any(exclude(path) for exclude in excludes):
         return
@@ -141,7 +143,7 @@ def _travel(path: Path, excludes: list[Callable[[Path], bool]], handler: Callabl
         except OSError:  # unreadable here: Ray could not pack it either, and says so at upload
             return
         for sub in subs:
-            _travel(sub, excludes, handler)
+            _travel(sub, excludes, handler, ignore_files)
 
 
 def _ignore_file(file: Path) -> Callable[[Path], bool] | None:

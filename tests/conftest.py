@@ -115,10 +115,13 @@ KUBE_BUILD_FIXTURES = frozenset({"kube_cluster", "real_kubectl"})
 
 
 def _our_fixtures(item):
+    """The fixtures of the item's closure that the test suite defines (not pytest's or a plugin's)."""
     info = getattr(item, "_fixtureinfo", None)
+    root = str(item.config.rootpath)
     for name, chain in (info.name2fixturedefs.items() if info else ()):
         for d in chain:
-            if str(getattr(d.func, "__code__", None) and d.func.__code__.co_filename).startswith(str(ROOT / "tests")):
+            code = getattr(d.func, "__code__", None)
+            if code and code.co_filename.startswith(root) and not code.co_filename.startswith(sys.prefix):
                 yield name, d
 
 
@@ -137,12 +140,16 @@ def xdist_group(item) -> str | None:
 
 
 def run_order(item) -> int:
-    """The Kubernetes tests first (the longest group; on a cold cache they wait for the build while
-    the other worker goes on), then the other cluster tests, then the fast tier (short tests that
+    """The longest first, so that the two workers end together: the Kubernetes tests (on a cold
+    cache they wait for their build while the other worker goes on), then the other session-wide
+    groups (the dstack server's), then the other cluster tests, then the fast tier (short tests that
     even out the two workers' ends). Python's sort is stable: each keeps the collection's order."""
-    if xdist_group(item) == "kube":
+    group = xdist_group(item) or ""
+    if group == "kube":
         return 0
-    return 1 if item.get_closest_marker(CLUSTER) else 2
+    if group.startswith("session-"):
+        return 1
+    return 2 if item.get_closest_marker(CLUSTER) else 3
 
 
 @pytest.hookimpl(wrapper=True)
@@ -165,6 +172,25 @@ def pytest_runtest_protocol(item):
     finally:
         _running.pop()
         _stand_ins.clear()
+
+
+@pytest.fixture(autouse=True)
+def _side_by_side(request, tmp_path_factory):
+    """`make test`'s two workers run cluster tests side by side, sharing 2 cores; a test marked `alone`
+    (it bounds how fast something happens, e.g. a silent node declared dead within 18 s) runs with no
+    other cluster test beside it: it takes the workers' lock exclusively, every other cluster test
+    shares it. The fast tier takes no lock."""
+    item = request.node
+    if item.get_closest_marker(CLUSTER) is None or not hasattr(request.config, "workerinput"):
+        yield
+        return
+    import fcntl
+
+    alone = item.get_closest_marker("alone") is not None
+    # every worker's basetemp is popen-gwN in the run's own directory
+    with open(tmp_path_factory.getbasetemp().parent / "cluster-tests.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture
@@ -206,3 +232,20 @@ def ns(kube_cluster, request):
     name = kube_cluster.namespace(request.node.name[5:30])
     yield name
     kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+@starts_cluster
+def dstack_bed(tmp_path_factory):
+    """The session's real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be
+    an SSH fleet (tests/dstack/README.md). dstack[server] is installed into a cached virtualenv first."""
+    reason = tbmod.require_root()
+    need(reason is None, reason or "")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dstack_bed_server", ROOT / "tests" / "dstack" / "server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    bed = module.DstackBed(2, tmp_path_factory.mktemp("dstack"), shared=[tmp_path_factory.getbasetemp()])
+    yield bed
+    bed.close()

@@ -340,3 +340,33 @@ def openrlhf_parse(main, argv: list[str]):
     finally:
         sys.argv = saved
     return namespace["_parsed"][0]
+
+
+# --- metric lines: the frameworks' own logging code ------------------------------------------
+
+
+def wheel_source(name: str, version: str, member: str) -> tuple[str | None, str]:
+    """The text of one file of a framework's wheel (`verl/utils/logger/aggregate_logger.py`)."""
+    path, why = wheel(name, version)
+    if path is None:
+        return None, why
+    with zipfile.ZipFile(path) as archive:
+        return _member(archive, member), ""
+
+
+def wheel_module(name: str, version: str, member: str):
+    """One module file of a framework's wheel, loaded on its own (not its package, whose
+    `__init__` needs GPUs): (module, "") or (None, why)."""
+    import importlib.util
+
+    text, why = wheel_source(name, version, member)
+    if text is None:
+        return None, why
+    target = CACHE / f"{name}-{version}-modules" / member
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"_{name}_{version.replace('.', '_')}_{target.stem}", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, ""

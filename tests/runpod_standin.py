@@ -2,7 +2,9 @@
 
 An HTTP server on 127.0.0.1 (a free port) that answers like https://api.runpod.io/v2:
 pods (create, get, list, action, delete, logs as Server-Sent Events), Instant Clusters
-(create, get, list, member pods, delete) and the catalog (data centers, GPU types).
+(create, get, list, member pods, delete), the catalog (data centers, GPU types) and the
+account's secrets (create, list, delete; the value write-only, never returned, and put in a
+pod's environment where it says ``{{ RUNPOD_SECRET_<name> }}`` when the pod boots).
 
 It cannot drift from the real API: every request body is validated against RunPod's
 own request schema from its OpenAPI document (tests/data/runpod-openapi-v2.json) and
@@ -695,6 +697,8 @@ class RunPodStandIn:
         self.pods: dict[str, PodState] = {}
         self.clusters: dict[str, ClusterState] = {}
         self.network_volumes: dict[str, dict] = {}  # id -> NetworkVolume (add_network_volume)
+        #: The account's secrets: id -> Secret (RunPod's schema) with its write-only "value" kept beside it.
+        self.secrets: dict[str, dict] = {}
         self.errors: list[str] = []
         self.requests: list[Recorded] = []
         # faults
@@ -948,8 +952,11 @@ class RunPodStandIn:
 
     def _pod_env(self, pod: PodState, cluster: ClusterInfo | None) -> dict[str, str]:
         """The environment RunPod sets inside a pod (runpod/docs: pods/templates/environment-
-        variables, instant-clusters/configuration), over the pod's own env."""
-        env = dict(pod.env)
+        variables, instant-clusters/configuration), over the pod's own env, its secret references
+        substituted with the secrets' values as the pod boots."""
+        with self._cond:
+            held = {s["name"].lower(): s["value"] for s in self.secrets.values()}
+        env = {key: self._substituted(value, held) for key, value in pod.env.items()}
         if pod.start_ssh and self.ssh_public_keys:
             env.setdefault("PUBLIC_KEY", self.ssh_public_keys)
         # Where a pod reaches this stand-in (RunPod's pods reach api.runpod.io): never the real API,
@@ -973,6 +980,16 @@ class RunPodStandIn:
         if "22/tcp" in pod.ports:
             env["RUNPOD_TCP_PORT_22"] = "22"  # both runners publish ports unchanged
         return env
+
+    #: `{{ RUNPOD_SECRET_<name> }}` in a pod's env value (RunPod: "substituted with the secret's value when the
+    #: pod or worker boots"; the spaces inside the braces are the document's, read here as optional).
+    SECRET_REF = re.compile(r"\{\{\s*RUNPOD_SECRET_([a-zA-Z_][a-zA-Z0-9_.\-/]*)\s*\}\}")
+
+    def _substituted(self, value: str, held: dict[str, str]) -> str:
+        """An env value with each secret reference replaced by the secret's value. One that names no
+        secret is left as written (the document does not say what RunPod does then: the least
+        convenient reading, nothing fails and the job sees the reference)."""
+        return self.SECRET_REF.sub(lambda m: held.get(m.group(1).lower(), m.group(0)), value)
 
     # ------------------------------------------------------------ JSON views
 
@@ -1283,6 +1300,39 @@ class RunPodStandIn:
                 raise _Answer(404, "Not Found", f"network volume {volume_id} not found")
             return 200, dict(volume)
 
+    # ------------------------------------------------------------ account secrets
+
+    @staticmethod
+    def _secret_json(secret: dict) -> dict:
+        """A Secret as RunPod answers it: never its value."""
+        return {k: v for k, v in secret.items() if k != "value"}
+
+    def create_secret(self, body: dict, query) -> tuple[int, dict]:
+        name = body["name"]
+        if name.lower().startswith("runpod"):  # "the reserved prefix `RUNPOD` are rejected (case-insensitive)"
+            raise _Answer(400, "Bad Request", f"secret name {name!r}: the prefix RUNPOD is reserved")
+        with self._cond:
+            if any(s["name"].lower() == name.lower() for s in self.secrets.values()):
+                raise _Answer(409, "Conflict", f"a secret named {name} already exists")
+            stamp = now_rfc3339(digits=0)
+            secret = {"id": _new_id()[:12], "name": name, "description": body.get("description"),
+                      "createdAt": stamp, "valueLastUpdatedAt": stamp, "value": body["value"]}
+            self.secrets[secret["id"]] = secret
+            return 201, self._secret_json(secret)
+
+    def list_secrets(self, body, query) -> tuple[int, dict]:
+        name = (query.get("name") or [None])[0]
+        with self._cond:
+            found = [self._secret_json(s) for s in self.secrets.values()
+                     if name is None or s["name"].lower() == name.lower()]
+        return 200, {"secrets": found}
+
+    def delete_secret(self, body, query, secret_id: str) -> tuple[int, None]:
+        with self._cond:
+            if self.secrets.pop(secret_id, None) is None:
+                raise _Answer(404, "Not Found", f"secret {secret_id} not found")
+        return 204, None
+
     def list_datacenters(self, body, query) -> tuple[int, dict]:
         include = ",".join(query.get("include", [])).split(",")
         flag = query.get("globalNetwork", [None])[0]
@@ -1344,6 +1394,8 @@ class RunPodStandIn:
         ("GET", "/v2/network-volumes/{id}", "get_network_volume"),
         ("GET", "/v2/catalog/datacenters", "list_datacenters"),
         ("GET", "/v2/catalog/gpus", "list_gpus"),
+        ("GET", "/v2/account/secrets", "list_secrets"), ("POST", "/v2/account/secrets", "create_secret"),
+        ("DELETE", "/v2/account/secrets/{id}", "delete_secret"),
     ]
 
     def route(self, method: str, path: str):

@@ -604,7 +604,7 @@ def test_a_prestarted_ray_start_that_died_is_replaced_by_a_plain_one(tmp_path, c
 # --------------------------------------------------------------------------- a worker whose head went away
 
 def test_a_worker_leaves_once_its_head_has_been_gone_for_head_gone_s_not_before(tmp_path):
-    """README: a worker leaves when its head's beacon has been gone for 10 s (issue 32, item 13):
+    """docs/design.md: a worker leaves when its head's beacon has been gone for 10 s (issue 32, item 13):
     the default is 10 s, and with it set to 2 s here the worker stays 2 s and leaves within a
     second or two after (the beacon is probed once a second)."""
     import inspect

@@ -176,3 +176,23 @@ def test_a_launch_under_the_name_of_a_live_cluster_on_another_provider_is_refuse
     # Its agents are gone: the cluster ended on its own, and the name can be launched elsewhere.
     again = run_cli(["launch", str(path), "--provider", "dstack"], tmp_path, env)
     assert "is live on local" not in again.stderr and log.exists(), again.stderr
+
+
+def test_a_fork_beside_the_running_watch_prints_no_traceback(tmp_path):
+    """Issue 37 (5): the watch is a Thread; an attribute of its own may not hide Thread's `_stop()`,
+    which Python calls in every forked child (`Exception ignored in: <function _after_fork>`)."""
+    snippet = (
+        "import os, sys\n"
+        "from rlhf_tasks.agent.budget import Watch\n"
+        "w = Watch({'nodes': 1}, lambda: None, kept=False, client=False)\n"
+        "w.start()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "w.close(); w.join(10)\n"
+        "print('forked')\n")
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert done.returncode == 0 and "forked" in done.stdout, done.stderr
+    assert "Exception ignored" not in done.stderr and "not callable" not in done.stderr, done.stderr

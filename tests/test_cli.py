@@ -166,13 +166,14 @@ def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_p
 
     class Dashboard(BaseHTTPRequestHandler):
         def do_POST(self):  # Ray's answer to POST /api/jobs/ID/stop
+            server.socket.close()  # the cluster ends: nothing answers after this answer (no race with stop's next ask)
             body = json.dumps({"stopped": True}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            threading.Thread(target=lambda: (server.shutdown(), server.server_close())).start()  # the cluster ends
+            threading.Thread(target=server.shutdown).start()
 
         def log_message(self, *args):
             pass
@@ -187,3 +188,125 @@ def test_stop_of_the_last_job_is_stopped_when_its_cluster_then_ends_itself(tmp_p
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[0] == "last-job: STOPPED"
     assert "the cluster ended itself with its job" in out.stdout
+
+
+def _dashboard(jobs: dict, on_stop=None):
+    """A stand-in Ray dashboard: GET /api/jobs/ID (404 for an unknown id), its /logs, and POST
+    /api/jobs/ID/stop (`on_stop(server)` before the answer)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Dashboard(BaseHTTPRequestHandler):
+        def _answer(self, code, payload):
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            parts = self.path.strip("/").split("/")  # api jobs ID [logs]
+            if parts[:2] != ["api", "jobs"]:
+                return self._answer(404, {})
+            if len(parts) == 2:
+                return self._answer(200, [{"submission_id": s, "status": st} for s, st in jobs.items()])
+            if parts[2] not in jobs:
+                return self._answer(404, {"error": f"Job {parts[2]} does not exist"})
+            if parts[3:] == ["logs"]:
+                return self._answer(200, {"logs": f"the log of {parts[2]}\n"})
+            return self._answer(200, {"submission_id": parts[2], "status": jobs[parts[2]]})
+
+        def do_POST(self):
+            if on_stop:
+                on_stop(server)
+            self._answer(200, {"stopped": True})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _cli(tmp_path, *argv):
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLHF_TASKS_"))}
+    return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT),
+                                                         RLHF_TASKS_HOME=str(tmp_path / "home")))
+
+
+def _launched(tmp_path, name, address, sid, status="RUNNING"):
+    """A cluster's record as launch writes it (state.save, then state.update(job=...))."""
+    import os
+    from rlhf_tasks import state
+    old = os.environ.get("RLHF_TASKS_HOME")
+    os.environ["RLHF_TASKS_HOME"] = str(tmp_path / "home")
+    try:
+        state.save(name, {"provider": "local", "dashboard": address, "cluster_id": "abcd1234"})
+        state.update(name, job={"submission_id": sid, "status": status})
+        return state.load(name)
+    finally:
+        if old is None:
+            del os.environ["RLHF_TASKS_HOME"]
+        else:
+            os.environ["RLHF_TASKS_HOME"] = old
+
+
+def test_logs_of_an_unknown_job_or_of_a_clusters_name_exits_2_saying_so(tmp_path):
+    """Issue 37 (6): `logs` with a wrong id said nothing and exited 0."""
+    server, address = _dashboard({"tiny-grpo-abcd1234": "RUNNING"})
+    try:
+        _launched(tmp_path, "tiny-grpo", address, "tiny-grpo-abcd1234")
+        out = _cli(tmp_path, "logs", "tiny-grpo-abcd1234", "--cluster", "tiny-grpo", "--raw")
+        assert out.returncode == 0 and out.stdout == "the log of tiny-grpo-abcd1234\n", out.stderr
+        out = _cli(tmp_path, "logs", "nonexistent-job", "--cluster", "tiny-grpo")
+        assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+        assert "no job nonexistent-job on this cluster" in out.stderr
+        out = _cli(tmp_path, "logs", "nonexistent-job", "--address", address, "--follow")
+        assert out.returncode == 2 and "no job nonexistent-job on this cluster" in out.stderr, out.stderr
+        out = _cli(tmp_path, "logs", "tiny-grpo")  # a cluster's name as the job
+        assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+        assert "tiny-grpo is a cluster's name" in out.stderr
+        assert "--cluster tiny-grpo" in out.stderr and "logs tiny-grpo --bundle" in out.stderr
+    finally:
+        server.shutdown()
+
+
+def test_stop_records_the_clusters_last_job_stopped_when_the_cluster_then_ends_itself(tmp_path):
+    """Issue 37 (7): after `stop JOB` answered STOPPED and the cluster ended itself, the record
+    still said RUNNING (`status NAME` showed it; `down` recorded 'stopped ... while RUNNING')."""
+    def ends(server):
+        import threading
+        server.socket.close()
+        threading.Thread(target=server.shutdown).start()
+
+    sid = "tiny-grpo-abcd1234"
+    server, address = _dashboard({sid: "RUNNING"}, on_stop=ends)
+    _launched(tmp_path, "tiny-grpo", address, sid)
+    _launched(tmp_path, "other", "http://127.0.0.1:9", "other-abcd1234")
+    out = _cli(tmp_path, "stop", sid, "--cluster", "tiny-grpo")
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == f"{sid}: STOPPED", out.stdout + out.stderr
+    record = json.loads((tmp_path / "home" / "clusters" / "tiny-grpo" / "cluster.json").read_text())
+    assert record["job"]["submission_id"] == sid and record["job"]["status"] == "STOPPED", record
+    other = json.loads((tmp_path / "home" / "clusters" / "other" / "cluster.json").read_text())
+    assert other["job"]["status"] == "RUNNING"  # another cluster's job is not touched
+    from rlhf_tasks.jobs import last_job  # what `status NAME` and `down` read: the dashboard is gone, the record says
+    assert last_job("tiny-grpo", record, None) == {**record["job"], "seen": "last seen"}
+
+
+def test_stop_by_address_records_the_job_whose_record_names_it(tmp_path):
+    def ends(server):
+        import threading
+        server.socket.close()
+        threading.Thread(target=server.shutdown).start()
+
+    sid = "tiny-grpo-abcd1234"
+    server, address = _dashboard({sid: "RUNNING", "tiny-grpo-older": "SUCCEEDED"}, on_stop=ends)
+    _launched(tmp_path, "tiny-grpo", address, sid)
+    out = _cli(tmp_path, "stop", sid, "--address", address)
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads((tmp_path / "home" / "clusters" / "tiny-grpo" / "cluster.json").read_text())
+    assert record["job"]["status"] == "STOPPED", record

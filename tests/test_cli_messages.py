@@ -119,6 +119,7 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
     assert "set checkpoints.path" in err
     task = tmp_path / "t.yaml"
     task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": "/shared/ckpt/t"},
+                                "placement": {"max_duration": "2h"},  # (no --time is a warning of its own)
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
@@ -129,6 +130,7 @@ def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tm
     """Issue 32, item 10: not "the default path" for a path the task names (even the default's)."""
     task = tmp_path / "t.yaml"
     task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": path},
+                                "placement": {"max_duration": "2h"},  # (no --time is a warning of its own)
                                 "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     err = capsys.readouterr().err
@@ -139,7 +141,7 @@ def test_slurms_checkpoint_warning_calls_a_path_the_task_gave_the_tasks(path, tm
 # ---------------------------------------------------------------- RunPod pods made by hand (item 15)
 
 def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path, rlhf_home):
-    """README, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
+    """docs/runpod.md, start.sh's header and the create requests: each worker its own rank, worker-k gets k."""
     story = "on each worker its own rank, 1 to N-1 (the create requests give worker-k RAY_WORKER=k)"
     main_file = tmp_path / "tiny-grpo.runpod.json"
     assert main(["render", TINY, "--provider", "runpod", "-o", str(main_file)]) == 0
@@ -148,7 +150,7 @@ def test_runpod_readme_and_rendered_files_tell_one_story_of_ray_worker(tmp_path,
     assert requests["head"]["env"]["RAY_WORKER"] == "0"
     flat = lambda text: " ".join(text.replace("#", " ").replace("`", "").split())  # noqa: E731
     assert story in flat((tmp_path / "tiny-grpo.start.sh").read_text())
-    assert story in flat((ROOT / "README.md").read_text())
+    assert story in flat((ROOT / "docs" / "runpod.md").read_text())
 
 
 # ---------------------------------------------------------------- launch --help (item 9)
@@ -232,7 +234,7 @@ def test_forward_on_a_local_cluster_says_its_dashboard_is_here_already(rlhf_home
 
 def test_preflight_names_nodes_of_one_machine_by_rank():
     """The local provider's nodes share a hostname: the report names them node0, node1, ... (as
-    README shows), each with its address, not by the address alone."""
+    docs/preflight.md shows), each with its address, not by the address alone."""
     from rlhf_tasks.agent.preflight import name_nodes
 
     nodes = [{"hostname": "box", "address": "127.9.9.%d" % (r + 1), "rank": r} for r in range(3)]

@@ -45,6 +45,12 @@ def head_log(api: RunPodStandIn) -> str:
     return "\n".join(entry.line for entry in head.logs)
 
 
+def terminates(api: RunPodStandIn) -> dict[str, str]:
+    """Pod id -> whose key ended it, for each terminate the stand-in has answered."""
+    with api._cond:
+        return {r.path.split("/")[3]: r.by for r in api.requests if r.path.endswith("/action") and r.status == 204}
+
+
 def test_with_the_launcher_killed_every_pod_ends_itself_after_the_head_said_its_result(testbed3, tmp_path):
     api, relay = standin(testbed3)
     try:
@@ -69,11 +75,12 @@ def test_with_the_launcher_killed_every_pod_ends_itself_after_the_head_said_its_
         said_at = time.monotonic()
         result = json.loads(head_log(api).split("RLHF_TASKS_RESULT ")[1].splitlines()[0])
         assert result["job"]["status"] == "SUCCEEDED" and "finished" in head_log(api)
-        poll(lambda: live_pods(api) == [], 60, "every pod to be terminated")
+        # The stand-in marks a pod TERMINATED, stops its container, then answers (and records) the
+        # terminate: wait for the answers, not only the status.
+        poll(lambda: live_pods(api) == [] and len(terminates(api)) == 3, 60, "every pod to be terminated")
         assert time.monotonic() - said_at <= 60
         # Each pod ended itself, with its own key; nothing used the account's key after the launcher died.
-        ended = {r.path.split("/")[3]: r.by for r in api.requests if r.path.endswith("/action") and r.status == 204}
-        assert ended == {pod: f"pod:{pod}" for pod in pods}, ended
+        assert terminates(api) == {pod: f"pod:{pod}" for pod in pods}, terminates(api)
         assert all(r.body == {"action": "terminate"} for r in api.requests if r.path.endswith("/action"))
         assert_key_nowhere(said, directories=(tmp_path, testbed3.dir))
     finally:

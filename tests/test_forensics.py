@@ -182,7 +182,7 @@ def test_tail_keeps_the_end_from_a_lines_start():
 
 
 def test_every_file_is_cut_to_its_last_tail_lines_lines(tmp_path):
-    """README: "Every file is cut to its last 2000 lines (256 KiB)" (issue 32, item 13): the line cut,
+    """docs/failures.md: "Every file is cut to its last 2000 lines (256 KiB)" (issue 32, item 13): the line cut,
     on the head's own files (read here) and as asked of Ray's log API for the other nodes'."""
     import threading
     import urllib.parse

@@ -144,9 +144,12 @@ def finished(root: Path) -> None:
                  jobId="kr-j1")
 
 
-def the_plan_rendered(path: str) -> str:
+def the_plan_rendered(path: str, env: dict[str, str] | None = None) -> str:
+    """What render prints; `env`: with what a launch adds (its W&B run id, issue 38)."""
     provider = providers.get("kuberay")
-    return provider.render(provider.plan(load_task(path)))["kr.rayjob.yaml"]
+    plan = provider.plan(load_task(path))
+    plan = plan.replace(env={**env, **plan.env}) if env else plan
+    return provider.render(plan)["kr.rayjob.yaml"]
 
 
 # ------------------------------------------------------------------ launch
@@ -173,7 +176,8 @@ def test_launch_applies_the_secret_then_what_render_prints_and_follows_the_job_t
         k + ["-n", "default", "apply", "--server-side", "--force-conflicts", "--field-manager=rlhf-tasks", "-f", "-"],
         k + ["-n", "default", "apply", "-f", "-"]]
     records = calls(kube)
-    assert records[4]["stdin"] == the_plan_rendered(path)
+    run_id = (tmp_path / "home" / "runs" / "kr" / "wandb-run-id").read_text().strip()
+    assert records[4]["stdin"] == the_plan_rendered(path, {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow"})
     secret = json.loads(records[3]["stdin"])
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "kr-secrets"
     assert secret["data"] == {"WANDB_API_KEY": "<redacted>"}

@@ -397,6 +397,25 @@ def agent_plan(tmp_path: Path, **extra) -> tuple[Path, dict]:
     return path, rayjob
 
 
+@pytest.fixture(autouse=True)
+def _no_agent_left(tmp_path):
+    """What an agent run with --before-ray leaves running for the pod (a process of its own, forked
+    with the same command line) ends with the test: it names the test's plan, in its tmp_path."""
+    yield
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlhf_tasks.agent" in argv and any(str(tmp_path).encode() in a for a in argv):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_agent(plan: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
     env = {**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "rlhf_tasks.agent", "--plan", str(plan), *flags], env=env,
@@ -735,9 +754,9 @@ def test_a_bad_pod_option_is_exit_2_at_the_cli(tmp_path):
 
 
 def test_readmes_kuberay_example_renders_with_its_options():
-    """README's KubeRay task-file example is a task that renders a RayJob the schema accepts,
+    """docs/kuberay.md's task-file example is a task that renders a RayJob the schema accepts,
     with the options it shows where they belong and nothing left for `check` to say about InfiniBand."""
-    section = (ROOT / "README.md").read_text().split("\n## KubeRay\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "kuberay.md").read_text().split("\n## An example task file\n", 1)[1].split("\n## ", 1)[0]
     example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
     plan, _, rayjob, _ = render(example)
     validate(rayjob)

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 import testbed as tbmod
@@ -80,6 +81,7 @@ def wait_step(path: Path, step: int, head) -> None:
     wait_rows(path, head, f"step {step}", lambda rows: rows and rows[-1]["step"] >= step)
 
 
+@pytest.mark.alone  # the silent node's bound (12 s + 6) is about this test's own cores
 def test_lost_workers_are_replaced_and_the_job_resumes_from_its_checkpoint_each_time(testbed4, tmp_path):
     """Two losses in one run. First a worker machine dies (every process, its /tmp; the kernel
     closes its connections) and a new one comes back at the same address. Then another goes

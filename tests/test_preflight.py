@@ -84,7 +84,7 @@ def test_the_plan_carries_preflight_and_the_model_size_for_its_messages():
     shipped = "rlhf-tasks/lib/rlhf_tasks/agent/preflight.py"
     assert files[shipped] == (ROOT / "rlhf_tasks" / "agent" / "preflight.py").read_text()
     config = yaml.safe_load(files["v.dstack.yml"])
-    assert f"{shipped}:/opt/{shipped}" in config["files"]
+    assert "rlhf-tasks:/opt/rlhf-tasks" in config["files"]  # the whole directory, this file among
 
 
 @pytest.mark.parametrize("name", ["preflight.py", "probe.py"])

@@ -29,6 +29,29 @@ sys.exit({code})
 """
 
 
+#: A stand-in for the interpreter that runs rlhf_tasks/providers/dstack_api.py against dstack's server
+#: ($RLHF_TASKS_DSTACK_PYTHON): records the question, answers from the JSON file beside it.
+API = """#!{python}
+import json, os, sys
+args = [a for a in sys.argv[1:] if a != "-I"]
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": ["dstack_api.py"] + args[1:], "cwd": os.getcwd(), "files": {{}}}}) + "\\n")
+answers = json.load(open({answers!r}))
+print(json.dumps(answers[args[1]]))
+"""
+#: dstack's answers by default: a fleet of the user's is there, and its plan has offers for every job.
+FITS = {"fleets": {"fleets": ["user-fleet"]},
+        "plan": {"jobs": [{"offers": 3, "requirements": "gpu=H100:8"}] * 2, "fleets": ["user-fleet"]}}
+
+
+def fake_api(bin_dir: Path, log: Path, answers: dict = FITS) -> Path:
+    (bin_dir / "api-answers.json").write_text(json.dumps(answers))
+    path = bin_dir / "python-dstack-api"
+    path.write_text(API.format(python=sys.executable, log=str(log), answers=str(bin_dir / "api-answers.json")))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
 def dstack_parsed(argv: list[str]) -> tuple[str, dict]:
     """`dstack ...` as dstack's own CLI reads it (its main's parser, every command registered):
     the command and its arguments; a command line it would refuse fails the test."""
@@ -116,6 +139,8 @@ def env_with(tmp_path: Path, bin_dir: Path | None) -> dict:
     path_dirs = [str(bin_dir)] if bin_dir else []
     path_dirs += ["/usr/bin", "/bin"]  # no dstack/sky of the machine's own
     env["PATH"] = os.pathsep.join(path_dirs)
+    if bin_dir:  # dstack's server as the launcher asks it (fleets, the run's plan): it fits
+        env["RLHF_TASKS_DSTACK_PYTHON"] = str(fake_api(bin_dir, tmp_path / "calls.jsonl"))
     env.pop("RAY_AUTH_TOKEN", None)
     return env
 
@@ -127,7 +152,9 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
     assert out.returncode == 1, out.stderr
     assert "head" in out.stderr  # the failed step is named
-    call = json.loads(log.read_text().splitlines()[0])
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["argv"] for c in calls[:2]] == [["dstack_api.py", "fleets"], ["dstack_api.py", "plan", "boundary.dstack.yml"]]
+    call = calls[2]  # a fleet of the user's is there: none applied; dstack's plan has offers: the task applied
     generated = tmp_path / "home" / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
     assert dstack_parsed(call["argv"]) == ("apply", {"project": None, "configuration_file": str(generated),
                                                      "yes": True, "force": False, "detach": False, "verbose": False})
@@ -207,6 +234,71 @@ def test_down_fails_when_the_providers_command_fails(tmp_path):
     assert run_cli(["down", "boundary", "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir)).returncode == 0
 
 
+def dstack_calls(log: Path) -> list[tuple[str, dict] | list[str]]:
+    """What the launcher asked: dstack_api.py's questions as argv, `dstack` commands as dstack's parser reads them."""
+    calls = [json.loads(line)["argv"] for line in log.read_text().splitlines()]
+    return [argv if argv[0] == "dstack_api.py" else dstack_parsed(argv) for argv in calls]
+
+
+FLEET_APPLY = ("apply", {"project": None, "configuration_file": "boundary-fleet.dstack.yml", "yes": True,
+                         "force": False, "detach": False, "verbose": False})
+
+def test_dstack_launch_refuses_a_run_no_offer_fits_before_it_submits(tmp_path):
+    """The project has no fleet: launch applies the rendered one (nodes 0..N: nothing billed while empty), asks
+    dstack for the run's plan, which has no offer: exit 2 before `dstack apply` of the task, and the fleet it
+    applied deleted again."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=0)
+    env = env_with(tmp_path, bin_dir)
+    fake_api(bin_dir, log, {"fleets": {"fleets": []}, "plan": {"jobs": [
+        {"offers": 0, "total_offers": 0, "requirements": "cpu=x86:2.. mem=8GB.. disk=50GB.. gpu=H100:8"}] * 2,
+        "fleets": ["boundary-fleet"]}})
+    out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "dstack's plan for boundary has no offer for 2 of its 2 jobs (cpu=x86:2.. mem=8GB.. disk=50GB.. " \
+           "gpu=H100:8) on the fleets boundary-fleet" in out.stderr, out.stderr
+    calls = dstack_calls(log)
+    assert calls[0] == ["dstack_api.py", "fleets"] and calls[1] == FLEET_APPLY
+    assert calls[2] == ["dstack_api.py", "plan", "boundary.dstack.yml"]
+    command, args = calls[3]  # the fleet this launch applied, deleted; the task never applied
+    assert (command, args["action"], args["name"].name, args["yes"]) == ("fleet", "delete", "boundary-fleet", True)
+    assert len(calls) == 4
+    assert "cleaned up what this launch created" in out.stdout and "boundary-fleet" in out.stdout
+
+
+def test_dstack_launch_leaves_the_users_fleets_alone(tmp_path):
+    """A fleet of the user's is there (or the task names its fleets): launch applies none and deletes none."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)
+    run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
+    calls = dstack_calls(log)
+    assert [c[0] for c in calls] == ["dstack_api.py", "dstack_api.py", "apply"]
+    assert calls[2][1]["configuration_file"].endswith("boundary.dstack.yml")
+
+
+def test_down_deletes_the_fleet_launch_applied_and_only_that(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=0)
+    env = env_with(tmp_path, bin_dir)
+    for made in (True, False):
+        record = {"provider": "dstack", "cluster_id": "boundary", **({"fleet_made": "boundary-fleet"} if made else {})}
+        subprocess.run([sys.executable, "-c", f"from rlhf_tasks import state; state.save('boundary', {record!r})"],
+                       env=env, check=True)
+        log.unlink(missing_ok=True)
+        down = run_cli(["down", "boundary"], tmp_path, env)
+        assert down.returncode == 0, down.stdout + down.stderr
+        calls = dstack_calls(log)
+        assert calls[0] == ("stop", {"project": None, "abort": False, "yes": True, "run_name": "boundary"})
+        if made:
+            command, args = calls[1]
+            assert (command, args["action"], args["name"].name, args["yes"]) == ("fleet", "delete", "boundary-fleet",
+                                                                                 True)
+        assert len(calls) == (2 if made else 1)
+
+
 def test_sky_launch_and_managed_launch(tmp_path):
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
@@ -262,10 +354,12 @@ def test_a_provider_cli_beside_the_interpreter_is_found_without_path(tmp_path):
     """`.venv/bin/rlhf-tasks launch --provider dstack` uses `.venv/bin/dstack` though PATH lacks it."""
     log = tmp_path / "calls.jsonl"
     env = env_with(tmp_path, None)
+    (tmp_path / "api").mkdir()
+    env["RLHF_TASKS_DSTACK_PYTHON"] = str(fake_api(tmp_path / "api", log))
     fake_cli(bare_venv(tmp_path), "dstack", log, code=1)
     out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env)
     assert out.returncode == 1 and "not installed" not in out.stderr, out.stderr
-    assert json.loads(log.read_text().splitlines()[0])["argv"][:2] == ["dstack", "apply"]
+    assert [json.loads(line)["argv"][:2] for line in log.read_text().splitlines()][-1] == ["dstack", "apply"]
 
 
 def test_local_refuses_gpu_tasks_before_starting_anything(tmp_path):

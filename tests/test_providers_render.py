@@ -97,8 +97,10 @@ def test_dstack_parser_accepts_every_task(task_path):
     task_cfg = parse(yaml.safe_load(files[f"{name}.dstack.yml"]))
     fleet_cfg = parse(yaml.safe_load(files[f"{name}-fleet.dstack.yml"]))
     assert task_cfg.type == "task" and fleet_cfg.type == "fleet"
-    assert task_cfg.nodes == fleet_cfg.nodes.min == load_task(task_path).nodes
-    assert {m.local_path for m in task_cfg.files} <= set(files)
+    assert task_cfg.nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
+    shipped = {(m.local_path, m.path) for m in task_cfg.files}  # one directory, and the working_dir (from here)
+    assert ("rlhf-tasks", "/opt/rlhf-tasks") in shipped and any(name.startswith("rlhf-tasks/") for name in files)
+    assert shipped <= {("rlhf-tasks", "/opt/rlhf-tasks"), (".", "/opt/rlhf-tasks-workdir")}
     assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
 
 
@@ -329,8 +331,8 @@ def test_the_demo_ships_its_code_and_imports_only_the_shipped_copy(provider_name
     assert {"rlhf-tasks/lib/rlhf_tasks/__init__.py", "rlhf-tasks/lib/rlhf_tasks/demo/train.py"} <= lib
     main = yaml.safe_load(files[next(iter(files))])
     if provider_name == "dstack":
-        assert {f"{name}:/opt/{name}" for name in lib} <= set(main["files"])
-        command = main["commands"][-1]
+        assert main["files"][0] == "rlhf-tasks:/opt/rlhf-tasks"  # the whole directory, lib/ included
+        command = main["commands"][-1].splitlines()[-1]  # the one script's last line, after set -e and setup
     else:
         assert main["file_mounts"]["/opt/rlhf-tasks"] == "rlhf-tasks"  # the whole directory, lib/ included
         command = main["run"].splitlines()[-1]  # after the lines that put back what SkyPilot's runner leaks

@@ -370,6 +370,28 @@ def test_404_is_its_own_error(standin, client):
     assert client.delete_cluster("nosuchcluster") is False
 
 
+def test_account_secrets_are_write_only_and_their_values_never_in_a_message(standin, client):
+    """RunPod's vault (api-reference-v2/account): a name is unique (409), RUNPOD is a reserved prefix,
+    no answer carries a value, and a value RunPod would echo back in an error is scrubbed like the key."""
+    value = "hf_SECRETVALUE_0b1c2d3e"
+    made = client.create_secret("rlhf-tasks.rt.HF_TOKEN", value, description="a test")
+    assert made["name"] == "rlhf-tasks.rt.HF_TOKEN" and "value" not in made
+    assert [s["id"] for s in client.list_secrets("RLHF-TASKS.rt.hf_token")] == [made["id"]]  # case-insensitive
+    with pytest.raises(RunPodError) as taken:
+        client.create_secret("rlhf-tasks.rt.HF_TOKEN", value)
+    assert taken.value.status == 409 and value not in str(taken.value)
+    with pytest.raises(RunPodError) as reserved:
+        client.create_secret("runpod-mine", value)
+    assert reserved.value.status == 400
+    standin.fail_requests(1, 422, "Unprocessable Entity", f"value {value} is not allowed")  # an echo
+    with pytest.raises(RunPodError) as echoed:
+        client.list_secrets()
+    assert value not in str(echoed.value) and "***" in str(echoed.value)
+    assert value not in json.dumps([r.body for r in standin.requests if r.path != "/v2/account/secrets"])
+    assert client.delete_secret(made["id"]) is True and client.delete_secret(made["id"]) is False
+    assert client.list_secrets() == []
+
+
 def test_the_api_key_never_appears_in_any_message(standin, tmp_path):
     """Every failure path, with RunPod even echoing the key back in its detail."""
     seen: list[str] = []

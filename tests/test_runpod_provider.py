@@ -48,6 +48,8 @@ TOKEN = "runpod-contract-token-0123456789abcdef"
 IDLE_IMAGE = ("bash", "-c", "exec sleep 600", "container")
 testbed3 = tbmod.make_testbed_fixture(3, scope="module")
 
+#: What a job prints of the file its job.working_dir holds (its own working directory).
+SHOW_SHIPPED = "cat shipped.txt"
 CHECK_NODES = ("python3 -c \"import ray; ray.init(); n = sum(1 for x in ray.nodes() if x['Alive']); "
                "print('CONTRACT alive nodes', n); assert n == {nodes}\"")
 
@@ -78,6 +80,11 @@ def rendered(task: dict) -> tuple[RunPodProvider, object, dict[str, str]]:
     return provider, plan, provider.render(plan)
 
 
+#: What the rendered requests' env says for the secrets of command_task: references, never values.
+REFERENCES = {"WANDB_API_KEY": "{{ RUNPOD_SECRET_rlhf-tasks.rp-contract.WANDB_API_KEY }}",
+              "RAY_AUTH_TOKEN": "{{ RUNPOD_SECRET_rlhf-tasks.rp-contract.RAY_AUTH_TOKEN }}"}
+
+
 def script_of(args: str) -> str:
     """The start script a pod's args run (base64 of gzip inside `bash -c '...'`)."""
     command = shlex.split(args)[2]
@@ -106,8 +113,7 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
         body = document["cluster"]
         assert contract.errors("CreateClusterRequest", body) == []
         assert body["compute"] == {"gpuTypeId": "NVIDIA A40", "gpuCountPerPod": 1, "podCount": 3}
-        assert body["type"] == "TRAINING" and body["env"] == {"WANDB_API_KEY": "${WANDB_API_KEY}",
-                                                              "RAY_AUTH_TOKEN": "${RAY_AUTH_TOKEN}"}
+        assert body["type"] == "TRAINING" and body["env"] == REFERENCES
         bodies = [body]
     else:
         bodies = [document["head"], *document["workers"]]
@@ -117,7 +123,7 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
             assert body["globalNetworking"] is True and body["cloud"] == "SECURE"
             assert body["env"]["RAY_WORKER"] == str(rank) and body["env"]["EXPECTED_WORKERS"] == "2"
             assert body["env"].get("HEAD_POD_ID") == ("${HEAD_POD_ID}" if rank else None)
-            assert body["env"]["RAY_AUTH_TOKEN"] == "${RAY_AUTH_TOKEN}"
+            assert {k: body["env"][k] for k in REFERENCES} == REFERENCES
         head = bodies[0]
         if variant == "client":  # SSH on the head only, for the dashboard's forward
             assert head["ports"] == ["22/tcp"] and head["startSsh"] is True
@@ -127,6 +133,10 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
         if variant == "volume":
             assert all(b["mounts"] == {"network": [{"volumeId": "vol123", "path": "/ckpt/run"}]} for b in bodies)
             assert provider.shared_storage_warning(plan) is None
+    # Secrets are references to account secrets in RunPod's vault; the note says how to make them by hand.
+    assert ("By hand, before the requests: create rlhf-tasks.rp-contract.WANDB_API_KEY (your WANDB_API_KEY), "
+            "rlhf-tasks.rp-contract.RAY_AUTH_TOKEN (rlhf-tasks token rp-contract) in RunPod's console (Secrets) or "
+            "with POST https://api.runpod.io/v2/account/secrets") in document["note"]
     for body in bodies:
         assert len(body["args"]) < MAX_ARGS
         assert script_of(body["args"]) == script  # the pod runs exactly the rendered script
@@ -138,6 +148,49 @@ def test_rendered_requests_pass_runpods_schemas_and_run_the_start_script(variant
                      "--plan /opt/rlhf-tasks/rp-contract.plan.json --log-dir "
                      "/opt/rlhf-tasks/logs"]  # without --skip-setup: the agent runs the setup
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_named_working_dir_is_shipped_in_the_start_script_or_refused_at_check(tmp_path):
+    """RunPod: nothing of this machine reaches a pod but its create request, so job.working_dir
+    (with submit: head) travels in the start script, packed as Ray would upload it; one too big
+    for a pod's args is refused at `check`, naming the field and what to do."""
+    import io
+    import tarfile
+
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "reward_fn.py").write_text("def reward(x):\n    return 1.0\n")
+    (code / "pkg" / "util.py").write_text("X = 1\n")
+    (code / "skip.log").write_text("left out by job.excludes\n")
+    task = command_task()
+    task["job"].update(working_dir=str(code), excludes=["*.log"])
+    provider, plan, files = rendered(task)
+    assert plan.job.working_dir == "."  # on the pod: where the archive is unpacked, the head submits from
+    script = files["rp-contract.start.sh"]
+    encoded = script.split("<<'RLHF_TASKS_WORKDIR'\n")[1].split("\nRLHF_TASKS_WORKDIR")[0].replace("\n", "")
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded))) as tar:
+        assert sorted(tar.getnames()) == ["pkg/util.py", "reward_fn.py"]
+        assert tar.extractfile("reward_fn.py").read() == b"def reward(x):\n    return 1.0\n"
+    assert script.index("RLHF_TASKS_WORKDIR") < script.rindex("agent/__main__.py --plan")  # before the agent runs
+    assert "shipped in the pods' start command" in provider.working_dir_words(plan)
+    assert rendered(task)[2] == files  # the same bytes for the same files
+    # Not named (the recipe's default `.`): nothing shipped, and check says where the job runs.
+    provider, plan, files = rendered(command_task(job={**command_task()["job"], "working_dir": None}))
+    assert "RLHF_TASKS_WORKDIR" not in files["rp-contract.start.sh"]
+    # A credentials file is never shipped (a pod's args are readable in its configuration): refused, naming it.
+    (code / ".env").write_text("WANDB_API_KEY=not-for-a-pods-args\n")
+    with pytest.raises(BadInput, match=r"job.working_dir: .*code holds \.env, which would be shipped in the pods' start "
+                                       r"command.*leave it out with job.excludes"):
+        rendered(task)
+    task["job"]["excludes"].append(".env")
+    # Too big for a pod's args: refused at check, exit 2, naming the field and what to do.
+    (code / "vocab.py").write_text(base64.b64encode(os.urandom(200 * 1024)).decode())
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(task))
+    out = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(path), "--provider", "runpod"],
+                         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"job.working_dir: {code} packs" in out.stderr and "set job.submit: client" in out.stderr, out.stderr
 
 
 def test_render_of_the_demo_ships_its_code_and_picks_a_gpu_for_global_networking():
@@ -295,14 +348,18 @@ SECRET_VALUES = {"RUNPOD_API_KEY": KEY, "WANDB_API_KEY": "wandb-value-42"}
 
 
 def sent_secrets(api: RunPodStandIn | None) -> dict[str, str]:
-    """The values RunPod was sent for the task's secrets and the Ray token (a create request's env:
-    RunPod v2 has no secret references), by name."""
+    """The values RunPod was sent for the task's secrets and the Ray token (the account secrets the
+    launch created in RunPod's vault), by secret name; and no create request carried a value: their
+    env holds the values of neither, only references."""
     found = {}
     for request in api.requests if api is not None else []:
+        if request.method == "POST" and request.path == "/v2/account/secrets" and request.body:
+            found[request.body["name"]] = request.body["value"]
+    for request in api.requests if api is not None else []:
         if request.method == "POST" and request.path in ("/v2/pods", "/v2/clusters") and request.body:
-            for name, value in (request.body.get("env") or {}).items():
-                if name in ("RAY_AUTH_TOKEN", *SECRET_VALUES) and value:
-                    found[f"{name} ({value[:4]}...)"] = value
+            text = json.dumps(request.body)
+            for name, value in {**found, **SECRET_VALUES}.items():
+                assert value not in text, f"the value of {name} in a create request"
     return found
 
 
@@ -311,7 +368,7 @@ def assert_key_nowhere(*texts: str, directories: tuple[Path, ...] = (), api: Run
     value RunPod was sent, `api`) in what was said or in any file under `directories` (records, node
     logs, renders): only the token's own file, clusters/NAME/token, holds a token."""
     secrets = {**SECRET_VALUES, **sent_secrets(api)}
-    assert not api or any(name.startswith("RAY_AUTH_TOKEN") for name in secrets), "no token was sent to look for"
+    assert not api or any(name.endswith(".RAY_AUTH_TOKEN") for name in secrets), "no token was sent to look for"
     for text in texts:
         for name, value in secrets.items():
             assert value not in text, f"{name} in what was said"
@@ -374,9 +431,10 @@ def test_a_failed_third_pod_leaves_no_pod_and_names_runpods_message(standin, tmp
     assert all(pod.popen.poll() is not None for pod in standin.runner.pods)  # the containers are gone
     creates = [r.body for r in standin.requests if r.method == "POST" and r.path == "/v2/pods"]
     head, worker = creates[0], creates[1]
-    # What was sent is what render printed, with the values filled in and the data center chosen.
-    assert head["env"]["RAY_AUTH_TOKEN"] and head["env"]["RAY_AUTH_TOKEN"] != "${RAY_AUTH_TOKEN}"
-    assert head["env"]["WANDB_API_KEY"] == "wandb-value-42"
+    # What was sent is what render printed, with the head's id filled in and the data center chosen: the
+    # secrets as references to the account secrets the launch made, which the failed launch deleted again.
+    assert {k: head["env"][k] for k in REFERENCES} == REFERENCES
+    assert standin.secrets == {} and "deleted 2 account secret(s) from RunPod's vault" in out.stderr
     assert worker["env"]["HEAD_POD_ID"] == next(iter(standin.pods)) and worker["dataCenterIds"] == ["EU-RO-1"]
     assert head["mounts"] == {"network": [{"volumeId": volume, "path": "/ckpt/run"}]}
     # Nothing is kept of a launch that never started: no token, no record, no staged files.
@@ -481,6 +539,42 @@ def test_workers_are_created_once_the_head_has_its_data_center(standin, home, ca
     client.close()
 
 
+def test_secrets_go_through_runpods_vault_and_nothing_is_left_after_down(tmp_path, home):
+    """The create requests carry references to account secrets, never a value; the pods' containers see
+    the values (RunPod substitutes them at boot: the stand-in plays it); `status` lists them; a leftover
+    of an earlier cluster of the name is replaced; `terminate` (down's) deletes them, and nothing else."""
+    from rlhf_tasks.providers.runpod import pods
+    from rlhf_tasks.providers.runpod.api import RunPodClient
+
+    image = ("bash", "-c", 'printf %s "$WANDB_API_KEY" > seen; exec sleep 600', "container")
+    runner = ProcessRunner(tmp_path / "pods", entrypoint=image)
+    with RunPodStandIn(runner, api_key=KEY) as api:
+        client = RunPodClient(KEY, base_url=api.url)
+        theirs = client.create_secret("hf-token", "not-ours")["id"]
+        client.create_secret("rlhf-tasks.rp-contract.WANDB_API_KEY", "stale-from-an-earlier-launch")
+        members, _ = create_in_process(client, command_task(nodes=2))
+        creates = [r.body for r in api.requests if r.method == "POST" and r.path == "/v2/pods"]
+        assert len(creates) == 2
+        for body in creates:  # a reference, never the value; the token's reference left out: no token was given
+            assert body["env"]["WANDB_API_KEY"] == REFERENCES["WANDB_API_KEY"] and "RAY_AUTH_TOKEN" not in body["env"]
+            assert "w" not in body["env"].values()
+        assert sorted(s["name"] for s in client.list_secrets()) == ["hf-token", "rlhf-tasks.rp-contract.WANDB_API_KEY"]
+        assert all("value" not in s for s in client.list_secrets())  # write-only
+        # Every pod's container saw the value, not the reference (and not the stale one).
+        seen = [tmp_path / "pods" / m["id"] / "seen" for m in members]
+        poll(lambda: all(p.exists() and p.read_text() for p in seen), 30, "the pods to write what they see")
+        assert [p.read_text() for p in seen] == ["w", "w"]
+        assert all(client.get_pod(m["id"])["env"]["WANDB_API_KEY"] == REFERENCES["WANDB_API_KEY"] for m in members)
+        assert "account secrets in RunPod's vault: rlhf-tasks.rp-contract.WANDB_API_KEY" in \
+            pods.status(client, "rp-contract")
+        said = pods.terminate(client, "rp-contract")
+        assert "deleted 1 account secret(s) from RunPod's vault (rlhf-tasks.rp-contract.WANDB_API_KEY)" in said
+        assert [s["id"] for s in client.list_secrets()] == [theirs]  # nothing of ours left, theirs kept
+        client.close()
+        assert api.errors == []
+    runner.close()
+
+
 def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, home, capsys):
     """RunPod: `dataCenterIds` are preferences, and a create "places one specific GPU type. It does
     not search for capacity": one create per candidate, on to the next on 400 (no capacity) or
@@ -492,7 +586,8 @@ def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, hom
     client = RunPodClient(KEY, base_url=standin.url)
     members, fit = create_in_process(client, command_task(nodes=2))
     assert fit["datacenters"] == ["EU-RO-1", "US-KS-2"]  # MEDIUM before LOW
-    creates = [(r.status, r.body["dataCenterIds"]) for r in standin.requests if r.method == "POST"]
+    creates = [(r.status, r.body["dataCenterIds"]) for r in standin.requests
+                   if r.method == "POST" and r.path == "/v2/pods"]
     assert creates == [(400, ["EU-RO-1"]), (201, ["US-KS-2"]), (201, ["US-KS-2"])]
     out = capsys.readouterr().out
     assert "RunPod: EU-RO-1 refused pod rp-contract-head (400 Bad Request: no capacity: no 1x NVIDIA A40" in out
@@ -505,7 +600,7 @@ def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, hom
     said = str(info.value)
     assert said.startswith("creating pod rp-other-head: no data center took it: EU-RO-1: the account cannot access "
                            "the requested pool (403 Forbidden: access denied); US-KS-2: 400 Bad Request: no capacity")
-    assert [(r.status, r.body["dataCenterIds"]) for r in standin.requests if r.method == "POST"] == [
+    assert [(r.status, r.body["dataCenterIds"]) for r in standin.requests if r.method == "POST" and r.path == "/v2/pods"] == [
         (403, ["EU-RO-1"]), (400, ["US-KS-2"])]
     client.close()
 
@@ -525,7 +620,7 @@ def test_data_centers_without_stock_are_dropped_and_clusters_go_by_cluster_stock
     # pods: A40 is HIGH in CA-MTL-1, MEDIUM in EU-RO-1; Instant Clusters: only EU-RO-1 has them
     members, fit = create_in_process(client, command_task(network="runpod-cluster", nodes=2))
     assert fit["datacenters"] == ["EU-RO-1"]
-    assert [c.body["dataCenterIds"] for c in standin.requests if c.method == "POST"] == [["EU-RO-1"]]
+    assert [c.body["dataCenterIds"] for c in standin.requests if c.method == "POST" and c.path == "/v2/clusters"] == [["EU-RO-1"]]
     assert len(members) == 2 and list(standin.clusters.values())[0].datacenter == "EU-RO-1"
     client.close()
 
@@ -613,8 +708,9 @@ def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_pat
     assert "== summary ==" in out.stdout and "SUCCEEDED" in out.stdout
     assert "the job's last line: done: steps 1..20" in out.stdout and "RLHF_TASKS_RESULT" not in out.stdout
     assert "network preset auto: GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in out.stdout
-    # The launcher terminated the pods after the job: nothing bills, nothing runs.
+    # The launcher terminated the pods after the job: nothing bills, nothing runs, nothing is left in the vault.
     assert "stopping the runpod cluster tiny-grpo" in out.stdout and live_pods(api) == []
+    assert "stored 1 secret(s) in RunPod's vault" in out.stdout and api.secrets == {}
     for host in range(3):
         assert testbed3.processes(host) == []
     logs = tmp_path / "home" / "runs" / "tiny-grpo" / "nodes"
@@ -644,10 +740,12 @@ def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(te
     status = run_cli(["status", "tiny-grpo"], env)
     assert status.returncode == 0, status.stderr
     assert "Instant Cluster tiny-grpo" in status.stdout and status.stdout.count("\tRUNNING\t") == 3
+    assert "account secrets in RunPod's vault: rlhf-tasks.tiny-grpo.RAY_AUTH_TOKEN" in status.stdout
     down = run_cli(["down", "tiny-grpo"], env)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "deleted Instant Cluster" in down.stdout and "(3 pods)" in down.stdout
-    assert api.clusters == {} and live_pods(api) == []
+    assert api.clusters == {} and live_pods(api) == [] and api.secrets == {}
+    assert "deleted 1 account secret(s) from RunPod's vault (rlhf-tasks.tiny-grpo.RAY_AUTH_TOKEN)" in down.stdout
     for host in range(3):
         assert testbed3.processes(host) == []
     assert_key_nowhere(said, status.stdout, down.stdout, directories=(tmp_path, testbed3.dir), api=api)
@@ -772,9 +870,15 @@ def test_client_submission_through_the_ssh_forward_from_a_laptop(testbed3, tb_st
 
 def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp_path):
     """start.sh on three hosts as someone creating pods by hand would run it: the guide's
-    variables only (and what RunPod sets itself), the workers started well before the head."""
+    variables only (and what RunPod sets itself), the workers started well before the head; the
+    task's job.working_dir, shipped in the script, is the job's working directory."""
     tb = testbed3
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "shipped.txt").write_text("shipped in the start script\n")
     task = command_task(checkpoints={"path": str(tmp_path / "ckpt"), "resume": "never"})
+    task["job"].update(working_dir=str(code),
+                       args={"entrypoint": ["bash", "-c", f"{SHOW_SHIPPED} && {CHECK_NODES.format(nodes=3)}"]})
     _, _, files = rendered(task)
     script = tmp_path / "start.sh"
     script.write_text(files["rp-contract.start.sh"])
@@ -797,6 +901,7 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
         head = procs[0].output
         assert result["exit_code"] == 0 and (result["job"] or {})["status"] == "SUCCEEDED", head[-5000:]
         assert "CONTRACT alive nodes 3" in head and "--ray-debugger-external" in head
+        assert "shipped in the start script" in head  # job.working_dir reached the job's working directory
         assert "network preset runpod-global: GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_LAUNCH_MODE=GROUP" in head
         assert f"runpod node 0 of 3, address {tb.hosts[0].ip}, head {tb.hosts[0].ip}" in head
         for host in (1, 2):

@@ -200,3 +200,25 @@ def test_check_says_where_the_jobs_working_directory_will_be(tmp_path, rlhf_home
     config = yaml.safe_load(cli(["render", "task.yaml", "--provider", "sky"], tmp_path / "c" / "proj",
                                 rlhf_home).stdout)
     assert "workdir" not in config  # submit: client uploads it from here through Ray
+
+
+@pytest.mark.parametrize("resources,cpus,memory", [({"cpus": 8, "memory": "64GB"}, "8+", "64+"),
+                                                    ({"cpus": "8..", "memory": "64GB+"}, "8+", "64+"),
+                                                    ({"cpus": 8, "memory": "64GB", "exact": ["cpus", "memory"]},
+                                                     "8", "64")])
+def test_amounts_are_at_least_unless_the_task_says_exactly(resources, cpus, memory, tmp_path, monkeypatch):
+    """SkyPilot reads `cpus: 8` as exactly 8 and `8+` as 8 or more (its Resources): a task's amount is a minimum
+    unless resources.exact lists it."""
+    _sky()
+    import sky
+
+    provider = providers.get("sky")
+    task = parse_task({"name": "t", "nodes": 1, "resources": resources,
+                       "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}})
+    files = provider.render(provider.plan(task))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    (parsed,) = sky.Task.from_yaml_config(yaml.safe_load(files["t.sky.yaml"])).resources
+    assert (parsed.cpus, parsed.memory) == (cpus, memory)

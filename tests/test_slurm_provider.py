@@ -32,6 +32,10 @@ from test_e2e_local import FAIL_WITH_SECRET
 
 slurm = stmod.make_slurm_fixture(3)
 
+#: FAIL_WITH_SECRET, after printing a file of its job.working_dir (the job's own directory).
+FAIL_IN_WORKDIR = ("python3 -c 'import json, os; print(open(\"shipped.txt\").read().strip(), flush=True); "
+                   "print(\"the key is\", os.environ[\"FX_SECRET\"], flush=True); json.loads(\"{\")'")
+
 #: Processes a compute host keeps between jobs: the Slurm daemons (and the fixture's probes).
 IDLE = {"slurmd", "slurmctld", "munged", "sinfo", "scontrol", "squeue"}
 
@@ -149,8 +153,11 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
         "name": "fail", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
         "checkpoints": {"path": str(tmp_path / "ckpt")}, "wait": {"head": "3m", "nodes": "3m"},
         "secrets": ["FX_SECRET"],
-        "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
-                "args": {"entrypoint": FAIL_WITH_SECRET}}}))
+        "job": {"recipe": "command", "working_dir": "code", "timeout": "5m", "max_restarts": 0,
+                "args": {"entrypoint": FAIL_IN_WORKDIR}}}))
+    # job.working_dir, relative: of the directory launch runs in (on the shared filesystem), read by the head
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "shipped.txt").write_text("shipped from the launcher's directory\n")
     home = tmp_path / "home"
     secret = "fx-secret-value-0123456789"
     try:
@@ -167,6 +174,7 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
     assert slurm.job_state(job) == ("FAILED", 1), slurm.job_info(job)
     assert f"job fail-{job}: FAILED" in out and f"Slurm job {job} FAILED with exit code 1" in out
     assert f"failed: running job fail-{job}: it ended FAILED" in out  # the launcher's one verdict
+    assert "shipped from the launcher's directory" in out  # the job ran in its working_dir, uploaded by the head
     # The failure's forensics (issue 22): the head's driver raised; the bundle is on the shared filesystem.
     firsts = out[out.index("first error on each node:"):].splitlines()
     assert firsts[1].strip().startswith("node0 (") and "json.decoder.JSONDecodeError" in firsts[1], out[-3000:]

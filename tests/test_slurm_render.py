@@ -139,13 +139,37 @@ def test_pyxis_runs_the_image_with_the_agents_and_checkpoint_dirs_mounted():
     script = render(data)
     step = srun_step(script)
     assert "--container-image=verlai/verl:vllm017.latest" in step
-    assert ('--container-mounts="$run_dir":"$run_dir",/checkpoints/verl-ppo-gsm8k:/checkpoints/verl-ppo-gsm8k,'
-            "/data:/data:ro") in step
-    assert '--container-workdir="$run_dir"' in step
+    assert ('--container-mounts="$job_dir":"$job_dir","$run_dir":"$run_dir",/checkpoints/verl-ppo-gsm8k:'
+            "/checkpoints/verl-ppo-gsm8k,/data:/data:ro") in step
+    assert '--container-workdir="$job_dir"' in step  # job.working_dir `.` is read from there (the recipe's default)
     # no scontrol in the image: the script expands the host list, the contract reads it
     assert 'RLHF_TASKS_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)' in script
     contract = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))["contract"]
     assert contract["head"] == {**contract["head"], "env": "RLHF_TASKS_HOSTS", "item": 0}
+
+
+def test_the_agents_run_where_job_working_dir_is_read(tmp_path, monkeypatch, capsys):
+    """A relative job.working_dir is of the directory `launch` runs in (RLHF_TASKS_JOB_DIR, which launch
+    sets) or else of the one sbatch runs in: the agents run there, the head uploads it to the job; none
+    named, they run where they did. `check` says so."""
+    from rlhf_tasks.cli import main
+
+    data = {**FULL, "job": {**FULL["job"], "working_dir": "code"}}
+    script = render(data)
+    assert 'job_dir="${RLHF_TASKS_JOB_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"' in script
+    assert '--chdir="$job_dir"' in srun_step(script).split()
+    plan = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))
+    assert plan["job"]["working_dir"] == "code"
+    none = render({**FULL, "job": {**FULL["job"], "working_dir": None}})
+    assert "job_dir" not in none and "--chdir" not in srun_step(none)
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(path), "--provider", "slurm"]) == 0
+    out = capsys.readouterr().out
+    assert (f"working_dir code of the directory `launch` runs in ({tmp_path / 'code'} from here), or of the one you "
+            "run `sbatch` in: the head reads it there and uploads it to the job (Ray's working_dir), so it must be "
+            "on the cluster's shared filesystem") in out
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
@@ -158,13 +182,13 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
     for option in ("--network=host", "--ipc=host", "--shm-size=122071m", "--device=/dev/kfd", "--device=/dev/dri",
                    "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
                    "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
-                   '--workdir="$run_dir"'):
+                   '--volume="$job_dir":"$job_dir"', '--workdir="$job_dir"'):
         assert option in words, option
     assert "--env=CUDA_VISIBLE_DEVICES" not in words
     # The image's own PYTHONPATH is kept: the agent runs by its path and puts lib/ before the image's
     # entries for what it starts (issue 32, item 3); no option sets the container's PYTHONPATH.
     assert not [w for w in words if w.startswith("--env=PYTHONPATH")], step
-    assert words[words.index('--workdir="$run_dir"') + 1:][:3] == [
+    assert words[words.index('--workdir="$job_dir"') + 1:][:3] == [
         "rlsys/verl:verl-0.4.1_ubuntu-22.04_rocm6.3.4-numa-patch_vllm0.8.5_sglang0.4.6.post4", "python3",
         '"$run_dir/lib/rlhf_tasks/agent/__main__.py"']
     # the task's env is exported for the container to take by name
@@ -328,3 +352,54 @@ def test_torchrun_runs_on_every_node_without_ray():
     with pytest.raises(BadInput, match="nproc_per_node 16 is more than the 8 GPUs"):
         provider.plan(parse_task({"name": "dpo", "nodes": 2, "resources": {"gpus": "H100:8"},
                                   "job": {"recipe": "torchrun", "args": {"module": "m", "nproc_per_node": 16}}}))
+
+
+def test_the_gpu_type_reaches_slurm_by_the_clusters_name_for_it_or_its_drop_is_said():
+    """resources.gpus H100:8 -> --gpus-per-node=h100:8 when placement.slurm.gpu_type gives the
+    cluster's name for the type (gres.conf's); without it the type is dropped, and `check` and
+    `render` say so (a warning, as the KubeRay provider's for its node selector)."""
+    provider = providers.get("slurm")
+    typed = {**FULL, "placement": {"slurm": {"gpu_type": "h100"}}}
+    plan = provider.plan(parse_task(typed))
+    assert "--gpus-per-node=h100:8" in sbatch_options(provider.render(plan)[f"{plan.name}.sbatch"])
+    assert not any("gpu_type" in note for note in provider.notes(plan))
+    untyped = provider.plan(parse_task(FULL))
+    assert "--gpus-per-node=8" in sbatch_options(render(FULL))
+    (said,) = [note for note in provider.notes(untyped) if "resources.gpus" in note]
+    assert "H100" in said and "any type" in said and "placement.slurm.gpu_type" in said
+    counted = provider.plan(parse_task({**FULL, "resources": {"gpus": "8"}}))  # no type asked for: nothing dropped
+    assert not any("resources.gpus" in note for note in provider.notes(counted))
+    gres = provider.plan(parse_task({**FULL, "placement": {"slurm": {"gres": "gpu:h100:8"}}}))
+    assert not any("resources.gpus" in note for note in provider.notes(gres))
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"placement": {"slurm": {"gpu_type": "h100", "gres": "gpu:h100:8"}}}, "placement.slurm.gres says the GPUs"),
+    ({"resources": {"cpus": 4}, "placement": {"slurm": {"gpu_type": "h100"}}}, "no GPUs"),
+    ({"placement": {"slurm": {"gpu_type": "h100 --uid=0"}}}, "one word")])
+def test_a_gpu_type_that_cannot_apply_is_refused(change, why):
+    with pytest.raises(BadInput, match=re.escape("placement.slurm.gpu_type") + ".*" + re.escape(why)):
+        providers.get("slurm").plan(parse_task({**FULL, **change}))
+
+
+def test_a_script_without_a_time_limit_is_said():
+    """No placement.max_duration and no job.timeout: no --time, so Slurm gives the partition's
+    default limit; `check` and `render` say so, with the field that sets it."""
+    provider = providers.get("slurm")
+    open_ended = {**FULL, "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}}
+    plan = provider.plan(parse_task(open_ended))
+    assert not any(o.startswith("--time") for o in sbatch_options(render(open_ended)))
+    (said,) = [note for note in provider.notes(plan) if "--time" in note]
+    assert "placement.max_duration" in said and "partition" in said
+    for limited in (FULL, {**open_ended, "placement": {"max_duration": "3h"}}):
+        assert not any("--time" in note for note in provider.notes(provider.plan(parse_task(limited))))
+
+
+def test_check_and_render_print_the_slurm_notes(tmp_path, capsys, rlhf_home):
+    from rlhf_tasks.cli import main
+
+    task = tmp_path / "t.yaml"
+    task.write_text(yaml.safe_dump({**FULL, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+    assert main(["render", str(task), "--provider", "slurm"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: resources.gpus" in err and "--time" in err

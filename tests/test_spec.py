@@ -82,11 +82,12 @@ def test_durations(text, seconds):
 def test_schema_is_exported_and_describes_recipes(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
+    from rlhf_tasks.providers.dstack import DstackPlacement
     from rlhf_tasks.providers.kuberay import KubeRayPlacement
     from rlhf_tasks.providers.slurm import SlurmPlacement
 
     # the providers' own placement options composed in
-    assert schema == json_schema({"slurm": SlurmPlacement, "kuberay": KubeRayPlacement})
+    assert schema == json_schema({"slurm": SlurmPlacement, "kuberay": KubeRayPlacement, "dstack": DstackPlacement})
     assert schema["$defs"]["Placement"]["properties"]["kuberay"]["$ref"] == "#/$defs/KubeRayPlacement"
     text = json.dumps(schema)
     assert "tiny-grpo" in text and "additionalProperties" in text
@@ -111,3 +112,23 @@ def test_a_missing_recipe_lists_the_recipes():
         parse_task({"name": "x", "nodes": 1, "job": {"args": {}}}, "t.yaml")
     assert "  job.recipe: missing (choose one of: command, openrlhf-m-grpo, openrlhf-ppo, search-r1, tiny-grpo, " \
            "torchrun, verl-ppo)" in str(info.value)
+
+
+def test_off_and_on_unquoted_are_the_words_yaml_reads_as_booleans():
+    """`spot: off` and `debug: off` as the docs write them: YAML 1.1 reads off/on as false/true, and
+    the task means the words."""
+    import yaml as _yaml
+
+    from rlhf_tasks.spec import parse_task
+
+    task = parse_task(_yaml.safe_load("""
+name: t
+nodes: 1
+ray: {debug: off}
+placement: {spot: on}
+job: {recipe: command, args: {entrypoint: "true"}}
+"""))
+    assert task.ray.debug == "off" and task.placement.spot == "on"
+    task = parse_task(_yaml.safe_load("name: t\nnodes: 1\nplacement: {spot: off}\n"
+                                      "job: {recipe: command, args: {entrypoint: 'true'}}\n"))
+    assert task.placement.spot == "off"

@@ -166,3 +166,87 @@ def test_a_stand_in_the_test_declares_is_not_a_cluster(inner, tmp_path):
     result = inner.runpytest_subprocess("-q")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_undeclared starts `ray start` but has no `cluster` mark*"])
+
+
+def test_make_tests_two_workers_keep_each_group_together_the_kubernetes_tests_first(inner, tmp_path, monkeypatch):
+    """`make test` runs two pytest-xdist workers with the Makefile's flags: the tests of a fixture wider
+    than one test (here a module's) run in one worker, so it starts once; the tests of the Kubernetes
+    build (`kube_cluster`, `real_kubectl`) too, first in theirs; the rest go wherever a worker is free.
+    (pytest 9 with xdist 3.8 ignored every group: pyproject.toml pins pytest 8.)"""
+    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
+                 if line.startswith("PYTEST_WORKERS"))
+    record = tmp_path / "ran"
+    monkeypatch.setenv("RAN", str(record))
+    inner.makepyfile(test_x="""
+        import os
+        import pytest
+
+        def ran(kind):
+            with open(os.environ["RAN"], "a") as f:
+                f.write(os.environ["PYTEST_XDIST_WORKER"] + " " + kind + "\\n")
+
+        @pytest.fixture(scope="module")
+        def module_wide():
+            return 1
+
+        @pytest.fixture(scope="session")
+        def kube_cluster():
+            return 1
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_alone(i):
+            ran("alone")
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_grouped(module_wide, i):
+            ran("grouped")
+
+        @pytest.mark.parametrize("i", range(3))
+        def test_kube(kube_cluster, i):
+            ran("kube")
+    """)
+    result = inner.runpytest_subprocess("-p", "xdist", *flags, "-q")
+    result.assert_outcomes(passed=11)
+    lines = [line.split() for line in record.read_text().splitlines()]
+    workers = {kind: {w for w, k in lines if k == kind} for kind in ("alone", "grouped", "kube")}
+    assert len(workers["grouped"]) == 1 and len(workers["kube"]) == 1, lines
+    assert len({w for w, _ in lines}) == 2, lines  # both workers worked
+    kube_worker = workers["kube"].pop()
+    assert [k for w, k in lines if w == kube_worker][:3] == ["kube"] * 3, lines
+
+
+def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(inner, tmp_path, monkeypatch):
+    """Two workers start together: an `alone` test and another cluster test never overlap (the workers'
+    lock), while two fast tests do not wait for each other's worker."""
+    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
+                 if line.startswith("PYTEST_WORKERS"))
+    monkeypatch.setenv("SEEN", str(tmp_path))
+    inner.makepyfile(test_x="""
+        import os
+        import time
+        from pathlib import Path
+        import pytest
+
+        def hold(me):
+            # running for 2 s; says whether any other test ran meanwhile
+            seen = Path(os.environ["SEEN"])
+            (seen / f"running-{me}").touch()
+            others = set()
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                others |= {p.name for p in seen.glob("running-*")} - {f"running-{me}"}
+                time.sleep(0.05)
+            (seen / f"running-{me}").unlink()
+            (seen / f"beside-{me}").write_text(" ".join(sorted(others)))
+
+        @pytest.mark.cluster
+        @pytest.mark.alone
+        def test_alone():
+            hold("alone")
+
+        @pytest.mark.cluster
+        def test_cluster():
+            hold("cluster")
+    """)
+    inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=2)
+    assert (tmp_path / "beside-alone").read_text() == "" and (tmp_path / "beside-cluster").read_text() == ""

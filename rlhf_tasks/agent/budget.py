@@ -180,7 +180,7 @@ class Watch(threading.Thread):
         self.report = None  # type: Optional[dict]  (for the result line)
         self.handled = False
         self.warned = False
-        self._stop = threading.Event()
+        self._closed = threading.Event()  # not `_stop`: that is Thread's own method (called after a fork)
 
     # ---------------------------------------------------------------- the main thread's side
 
@@ -196,7 +196,7 @@ class Watch(threading.Thread):
         return self.report is not None and self.report.get("capped", False)
 
     def close(self) -> None:
-        self._stop.set()
+        self._closed.set()
 
     # ---------------------------------------------------------------- the thread
 
@@ -207,7 +207,7 @@ class Watch(threading.Thread):
         cap = cap_seconds(self.budget)
         idle_since = self.clock()
         ran = False
-        while not self._stop.wait(TICK_S if cap is None else max(0.01, min(TICK_S, cap - (
+        while not self._closed.wait(TICK_S if cap is None else max(0.01, min(TICK_S, cap - (
                 self.clock() - self.started)))):  # the cap's moment itself, not the next tick after it
             seconds = self.clock() - self.started
             if cap is not None and not self.warned and seconds >= WARN_AT * cap:
@@ -278,7 +278,7 @@ class Watch(threading.Thread):
             log("job %s: SIGTERM to its driver (%s); it has %.0fs to checkpoint (placement.stop_grace)"
                 % (sid, "session %s" % ", ".join(map(str, sessions)) if sessions else "not found on the head", grace))
         deadline = self.clock() + grace
-        while running and self.clock() < deadline and not self._stop.wait(0.5):
+        while running and self.clock() < deadline and not self._closed.wait(0.5):
             running = [sid for sid in (self._running() or []) if sid in running]
         for sid in running:
             log("job %s still runs after the grace: stopping it through Ray" % sid)
@@ -307,7 +307,7 @@ class Watch(threading.Thread):
         the main thread waits for."""
         self.report, self.ending = report, ending
         deadline = self.clock() + (RUNNER_NOTICES_S if followed else 0.0)
-        while not self.handled and self.clock() < deadline and not self._stop.wait(0.2):
+        while not self.handled and self.clock() < deadline and not self._closed.wait(0.2):
             pass
         if not self.handled:
             os.kill(os.getpid(), SIGNAL)

@@ -28,6 +28,38 @@ WORKER_LEAVE_S = 20.0
 JOB_LOG_TAIL_CHARS = 64 * 1024  # how much of the job's log the result line repeats
 
 
+def move_aside(directory, stamp):
+    # type: (str, str) -> Optional[str]
+    """`launch --fresh`: the old checkpoints moved aside, never deleted, before prepare, so that
+    nothing resumes from them: the directory renamed to DIR.old-STAMP, or, where it cannot be (a
+    mount point: a volume, a claim), its contents moved into DIR/.old-STAMP, a name no recipe
+    resumes from. Once per launch (STAMP is the launch's): a relaunch of the same launch keeps
+    what the fresh run made. Where they went; None when nothing was moved."""
+    directory = directory.rstrip("/") or directory
+    beside, inside = "%s.old-%s" % (directory, stamp), os.path.join(directory, ".old-%s" % stamp)
+    if os.path.lexists(beside) or os.path.lexists(inside):
+        log("fresh start: this launch moved the old checkpoints aside already (%s): %s is the fresh run's"
+            % (beside if os.path.lexists(beside) else inside, directory))
+        return None
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        entries = []
+    if not entries:
+        log("fresh start: no old checkpoints in %s" % directory)
+        return None
+    try:
+        os.rename(directory, beside)
+        moved = beside
+    except OSError:  # a mount point (EBUSY, EXDEV): its contents go aside inside it
+        os.mkdir(inside)
+        for entry in entries:
+            os.rename(os.path.join(directory, entry), os.path.join(inside, entry))
+        moved = inside
+    log("fresh start: moved the old checkpoints aside, nothing deleted: %s -> %s" % (directory, moved))
+    return moved
+
+
 class HeadFlow(object):
     """Rank 0: prepare, start the head and its services, wait for every node, then hand the
     job to the job runner (or keep the cluster up for a client's submission)."""
@@ -53,6 +85,8 @@ class HeadFlow(object):
         self.probe = node_probe(node)
         if self.probe is not None:
             self.early = head_checks(node, self.probe)
+        if plan.get("fresh") and plan.get("checkpoint_dir"):
+            move_aside(plan["checkpoint_dir"], plan["fresh"])
         if plan["prepare"]:
             node.run_commands("prepare", plan["prepare"])
         started = time.monotonic()

@@ -109,6 +109,11 @@ class Provider:
     shares_filesystem: ClassVar[bool] = False
     #: The task's option for storage every node sees at checkpoints.path (checkpoints.shared.<name>).
     shared_option: ClassVar[str] = ""
+    #: Where the cluster's price per hour comes from when the provider knows it itself (`check` says it);
+    #: None: placement.price_per_hour.
+    price_source: ClassVar[str | None] = None
+    #: Whether its machines are billed (`check` says the cost; the local provider's are this machine).
+    bills: ClassVar[bool] = True
     #: The directory the rendered files are written to (set by `render -o` and `stage`); None: the
     #: current directory. A provider whose CLI resolves local paths from there (SkyPilot) uses it.
     render_dir: Path | None = None

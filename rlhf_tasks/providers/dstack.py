@@ -9,22 +9,100 @@ dstack CLI fills from the local environment at apply time.
 Checkpoints go to a directory on each host (`instance_path`) unless the task names shared
 storage in `checkpoints.shared.dstack`: a network volume, or a host directory the user
 declares shared (an NFS mount on every fleet host).
+
+What dstack's server does with the file, read in dstack 0.22.5's own code: it runs `commands` as
+`<shell> -i -c "<items joined with ' && '>"` (jobs/configurators/base.py, _commands and
+_join_shell_commands), so they are rendered as one item that starts with `set -e`; `files:` entries are
+archived by the CLI (utils/files.py create_file_archive: .gitignore and .dstackignore respected, at most
+DSTACK_SERVER_CODE_UPLOAD_LIMIT, 2 MiB by default, per archive: server/routers/files.py) and unpacked on
+every node; with `image:` and no `user:` or CPU architecture the server reads the image's configuration
+from its registry at submit time (_user, _requirements); a fleet terminates only instances above
+`nodes.min` when they idle (fleets.py, idle_duration); an SSH fleet refuses the fields of a cloud fleet
+(server/services/fleets.py, _validate_fleet_configuration_subtype_specific_fields); a run needs a fleet
+(cli/utils/common.py NO_FLEETS_WARNING), and `dstack apply -d` submits a run no offer fits.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
 import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .. import state
+from .. import state, workdir
+from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
-from ..spec import Task
+from ..spec import Task, provider_part
 from .base import Cluster, Provider, require_cli, stop_with_cli
-from .shipping import agent_command, dump_yaml, node_path, shared_entry, shipped_files
+from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
+
+#: What we render when the task gives no disk. dstack's own default is `100GB..` (resources.DEFAULT_DISK),
+#: which it compares to an offer's disk and, on an SSH fleet, to the host's free disk: a host with less is no
+#: offer. 50GB holds the image with Ray and torch and a small model; a task that needs more says `disk:`.
+DEFAULT_DISK = "50GB"
+
+#: The fleet's `idle_duration` when the task does not set `placement.idle`: dstack's own default for a run's
+#: instances (fleets.py: "Defaults to `5m` for runs and `3d` for fleets"), not the fleet's 3 days.
+FLEET_IDLE_S = 300
+
+#: Where the task's job.working_dir lands on every node (dstack's `files:`), and the directory the job's
+#: commands run in (dstack's `working_dir`; without it, the image's, `/` in many). Not dstack's repo directory
+#: (/workflow), nor below /opt/rlhf-tasks: dstack's runner replaces a `files:` target whole (executor/files.go,
+#: as tests/dstack/agent.py plays it), so no image's directory and no other archive's may be it.
+JOB_DIR = "/opt/rlhf-tasks-workdir"
+
+#: dstack's server refuses a `files:` archive above this (DSTACK_SERVER_CODE_UPLOAD_LIMIT, 2 MiB by default:
+#: server/settings.py); read from this environment too, for a server started here with another limit.
+DEFAULT_UPLOAD_LIMIT = 2 * 2**20
+
+#: A GPU name with its memory as a suffix (A100-80GB, V100-32G), which dstack's GPUSpec parser takes whole as a
+#: name its catalog (gpuhunt's KNOWN_ACCELERATORS) does not know: dstack writes the memory as its own field.
+_GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<memory>\d+)\s*G(?:i?B)?$", re.IGNORECASE)
+
+
+def dstack_gpu(gpus: str) -> str:
+    """`resources.gpus` in dstack's words: `A100-80GB:8` -> `A100:80GB:8`; `H100:8` and `8` as given; a bare
+    name is one GPU (`MI300X` -> `MI300X:1`: dstack reads a bare name as one GPU or more)."""
+    if gpus.isdigit():
+        return gpus
+    name, _, count = gpus.partition(":")
+    match = _GPU_MEMORY_SUFFIX.match(name)
+    if match:
+        name = f"{match.group('name')}:{match.group('memory')}GB"
+    return f"{name}:{count or 1}"
+
+
+def amount(res, field: str) -> str:
+    """A task's amount in dstack's words: `28..` (28 or more: dstack reads a bare `28` as exactly 28) unless the
+    task lists the field under resources.exact, then `28` as given."""
+    value = getattr(res, field)
+    return str(value) if res.is_exact(field) else f"{value}.."
+
+
+def dstack_resources(res, keys: tuple[str, ...], cpu_arch: str | None = None) -> dict:
+    """The resources block for a task or fleet: GPUs in dstack's catalog names, amounts as `N..` ranges (or
+    exactly, as resources.exact says), the CPU architecture where the task gives it (`x86:28..`)."""
+    resources: dict = {}
+    if "shm_size" in keys and res.shm_size:
+        resources["shm_size"] = res.shm_size  # a size dstack gives the container, not an offer filter
+    if "memory" in keys and res.memory:
+        resources["memory"] = amount(res, "memory")
+    resources["disk"] = amount(res, "disk") if res.disk else f"{DEFAULT_DISK}.."
+    if res.gpus:
+        resources["gpu"] = dstack_gpu(res.gpus)
+    if "cpu" in keys and (res.cpus or cpu_arch):
+        resources["cpu"] = ":".join(part for part in (cpu_arch, res.cpus and amount(res, "cpus")) if part)
+    return resources
 
 
 class DstackShared(StrictModel):
@@ -43,9 +121,98 @@ class DstackShared(StrictModel):
         return self
 
 
+_SECRET_NAME = r"^[A-Za-z0-9_-]+$"
+
+
+class DstackSSH(StrictModel):
+    """`placement.dstack.ssh`: the fleet is these hosts of yours (dstack's SSH fleet, `ssh_config`)."""
+
+    hosts: list[str] = Field(min_length=1, description="the hosts' addresses or names, as SSH reaches them")
+    user: str = Field(description="the user SSH logs in as on every host (root or one with passwordless sudo)")
+    identity_file: str = Field(description="the private key file for that user (e.g. ~/.ssh/id_rsa), read by "
+                               "`dstack apply` on this machine")
+    port: int | None = Field(None, ge=1, le=65535, description="the SSH port, when not 22")
+    network: str | None = Field(None, description="the hosts' private network (10.0.0.0/24): dstack takes the "
+                                "nodes' addresses from it; without it, the first internal one found")
+
+
+class DstackRegistryAuth(StrictModel):
+    """`placement.dstack.registry_auth`: credentials for a private image, the password by a dstack secret's name."""
+
+    username: str = Field(description="the registry user (e.g. oauth2accesstoken, AWS, your user name)")
+    password_secret: str = Field(pattern=_SECRET_NAME, description=(
+        "the name of a dstack secret holding the password or token (`dstack secret set NAME VALUE`): the "
+        "rendered file names it as ${{ secrets.NAME }}, never the value"))
+
+
+class DstackPlacement(StrictModel):
+    """`placement.dstack`: dstack's own options."""
+
+    ssh: DstackSSH | None = Field(None, description=(
+        "the fleet is your own hosts over SSH (an on-prem or rented cluster): the rendered fleet has ssh_config "
+        "with them instead of cloud instances, and the task runs on it"))
+    user: str | None = Field(None, description=(
+        "the user inside the image's containers (dstack's `user:`, e.g. root or 1000:1000); with cpu_arch, dstack "
+        "needs no look-up of the image's configuration in its registry at submit time"))
+    cpu_arch: Literal["x86", "arm"] | None = Field(None, description="the image's CPU architecture (x86 or arm)")
+    registry_auth: DstackRegistryAuth | None = Field(None, description="credentials for a private registry")
+
+
+def dstack_placement(placement) -> DstackPlacement:
+    return provider_part(DstackPlacement, placement.dstack, "placement.dstack")
+
+
+def fleet_name(plan: Plan) -> str:
+    return f"{plan.name}-fleet"
+
+
+def job_script(plan: Plan) -> str:
+    """`commands` as one item: dstack runs `bash -i -c "<items joined with ' && '>"`, where a failing line inside a
+    multi-line item does not stop the next (no `set -e`); one script under `set -e` stops at the first failure."""
+    return "\n".join(["set -e", *plan.setup, agent_command(plan)]) + "\n"
+
+
+# ------------------------------------------------------------------ what dstack's `files:` archive packs
+
+def dstack_packs(path: str) -> workdir.Measure:
+    """What `dstack apply` archives of a `files:` directory (utils/files.py create_file_archive: the `ignore`
+    walk with .gitignore and .dstackignore, .git left out, hidden files kept), as bytes of its tar."""
+    root = Path(path).absolute()
+    out = workdir.Measure(str(path), how="dstack's own walk (the ignore package)")
+    sizes: dict[str, int] = {}
+
+    def add(p: Path) -> None:
+        rel = p.relative_to(root)
+        if not rel.parts:
+            return
+        size = 512 + (-(-p.stat().st_size // 512) * 512 if p.is_file() else 0)  # a tar header, the data padded
+        sizes[rel.parts[0]] = sizes.get(rel.parts[0], 0) + size
+
+    try:
+        import ignore
+        import ignore.overrides
+    except ImportError:
+        out.how = "rlhf-tasks' own walk (dstack is not installed here; it follows .gitignore and .dstackignore)"
+        rules = [lambda p: p.name == ".git" and p.is_dir()]
+        workdir._travel(root, rules, add, ignore_files=(".gitignore", ".dstackignore"))
+    else:
+        walk = (ignore.WalkBuilder(root).overrides(ignore.overrides.OverrideBuilder(root).add("!/.git/").build())
+                .hidden(False).require_git(False).add_custom_ignore_filename(".dstackignore").build())
+        for entry in walk:
+            add(Path(entry.path()))
+    out.size = sum(sizes.values()) + 1024  # the tar's two end blocks
+    out.biggest = sorted(sizes.items(), key=lambda item: -item[1])
+    return out
+
+
+def upload_limit() -> int:
+    return int(os.environ.get("DSTACK_SERVER_CODE_UPLOAD_LIMIT") or DEFAULT_UPLOAD_LIMIT)
+
+
 class DstackProvider(Provider):
     name = "dstack"
     shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
+    placement_options = DstackPlacement
     contract = Contract(
         rank=env("DSTACK_NODE_RANK"),
         nodes=env("DSTACK_NODES_NUM"),
@@ -54,9 +221,80 @@ class DstackProvider(Provider):
         cluster_id=env("DSTACK_RUN_NAME"),
         gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
     )
+    #: What the last plan's job.working_dir packs as dstack archives it (None: nothing shipped).
+    packed: workdir.Measure | None = None
+    #: The fleet this launch applied (and `abandon` deletes when the launch fails before its job).
+    _made_fleet: str | None = None
 
     def check(self, task: Task) -> None:
         shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name)
+        options = dstack_placement(task.placement)
+        if not task.image:
+            for field in ("user", "cpu_arch", "registry_auth"):
+                if getattr(options, field) is not None:
+                    raise BadInput(f"placement.dstack.{field}: it is for a custom image, and the task gives no image "
+                                   f"(dstack's default image runs as root on x86)")
+        if options.ssh and task.placement.spot != "off":
+            raise BadInput(f"placement.spot: {task.placement.spot}: an SSH fleet's hosts (placement.dstack.ssh) are "
+                           f"no spot instances; leave placement.spot out")
+        if options.ssh and (task.placement.backends or task.placement.regions):
+            which = "backends" if task.placement.backends else "regions"
+            raise BadInput(f"placement.{which}: the task runs on its SSH fleet (placement.dstack.ssh), which has "
+                           f"no cloud {which}; leave placement.{which} out")
+
+    # ------------------------------------------------------------------ job.working_dir
+
+    def ships_working_dir(self, plan: Plan) -> bool:
+        """job.working_dir travels in dstack's `files:` when the head submits the job (`submit: client`
+        uploads it from here through Ray)."""
+        return bool(plan.job.working_dir) and plan.job.submit == "head"
+
+    def build(self, task: Task) -> Plan:
+        plan = super().build(task)
+        self.packed = dstack_packs(plan.job.working_dir) if self.ships_working_dir(plan) and \
+            Path(plan.job.working_dir).is_dir() else None
+        if self.ships_working_dir(plan) and self.packed is None:
+            raise BadInput(f"job.working_dir: {plan.job.working_dir} is not a directory")
+        return plan
+
+    def files_path(self, plan: Plan) -> str:
+        """job.working_dir as `dstack apply` resolves a `files:` path: relative to the rendered file's directory."""
+        here = os.path.abspath(self.render_dir or ".")
+        return os.path.relpath(os.path.abspath(os.path.expanduser(plan.job.working_dir)), here)
+
+    def node_plan(self, plan: Plan) -> Plan:
+        """The plan the nodes read: a shipped working_dir is JOB_DIR, where dstack unpacks it."""
+        if not self.ships_working_dir(plan):
+            return plan
+        return plan.replace(job=plan.job.model_copy(update={"working_dir": JOB_DIR}))
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        if not self.ships_working_dir(plan):
+            return None
+        packed = self.packed
+        size = f" ({workdir.human(packed.size)} as dstack packs it, its limit {workdir.human(upload_limit())})" \
+            if packed else ""
+        return (f"{plan.job.working_dir}{size}: `dstack apply` ships it (dstack's files:, leaving out what .gitignore "
+                f"and .dstackignore name) to {JOB_DIR} on every node, where the job's commands run (dstack's "
+                f"working_dir), and the head submits the job from there (leaving out job.excludes)")
+
+    def over_limit(self, plan: Plan) -> str | None:
+        """Why dstack's server would refuse the shipped working_dir, with what to leave out; None when it fits."""
+        packed, limit = self.packed, upload_limit()
+        if not self.ships_working_dir(plan) or packed is None or not limit or packed.size <= limit:
+            return None
+        top = [(name + ("/" if (Path(plan.job.working_dir) / name).is_dir() else ""), size)
+               for name, size in packed.biggest[:5] if size * 100 >= packed.size]
+        listed = ", ".join(f"{name} {workdir.human(size)}" for name, size in top)
+        lines = ", ".join(f"/{name}" for name, _ in workdir.enough(top, packed.size - limit + 1))
+        return (f"job.working_dir: {plan.job.working_dir} packs {workdir.human(packed.size)} as `dstack apply` archives "
+                f"it (measured with {packed.how}), over the dstack server's limit of {workdir.human(limit)} "
+                f"(DSTACK_SERVER_CODE_UPLOAD_LIMIT, set on the server); the biggest entries: {listed}. dstack's files: "
+                f"reads .gitignore and .dstackignore there, not job.excludes: list what the job does not need in "
+                f"{Path(plan.job.working_dir) / '.dstackignore'} (one a line, e.g. {lines}), or set job.working_dir to the "
+                f"directory of the job's code only (null: none)")
+
+    # ------------------------------------------------------------------ what check and render say
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """A line for `check` and `render` when a multi-node run resumes from per-host directories."""
@@ -67,26 +305,45 @@ class DstackProvider(Provider):
                 f"checkpoints.shared.dstack: {{volume: NAME}} or {{host_path: /PATH}} (a directory every fleet "
                 f"host mounts, e.g. NFS)")
 
+    def notes(self, plan: Plan) -> list[str]:
+        out = super().notes(plan)
+        options = dstack_placement(plan.placement)
+        if plan.image and (options.user is None or options.cpu_arch is None):
+            missing = " and ".join(f for f in ("user", "cpu_arch") if getattr(options, f) is None)
+            out.append(f"image {plan.image}: without placement.dstack.{missing}, dstack's server reads the image's "
+                       f"configuration from its registry when the run is submitted (a private registry needs "
+                       f"placement.dstack.registry_auth; an image the registry cannot serve fails the run)")
+        limit = self.over_limit(plan)
+        if limit:
+            out.append(limit + " (`launch` refuses it)")
+        return out
+
+    # ------------------------------------------------------------------ the rendered files
+
     def task_config(self, plan: Plan, files: dict[str, str]) -> dict:
         res, placement = plan.resources, plan.placement
+        options = dstack_placement(placement)
         config: dict = {"type": "task", "name": plan.name, "nodes": plan.nodes}
         if plan.image:
             config["image"] = plan.image
             config["shell"] = "bash"
+            if options.user:
+                config["user"] = options.user
+            if options.registry_auth:
+                config["registry_auth"] = {"username": options.registry_auth.username,
+                                           "password": f"${{{{ secrets.{options.registry_auth.password_secret} }}}}"}
         env = [f"{k}={v}" for k, v in plan.env.items()] + list(plan.secrets)
         if plan.token_env:
             env.append(plan.token_env)
         if env:
             config["env"] = env
-        config["files"] = [f"{local}:{node_path(local)}" for local in files]
-        config["commands"] = list(plan.setup) + [agent_command(plan)]
+        config["files"] = [f"{LOCAL_DIR}:{NODE_DIR}"]  # one archive of the directory rendered beside
+        if self.ships_working_dir(plan):
+            config["files"].append(f"{self.files_path(plan)}:{JOB_DIR}")
+            config["working_dir"] = JOB_DIR
+        config["commands"] = [job_script(plan)]
         config["ports"] = [plan.ray.dashboard_port]
-        resources = {key: getattr(res, key) for key in ("shm_size", "disk", "memory") if getattr(res, key)}
-        if res.gpus:
-            resources["gpu"] = res.gpus
-        if res.cpus:
-            resources["cpu"] = res.cpus
-        config["resources"] = resources
+        config["resources"] = dstack_resources(res, ("shm_size", "memory", "cpu"), options.cpu_arch)
         ckpt = plan.checkpoint_dir
         if ckpt:
             shared = shared_entry(DstackShared, plan.checkpoint_shared, self.name)
@@ -101,20 +358,33 @@ class DstackProvider(Provider):
             config["retry"] = {"on_events": ["no-capacity", "interruption", "error"]}
         if placement.max_duration:
             config["max_duration"] = int(placement.max_duration)  # seconds
-        for key in ("fleets", "backends", "regions"):
+        if placement.fleets or options.ssh:  # an SSH fleet's hosts are the task's own
+            config["fleets"] = list(placement.fleets) or [fleet_name(plan)]
+        for key in ("backends", "regions"):
             if getattr(placement, key):
                 config[key] = list(getattr(placement, key))
         return config
 
     def fleet_config(self, plan: Plan) -> dict:
-        """A fleet with `placement: cluster` (nodes on one fast network) that fits the task."""
-        res = plan.resources
-        fleet: dict = {"type": "fleet", "name": f"{plan.name}-fleet", "nodes": plan.nodes, "placement": "cluster"}
-        resources = {"disk": res.disk} if res.disk else {}
-        if res.gpus:
-            resources["gpu"] = res.gpus
-        if resources:
-            fleet["resources"] = resources
+        """A fleet with `placement: cluster` (nodes on one fast network) that fits the task.
+
+        On cloud backends, `nodes: {min: 0, max: N}`: the fleet starts empty, the run provisions its N instances
+        in it, and an instance idle for `idle_duration` (placement.idle where the task sets it, `never` rendering
+        `off`; else FLEET_IDLE_S) is terminated, since dstack terminates only instances above `nodes.min`
+        (fleets.py, idle_duration): nothing is left billing. With placement.dstack.ssh, the user's hosts in
+        `ssh_config`, and none of the cloud fleet's fields, which dstack refuses for an SSH fleet.
+        """
+        placement = plan.placement
+        ssh = dstack_placement(placement).ssh
+        fleet: dict = {"type": "fleet", "name": fleet_name(plan)}
+        if ssh:
+            fleet["placement"] = "cluster"
+            fleet["ssh_config"] = {key: value for key, value in ssh.model_dump().items() if value is not None}
+            return fleet
+        idle = placement.idle if "idle" in placement.model_fields_set else FLEET_IDLE_S
+        fleet.update({"nodes": {"min": 0, "max": plan.nodes}, "idle_duration": int(idle) if idle else "off",
+                      "placement": "cluster"})
+        fleet["resources"] = dstack_resources(plan.resources, ())
         fleet["spot_policy"] = SPOT[plan.placement.spot]
         for key in ("backends", "regions"):
             if getattr(plan.placement, key):
@@ -122,31 +392,92 @@ class DstackProvider(Provider):
         return fleet
 
     def render(self, plan: Plan) -> dict[str, str]:
-        files = shipped_files(plan)
+        files = shipped_files(self.node_plan(plan))
         secrets = ", ".join(plan.secrets + ([plan.token_env] if plan.token_env else [])) or "none"
         header = (f"# Rendered by rlhf-tasks for dstack; apply with: dstack apply -f <this file>\n"
                   f"# Values filled from your environment at apply time: {secrets}\n")
+        if self.ships_working_dir(plan):
+            header += (f"# (dstack apply resolves files: against the directory this file is in: job.working_dir "
+                       f"{plan.job.working_dir} is {self.files_path(plan)} from there)\n")
         out = {f"{plan.name}.dstack.yml": dump_yaml(self.task_config(plan, files), header),
-               f"{plan.name}-fleet.dstack.yml": dump_yaml(self.fleet_config(plan),
-                                                         "# Apply once before the task: dstack apply -f <this file>\n")}
+               f"{fleet_name(plan)}.dstack.yml": dump_yaml(
+                   self.fleet_config(plan), "# Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
 
+    # ------------------------------------------------------------------ launch and down
+
     def ready(self, plan: Plan) -> None:
         require_cli("dstack", "dstack")
+        limit = self.over_limit(plan)
+        if limit:
+            raise BadInput(limit)
 
     def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
         return ("the rendered file names every secret in its env, and `dstack apply` fills each from your "
                 "environment and refuses one that is not set (\"Environment variable NAME is not set\")")
 
+    def ask(self, what: str, args: list[str], directory: Path, env: dict[str, str]) -> dict:
+        """dstack's server through dstack's own Python API (dstack_api.py, run by the `dstack` command's
+        interpreter): the answer as data, or StepFailed with what dstack said."""
+        script = str(Path(__file__).with_name("dstack_api.py"))
+        out = subprocess.run([dstack_python(require_cli("dstack", "dstack")), "-I", script, *args], cwd=directory,
+                             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise StepFailed(what, (out.stderr.strip() or out.stdout.strip())[-2000:] or f"exit code {out.returncode}")
+        return json.loads(out.stdout)
+
+    def fleet_to_make(self, plan: Plan, fleets: list[str]) -> str | None:
+        """The rendered fleet, when `launch` applies it: the task names no fleets of its own, no fleet of that
+        name is there, and the run has no other fleet (dstack runs nothing without one) or the fleet is the
+        task's own SSH hosts. A fleet already there is the user's, and stays."""
+        name = fleet_name(plan)
+        if plan.placement.fleets or name in fleets:
+            return None
+        return name if (dstack_placement(plan.placement).ssh or not fleets) else None
+
+    def refuse_without_offers(self, plan: Plan, answer: dict, yml: str) -> None:
+        """BadInput, before anything is submitted, when dstack's own plan has no offer for a job of the run
+        (`dstack apply -d` would submit it, and the job would fail FAILED_TO_START_DUE_TO_NO_CAPACITY)."""
+        empty = [job for job in answer.get("jobs", []) if not job.get("offers")]
+        if not empty:
+            return
+        fleets = list(plan.placement.fleets) or answer.get("fleets") or []
+        where = f"the fleets {', '.join(fleets)}" if fleets else "no fleet"
+        raise BadInput(
+            f"dstack's plan for {plan.name} has no offer for {len(empty)} of its {len(answer['jobs'])} jobs "
+            f"({empty[0].get('requirements')}) on {where}: `dstack apply -f {yml}` would submit a run that fails "
+            f"with no capacity. See what fits with `dstack offer` (its --gpu, --cpu, --disk options), then change "
+            f"resources (amounts are minimums unless in resources.exact), placement.fleets, backends or regions, or "
+            f"apply a fleet that has the hosts ({fleet_name(plan)}.dstack.yml is rendered beside the task)")
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
-        """`dstack apply` attaches and forwards job 0's ports (the head's dashboard) to localhost."""
+        """The fleet when the run has none (`dstack apply` of the rendered fleet), dstack's plan asked (no offer:
+        refused before anything is submitted), then `dstack apply` of the task, which attaches and forwards
+        job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")
         directory, token, env = self.stage(plan, secrets)
+        yml = f"{plan.name}.dstack.yml"
+        dashboard = f"http://localhost:{plan.ray.dashboard_port}"
+        self._made_fleet = self.fleet_to_make(plan, self.ask("listing dstack's fleets", ["fleets"], directory, env)
+                                              ["fleets"])
+        record = {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard}
+        if self._made_fleet:
+            record["fleet_made"] = self._made_fleet  # `down` deletes it
+            state.save(plan.name, record)
+            print(f"dstack: applying the fleet {self._made_fleet} (the run has none): dstack apply -f "
+                  f"{self._made_fleet}.dstack.yml", flush=True)
+            made = subprocess.run([dstack, "apply", "-f", f"{self._made_fleet}.dstack.yml", "-y"], cwd=directory,
+                                  env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if made.returncode != 0:
+                raise StepFailed(f"dstack apply -f {self._made_fleet}.dstack.yml",
+                                 (made.stdout + made.stderr).strip()[-2000:])
+        self.refuse_without_offers(plan, self.ask("asking dstack for the run's plan", ["plan", yml], directory, env),
+                                   yml)
         path = directory / "dstack-apply.log"
         with open(path, "ab") as log:  # an earlier launch's part stays; this one's head log starts at `start`
             start = log.tell()
-            proc = subprocess.Popen([dstack, "apply", "-f", str(directory / f"{plan.name}.dstack.yml"), "-y"],
+            proc = subprocess.Popen([dstack, "apply", "-f", str(directory / yml), "-y"],
                                     cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
 
@@ -154,11 +485,70 @@ class DstackProvider(Provider):
             with open(path, "rb") as handle:
                 handle.seek(start)
                 return handle.read().decode(errors="replace")
-        dashboard = f"http://localhost:{plan.ray.dashboard_port}"
-        state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
+        state.save(plan.name, record)
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None, head_log=head_log,
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
 
+    def abandon(self, before: state.Before) -> list[str]:
+        undone = super().abandon(before)
+        if self._made_fleet:
+            try:
+                delete_fleet(self._made_fleet, deadline_s=60)
+                undone.append(f"the fleet {self._made_fleet} it applied (dstack fleet delete)")
+            except StepFailed as exc:
+                undone.append(f"the fleet {self._made_fleet} this launch applied is left: {exc}")
+            self._made_fleet = None
+        return undone
+
     def down(self, name: str) -> str:
-        return stop_with_cli([require_cli("dstack", "dstack"), "stop", name, "-y"], name)
+        """`dstack stop` of the run, then `dstack fleet delete` of the fleet `launch` applied for it (none: the
+        fleet is the user's, and stays)."""
+        record = state.load(name) or {}
+        said = stop_with_cli([require_cli("dstack", "dstack"), "stop", name, "-y"], name)
+        if record.get("fleet_made"):
+            said += "\n" + delete_fleet(record["fleet_made"])
+        return said
+
+
+def delete_fleet(name: str, deadline_s: float = 300) -> str:
+    """`dstack fleet delete NAME -y`, again while dstack says the fleet is in use (its run still ending), until
+    `deadline_s`; StepFailed with dstack's words after it."""
+    dstack = require_cli("dstack", "dstack")
+    started = time.monotonic()
+    while True:
+        out = subprocess.run([dstack, "fleet", "delete", name, "-y"], capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL)
+        said = (out.stdout.strip() + "\n" + out.stderr.strip()).strip()
+        if out.returncode == 0 or "does not exist" in said:
+            return said or f"dstack fleet delete {name}: done"
+        elapsed = time.monotonic() - started
+        if elapsed > deadline_s or not re.search(r"in use|being processed", said):
+            raise StepFailed(f"dstack fleet delete {name}", said or f"exit code {out.returncode}")
+        print(f"dstack: the fleet {name} is still in use by its ending run; deleting again "
+              f"({elapsed:.0f}s of {deadline_s:.0f}s)", flush=True)
+        time.sleep(3)  # between tries of a command dstack refuses while the run ends
+
+
+#: The interpreter that holds dstack's package, where the `dstack` command is no Python script of its own (a
+#: pyenv or asdf shim, a wrapper): `launch` asks dstack's server through it.
+PYTHON_ENV = "RLHF_TASKS_DSTACK_PYTHON"
+
+
+def dstack_python(dstack: str) -> str:
+    """The interpreter the `dstack` command runs on: $RLHF_TASKS_DSTACK_PYTHON, this one when the command is
+    beside it, else the command's `#!` when that names a Python (else this one)."""
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    if Path(dstack).parent == Path(sys.executable).parent:
+        return sys.executable
+    try:
+        with open(dstack, "rb") as handle:
+            first = handle.readline().decode(errors="replace").strip()
+    except OSError:
+        return sys.executable
+    if first.startswith("#!"):
+        words = shlex.split(first[2:])
+        if words and "python" in Path(words[0]).name:
+            return words[0]
+    return sys.executable

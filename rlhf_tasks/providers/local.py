@@ -100,6 +100,7 @@ class LocalProvider(Provider):
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
+    bills = False  # this machine: `check` says a cost only where the task gives a price or a cap
     working_dir_here = True
     options = (Option("--retry", "relaunch the whole task up to N times when the head is lost; it resumes from "
                       "the checkpoint", {"type": int, "default": 0, "metavar": "N"}),)

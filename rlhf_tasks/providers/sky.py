@@ -177,10 +177,10 @@ class SkyProvider(Provider):
         resources: dict = {}
         if res.gpus:
             resources["accelerators"] = res.gpus
-        if res.cpus:
-            resources["cpus"] = f"{res.cpus}+"
+        if res.cpus:  # at least, unless resources.exact says exactly
+            resources["cpus"] = f"{res.cpus}" + ("" if res.is_exact("cpus") else "+")
         if res.memory:
-            resources["memory"] = f"{max(1, size_bytes(res.memory) // 10**9)}+"
+            resources["memory"] = f"{max(1, size_bytes(res.memory) // 10**9)}" + ("" if res.is_exact("memory") else "+")
         if res.disk:
             resources["disk_size"] = max(1, size_bytes(res.disk) // 10**9)
         if plan.image:

@@ -60,6 +60,8 @@ from .base import Cluster, Provider
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
+#: The directory `launch` runs in, given to the script: a relative job.working_dir is read from there.
+JOB_DIR_ENV = "RLHF_TASKS_JOB_DIR"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -133,11 +135,14 @@ class SlurmPlacement(StrictModel):
     reservation: str | None = None
     gres: str | None = Field(None, description="--gres instead of --gpus-per-node, in the site's GPU type names "
                                                "(e.g. gpu:h100:8)")
+    gpu_type: str | None = Field(None, description=(
+        "this cluster's name for resources.gpus' type, as its gres.conf and `sinfo -o %G` say it (e.g. h100 for "
+        "gpu:h100:8): the script asks for --gpus-per-node=TYPE:N; without it, for N GPUs of any type"))
     container: Literal["pyxis", "docker", "podman"] = Field(
         "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
     mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
 
-    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres")
+    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres", "gpu_type")
     @classmethod
     def _one_word(cls, value):
         if value is not None and not _SBATCH_VALUE.match(value):
@@ -285,6 +290,32 @@ class SlurmProvider(Provider):
             raise BadInput(f"placement.slurm.container: {slurm.container} runs the task's image; the task has no image")
         if not task.image and slurm.mounts:
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
+        if slurm.gpu_type and slurm.gres:
+            raise BadInput(f"placement.slurm.gpu_type: placement.slurm.gres says the GPUs ({slurm.gres}) with their "
+                           f"type already; give one of them")
+        if slurm.gpu_type and ":" in slurm.gpu_type:
+            raise BadInput(f"placement.slurm.gpu_type: {slurm.gpu_type!r}: the type's name alone (h100 of "
+                           f"gpu:h100:8); the count comes from resources.gpus")
+        if slurm.gpu_type and not task.resources.gpus_per_node:
+            raise BadInput("placement.slurm.gpu_type: the task asks for no GPUs (resources.gpus); give "
+                           "resources.gpus, or remove gpu_type")
+
+    def notes(self, plan: Plan) -> list[str]:
+        """Besides the shared-storage warning: what the script leaves to Slurm without a word in it,
+        the GPU type (Slurm names types per cluster) and the time limit."""
+        out, slurm, res = super().notes(plan), slurm_placement(plan.placement), plan.resources
+        if res.gpu_name and not slurm.gpu_type and not slurm.gres:
+            out.append(f"resources.gpus: the script asks Slurm for {plan.gpus_per_node} GPU(s) of any type per node "
+                       f"(--gpus-per-node={plan.gpus_per_node}): {res.gpu_name} is not passed, since each Slurm "
+                       f"cluster names its GPU types itself (gres.conf); give placement.slurm.gpu_type with your "
+                       f"cluster's name for it (`sinfo -o %G` lists them: gpu:h100:8 -> h100), or "
+                       f"placement.slurm.gres")
+        if self.time_limit(plan) is None:
+            out.append("placement.max_duration: none (nor job.timeout), so the script has no --time: Slurm gives the "
+                       "job the partition's default time limit (its DefaultTime, else its MaxTime; `sinfo -o %l` "
+                       "shows it), which may end the run early or let a stuck one hold the nodes that long; set "
+                       "placement.max_duration")
+        return out
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """A line for `check` and `render` when checkpoints go under /checkpoints (the default,
@@ -323,12 +354,12 @@ class SlurmProvider(Provider):
         if slurm.gres:
             options.append(f"--gres={slurm.gres}")
         elif plan.gpus_per_node:
-            options.append(f"--gpus-per-node={plan.gpus_per_node}")
+            typed = f"{slurm.gpu_type}:" if slurm.gpu_type else ""
+            options.append(f"--gpus-per-node={typed}{plan.gpus_per_node}")
         if res.memory:
             options.append(f"--mem={_mebibytes(res.memory)}")
         options.append("--exclusive")  # Ray's fixed ports and the GPUs are the job's alone
-        limit = plan.placement.max_duration or (
-            plan.job.timeout_s + plan.wait.head_s + plan.wait.nodes_s if plan.job.timeout_s else None)
+        limit = self.time_limit(plan)
         if limit:
             options.append(f"--time={_slurm_time(limit)}")
         options += ["--output=%x-%j.out", "--export=ALL", "--requeue" if plan.placement.retry else "--no-requeue"]
@@ -337,14 +368,22 @@ class SlurmProvider(Provider):
                 options.append(f"--{key}={getattr(slurm, key)}")
         return options
 
+    @staticmethod
+    def time_limit(plan: Plan) -> float | None:
+        """--time in seconds: placement.max_duration, else the job's timeout and the waits before it; None: none."""
+        return plan.placement.max_duration or (
+            plan.job.timeout_s + plan.wait.head_s + plan.wait.nodes_s if plan.job.timeout_s else None)
+
     def container_lines(self, plan: Plan) -> list[list[str]]:
         """Shell words (quoted), a line of them per option, that run the agent in the image."""
         slurm, q = slurm_placement(plan.placement), shlex.quote
-        mounts = ['"$run_dir":"$run_dir"'] + ([q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")]
-                                             if plan.checkpoint_dir else []) + [q(m) for m in slurm.mounts]
+        workdir = '"$job_dir"' if plan.job.working_dir else '"$run_dir"'
+        mounts = (['"$job_dir":"$job_dir"'] if plan.job.working_dir else []) + ['"$run_dir":"$run_dir"'] + (
+            [q(f"{plan.checkpoint_dir}:{plan.checkpoint_dir}")] if plan.checkpoint_dir else []) + [
+            q(m) for m in slurm.mounts]
         if slurm.container == "pyxis":
             return [[f"--container-image={q(plan.image)}"], ["--container-mounts=" + ",".join(mounts)],
-                    ['--container-workdir="$run_dir"']]
+                    [f"--container-workdir={workdir}"]]
         engine = slurm.container
         lines = [["bash", '"$run_dir/container.sh"', '"$container"'],  # stops the container when the task ends
                  [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host", "--ipc=host"]]
@@ -363,7 +402,7 @@ class SlurmProvider(Provider):
         # No PYTHONPATH of ours: the image's own stays, the agent runs by its path and puts lib/ before
         # the image's entries for everything it starts (raynode.node_env).
         lines += [[f"--volume={mount}"] for mount in mounts]
-        lines += [['--workdir="$run_dir"'], [q(plan.image)]]
+        lines += [[f"--workdir={workdir}"], [q(plan.image)]]
         return lines
 
     def script(self, plan: Plan) -> str:
@@ -385,6 +424,7 @@ class SlurmProvider(Provider):
             "# The node agent and its plan, beside the job's output (a filesystem every node sees).",
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
+            *self.job_dir_lines(plan),
             *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
             "# The node agent's package and the code the recipe needs on the nodes (the demo's), first on",
             "# PYTHONPATH; the agent runs by its entry file's path (never `-m`: the working directory could shadow it).",
@@ -411,6 +451,8 @@ class SlurmProvider(Provider):
                               *(f"export {key}={q(value)}" for key, value in plan.env.items())]
         srun = [["srun", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
                  "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
+        if plan.job.working_dir:
+            srun[-1].append('--chdir="$job_dir"')
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
             srun += self.container_lines(plan)
         srun.append(["python3", f'"$run_dir/lib/{AGENT_ENTRY}"', "--plan", '"$run_dir/plan.json"', "--log-dir", '"$run_dir/logs"'])
@@ -431,6 +473,26 @@ class SlurmProvider(Provider):
         lines.append('exit "$status"')
         return "\n".join(lines) + "\n"
 
+    def job_dir_lines(self, plan: Plan) -> list[str]:
+        """Where the agents run, so that the head's `ray job submit --working-dir` finds job.working_dir:
+        the directory `launch` ran in (RLHF_TASKS_JOB_DIR), or the one sbatch was run from."""
+        if not plan.job.working_dir:
+            return []
+        return [f"# job.working_dir {plan.job.working_dir}: the agents run in the directory `rlhf-tasks launch` ran in",
+                f"# ({JOB_DIR_ENV}), or else the one you ran sbatch in; it must be on a filesystem every node sees",
+                "# (the head uploads job.working_dir from there to the job, with Ray).",
+                f'job_dir="${{{JOB_DIR_ENV}:-${{SLURM_SUBMIT_DIR:-$PWD}}}}"']
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        wd = plan.job.working_dir
+        if not wd or plan.job.mode != "ray" or plan.job.submit != "head":
+            return None
+        where = (f"{wd}" if os.path.isabs(wd) else
+                 f"{wd} of the directory `launch` runs in ({os.path.normpath(os.path.join(os.getcwd(), wd))} from "
+                 f"here), or of the one you run `sbatch` in")
+        return (f"{where}: the head reads it there and uploads it to the job (Ray's working_dir), so it must be on "
+                f"the cluster's shared filesystem")
+
     def render(self, plan: Plan) -> dict[str, str]:
         return {f"{plan.name}.sbatch": self.script(plan)}
 
@@ -449,6 +511,8 @@ class SlurmProvider(Provider):
         self.ready(plan)
         sbatch = _cli("sbatch")
         directory, token, env = self.stage(plan, secrets)
+        if plan.job.working_dir:  # relative to where launch runs, as on every provider (the script's job_dir)
+            env[JOB_DIR_ENV] = os.getcwd()
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:

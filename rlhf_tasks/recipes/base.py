@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from ..errors import BadInput
-from ..models import Duration, Service, StrictModel
+from ..models import Duration, Service, StrictModel, WandbOptions
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class Shape:
     gpu_name: str | None = None
     #: wait.node_silence: a recipe whose framework takes a collective timeout bounds it by this.
     node_silence_s: float = 30.0
+    #: placement.wandb with job.wandb over it: a recipe passes them as its framework takes them.
+    wandb: WandbOptions | None = None
 
 
 @dataclass
@@ -68,9 +70,16 @@ class JobBase(StrictModel):
                               "failure or a stall (it resumes from the latest checkpoint)")
     stall_timeout: Duration | None = Field(None, description="restart the job when its log has not grown for this "
                                            "long (e.g. 20m); off by default")
+    wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of this job (over "
+                                       "placement.wandb); logging is on when WANDB_API_KEY is a secret")
 
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def metrics_reader(self):
+        """A reader of this framework's metric lines (recipes.metrics), fresh for one job's log;
+        None where the recipe knows no metric lines (a free command)."""
+        return None
 
 
 class Infeasible(BadInput):

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
 
@@ -79,6 +80,8 @@ FLAT = {
     "--ckpt.save_hf": "--save_hf_ckpt",
     "--logger.wandb.key": "--use_wandb",
     "--logger.wandb.project": "--wandb_project",
+    "--logger.wandb.org": "--wandb_org",
+    "--logger.wandb.group": "--wandb_group",
 }
 
 #: Flags that carry the cluster's shape or the run's state: never taken from extra_args.
@@ -394,7 +397,10 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     # only when wandb has no key yet, so any value turns logging on without writing the key down.
     wandb = _Argv(version)
     wandb.set("--logger.wandb.key", "WANDB_API_KEY")
-    wandb.set("--logger.wandb.project", a.wandb_project)
+    told = shape.wandb
+    wandb.set("--logger.wandb.project", (told.project if told else None) or a.wandb_project)
+    wandb.set("--logger.wandb.org", told.entity if told else None)  # wandb.init(entity=..., group=...): 0.6.1 to 0.11.2
+    wandb.set("--logger.wandb.group", told.group if told else None)
     return RecipeOutput(
         entrypoint=["python3", "-m", "openrlhf.cli.train_ppo_ray", *cmd.argv, *a.extra_args],
         wandb_args=wandb.argv,
@@ -411,6 +417,9 @@ class OpenRLHFPPOJob(JobBase):
 
     recipe: Literal["openrlhf-ppo"]
     args: OpenRLHFArgs
+
+    def metrics_reader(self):
+        return OpenRLHFReader()
 
     def build(self, shape: Shape) -> RecipeOutput:
         return openrlhf_command(self.args, shape)

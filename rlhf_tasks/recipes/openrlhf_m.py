@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 
 from ..models import require_absolute
 from .base import Infeasible, JobBase, RecipeOutput, Service, Shape, StrictModel
+from .metrics import OpenRLHFReader
 from .openrlhf import OpenRLHFArgs, openrlhf_command
 
 #: openrlhf/models/remote_rm/math_verifier.py: Flask on 0.0.0.0:5000 (fixed), POST /get_reward only.
@@ -65,6 +66,9 @@ class OpenRLHFMGrpoJob(JobBase):
 
     recipe: Literal["openrlhf-m-grpo"]
     args: OpenRLHFMGrpoArgs = OpenRLHFMGrpoArgs()
+
+    def metrics_reader(self):
+        return OpenRLHFReader()
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 
 from ..models import require_absolute
 from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
+from .metrics import VerlReader
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
@@ -80,6 +81,9 @@ class SearchR1Job(JobBase):
 
     recipe: Literal["search-r1"]
     args: SearchR1Args = SearchR1Args()
+
+    def metrics_reader(self):
+        return VerlReader(total=self.args.total_training_steps)
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
@@ -210,6 +214,7 @@ class SearchR1Job(JobBase):
             # Search-R1's verl/trainer/runtime_env.yaml (vLLM with Qwen2 and flash-attn misbehaves).
             env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES + ["*.index"],
-            wandb_args=["trainer.logger=[console,wandb]"],
+            wandb_args=["trainer.logger=[console,wandb]"] + (
+                [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
         )

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
+from .metrics import TinyGrpoReader
 
 
 #: pyproject.toml's `demo` extra (a test keeps them equal): installed on a node only when missing.
@@ -44,6 +45,9 @@ class TinyGrpoJob(JobBase):
 
     recipe: Literal["tiny-grpo"]
     args: TinyGrpoArgs = TinyGrpoArgs()
+
+    def metrics_reader(self):
+        return TinyGrpoReader(total=self.args.steps)
 
     def build(self, shape: Shape) -> RecipeOutput:
         if shape.checkpoint_dir is None:

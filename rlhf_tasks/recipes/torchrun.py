@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .metrics import TorchrunTrainerReader
 
 
 class TorchrunArgs(StrictModel):
@@ -40,6 +41,10 @@ class TorchrunJob(JobBase):
 
     recipe: Literal["torchrun"]
     args: TorchrunArgs
+
+    def metrics_reader(self):
+        # OpenRLHF's SFT trainer updates its bar before it sets the postfix; RM and DPO after
+        return TorchrunTrainerReader(postfix_first="train_sft" not in (self.args.module or self.args.script or ""))
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 
 from ..models import require_absolute
 from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .metrics import VerlReader
 
 VERL_VERSION = "0.9.1"
 VERL_REPO = "https://github.com/volcengine/verl"
@@ -102,6 +103,9 @@ class VerlPPOJob(JobBase):
 
     recipe: Literal["verl-ppo"]
     args: VerlPPOArgs = VerlPPOArgs()
+
+    def metrics_reader(self):
+        return VerlReader()
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
@@ -202,6 +206,8 @@ class VerlPPOJob(JobBase):
             # From verl's runtime_env.yaml, which the wheel does not ship (the rest verl sets itself).
             env={"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES,
-            wandb_args=["trainer.logger=[console,wandb]"],  # a later override of the same key wins
+            # a later override of the same key wins; verl's wandb.init takes its project from trainer.project_name
+            wandb_args=["trainer.logger=[console,wandb]"] + (
+                [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "train_files": train, "gpus": gpus},
         )

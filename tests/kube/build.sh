@@ -39,7 +39,7 @@ say() { echo "build.sh: $* ($((SECONDS - start)) s)" >&2; }
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 if [ ! -f "$out/.done" ]; then
   mkdir -p "$out/bin" "$out/crd"
-  say "building Kubernetes $KUBERNETES_VERSION and etcd $ETCD_VERSION into $out/bin (cold: about 25 minutes on 2 cores)"
+  say "building Kubernetes $KUBERNETES_VERSION and etcd $ETCD_VERSION into $out/bin (cold: 7-10 minutes on 2 cores measured here, more under load)"
   # the version the programs report (/version, kubectl version), as Kubernetes' own build stamps it
   v="${KUBERNETES_VERSION#v}"
   stamp=""

@@ -47,7 +47,8 @@ class KubeCluster:
         self.tb = self.runner = self.operator = None
         try:
             self.cp.start()
-            self.tb = tbmod.Testbed(1 + pod_hosts, dir / "hosts", shared=shared,
+            # the built programs (the operator's, kube-streams) are on every host wherever their cache is (/tmp too)
+            self.tb = tbmod.Testbed(1 + pod_hosts, dir / "hosts", shared=[*shared, self.cp.bin],
                                     names=["kuberay-operator", *[f"pod-host-{i}" for i in range(1, pod_hosts + 1)]])
             self.runner = NodeRunner(self.cp, self.tb, nodes, images(dir / "images"),
                                      list(range(1, pod_hosts + 1))).start()

@@ -2,9 +2,10 @@
 setup; also `auto` and `ethernet`) or one Instant Cluster (`network: runpod-cluster`),
 through RunPod's REST API v2 (`api.py`, its client).
 
-`render` (pure) writes the create requests as JSON, exactly the bodies `launch` sends but
-with secret values as `${NAME}` placeholders (RunPod's v2 pod `env` holds values only: it has
-no reference to a stored secret), and `NAME.start.sh`, which carries the node agent and the
+`render` (pure) writes the create requests as JSON, exactly the bodies `launch` sends but for
+the head pod's id and the data center, each secret (the task's and the Ray token) a reference to
+an account secret in RunPod's vault (`{{ RUNPOD_SECRET_rlhf-tasks.NAME.VARIABLE }}`, which RunPod
+substitutes when a pod boots: `launch` creates them, `down` deletes them; vault.py), and `NAME.start.sh`, which carries the node agent and the
 plan inside itself (heredocs) and starts the agent; the requests pass it through the pod's
 `args` (gzip and base64 in a `bash -c`, the way SkyPilot ships its start script to RunPod).
 
@@ -26,7 +27,8 @@ by the hour) unless `launch --keep`.
 
 The package, by concern: `render` (pure: contracts, presets, the task's checks, the start
 script and the create requests), `api` (the REST v2 client), `catalog` (GPU type, data
-centers and price, before anything is created), `pods` (creating, waiting, finding,
+centers and price, before anything is created), `vault` (the secrets, as RunPod account
+secrets the pods reference), `pods` (creating, waiting, finding,
 status, terminating), `logs` (the pods' logs and following the job); this module wires
 them into the provider. The ssh tunnel is shared by providers (`providers/ssh.py`).
 """
@@ -50,8 +52,8 @@ from ..base import Cluster, Option, Provider, write_files
 from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
-from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, POD_CONTRACT, SELF_END, check,
-                     is_cluster)
+from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, NODE_DIR, POD_CONTRACT, SELF_END,
+                     MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
 from .render import render as render_files
 
 
@@ -62,11 +64,15 @@ class RunPodProvider(Provider):
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)
     stop_after_job = True  # pods bill by the hour: the launcher terminates them after the job unless --keep
+    price_source = "RunPod's catalog at launch (the launcher shows it and asks before it creates anything)"
 
     def __init__(self, **options: Any):
         super().__init__(**options)
         self._tunnels: dict[str, SshTunnel] = {}
         self._log_stops: dict[str, threading.Event] = {}
+        #: Task name -> job.working_dir as the task names it, when it ships one (build), and its packed archive.
+        self._named_working_dir: dict[str, str] = {}
+        self._archives: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ pure: check, plan, render
 
@@ -74,12 +80,45 @@ class RunPodProvider(Provider):
         check(task)
 
     def build(self, task: Task) -> Plan:
-        """The plan, with the contract of the task's network mode: Instant Cluster or pods."""
+        """The plan, with the contract of the task's network mode: Instant Cluster or pods. A
+        job.working_dir the task names, with `submit: head`, is shipped in the start command
+        (measure_upload packs it): on the pods the head submits from where it is unpacked, `.`."""
         contract = CLUSTER_CONTRACT if is_cluster(task) else POD_CONTRACT.model_copy(
             update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
         plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
                           self.ray_overrides, priced=True)
+        self._named_working_dir.pop(task.name, None)
+        if plan.job.submit == "head" and plan.job.working_dir and "working_dir" in task.job.model_fields_set:
+            self._named_working_dir[task.name] = plan.job.working_dir
+            plan = plan.replace(job=plan.job.model_copy(update={"working_dir": "."}))
         return plan if is_cluster(task) else plan.replace(self_end=SELF_END)
+
+    def measure_upload(self, plan: Plan) -> Plan:
+        """`submit: client`: job.working_dir uploaded from here (measured as everywhere); `submit: head`:
+        the one the task names packed for the start command, refused when it would not fit there."""
+        plan = super().measure_upload(plan)
+        self._archives.pop(plan.name, None)
+        local = self._named_working_dir.get(plan.name)
+        if local is not None:
+            from ... import workdir
+
+            workdir.check(local, plan.job.excludes)  # a directory, and under Ray's own limit
+            archive = pack(local, plan.job.excludes)
+            size = len(start_args(start_script(plan, archive)))
+            if size > MAX_ARGS:  # refused here, at check, rather than at render or launch
+                raise BadInput(too_big_to_ship(local, archive, size))
+            self._archives[plan.name] = archive
+        return plan
+
+    def working_dir_words(self, plan: Plan) -> str | None:
+        if plan.job.mode != "ray" or plan.job.submit != "head":
+            return None
+        local, archive = self._named_working_dir.get(plan.name), self._archives.get(plan.name)
+        if local is not None and archive is not None:
+            return (f"{local}, shipped in the pods' start command ({len(archive) // 1024 + 1} KiB tar.gz) and unpacked "
+                    f"in {NODE_DIR}/workdir on each pod, where the head submits the job with it (Ray's working_dir)")
+        return (f"none shipped: the job runs in an empty directory of the head pod ({NODE_DIR}/workdir); name "
+                f"job.working_dir to ship a small one in the start command, or use job.submit: client")
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:
@@ -90,7 +129,7 @@ class RunPodProvider(Provider):
                 f"checkpoints.shared.runpod: {{network_volume: ID}} (a RunPod network volume)")
 
     def render(self, plan: Plan) -> dict[str, str]:
-        return render_files(plan)
+        return render_files(plan, self._archives.get(plan.name))
 
     # ------------------------------------------------------------------ launch
 

@@ -16,7 +16,9 @@ one and one that ends while the pod runs are all resumed, without losing or repe
 line, because the document promises no keep-alive, no end of stream and no resume rule.
 
 The API key is only ever put in the ``Authorization`` header. It is kept out of every
-exception, repr and progress message, even when RunPod echoes it back.
+exception, repr and progress message, even when RunPod echoes it back; so is every secret
+value sent to ``create_secret`` (the one request that carries a value: RunPod's account
+secrets, which pods reference by name).
 
 ``httpx`` is imported when the first request is made, so importing this module
 (and ``rlhf-tasks --help``) stays fast.
@@ -121,6 +123,7 @@ class RunPodClient:
         self.timeout = timeout
         self._http = None
         self._lock = threading.Lock()
+        self._hidden: set[str] = set()  # secret values sent (create_secret): scrubbed like the key
 
     @classmethod
     def from_env(cls, **kwargs) -> "RunPodClient":
@@ -331,6 +334,29 @@ class RunPodClient:
         """GET /network-volumes/{id}: its ``dataCenter`` (a volume lives in one) and size."""
         return self._json("GET", f"/network-volumes/{volume_id}")
 
+    # -------------------------------------------------------------- secrets
+
+    def create_secret(self, name: str, value: str, description: str | None = None) -> dict[str, Any]:
+        """POST /account/secrets -> the Secret (its metadata: RunPod never returns a value). A 5xx
+        or a lost answer is not sent again blind: a secret of that name made by it is returned."""
+        before = {s["id"] for s in self.list_secrets(name)}
+
+        def made() -> dict | None:
+            return next((s for s in self.list_secrets(name) if s["id"] not in before), None)
+
+        body = {"name": name, "value": value, **({"description": description} if description else {})}
+        if len(value) >= 4:  # kept out of every message, as the key is, should RunPod echo it back (a shorter
+            self._hidden.add(value)  # one would blank out letters of every word; nor is it much of a secret)
+        return self._json("POST", "/account/secrets", body=body, ok=(200, 201), made=made)
+
+    def list_secrets(self, name: str | None = None) -> list[dict[str, Any]]:
+        """GET /account/secrets (``name``: only the secret of that name, matched case-insensitively)."""
+        return self._json("GET", "/account/secrets", params={"name": name} if name else None)["secrets"]
+
+    def delete_secret(self, secret_id: str, *, missing_ok: bool = True) -> bool:
+        """DELETE /account/secrets/{id}. False when it was already gone (and ``missing_ok``)."""
+        return self._delete(f"/account/secrets/{secret_id}", missing_ok)
+
     # --------------------------------------------------------------- catalog
 
     def datacenters(self, *, global_network: bool | None = None,
@@ -531,7 +557,10 @@ class RunPodClient:
             self._progress(self._scrub(message))
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
+        for hidden in sorted(self._hidden | {self._key}, key=len, reverse=True):
+            if hidden:
+                text = text.replace(hidden, "***")
+        return text
 
 
 def _span(seconds: float) -> str:

@@ -15,6 +15,7 @@ from ...agent.protocol import AgentError, wait_for
 from ...plan import Plan
 from .api import ENDED, RunPodAuthError, RunPodClient, RunPodError, RunPodNotFound
 from .render import filled, is_cluster, pod_names
+from . import vault
 
 
 def find(client: RunPodClient, name: str) -> tuple[list[dict], list[dict]]:
@@ -55,11 +56,16 @@ class Launching:
 
 def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, str], datacenters: list[str],
            launching: Launching) -> list[dict]:
-    """Create the rendered requests (their `${NAME}` filled from `values`), record the ids as
-    they come, and wait until every pod runs: the pods, head first."""
+    """Put the secrets' `values` in RunPod's vault (one account secret each, which the requests
+    reference), create the rendered requests, record the ids as they come, and wait until every
+    pod runs: the pods, head first."""
+    launching.step = "storing the task's secrets in RunPod's vault"
+    held = vault.store(client, plan.name, values)
+    if held:
+        say(f"stored {len(held)} secret(s) in RunPod's vault, which the pods reference: {', '.join(sorted(held))}")
     if is_cluster(plan):
         launching.step = f"creating the Instant Cluster {plan.name}"
-        cluster, asked = place(lambda dc: client.create_cluster(filled(requests["cluster"], values, [dc])),
+        cluster, asked = place(lambda dc: client.create_cluster(filled(requests["cluster"], {}, [dc], held)),
                                datacenters, f"Instant Cluster {plan.name}", launching.step)
         state.update(plan.name, cluster_id=cluster["id"])
         # RunPod: a cluster's dataCenterId is "omitted until at least one pod is placed"
@@ -69,8 +75,8 @@ def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, s
     ids: list[str] = []
     head = requests["head"]
     launching.step = f"creating pod {head['name']}"
-    made, asked = place(lambda dc: client.create_pod(filled(head, values, [dc])), datacenters, f"pod {head['name']}",
-                        launching.step)
+    made, asked = place(lambda dc: client.create_pod(filled(head, {}, [dc], held)), datacenters,
+                        f"pod {head['name']}", launching.step)
     ids.append(made["id"])
     state.update(plan.name, cluster_id=made["id"], pods=ids)
     say(f"created pod {made['name']} ({made['id']}) in {made.get('dataCenterId') or asked}")
@@ -79,7 +85,7 @@ def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, s
         where = placed(client, plan, made)
     for worker in requests["workers"]:
         launching.step = f"creating pod {worker['name']}"
-        body = filled(worker, {**values, "HEAD_POD_ID": made["id"]}, [where])
+        body = filled(worker, {"HEAD_POD_ID": made["id"]}, [where], held)
         pod = client.create_pod(body)
         ids.append(pod["id"])
         state.update(plan.name, pods=ids)
@@ -186,7 +192,8 @@ def wait_running(client: RunPodClient, plan: Plan, pod_ids: list[str] | None = N
 
 
 def terminate(client: RunPodClient, name: str, timeout: float = 300) -> str:
-    """Terminate this task's pods and delete its cluster; wait until they are gone."""
+    """Terminate this task's pods and delete its cluster; wait until they are gone; then delete its
+    account secrets (a pod that still ran would lose them at its next boot)."""
     started = time.monotonic()
     pods, clusters = find(client, name)
     member_ids = []
@@ -222,13 +229,17 @@ def terminate(client: RunPodClient, name: str, timeout: float = 300) -> str:
         return not left, f"still there: {', '.join(left)}"
 
     wait_for(f"RunPod to terminate {name}'s pods", gone, timeout, interval=0.5, max_interval=5.0, report=say)
+    secrets = vault.forget(client, name)
     what = []
     if pods:
         what.append(f"terminated {len(pods)} pod(s) ({', '.join(p['id'] for p in pods)})")
     if clusters:
         what.append(f"deleted Instant Cluster {', '.join(c['id'] for c in clusters)} ({len(member_ids)} pods)")
-    return (" and ".join(what) or f"no RunPod pods or cluster named {name} were left") + \
+    said = (" and ".join(what) or f"no RunPod pods or cluster named {name} were left") + \
         f" in {time.monotonic() - started:.1f}s"
+    if secrets:
+        said += f"; deleted {len(secrets)} account secret(s) from RunPod's vault ({', '.join(sorted(secrets))})"
+    return said
 
 
 def undo(client: RunPodClient, name: str, before: state.Before) -> str:
@@ -254,6 +265,10 @@ def status(client: RunPodClient, name: str) -> str:
         net = (pod.get("globalNetworking") or {}).get("internalDns") or (pod.get("cluster") or {}).get("ip") or ""
         lines.append(f"{pod['name']}\t{pod['id']}\t{pod['status']}\t{pod.get('dataCenterId')}\t"
                      f"${pod.get('cost') or 0:.2f}/h\t{net}".rstrip())
+    secrets = sorted(s["name"] for s in vault.held(client, name))
+    if secrets:
+        lines.append(f"account secrets in RunPod's vault: {', '.join(secrets)}"
+                     + ("" if pods or clusters else f" (no pod left: rlhf-tasks down {name} deletes them)"))
     return "\n".join(lines) or f"no RunPod pods or cluster named {name}"
 
 

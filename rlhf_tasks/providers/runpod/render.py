@@ -1,7 +1,8 @@
 """What is pure of the RunPod provider: its contracts and network presets, the task's
 checks, and the rendered files: `NAME.start.sh` (the agent and the plan in heredocs, then
-the agent) and the create requests of RunPod's REST API v2 (`NAME.runpod.json`), with
-secret values as `${NAME}` placeholders that `launch` fills (`filled`)."""
+the agent) and the create requests of RunPod's REST API v2 (`NAME.runpod.json`), whose env
+references the task's secrets in RunPod's vault (`{{ RUNPOD_SECRET_rlhf-tasks.NAME.VARIABLE }}`,
+vault.py), never their values; `launch` fills the head pod's id and the data center (`filled`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, SelfEnd, env, template
 from ...spec import Task
 from ..shipping import NODE_DIR, agent_command, heredoc, node_path, shared_entry, shipped_files
+from . import vault
 
 NAME = "runpod"
 #: RunPod GPU type ids for the short names a task writes (`resources.gpus: H100:8`); a name
@@ -163,10 +165,57 @@ def check(task: Task) -> None:
             raise BadInput(f"placement.{field}: {why}")
 
 
-def start_script(plan: Plan) -> str:
+#: Files of a working_dir that hold credentials by convention: never shipped in a pod's start command, which
+#: anyone who can read the account's pods reads (a task's secrets go through RunPod's vault instead).
+CREDENTIAL_FILES = re.compile(r"^(\.env(\..*)?|\.netrc|\.pgpass|id_(rsa|dsa|ecdsa|ed25519)|.*\.(pem|key|p12|pfx))$")
+
+
+def pack(path: str, excludes: list[str]) -> bytes:
+    """job.working_dir as a tar.gz of what Ray would upload from it (its excludes, .gitignore and
+    .rayignore, virtualenvs left out: workdir.py), the same bytes for the same files. BadInput when
+    it holds a credentials file (CREDENTIAL_FILES)."""
+    import io
+    import tarfile
+
+    from ... import workdir
+
+    files: list = []
+    workdir.measure(path, excludes, files)
+    root = os.path.abspath(path)
+    credentials = sorted(os.path.relpath(str(f), root) for f in files if CREDENTIAL_FILES.match(f.name))
+    if credentials:
+        raise BadInput(f"job.working_dir: {path} holds {', '.join(credentials)}, which would be shipped in the pods' "
+                       f"start command, readable by whoever can read the pods of your RunPod account; leave "
+                       f"{'it' if len(credentials) == 1 else 'them'} out with job.excludes (and pass the values as "
+                       f"secrets:, which go through RunPod's vault)")
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for file in sorted(files):
+            info = tar.gettarinfo(str(file), os.path.relpath(str(file), root))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(file, "rb") as handle:
+                tar.addfile(info, handle)
+    return buffer.getvalue()
+
+
+def shipped_lines(archive: bytes | None) -> list[str]:
+    """Start-script lines that unpack job.working_dir where the agent runs (the pod's directory for it)."""
+    if archive is None:
+        return ["# job.working_dir: none shipped (the task names none): the job runs in this empty directory"]
+    encoded = base64.b64encode(archive).decode()
+    return [f"# job.working_dir, shipped: {len(archive)} bytes (tar.gz), unpacked where the agent runs",
+            f"base64 -d > {NODE_DIR}/workdir.tar.gz <<'RLHF_TASKS_WORKDIR'",
+            *(encoded[i:i + 76] for i in range(0, len(encoded), 76)), "RLHF_TASKS_WORKDIR",
+            f"python3 -m tarfile -e {NODE_DIR}/workdir.tar.gz . && rm -f {NODE_DIR}/workdir.tar.gz && "
+            'say "job.working_dir unpacked in $PWD"']
+
+
+def start_script(plan: Plan, archive: bytes | None = None) -> str:
     """What every pod runs: it writes the agent and the plan under /opt/rlhf-tasks and
     starts the agent (which runs the setup commands), then keeps the pod up, so that a
-    container restart never runs the job twice."""
+    container restart never runs the job twice. `archive`: job.working_dir (pack), unpacked
+    in the directory the agent runs in, which the head submits the job with."""
     cluster = is_cluster(plan)
     preset = " ".join(f"{k}={v}" for k, v in plan.network_env.items())
     lines = [
@@ -237,7 +286,6 @@ def start_script(plan: Plan) -> str:
         "  fi",
         "fi",
         "export PYTHONUNBUFFERED=1",
-        "# job.working_dir '.' is this empty directory: nothing of yours is uploaded from a pod",
         f"mkdir -p {NODE_DIR}/workdir && cd {NODE_DIR}/workdir",
         "if ! command -v python3 >/dev/null 2>&1; then",
         '  say "python3 is not in the image"',
@@ -246,6 +294,7 @@ def start_script(plan: Plan) -> str:
         f"  {keep}",
         "  exec sleep infinity",
         "fi",
+        *shipped_lines(archive),
         agent,
         'say "the node agent exited with code $?"',
         keep,
@@ -255,11 +304,16 @@ def start_script(plan: Plan) -> str:
     return script
 
 
+def secret_names(plan: Plan) -> list[str]:
+    """The variables that go through RunPod's vault: the task's secrets and the Ray token's."""
+    return plan.secrets + ([plan.token_env] if plan.token_env else [])
+
+
 def bodies(plan: Plan, args: str) -> dict:
-    """The create requests, secrets as `${NAME}` placeholders that `launch` fills."""
+    """The create requests, each secret a reference to its account secret (vault.py)."""
     gpu_id, count = gpu_request(plan.resources)
     client = plan.job.submit == "client"
-    secrets = {name: f"${{{name}}}" for name in plan.secrets + ([plan.token_env] if plan.token_env else [])}
+    secrets = {name: vault.reference(plan.name, name) for name in secret_names(plan)}
     container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
     if plan.resources.disk:
         container["disk"] = max(1, size_bytes(plan.resources.disk) // 10**9)
@@ -292,14 +346,23 @@ def bodies(plan: Plan, args: str) -> dict:
     return {"head": pod("head", 0), "workers": [pod(f"worker-{k}", k) for k in range(1, plan.nodes)]}
 
 
-def filled(body: dict, values: dict[str, str], datacenters: list[str]) -> dict:
-    """A rendered request with its `${NAME}` env values filled (a secret not set here is left
-    out, as the launcher says) and its data centers chosen."""
+#: A rendered env value that references an account secret.
+SECRET_REFERENCE = re.compile(r"\{\{ RUNPOD_SECRET_(\S+) \}\}")
+
+
+def filled(body: dict, values: dict[str, str], datacenters: list[str], held: set[str] | frozenset = frozenset()) -> dict:
+    """A rendered request with its `${NAME}` env values filled (HEAD_POD_ID: never a secret), its
+    references kept to the account secrets `held` (a secret not set here is left out, as the
+    launcher says), and its data centers chosen."""
     out = json.loads(json.dumps(body))
     env = {}
     for key, value in out.get("env", {}).items():
         match = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", value)
-        if match is None:
+        secret = SECRET_REFERENCE.fullmatch(value)
+        if secret is not None:
+            if secret.group(1) in held:
+                env[key] = value
+        elif match is None:
             env[key] = value
         elif values.get(match.group(1)):
             env[key] = values[match.group(1)]
@@ -308,25 +371,47 @@ def filled(body: dict, values: dict[str, str], datacenters: list[str]) -> dict:
     return out
 
 
-def render(plan: Plan) -> dict[str, str]:
-    """File name -> content: the create requests and the start script they carry."""
-    script = start_script(plan)
+def too_big_to_ship(working_dir: str, archive: bytes, args: int) -> str:
+    """Why job.working_dir cannot be shipped in a pod's start command, and what to do."""
+    return (f"job.working_dir: {working_dir} packs {len(archive) // 1024 + 1} KiB (tar.gz), too much for a pod's start "
+            f"command, which carries it beside the node agent ({args // 1024} KiB in all, at most {MAX_ARGS // 1024} "
+            f"KiB): with job.submit: head nothing else of this machine reaches a pod. Leave out what the job does not "
+            f"need (job.excludes, .rayignore), or set job.submit: client (launch then uploads job.working_dir to the "
+            f"job through the head's ssh forward), or put the code in the image or on a network volume "
+            f"(checkpoints.shared.runpod) and leave job.working_dir out")
+
+
+def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
+    """File name -> content: the create requests and the start script they carry (with
+    job.working_dir's `archive`, when the task ships one)."""
+    script = start_script(plan, archive)
     args = start_args(script)
     if len(args) > MAX_ARGS:
+        if archive is not None and len(start_args(start_script(plan))) <= MAX_ARGS:
+            raise BadInput(too_big_to_ship(plan.job.working_dir, archive, len(args)))
         raise BadInput(f"the start script is too large for a pod's args ({len(args) // 1024} KiB compressed, "
                        f"at most {MAX_ARGS // 1024} KiB): it carries the agent and job.args' shipped modules")
     if is_cluster(plan):
-        what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch fills each ${NAME} in env from your "
-                f"environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}) and sets dataCenterIds to one data "
+        what = ("POST https://api.runpod.io/v2/clusters. rlhf-tasks launch sets dataCenterIds to one data "
                 "center at a time, of those whose Instant Cluster stock has the GPU type, until one takes it.")
     else:
         what = ("POST https://api.runpod.io/v2/pods, the head first, then the workers. rlhf-tasks launch fills "
-                f"each ${{NAME}} in env from your environment (RAY_AUTH_TOKEN: rlhf-tasks token {plan.name}; "
-                "HEAD_POD_ID: the head pod's id) and sets dataCenterIds to one data center at a time, of those "
+                "HEAD_POD_ID (the head pod's id) and sets dataCenterIds to one data center at a time, of those "
                 "whose catalog entry has Global Networking and the GPU type in stock, until one takes the head; "
                 "the workers go to the head's, once RunPod has placed it.")
     notes = [f"The create requests for RunPod's REST API v2: {what} args runs {plan.name}.start.sh "
              "(gzip, base64)."]
+    names = secret_names(plan)
+    if names:
+        made = ", ".join(f"{vault.secret_name(plan.name, name)} (" + (
+            f"rlhf-tasks token {plan.name}" if name == plan.token_env else f"your {name}") + ")" for name in names)
+        notes.append(
+            "Secrets are references to RunPod account secrets, substituted when a pod boots; no value is in a "
+            "request. rlhf-tasks launch creates them from your environment and deletes them at rlhf-tasks down "
+            f"{plan.name} (and when the launcher sees the cluster end). By hand, before the requests: create "
+            f"{made} in RunPod's console (Secrets) or with POST https://api.runpod.io/v2/account/secrets "
+            "{\"name\": ..., \"value\": ...}; delete them (DELETE /v2/account/secrets/{id}) once the pods are "
+            "terminated.")
     if not plan.resources.gpus:
         why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else \
             "RunPod pods with Global Networking need an NVIDIA GPU"
