@@ -88,7 +88,7 @@ def test_tiny_grpo_succeeds_through_skypilots_driver(sky_cluster, tmp_path):
     task["job"]["args"].update(steps=10, save_every=5, num_prompts=200)
     started = time.monotonic()
     job_id = launch(sky_cluster, task, tmp_path)
-    status = sky_cluster.wait(job_id, 600)
+    status = sky_cluster.wait(job_id, 240)
     log = sky_cluster.run_log()
     took = time.monotonic() - started
     assert status == job_lib.JobStatus.SUCCEEDED, log[-5000:]
@@ -108,13 +108,17 @@ def test_a_node_whose_run_fails_fails_skypilots_job(sky_cluster, tmp_path):
             "services": [{"name": "web", "where": "every_node", "timeout": "1m",
                           "command": f"echo OMP=${{OMP_NUM_THREADS-unset}} WARN=${{PYTHONWARNINGS-unset}} "
                                      f"> {tmp_path}/env-$SKYPILOT_NODE_RANK; "
-                                     "if [ \"$SKYPILOT_NODE_RANK\" = 1 ]; then echo 'node1: broken on purpose' >&2; "
-                                     "exit 3; fi; exec python3 -m http.server --bind {node_addr} 23111",
+                                     # node 1 fails once node 0's service has written its file
+                                     # (bounded: 30 s), else SkyPilot may cancel node 0 before.
+                                     "if [ \"$SKYPILOT_NODE_RANK\" = 1 ]; then for i in $(seq 300); do "
+                                     f"[ -s {tmp_path}/env-0 ] && break; sleep 0.1; done; "
+                                     "echo 'node1: broken on purpose' >&2; exit 3; fi; "
+                                     "exec python3 -m http.server --bind {node_addr} 23111",
                           "ready": {"http": "http://{node_addr}:23111/"}}],
             "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
                     "args": {"entrypoint": "python3 -c 'print(1)'"}}}
     job_id = launch(sky_cluster, task, tmp_path)
-    status = sky_cluster.wait(job_id, 300)
+    status = sky_cluster.wait(job_id, 150)
     log = sky_cluster.run_log()
     assert status == job_lib.JobStatus.FAILED, (status, log[-5000:])
     assert "node1: broken on purpose" in log, log[-5000:]

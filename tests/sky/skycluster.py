@@ -9,10 +9,14 @@ run by SkyPilot's own CommandRunner command line (which exports OMP_NUM_THREADS=
 through its runners), _add_job and _execute_task_n_nodes (RayCodeGen's driver, queued through
 job_lib on the head and started by its scheduler), the job's status through get_job_status.
 
-What is played: the transport (nsenter into a host instead of ssh: HostRunner below, whose
-command line is SkyPilot's), the handle (the few fields the backend reads), the file_mounts /
-workdir upload (copied onto each host), and the VM image (the hosts' python is this checkout's
-virtualenv, with Ray 2.60 and torch, on PATH through ~/.bashrc as a VM image's conda would be).
+SkyPilot's client reaches the hosts as it reaches a cloud's VMs: its own SSHCommandRunner, a real
+ssh to a real sshd on each host (the ssh client in the laptop's network namespace), each host's
+root with its own home (the host's /etc/passwd says so).
+
+What is played: the upload (streamed through SkyPilot's ssh command line: no rsync here), the
+handle (the few fields the backend reads), the file_mounts / workdir copy, and the VM image (the
+hosts' python is this checkout's virtualenv, with Ray 2.60 and torch, on PATH through ~/.bashrc
+as a VM image's conda would be).
 """
 
 from __future__ import annotations
@@ -71,47 +75,62 @@ def runtime() -> Path:
     return target
 
 
-class HostRunner:
-    """A SkyPilot CommandRunner whose transport is nsenter into a testbed host instead of ssh:
-    the command line it runs is the one SkyPilot's runner builds (_get_command_to_run)."""
+# Every command SkyPilot's runner sends a host is bounded (SkyPilot passes no timeout of its own):
+# a command that hangs fails the test with subprocess.TimeoutExpired instead of hanging it.
+COMMAND_TIMEOUT = 300
 
-    def __new__(cls, tb, rank: int, env: dict[str, str]):
-        from sky.skylet import log_lib
-        from sky.utils import command_runner
 
-        class _Runner(command_runner.CommandRunner):
-            def run(self, cmd, *, require_outputs=False, log_path=os.devnull, process_stream=True,
-                    stream_logs=True, separate_stderr=False, source_bashrc=False, skip_num_lines=0,
-                    run_in_background=False, **kwargs):
-                for unused in ("port_forward", "ssh_mode", "connect_timeout"):
-                    kwargs.pop(unused, None)
-                remote = self._get_command_to_run(cmd, process_stream, separate_stderr,
-                                                   skip_num_lines=skip_num_lines, source_bashrc=source_bashrc,
-                                                   run_in_background=run_in_background)
-                host = tb.host(rank)
-                # The transport (ssh's argv) replaced by nsenter; the command line after it is SkyPilot's.
-                # (A variant quoting it whole as SSHCommandRunner does, with the log tee'd here, left
-                # SkyPilot's worker raylet out of the cluster twice: RayCodeGen waited for 2 nodes.)
-                prefix = [tbmod.NSENTER, f"--target={host.init_pid}", "--pid", "--uts", "--ipc", "--mount",
-                          "--net", f"--wd={env['HOME']}", "--"]
-                line = " ".join(map(shlex.quote, prefix)) + " " + remote
-                os.makedirs(os.path.dirname(os.path.expanduser(log_path)) or ".", exist_ok=True)
-                return log_lib.run_with_log(line, log_path, require_outputs=require_outputs, stream_logs=stream_logs,
-                                            process_stream=process_stream, shell=True, executable="/bin/bash",
-                                            env=env, **kwargs)
+def host_runner(tb, rank: int, key: Path):
+    """SkyPilot's own SSHCommandRunner to a testbed host's sshd (root@<host ip>:22, the testbed's
+    key). The one played part: its ssh runs in the laptop's network namespace (`nsenter --net`),
+    the machine `sky launch` runs on, since this process's namespace has no route to the hosts.
 
-            def rsync(self, source, target, *, up, log_path=os.devnull, stream_logs=True, max_retry=1,
-                      timeout=None):
-                if not up:
-                    raise NotImplementedError("download")
-                home = env["HOME"]
-                target = target.replace("~", home, 1) if target.startswith("~") else target
-                tb.sh(rank, f"mkdir -p {shlex.quote(os.path.dirname(target))} && "
-                            f"cp -r {shlex.quote(source)} {shlex.quote(target)}")
+    A real ssh matters: log_lib.run_with_log starts SkyPilot's subprocess_daemon for every command,
+    which polls the local process tree each second and, once the command ends, SIGTERMs every
+    descendant it last saw. Over ssh those are the ssh client only; with `nsenter` as the
+    transport they were the host's own processes, and the raylet that `ray start` had just forked
+    on the worker got SIGTERM (its raylet.out: "Raylet received SIGTERM, shutting down...") a
+    second after the worker joined: RayCodeGen then waited forever for 2 nodes."""
+    from sky.utils import command_runner
 
-        runner = _Runner((tb.host(rank).name, rank))
-        runner.rank = rank
-        return runner
+    netns = f"--net=/run/netns/{tb.laptop.netns}"
+
+    class _Runner(command_runner.SSHCommandRunner):
+        def ssh_base_command(self, **kwargs):
+            return [tbmod.NSENTER, netns, "--", *super().ssh_base_command(**kwargs)]
+
+        def run(self, cmd, **kwargs):
+            kwargs.setdefault("timeout", COMMAND_TIMEOUT)
+            return super().run(cmd, **kwargs)
+
+        def rsync(self, source, target, *, up, log_path=os.devnull, stream_logs=True, max_retry=1,
+                  timeout=None):
+            # Played upload (this machine has no rsync): the file, or the directory's contents
+            # as `rsync src/ dst` copies them, streamed through SkyPilot's own ssh command line.
+            if not up:
+                raise NotImplementedError("download")
+            remote = (f"~/{shlex.quote(target[2:])}" if target.startswith("~/") else shlex.quote(target))
+            ssh = self.ssh_base_command(ssh_mode=command_runner.SshMode.NON_INTERACTIVE, port_forward=None,
+                                        connect_timeout=None)
+            if os.path.isdir(source):
+                pack = subprocess.Popen(["tar", "-C", source, "-cf", "-", "."], stdout=subprocess.PIPE)
+                stdin, unpack = pack.stdout, f"mkdir -p {remote} && tar -C {remote} -xf -"
+            else:
+                pack, stdin = None, open(source, "rb")
+                unpack = f"mkdir -p $(dirname {remote}) && cat > {remote}"
+            with stdin:
+                out = subprocess.run([*ssh, unpack], stdin=stdin, capture_output=True,
+                                     timeout=timeout or COMMAND_TIMEOUT)
+            if pack is not None:
+                pack.wait(COMMAND_TIMEOUT)
+            if out.returncode != 0 or (pack is not None and pack.returncode != 0):
+                raise RuntimeError(f"upload of {source} to {self.node_id}:{target} failed "
+                                   f"({out.returncode}): {out.stderr.decode(errors='replace')[-2000:]}")
+
+    runner = _Runner((tb.host(rank).ip, 22), ssh_user="root", ssh_private_key=str(key),
+                     disable_control_master=True)
+    runner.rank = rank
+    return runner
 
 
 class SkyCluster:
@@ -123,7 +142,9 @@ class SkyCluster:
         self.tb, self.name, self.nodes = tb, name, nodes
         self.runtime = runtime()
         self.homes = [tmp_path / f"home-{tb.hosts[i].name}" for i in range(nodes)]
-        self.envs = []
+        tbmod.ensure_sshd()
+        key = tb._ssh_keys()  # pylint: disable=protected-access  (the testbed's sshd and key)
+        passwd = Path("/etc/passwd").read_text().splitlines()
         for i, home in enumerate(self.homes):
             (home / ".sky").mkdir(parents=True)
             os.symlink(self.runtime, home / constants.SKY_REMOTE_PYTHON_ENV_NAME)
@@ -133,11 +154,16 @@ class SkyCluster:
             # The VM image's own python (ray 2.60, torch: what the task's setup checks for) first on
             # PATH for the user, as an image's conda or venv activation in ~/.bashrc puts it.
             (home / ".bashrc").write_text(f"export PATH={tbmod.BIN_DIR}:$PATH\n")
-            self.envs.append({"HOME": str(home), "USER": "root", "LANG": "C.UTF-8",
-                              "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
+            # Each host's root has its own home (the hosts share this machine's files): the host's
+            # /etc/passwd says so, and sshd logs root in there (HOME, ~, the login's cwd).
+            mine = tmp_path / f"passwd-{tb.hosts[i].name}"
+            mine.write_text("\n".join(":".join(f[:5] + [str(home)] + f[6:]) if f[0] == "root" else line
+                                      for line in passwd for f in [line.split(":")]) + "\n")
+            tb.sh(i, f"mount --bind {shlex.quote(str(mine))} /etc/passwd")
             # A VM's default route (Ray finds its node address through it); the bridge has no way out.
             subprocess.run(["ip", "-n", tb.hosts[i].netns, "route", "replace", "default", "dev", "eth0"], check=True)
-        self.runners = [HostRunner(tb, i, self.envs[i]) for i in range(nodes)]
+            tb._start_sshd(tb.hosts[i], 30)  # pylint: disable=protected-access
+        self.runners = [host_runner(tb, i, key) for i in range(nodes)]
         for runner in self.runners:
             self._ok(runner, constants.SETUP_SKY_DIRS_COMMANDS, "making SkyPilot's directories")
 
@@ -164,6 +190,41 @@ class SkyCluster:
                   + instance_setup.ray_worker_start_command(None, None, no_restart=False))
         for runner in self.runners[1:]:
             self._ok(runner, worker, "starting SkyPilot's Ray worker", source_bashrc=True)
+        self.wait_nodes(60)
+
+    def ray_status(self) -> str:
+        """`ray status` of SkyPilot's Ray on the head, by SkyPilot's own command."""
+        from sky.provision import instance_setup
+
+        code, out, err = self.runners[0].run(instance_setup.RAY_STATUS_WITH_SKY_RAY_PORT_COMMAND,
+                                             require_outputs=True, stream_logs=False, separate_stderr=True,
+                                             timeout=60)
+        return out if code == 0 else f"(ray status failed, {code}) {out}\n{err}"
+
+    def wait_nodes(self, timeout: float) -> None:
+        """Every node alive in SkyPilot's Ray, counted as SkyPilot counts them from `ray status`
+        (backend_utils._count_healthy_nodes_from_ray, as wait_until_ray_cluster_ready does)."""
+        from sky.backends import backend_utils
+
+        seen = {"status": ""}
+
+        def all_up():
+            seen["status"] = self.ray_status()
+            return sum(backend_utils._count_healthy_nodes_from_ray(seen["status"])) == self.nodes  # pylint: disable=protected-access
+
+        try:
+            tbmod.poll(all_up, timeout, f"{self.nodes} nodes in SkyPilot's Ray", 1)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nray status:\n{seen['status']}\n{self.diagnosis()}") from None
+
+    def diagnosis(self) -> str:
+        """What to look at when SkyPilot's Ray or job is stuck: each host's raylet log tail."""
+        parts = []
+        for i in range(self.nodes):
+            out = self.tb.run(i, "tail -n 15 /tmp/ray_skypilot/session_latest/logs/raylet.out; "
+                                 "pgrep -a raylet | cut -c1-150", background=False, timeout=30).output
+            parts.append(f"--- {self.tb.hosts[i].name}: raylet.out tail, raylets\n{out}")
+        return "\n".join(parts)
 
     def handle(self):
         """What CloudVmRayBackend reads of a CloudVmRayResourceHandle on the legacy (SSH) path."""
@@ -182,8 +243,11 @@ class SkyCluster:
         for i in range(self.nodes):
             script = ["mountpoint -q /opt || mount -t tmpfs tmpfs /opt"]
             for destination, source in (task.file_mounts or {}).items():
+                # as rsync does it: a directory's contents into the destination, merged with what
+                # an earlier launch left there (`cp -r` would nest it inside an existing one)
+                src, dst = shlex.quote(source), shlex.quote(destination)
                 script.append(f"mkdir -p {shlex.quote(os.path.dirname(destination))} && "
-                              f"cp -r {shlex.quote(source)} {shlex.quote(destination)}")
+                              f"if [ -d {src} ]; then mkdir -p {dst} && cp -rT {src} {dst}; else cp {src} {dst}; fi")
             if task.workdir:
                 script.append(f"cp -r {shlex.quote(task.workdir)}/. {shlex.quote(str(self.homes[i] / 'sky_workdir'))}/")
             self.tb.sh(i, " && ".join(script), cwd=str(render_dir))
@@ -207,13 +271,17 @@ class SkyCluster:
         return statuses.get(job_id) if isinstance(statuses, dict) else statuses
 
     def wait(self, job_id: int, timeout: float):
-        from sky.skylet import job_lib
+        seen = {}
 
         def done():
-            status = self.status(job_id)
+            seen["status"] = status = self.status(job_id)
             return status if status is not None and status.is_terminal() else None
 
-        return tbmod.poll(done, timeout, f"SkyPilot job {job_id} to end")
+        try:
+            return tbmod.poll(done, timeout, f"SkyPilot job {job_id} to end", 2)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; its status: {seen.get('status')}\nrun.log tail:\n{self.run_log()[-3000:]}\n"
+                                 f"ray status:\n{self.ray_status()}\n{self.diagnosis()}") from None
 
     def run_log(self) -> str:
         """The driver's run.log on the head (every node's output, prefixed by SkyPilot)."""
