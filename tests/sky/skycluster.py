@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import testbed as tbmod
 
+BUILD_TIMEOUT = 900  # the runtime's pip install from PyPI: 67 s here
 CACHE = Path(os.environ.get("RLHF_TASKS_CACHE", Path.home() / ".cache" / "rlhf-tasks")) / "sky"
 
 
@@ -64,9 +65,14 @@ def runtime() -> Path:
         started = time.monotonic()
         subprocess.run([str(python), "-m", "venv", str(building)], check=True)
         # SkyPilot installs its own wheel with [remote] and Ray with these pins (constants.RAY_INSTALLATION_COMMANDS).
-        out = subprocess.run([str(building / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                              f"ray[default]=={ray_version}", "pydantic-core==2.41.1", "click<8.3.0",
-                              f"skypilot[remote]=={sky_version}"], capture_output=True, text=True)
+        argv = [str(building / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                f"ray[default]=={ray_version}", "pydantic-core==2.41.1", "click<8.3.0",
+                f"skypilot[remote]=={sky_version}"]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"installing SkyPilot's runtime took over {BUILD_TIMEOUT} s (67 s is usual):\n"
+                               f"{(exc.stdout or b'')[-3000:]!r}\n{(exc.stderr or b'')[-3000:]!r}") from None
         if out.returncode != 0:
             raise RuntimeError(f"installing SkyPilot's runtime (ray {ray_version}, skypilot {sky_version}) failed:\n"
                                f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
