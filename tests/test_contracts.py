@@ -64,8 +64,8 @@ def place(tb, host: int, sources: dict[str, Path]) -> None:
     """Put shipped files at their destinations on one host, as the provider would upload them.
     /opt is a tmpfs of the host's own (its mount namespace), so the machine's /opt is untouched."""
     script = ["mountpoint -q /opt || mount -t tmpfs tmpfs /opt"]
-    for destination, source in sources.items():
-        script.append(f"mkdir -p {shlex.quote(str(Path(destination).parent))}")
+    for destination, source in sources.items():  # a target is replaced whole, as dstack's runner does
+        script.append(f"rm -rf {shlex.quote(destination)} && mkdir -p {shlex.quote(str(Path(destination).parent))}")
         script.append(f"cp -r {shlex.quote(str(source))} {shlex.quote(destination)}")
     tb.sh(host, " && ".join(script))
 
@@ -181,7 +181,7 @@ def test_the_rendered_demo_runs_on_hosts_that_have_only_what_it_ships(testbed3, 
     files = render("dstack", task, tmp_path / "rendered")
     config = yaml.safe_load(files["tiny-grpo.dstack.yml"])
     mounts = {m.split(":")[1]: tmp_path / "rendered" / m.split(":")[0] for m in config["files"]}
-    assert any(destination.startswith("/opt/rlhf-tasks/lib/rlhf_tasks/demo/") for destination in mounts)
+    assert (mounts["/opt/rlhf-tasks"] / "lib" / "rlhf_tasks" / "demo" / "train.py").is_file()  # the demo is shipped
     where = "python3 -c 'import os, rlhf_tasks.demo as d; print(os.path.dirname(d.__file__))'"
     checkout = tb.sh(0, where, cwd="/").strip().splitlines()[-1]
     for rank in range(3):
