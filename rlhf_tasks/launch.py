@@ -224,24 +224,30 @@ class HeadEnded(Exception):
 
 
 def _watching(cluster: Cluster, tail: LogTail, check):
-    """A wait_for check that also echoes node logs and notices a dead head: one that said how the job ended
-    (its result line) is HeadEnded, one that failed a step of its own StepFailed, else HeadLost."""
+    """A wait_for check that also echoes node logs and notices a head that is done: one that said how the job
+    ended (its result line) is HeadEnded, one that failed a step of its own StepFailed, one gone without a word
+    HeadLost."""
+    def ended(said: dict) -> bool:
+        return bool((said.get("job") or {}).get("status") or said.get("failed_step"))
+
     def wrapped():
         tail.pump()
         for message in cluster.tend():
             say(message)
-        if not cluster.head_alive():
+        said = tail.head_result or {}  # its last word, which can come well before its provider calls it gone (dstack)
+        if not ended(said) and cluster.head_alive():
+            return check()
+        if not ended(said):
             tail.pump()
-            log = cluster.read_head_log()
-            said = parse_result(log) or {}
-            if (said.get("job") or {}).get("status"):  # it ran the job to its end: its line says how that ended
-                raise HeadEnded(said)
-            where = "its log is above" if cluster.node_logs else "last lines:\n" + "\n".join(log.splitlines()[-20:])
-            if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
-                error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
-                raise StepFailed(said["failed_step"], f"{error} ({where})")
-            raise HeadLost("bringing up the cluster", f"the head's process exited ({where})")
-        return check()
+            said = parse_result(cluster.read_head_log()) or {}
+        if (said.get("job") or {}).get("status"):  # it ran the job to its end: its line says how that ended
+            raise HeadEnded(said)
+        where = "its log is above" if cluster.node_logs else \
+            "last lines:\n" + "\n".join(cluster.read_head_log().splitlines()[-20:])
+        if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
+            error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
+            raise StepFailed(said["failed_step"], f"{error} ({where})")
+        raise HeadLost("bringing up the cluster", f"the head's process exited ({where})")
     return wrapped
 
 
@@ -302,11 +308,13 @@ def head_submission(dashboard: str, token: str | None, name: str):
 
 def final_status_from_head(cluster: Cluster, shown: int, timeout_s: float = 60) -> tuple[str, str] | None:
     """The job's end state and the part of its log not shown yet, from the head agent's
-    result line once the head has exited; None when it never said."""
+    result line once it is written (its process may end well after: dstack's run) or the head
+    has exited; None when it never said."""
     def check():
-        if cluster.head_alive():
-            return False, "the head is still running"
-        return True, cluster.read_head_log()
+        log = cluster.read_head_log()
+        if ((parse_result(log) or {}).get("job") or {}).get("status") or not cluster.head_alive():
+            return True, log
+        return False, "the head is still running"
 
     try:
         result = parse_result(wait_for("the head agent to finish", check, timeout_s, interval=0.2, report=say))

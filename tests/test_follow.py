@@ -10,7 +10,8 @@ import json
 import pytest
 
 from rlhf_tasks.errors import HeadLost, StepFailed
-from rlhf_tasks.launch import LogTail, Outcome, follow_head_log, summarise, verdict
+from rlhf_tasks.launch import (HeadEnded, LogTail, Outcome, _watching, final_status_from_head, follow_head_log, summarise,
+                               verdict)
 from rlhf_tasks.providers import Cluster, get
 from rlhf_tasks.spec import parse_task
 
@@ -92,6 +93,30 @@ def test_a_step_the_head_failed_before_the_job_is_named(tmp_path):
     outcome = follow_head_log(cluster_on(tmp_path, lambda: False), plan, quiet(tmp_path))
     with pytest.raises(StepFailed, match=r"^preflight \(pairs\): node 2 unreachable \(the head's log is above\)$"):
         verdict(plan, outcome, True)
+
+
+def test_a_result_line_ends_the_wait_while_the_heads_process_is_still_up(tmp_path):
+    """A job of a second: the head said how it ended while its provider still calls it alive (dstack's run ends
+    tens of seconds after its jobs): the wait for the dashboard or the nodes ends at that line, not there."""
+    (tmp_path / "node-0.log").write_text("[10:00:00] node0: Ray head up\n" + result_line(
+        job={"submission_id": "t-c1", "status": "SUCCEEDED"}, steps=[]))
+    checks = []
+    wrapped = _watching(cluster_on(tmp_path, lambda: True), quiet(tmp_path), lambda: checks.append(1) or (False, "no"))
+    with pytest.raises(HeadEnded) as ended:
+        wrapped()
+    assert ended.value.result["job"]["status"] == "SUCCEEDED" and not checks
+
+
+def test_the_jobs_end_state_is_the_heads_line_once_it_is_written_not_once_its_process_is_gone(tmp_path):
+    (tmp_path / "node-0.log").write_text(result_line(job={"submission_id": "t-c1", "status": "FAILED"},
+                                                     job_log_chars=5, job_log_tail="boom\n"))
+    assert final_status_from_head(cluster_on(tmp_path, lambda: True), shown=1, timeout_s=1) == ("FAILED", "oom\n")
+
+
+def test_a_head_without_its_line_yet_is_waited_for(tmp_path):
+    (tmp_path / "node-0.log").write_text("[10:00:00] node0: Ray head up\n" + result_line(
+        failed_step="preflight", error="x")[:-1])  # the line is not complete yet
+    assert _watching(cluster_on(tmp_path, lambda: True), quiet(tmp_path), lambda: (False, "no"))() == (False, "no")
 
 
 def test_a_head_gone_without_its_line_is_a_lost_head_with_the_providers_word(tmp_path):
