@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
         group = xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-    if hasattr(config, "workerinput"):  # a worker of `make test`'s two (pytest-xdist): the longest first
+    if hasattr(config, "workerinput"):  # a worker of `make test`'s (pytest-xdist): the longest first
         items.sort(key=run_order)
 
 
@@ -140,10 +140,10 @@ def xdist_group(item) -> str | None:
 
 
 def run_order(item) -> int:
-    """The longest first, so that the two workers end together: the Kubernetes tests (on a cold
-    cache they wait for their build while the other worker goes on), then the other session-wide
+    """The longest first, so that the workers end together: the Kubernetes tests (on a cold
+    cache they wait for their build while the other workers go on), then the other session-wide
     groups (the dstack server's), then the other cluster tests, then the fast tier (short tests that
-    even out the two workers' ends). Python's sort is stable: each keeps the collection's order."""
+    even out the workers' ends). Python's sort is stable: each keeps the collection's order."""
     group = xdist_group(item) or ""
     if group == "kube":
         return 0
@@ -176,7 +176,7 @@ def pytest_runtest_protocol(item):
 
 @pytest.fixture(autouse=True)
 def _side_by_side(request, tmp_path_factory):
-    """`make test`'s two workers run cluster tests side by side, sharing 2 cores; a test marked `alone`
+    """`make test`'s workers run cluster tests side by side, sharing 2 cores; a test marked `alone`
     (it bounds how fast something happens, e.g. a silent node declared dead within 18 s) runs with no
     other cluster test beside it: it takes the workers' lock exclusively, every other cluster test
     shares it. The fast tier takes no lock."""
