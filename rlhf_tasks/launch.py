@@ -440,7 +440,8 @@ def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node
     if status is None:  # the head was ended (its run, by the provider) while it waited to restart the job
         causes = RESTARTING.findall(cluster.read_head_log())
         outcome.error = "the head was ended while it waited for its nodes to restart the job" + (
-            f" after: {causes[-1].strip()}" if causes else "") + "; the provider's word on its nodes is in the summary"
+            f" after: {causes[-1].strip()}" if causes else "") + \
+            "; the provider's word on its nodes is in the summary"
     outcome.forensics = merge_forensics(outcome.forensics, here)
     return outcome
 

@@ -334,29 +334,48 @@ def _run_processes(bed, h) -> list[str]:
 
 
 def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, dstack_fleet, tmp_path):
-    """`status` while tiny-grpo runs says so; `down` (`dstack stop`) ends the run in dstack and leaves no process
-    of it on the hosts (the shim tears the job down as a container's end would); the fleet's hosts are idle."""
+    """`status` while tiny-grpo runs says so; `down` (`dstack stop`, then `dstack fleet delete` of the fleet `launch`
+    applied) ends the run in dstack, deletes that fleet and leaves no process of the run on the hosts (the shim
+    tears the job down as a container's end would). The task's fleet is its own SSH hosts (placement.dstack.ssh),
+    which `launch` applies: the session's fleet, deleted for this test, is put back after it."""
     bed = dstack_bed
-    task = tiny_grpo(tmp_path, steps=100000)
+    bed.cli("fleet", "delete", dstack_fleet, "-y", timeout=120)
+    wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, f"the session's fleet {dstack_fleet} deleted", 2)
+    task = tiny_grpo(tmp_path, steps=100000, placement={"dstack": {"ssh": bed.ssh_config()}})
     launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
     try:
         wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
                  "the launcher to show the job's steps", 1)
         assert launch.running(), launch.output[-4000:]
+        assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
         status = launcher(bed, tmp_path, ["status", "tiny-grpo"], timeout=120)
         assert status.returncode == 0 and "RUNNING" in status.output, status.output
         down = launcher(bed, tmp_path, ["down", "tiny-grpo"], timeout=180)
         assert down.returncode == 0, down.output
         run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
         assert run["status"] == "terminated", _why(bed, run, tmp_path)
+        assert "Fleet tiny-grpo-fleet deleted" in down.output or "deleted" in down.output, down.output
+        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 60, "the fleet launch applied to be gone after `down`", 2)
         for h in bed.tb.hosts:
             wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
-        wait_for(lambda: all(s == "idle" for _, s in _fleet_instances(bed, dstack_fleet)), 120,
-                 "the fleet's instances idle again")
         launch.wait(120)
     finally:
         if launch.running():
             launch.kill()
+        _put_the_session_fleet_back(bed, dstack_fleet)
+
+
+def _put_the_session_fleet_back(bed, name) -> None:
+    """After a test that deleted the session's fleet and whose `launch` applied it again (the same file, the same
+    name): once a `down` or a cancel has deleted it, applied again as the session's fixture did, both idle; a fleet of
+    the name left there (the test failed before its `down`) is the same fleet, and stays."""
+    def settled():
+        fleets = [f for f in bed.api("/api/project/main/fleets/list", {}) if f["name"] == name]
+        return "gone" if not fleets else fleets[0]["status"] not in ("terminating", "submitted") and "there"
+    if wait_for(settled, 120, f"the fleet {name} deleted or there", 2) == "gone":
+        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
+        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, name)) == ["idle", "idle"], 300,
+                 "the session's fleet back", 2)
 
 
 def _port_open(bed, port: int) -> bool:
@@ -459,10 +478,7 @@ def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch
     finally:
         if launch.running():
             launch.kill()
-        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, "the fleet launch applied to be gone", 2)
-        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
-        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, dstack_fleet)) == ["idle", "idle"], 300,
-                 "the session's fleet back", 2)
+        _put_the_session_fleet_back(bed, dstack_fleet)
 
 
 def _job_host(run: dict, num: int) -> str:
