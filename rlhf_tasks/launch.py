@@ -388,7 +388,7 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
                               report=say), None
         if sid is None:
             result = parse_result(cluster.read_head_log()) or {}
-            if not cluster.head_alive() and (not result or result.get("exit_code") in SIGNALLED):
+            if result.get("exit_code") in SIGNALLED or (not result and not cluster.head_alive()):
                 return None, following  # the head was ended from outside while it waited for its nodes
             return status, following
         say(f"following job {sid}, the head's restart of {following} (Ctrl-C stops following, not the job)")
@@ -438,6 +438,11 @@ def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node
     outcome = Outcome.from_result(said) if said else Outcome(sid, status)
     outcome.submission_id, outcome.status, outcome.node_ids = sid, status, node_ids
     if status is None:  # the head was ended (its run, by the provider) while it waited to restart the job
+        try:  # its process too, so that the provider can say why (dstack: once `dstack apply` has ended)
+            wait_for("the head's process to end", lambda: (not cluster.head_alive(), "it is still running"),
+                     2 * HEAD_EXIT_S, interval=0.5, max_interval=1.0, progress_every=2 * HEAD_EXIT_S + 1, report=say)
+        except AgentError:
+            pass  # the summary says what the provider knows by now
         causes = RESTARTING.findall(cluster.read_head_log())
         outcome.error = "the head was ended while it waited for its nodes to restart the job" + (
             f" after: {causes[-1].strip()}" if causes else "") + \

@@ -165,7 +165,7 @@ def test_a_head_ended_while_it_waits_to_restart_the_job_is_cut_short_with_its_ca
             raise StepFailed(f"asking for job {sid} through the Ray Jobs API", "[Errno 104] Connection reset by peer")
 
     monkeypatch.setattr(rlhf_tasks.jobs, "Jobs", Jobs)
-    alive = [True, True, False]
+    alive = [True, True, True, True, False]  # the result line is there before the head's process has ended
     log = ("[10:00:05] node0: restarting the job, attempt 1 of 2: node 10.0.0.3 left the cluster and the job FAILED "
            "(job t-c1)\n[10:00:08] node0: interrupted\n"
            + result_line(exit_code=130, error="interrupted", job={"submission_id": "t-c1", "status": "FAILED"}))
