@@ -347,6 +347,12 @@ def head_result(cluster: Cluster, sid: str, timeout_s: float = 30) -> dict | Non
         return None
 
 
+#: The head agent's exit codes when a signal ended it (SIGINT, SIGTERM): stopped from outside, not by its own verdict.
+SIGNALLED = (130, 143)
+#: The head agent's word when it restarts the job (agent/jobrunner.py): why.
+RESTARTING = re.compile(r"restarting the job, attempt \d+ of \d+: (.*)")
+
+
 def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail) -> tuple[str, str]:
     """Follow a job through the restarts the head makes (`-r1`, `-r2`, ...): its final
     status and last submission id. The head has given up when its result line names the
@@ -375,8 +381,12 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
 
         def restarted():
             tend(status)
-            if jobs.status(after) is not None:
-                return True, after
+            try:
+                if jobs.status(after) is not None:
+                    return True, after
+            except StepFailed as exc:  # the dashboard is gone: with the head (its run ended), or for a moment
+                if cluster.head_alive():
+                    return False, f"job {following} ended {status}; the dashboard does not answer ({exc})"
             said = (parse_result(cluster.read_head_log()) or {}).get("job") or {}
             if said.get("submission_id") == following or not cluster.head_alive():
                 return True, None
@@ -385,6 +395,9 @@ def follow_attempts(jobs, cluster: Cluster, plan: Plan, sid: str, tail: LogTail)
         sid, after = wait_for(f"the head to restart job {sid}", restarted, plan.wait.nodes_s + 300, interval=0.5,
                               report=say), None
         if sid is None:
+            result = parse_result(cluster.read_head_log()) or {}
+            if result.get("exit_code") in SIGNALLED or (not result and not cluster.head_alive()):
+                return None, following  # the head was ended from outside while it waited for its nodes
             return status, following
         say(f"following job {sid}, the head's restart of {following} (Ctrl-C stops following, not the job)")
 
@@ -427,11 +440,21 @@ def follow_dashboard(cluster: Cluster, plan: Plan, tail: LogTail, sid: str, node
     tail.pump()
     say(f"following job {sid} (Ctrl-C stops following, not the job)")
     status, sid = follow_attempts(Jobs(cluster.dashboard, cluster.token), cluster, plan, sid, tail)
-    here = dashboard_bundle(cluster, plan, secrets or {}, f"job {sid} ended {status}") if status != "SUCCEEDED" \
-        else None
+    here = dashboard_bundle(cluster, plan, secrets or {}, f"job {sid} ended {status or 'with its head'}") \
+        if status != "SUCCEEDED" else None
     said = head_result(cluster, sid) if plan.job.submit == "head" else None
     outcome = Outcome.from_result(said) if said else Outcome(sid, status)
     outcome.submission_id, outcome.status, outcome.node_ids = sid, status, node_ids
+    if status is None:  # the head was ended (its run, by the provider) while it waited to restart the job
+        try:  # its process too, so that the provider can say why (dstack: once `dstack apply` has ended)
+            wait_for("the head's process to end", lambda: (not cluster.head_alive(), "it is still running"),
+                     2 * HEAD_EXIT_S, interval=0.5, max_interval=1.0, progress_every=2 * HEAD_EXIT_S + 1, report=say)
+        except AgentError:
+            pass  # the summary says what the provider knows by now
+        causes = RESTARTING.findall(cluster.read_head_log())
+        outcome.error = "the head was ended while it waited for its nodes to restart the job" + (
+            f" after: {causes[-1].strip()}" if causes else "") + \
+            "; the provider's word on its nodes is in the summary"
     outcome.forensics = merge_forensics(outcome.forensics, here)
     return outcome
 

@@ -334,29 +334,48 @@ def _run_processes(bed, h) -> list[str]:
 
 
 def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, dstack_fleet, tmp_path):
-    """`status` while tiny-grpo runs says so; `down` (`dstack stop`) ends the run in dstack and leaves no process
-    of it on the hosts (the shim tears the job down as a container's end would); the fleet's hosts are idle."""
+    """`status` while tiny-grpo runs says so; `down` (`dstack stop`, then `dstack fleet delete` of the fleet `launch`
+    applied) ends the run in dstack, deletes that fleet and leaves no process of the run on the hosts (the shim
+    tears the job down as a container's end would). The task's fleet is its own SSH hosts (placement.dstack.ssh),
+    which `launch` applies: the session's fleet, deleted for this test, is put back after it."""
     bed = dstack_bed
-    task = tiny_grpo(tmp_path, steps=100000)
+    bed.cli("fleet", "delete", dstack_fleet, "-y", timeout=120)
+    wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, f"the session's fleet {dstack_fleet} deleted", 2)
+    task = tiny_grpo(tmp_path, steps=100000, placement={"dstack": {"ssh": bed.ssh_config()}})
     launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
     try:
         wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
                  "the launcher to show the job's steps", 1)
         assert launch.running(), launch.output[-4000:]
+        assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
         status = launcher(bed, tmp_path, ["status", "tiny-grpo"], timeout=120)
         assert status.returncode == 0 and "RUNNING" in status.output, status.output
         down = launcher(bed, tmp_path, ["down", "tiny-grpo"], timeout=180)
         assert down.returncode == 0, down.output
         run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
         assert run["status"] == "terminated", _why(bed, run, tmp_path)
+        assert "Fleet tiny-grpo-fleet deleted" in down.output or "deleted" in down.output, down.output
+        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 60, "the fleet launch applied to be gone after `down`", 2)
         for h in bed.tb.hosts:
             wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
-        wait_for(lambda: all(s == "idle" for _, s in _fleet_instances(bed, dstack_fleet)), 120,
-                 "the fleet's instances idle again")
         launch.wait(120)
     finally:
         if launch.running():
             launch.kill()
+        _put_the_session_fleet_back(bed, dstack_fleet)
+
+
+def _put_the_session_fleet_back(bed, name) -> None:
+    """After a test that deleted the session's fleet and whose `launch` applied it again (the same file, the same
+    name): once a `down` or a cancel has deleted it, applied again as the session's fixture did, both idle; a fleet of
+    the name left there (the test failed before its `down`) is the same fleet, and stays."""
+    def settled():
+        fleets = [f for f in bed.api("/api/project/main/fleets/list", {}) if f["name"] == name]
+        return "gone" if not fleets else fleets[0]["status"] not in ("terminating", "submitted") and "there"
+    if wait_for(settled, 120, f"the fleet {name} deleted or there", 2) == "gone":
+        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
+        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, name)) == ["idle", "idle"], 300,
+                 "the session's fleet back", 2)
 
 
 def _port_open(bed, port: int) -> bool:
@@ -459,7 +478,84 @@ def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch
     finally:
         if launch.running():
             launch.kill()
-        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, "the fleet launch applied to be gone", 2)
-        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
-        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, dstack_fleet)) == ["idle", "idle"], 300,
-                 "the session's fleet back", 2)
+        _put_the_session_fleet_back(bed, dstack_fleet)
+
+
+def _job_host(run: dict, num: int) -> str:
+    """The address of the fleet host dstack put job `num` of the run on (its provisioning data)."""
+    job = next(j for j in run["jobs"] if j["job_spec"]["job_num"] == num)
+    return job["job_submissions"][-1]["job_provisioning_data"]["hostname"]
+
+
+def _instances(bed, name) -> dict[str, dict]:
+    return {i["hostname"]: i for i in bed.api("/api/project/main/fleets/get", {"name": name})["instances"]}
+
+
+def test_a_worker_lost_mid_run_dstack_fails_the_run_and_launch_names_the_lost_node(dstack_bed, dstack_fleet,
+                                                                                   tmp_path):
+    """tiny-grpo through `launch` on the two-host fleet; once its steps run, the worker's machine is lost: its
+    link goes down, as a machine that is powered off or cut from the network (its processes go on, nothing closes
+    their connections, the server's SSH to it gets no answer). dstack's server, not our head, ends the run (the
+    task's wait.nodes, 3 min, outlasts dstack's 2 min): the worker's job FAILED `instance_unreachable` about 2 min
+    after the cut (jobs_running.py JOB_DISCONNECTED_RETRY_TIMEOUT, a constant, no setting), the run FAILED
+    `job_failed`, the head's job terminated by the server. `launch` exits 1 and its summary names the lost node
+    with dstack's reason. The instance stays in the fleet, unreachable (an SSH fleet's instance is never
+    terminated for it); once the link is back dstack finds it reachable and ends the job's leftovers there (its
+    dangling task): nothing of the run runs on either host, both instances idle. Last in the file: it cuts a host
+    of the session's fleet, restored after it pass or fail."""
+    bed = dstack_bed
+    task = tiny_grpo(tmp_path, steps=100000, name="lost")
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    lost = None
+    started = time.monotonic()
+    try:
+        wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
+                 "the launcher to show the job's steps", 1)
+        assert launch.running(), launch.output[-4000:]
+        run = bed.api("/api/project/main/runs/get", {"run_name": "lost"})
+        head_ip, worker_ip = _job_host(run, 0), _job_host(run, 1)
+        lost = next(h for h in bed.tb.hosts if h.ip == worker_ip)
+        subprocess.run(["ip", "-n", lost.netns, "link", "set", "eth0", "down"], check=True)
+        cut = time.monotonic()
+        run = _wait_run(bed, "lost", ("done", "failed", "terminated"), 360)
+        ended = time.monotonic() - cut
+        subs = {j["job_spec"]["job_num"]: j["job_submissions"][-1] for j in run["jobs"]}
+        print(f"dstack ended the run {ended:.0f} s after the cut: {run['status']} {run.get('termination_reason')}; "
+              + "; ".join(f"job {n}: {s['status']} {s.get('termination_reason')} {s.get('termination_reason_message')}"
+                          for n, s in sorted(subs.items())))
+        assert run["status"] == "failed" and run["termination_reason"] == "job_failed", _why(bed, run, tmp_path)
+        assert subs[1]["status"] == "failed" and subs[1]["termination_reason"] == "instance_unreachable", dump(subs)
+        assert subs[1]["termination_reason_message"] == "Instance is unreachable", dump(subs)
+        assert subs[0]["status"] == "terminated" and subs[0]["termination_reason"] == "terminated_by_server", dump(subs)
+        assert 120 <= ended <= 300, f"dstack ended the run {ended:.0f} s after the cut"
+        instances = _instances(bed, dstack_fleet)
+        print("the fleet's instances after the run:", {ip: (i["status"], i.get("unreachable"))
+                                                      for ip, i in instances.items()})
+        assert instances[worker_ip]["unreachable"] is True and instances[worker_ip]["status"] == "idle", instances
+        assert instances[head_ip]["unreachable"] is False and instances[head_ip]["status"] == "idle", instances
+
+        code = launch.wait(120)
+        out = launch.output
+        summary = out[out.rindex("== summary =="):] if "== summary ==" in out else out[-3000:]
+        print(summary)
+        assert code == 1, out[-6000:]
+        # the head's word (it saw the node leave, and was waiting for it) and dstack's (why it ended the run)
+        assert f"cut short, with no end state" in summary and f"node {worker_ip} left the cluster" in summary, summary
+        assert f"node1 ({worker_ip}) failed: instance unreachable" in summary, summary
+        assert f"dstack: the run lost failed (job failed)" in summary, summary
+        assert "process exited" not in out and "STOPPED before it finished" not in out, out[-5000:]
+    finally:
+        if lost is not None:
+            subprocess.run(["ip", "-n", lost.netns, "link", "set", "eth0", "up"], check=True)
+        if launch.running():
+            launch.kill()
+    restored = time.monotonic()
+
+    def back():
+        got = _instances(bed, dstack_fleet)
+        return all(i["status"] == "idle" and not i["unreachable"] for i in got.values()) and got
+    wait_for(back, 120, "both fleet instances idle and reachable again", 2)
+    for h in bed.tb.hosts:  # the lost host's leftovers: ended by dstack's server (its dangling task), not by us
+        wait_for(lambda: not _run_processes(bed, h), 120, f"the run's processes on {h.name} to be gone")
+    print(f"the host was back in the fleet and clean {time.monotonic() - restored:.0f} s after its link came back; "
+          f"the test took {time.monotonic() - started:.0f} s")

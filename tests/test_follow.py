@@ -167,3 +167,44 @@ def test_a_job_cut_short_by_its_cluster_stopping_is_not_said_never_to_have_run(t
     out = capsys.readouterr().out
     assert "job t-c1: cut short, with no end state in " in out and "s wall time (stopped by signal 15)" in out
     assert "not run" not in out
+
+
+
+def test_a_head_ended_while_it_waits_to_restart_the_job_is_cut_short_with_its_cause(rlhf_home, monkeypatch, capsys):
+    """Through the dashboard (dstack): the head stopped the job because a node left and waits for a machine to take its
+    place; the provider ends the run meanwhile (dstack fails the lost machine's job `instance_unreachable` and ends
+    the head's): the dashboard's forward resets while `dstack apply` still runs, then the head's process is gone, its
+    result line that of a signal (130). The outcome is no end state, with the head's cause and the provider's word,
+    not the dashboard's error nor "STOPPED by rlhf-tasks stop" (tests/test_dstack_cluster.py, against dstack)."""
+    import rlhf_tasks.jobs
+    from rlhf_tasks.launch import follow_dashboard
+
+    class Jobs:
+        def __init__(self, *args):
+            pass
+
+        def follow(self, sid, *args, **kwargs):
+            return "FAILED"
+
+        def status(self, sid):
+            raise StepFailed(f"asking for job {sid} through the Ray Jobs API", "[Errno 104] Connection reset by peer")
+
+    monkeypatch.setattr(rlhf_tasks.jobs, "Jobs", Jobs)
+    alive = [True, True, True, True, False]  # the result line is there before the head's process has ended
+    log = ("[10:00:05] node0: restarting the job, attempt 1 of 2: node 10.0.0.3 left the cluster and the job FAILED "
+           "(job t-c1)\n[10:00:08] node0: interrupted\n"
+           + result_line(exit_code=130, error="interrupted", job={"submission_id": "t-c1", "status": "FAILED"}))
+    cluster = Cluster(name="t", cluster_id="c1", token=None, dashboard="http://127.0.0.1:9",
+                      head_alive=lambda: alive.pop(0) if len(alive) > 1 else alive[0], head_log=lambda: log,
+                      describe=lambda: ["dstack: the run t failed (job failed); node1 (10.0.0.3) failed: instance "
+                                        "unreachable"])
+    plan = plan_of(submit="head", max_restarts=2)
+    outcome = follow_dashboard(cluster, plan, LogTail([], out=io.StringIO()), "t-c1", set())
+    assert (outcome.status, outcome.submission_id) == (None, "t-c1")
+    summarise(plan, outcome, 0.0, cluster)
+    out = capsys.readouterr().out
+    assert "job t-c1: cut short, with no end state" in out and "node 10.0.0.3 left the cluster" in out, out
+    assert "node1 (10.0.0.3) failed: instance unreachable" in out and "Connection reset" not in out, out
+    with pytest.raises(StepFailed, match="the head was ended while it waited for its nodes to restart the job after: "
+                                         "node 10.0.0.3 left the cluster"):
+        verdict(plan, outcome, False)

@@ -526,3 +526,29 @@ def test_dstack_a_failed_job_over_before_apply_attached_names_each_nodes_first_e
     assert "job output here" in texts["node0/dstack-logs-job0.log"] and "job 1 saw" in texts["node1/dstack-logs-job1.log"]
     assert "wandb-value-xyz" not in "".join(texts.values()) and "[secret WANDB_API_KEY]" in texts["node0/dstack-logs-job0.log"]
     assert "process exited" not in out.stdout + out.stderr
+
+
+def test_dstack_run_words_name_each_node_with_its_host_and_why_dstack_ended_it(tmp_path):
+    """After `dstack apply` ended, the summary has dstack's word on the run (`dstack ps --json`, dstack's Run model):
+    a worker lost mid-run is named with its host and dstack's reason; a `dstack` that says nothing adds nothing."""
+    from rlhf_tasks.providers.dstack import run_words
+
+    def job(num, host, status, reason, message=None, exit_status=None):
+        return {"job_spec": {"job_num": num}, "job_submissions": [{"status": "running"}, {
+            "status": status, "termination_reason": reason, "termination_reason_message": message,
+            "exit_status": exit_status, "job_provisioning_data": {"hostname": host}}]}
+    runs = {"project": "main", "runs": [
+        {"run_spec": {"run_name": "other"}, "status": "done", "jobs": []},
+        {"run_spec": {"run_name": "lost"}, "status": "failed", "termination_reason": "job_failed", "jobs": [
+            job(1, "10.0.0.3", "failed", "instance_unreachable", "Instance is unreachable"),
+            job(0, "10.0.0.2", "terminated", "terminated_by_server")]}]}
+    dstack = tmp_path / "dstack"
+    dstack.write_text(f"#!{sys.executable}\nimport sys\nassert sys.argv[1:3] == ['ps', '--json']\n"
+                      f"print({json.dumps(json.dumps(runs))})\n")
+    dstack.chmod(0o755)
+    assert run_words(str(dstack), "lost") == [
+        "dstack: the run lost failed (job failed); node0 (10.0.0.2) terminated: terminated by server; "
+        "node1 (10.0.0.3) failed: instance unreachable, Instance is unreachable"]
+    assert run_words(str(dstack), "nosuch") == []
+    dstack.write_text("#!/bin/sh\nexit 1\n")
+    assert run_words(str(dstack), "lost") == []

@@ -518,7 +518,8 @@ class DstackProvider(Provider):
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
                        close=lambda: end_attach(proc),
-                       describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}"])
+                       describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}",
+                                                                        *run_words(dstack, plan.name)])
 
     def abandon(self, before: state.Before) -> list[str]:
         undone = super().abandon(before)
@@ -597,6 +598,39 @@ class DstackProvider(Provider):
         if record.get("fleet_made"):
             said += "\n" + delete_fleet(record["fleet_made"])
         return said
+
+
+def run_words(dstack: str, name: str) -> list[str]:
+    """dstack's word on the run and each of its jobs (`dstack ps --json`: the run's status and termination reason,
+    each job's last submission with its host and why it ended), each job named as the summary names nodes (job N is
+    rank N): e.g. a worker's machine lost mid-run, which dstack's server fails `instance_unreachable` once it has not
+    answered for 2 minutes (jobs_running.py JOB_DISCONNECTED_RETRY_TIMEOUT) and which ends the run `job_failed`.
+    Nothing when dstack does not say."""
+    try:
+        out = subprocess.run([dstack, "ps", "--json", "--last", str(PS_RUNS)], capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        runs = [run for run in json.loads(out.stdout).get("runs") or []
+                if (run.get("run_spec") or {}).get("run_name") == name]
+    except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError):
+        return []
+    if not runs:
+        return []
+    run, jobs = runs[0], []
+
+    def words(reason) -> str:
+        return str(reason).replace("_", " ")
+    for job in sorted(run.get("jobs") or [], key=lambda j: (j.get("job_spec") or {}).get("job_num") or 0):
+        sub = (job.get("job_submissions") or [{}])[-1]
+        host = (sub.get("job_provisioning_data") or {}).get("hostname") or "no host"
+        why = [words(sub["termination_reason"])] if sub.get("termination_reason") else []
+        if sub.get("termination_reason_message"):
+            why.append(sub["termination_reason_message"])
+        if sub.get("exit_status") is not None:
+            why.append(f"exit status {sub['exit_status']}")
+        jobs.append(f"node{(job.get('job_spec') or {}).get('job_num')} ({host}) {sub.get('status')}"
+                    + (f": {', '.join(why)}" if why else ""))
+    reason = f" ({words(run['termination_reason'])})" if run.get("termination_reason") else ""
+    return [f"dstack: the run {name} {run.get('status')}{reason}" + (f"; {'; '.join(jobs)}" if jobs else "")]
 
 
 def server_head_log(dstack: str, name: str, directory: Path, env: dict[str, str]) -> str:
