@@ -511,7 +511,8 @@ def _bundle(args) -> int:
         provider = (state.load(args.cluster) or {}).get("provider")
         kept = _provider(provider).bundle_here(args.cluster, secrets) if provider else None
         if kept:
-            Path(bundle).unlink(missing_ok=True)  # the empty one: what the provider kept holds the nodes' logs
+            if kept != bundle:
+                Path(bundle).unlink(missing_ok=True)  # the empty one: the provider's holds every node's logs
             print(f"the dashboard at {jobs.address} reached no node; every node's logs as {provider} kept them here: "
                   f"{kept}")
             return 0
