@@ -268,7 +268,7 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     infra = sky_slurm3
     secret = "sky-fail-secret-value-42"
     task = {"name": "sky-fail", "nodes": 2, "preflight": False, "resources": {"cpus": 1},
-            "secrets": ["FAIL_SECRET"], "checkpoints": {"path": str(tmp_path / "ckpt")},
+            "secrets": ["FAIL_SECRET"], "setup": ["echo setup sees secret=$FAIL_SECRET"], "checkpoints": {"path": str(tmp_path / "ckpt")},
             "placement": {"backends": ["slurm"]}, "wait": {"head": "2m", "nodes": "2m"},
             "services": [{"name": "web", "where": "every_node", "timeout": "1m",
                           "command": "echo secret=$FAIL_SECRET; "
@@ -301,7 +301,9 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     with tarfile.open(infra.laptop_home / path.removeprefix("/root/")) as tar:
         texts = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar if m.isfile()}
     assert "broken on purpose" in texts["node1/node1.log"], texts
-    assert "[secret FAIL_SECRET]" in texts["node0/node0.log"] and not any(secret in t for t in texts.values())
+    # SkyPilot's job log (setup's lines among it) with the secret's value scrubbed, in every file
+    assert "setup sees secret=[secret FAIL_SECRET]" in texts["skypilot/sky-logs.log"], texts["skypilot/sky-logs.log"]
+    assert not any(secret in t for t in texts.values())
     down = rt(infra, "down", "sky-fail", timeout=300)
     print(plain(down.output))
     assert down.returncode == 0, down.output
