@@ -277,9 +277,25 @@ class SkyProvider(Provider):
                            describe=lambda: [] if proc.poll() is None else
                            [f"sky jobs launch exited with code {proc.returncode}"])
         self._launched = False
-        out = subprocess.run(argv, cwd=directory, env=env)
-        if out.returncode != 0:
-            raise StepFailed("sky launch", f"exit code {out.returncode}")
+        proc = subprocess.Popen(argv, cwd=directory, env=env)
+        try:
+            returncode = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C ends the `sky` client only: SkyPilot's API server goes on with the launch ("Request will
+            # continue running asynchronously", sky/client/cli/command.py). The record makes the launcher's
+            # Ctrl-C handling `down` the cluster (`sky down` kills the cluster's other requests first).
+            from ..console import say
+            try:
+                proc.wait(30)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                end_process(proc)
+            state.save(plan.name, {"provider": self.name, "cluster_id": plan.name})
+            say(f"SkyPilot's API server goes on with the launch of {plan.name} after Ctrl-C (`sky api status` shows "
+                f"it, `sky api cancel` cancels it); if `sky down {plan.name}` below finds no cluster yet, run it "
+                f"again once `sky status` shows {plan.name}")
+            raise
+        if returncode != 0:
+            raise StepFailed("sky launch", f"exit code {returncode}")
         self._launched = True
         port = plan.ray.dashboard_port
         local = port if not _listening(port) else _free_port()
