@@ -507,6 +507,15 @@ def _bundle(args) -> int:
         secrets["RAY_AUTH_TOKEN"] = jobs.token
     bundle, found = bundle_from(jobs.address, jobs.token, secrets, str(state.run_dir(args.cluster)),
                                 args.cluster, "asked for with `rlhf-tasks logs --bundle`")
+    if not found.get("nodes"):
+        provider = (state.load(args.cluster) or {}).get("provider")
+        kept = _provider(provider).bundle_here(args.cluster, secrets) if provider else None
+        if kept:
+            if kept != bundle:
+                Path(bundle).unlink(missing_ok=True)  # the empty one: the provider's holds every node's logs
+            print(f"the dashboard at {jobs.address} reached no node; every node's logs as {provider} kept them here: "
+                  f"{kept}")
+            return 0
     print("\n".join(summary_lines(found)))
     if not found.get("nodes"):
         print(f"error: the bundle of {args.cluster} reached no node through {jobs.address}", file=sys.stderr)

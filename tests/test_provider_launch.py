@@ -313,10 +313,18 @@ def test_sky_launch_and_managed_launch(tmp_path):
         "cluster": "boundary", "entrypoint": ("boundary.sky.yaml",), "yes": True, "detach_run": True,
         "secret": (("WANDB_API_KEY", "wandb-value-xyz"), ("RAY_AUTH_TOKEN", calls[0]["token"]))})
     assert calls[0]["cwd"] == str(tmp_path / "home" / "runs" / "boundary" / "sky") and calls[0]["token"]
-    assert calls[1]["argv"][0] == "ssh" and "8265:127.0.0.1:8265" in calls[1]["argv"]
-    # No API server ran before this launch, so the failed launch stops the one `sky launch` started.
-    assert sky_parsed(calls[-1]["argv"], {}) == (["api", "stop"], {})
-    assert not (tmp_path / "home" / "runs" / "boundary" / "sky").exists()
+    # SkyPilot's job log is kept here as it runs (autostop takes the cluster, and its logs, after the job)
+    follower, = [c for c in calls[1:] if c["argv"][0].endswith("sky")]  # beside the ssh: in either order
+    assert sky_parsed(follower["argv"], {})[0] == ["logs"] and sky_parsed(follower["argv"], {})[1]["cluster"] == "boundary"
+    ssh, = [c for c in calls[1:] if c["argv"][0] == "ssh"]
+    assert "8265:127.0.0.1:8265" in ssh["argv"]
+    # The forward failed after `sky launch` made the cluster: a clear error, and the cluster is left to
+    # `down` (its record stays; SkyPilot's API server, which the cluster needs, too).
+    assert "ssh exited with code 255" in out.stderr and "boundary" in out.stderr, out.stderr
+    assert len(calls) == 3 and (tmp_path / "home" / "runs" / "boundary" / "sky" / "boundary.sky.yaml").exists()
+    assert run_cli(["down", "boundary"], tmp_path, env).returncode == 0
+    assert sky_parsed(json.loads(log.read_text().splitlines()[-1])["argv"], {}) == \
+        (["down"], {"clusters": ("boundary",), "yes": True})
 
     # `sky jobs launch` streams the managed job's log with SkyPilot's prefix on every line; the head
     # agent's result line among them ends the job for the launcher, which never shows it raw.

@@ -222,3 +222,23 @@ def test_amounts_are_at_least_unless_the_task_says_exactly(resources, cpus, memo
     monkeypatch.chdir(tmp_path)
     (parsed,) = sky.Task.from_yaml_config(yaml.safe_load(files["t.sky.yaml"])).resources
     assert (parsed.cpus, parsed.memory) == (cpus, memory)
+
+
+def test_placement_backends_slurm_selects_skypilots_slurm_infra(tmp_path, monkeypatch):
+    """`placement.backends: [slurm]` is how a task points SkyPilot at its Slurm infra: the render's
+    `resources.any_of: [{cloud: slurm}]` is, to SkyPilot 0.14.1's own Task parser, the same one
+    Slurm resource as `--infra slurm` (`cloud` is its older spelling of `infra`, still accepted)."""
+    _sky()
+    import sky
+
+    provider = providers.get("sky")
+    task = parse_task({"name": "t", "nodes": 2, "placement": {"backends": ["slurm"]},
+                       "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}})
+    files = provider.render(provider.plan(task))
+    config = yaml.safe_load(files["t.sky.yaml"])
+    monkeypatch.chdir(tmp_path)
+    (parsed,) = sky.Task.from_yaml_config(copy.deepcopy(config)).resources
+    (by_flag,) = sky.Task.from_yaml_config({**copy.deepcopy(config), "resources": {
+        **{k: v for k, v in config["resources"].items() if k != "any_of"}, "infra": "slurm"}}).resources
+    assert parsed.infra.to_str() == "slurm" and str(parsed.cloud) == "Slurm", parsed
+    assert parsed.to_yaml_config() == by_flag.to_yaml_config()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -169,3 +170,141 @@ def test_rendered_tiny_grpo_through_sky_launch_infra_slurm(sky_slurm3, tmp_path)
     down = infra.sky("down", "tiny-grpo", "-y", timeout=300)
     assert down.returncode == 0, down.output
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 60, "SkyPilot's Slurm job to end")
+
+
+# ----------------------------------------------------------------------------- rlhf-tasks launch --provider sky
+
+RLHF_TASKS = str(Path(sys.executable).parent / "rlhf-tasks")
+
+
+def rt(infra, *args: str, timeout: float = 120, env: dict[str, str] | None = None):
+    """`rlhf-tasks ...` on the laptop, as the user runs it there (their HOME: ~/.rlhf-tasks, ~/.ssh)."""
+    p = infra.tb.run(infra.tb.laptop, [RLHF_TASKS, *args], env=env or infra.env(), background=True,
+                     cwd=infra.laptop_home, name="rlhf-tasks-" + args[0])
+    if timeout:
+        try:
+            p.wait(timeout)
+        except Exception:
+            p.kill()
+            raise TimeoutError(f"`rlhf-tasks {' '.join(args)}` still running after {timeout}s:\n{p.output[-6000:]}")
+    return p
+
+
+def tiny_grpo(tmp_path, **changes) -> Path:
+    import yaml
+    task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
+    task["job"]["args"].update(steps=4, save_every=10)
+    task["checkpoints"]["path"] = str(tmp_path / "ckpt")
+    task.setdefault("placement", {})["backends"] = ["slurm"]  # how a user points SkyPilot at Slurm
+    task.update(changes)
+    src = tmp_path / f"{task['name']}.yaml"
+    src.write_text(yaml.safe_dump(task))
+    return src
+
+
+def test_rlhf_tasks_launch_provider_sky_on_slurm(sky_slurm3, tmp_path):
+    """`rlhf-tasks launch tiny-grpo.yaml --provider sky --keep` on SkyPilot's Slurm infra: `sky launch
+    --detach-run` of the render (placement.backends [slurm] is SkyPilot's `cloud: slurm`), the head's
+    dashboard through `ssh -L` over the ssh config SkyPilot writes for the cluster, the job followed to
+    SUCCEEDED with every step once; then `status`, `forward`, `logs --bundle` and `down` (nothing left
+    in squeue)."""
+    infra = sky_slurm3
+    src = tiny_grpo(tmp_path)
+    infra.sky("check", "slurm", timeout=240, check=True)
+    try:
+        _launch_follow_and_down(infra, src)
+    except BaseException:
+        infra.sky("down", "tiny-grpo", "-y", timeout=300)  # a kept cluster must not hold the nodes' ports for the next
+        raise
+
+
+def _launch_follow_and_down(infra, src):
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(src), "--provider", "sky", "--keep", timeout=900,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    out = plain(launch.output)
+    print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}")
+    assert launch.returncode == 0, out
+    assert re.search(r"job tiny-grpo-\S+: SUCCEEDED in \d+s", out), out
+    assert re.search(r"reward [\d.]+ -> [\d.]+ over steps 1\.\.4 \(world size 3, 3 nodes took part\)", out), out
+    steps = [int(n) for n in re.findall(r"^step (\d+)/4 ", out, re.M)]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, out  # every step once (the log shows 1 and 4)
+    # the forward goes through the ssh config SkyPilot writes for the cluster: its websocket proxy via the
+    # API server, then `srun --overlap ... sshd -i` on the head node in the cluster's Slurm job
+    generated = (infra.laptop_home / ".sky" / "generated" / "ssh" / "tiny-grpo").read_text()
+    assert "Include ~/.sky/generated/ssh/*" in (infra.laptop_home / ".ssh" / "config").read_text()
+    assert re.search(r"ProxyCommand \S+ \S+/sky/templates/websocket_proxy\.py http://127\.0\.0\.1:46580 tiny-grpo "
+                     r"slurm-job-ssh-proxy 0", generated), generated
+    status = rt(infra, "status", "tiny-grpo", timeout=300)
+    print(plain(status.output))
+    assert status.returncode == 0 and re.search(r"^\s*tiny-grpo\s+Slurm \(testbed\)\s+3x.*\sUP\s", plain(status.output), re.M), \
+        status.output
+    forward = rt(infra, "forward", "tiny-grpo", "--port", "18265", timeout=0)
+    try:
+        tbmod.poll(lambda: "is at http://localhost:18265" in forward.output or not forward.running(), 180,
+                   "rlhf-tasks forward to say the dashboard answers")
+        assert forward.running(), forward.output
+        bundle = rt(infra, "logs", "tiny-grpo", "--bundle", timeout=300)  # the token the launch made
+        print(plain(bundle.output))
+        assert bundle.returncode == 0 and "every node's logs:" in bundle.output, bundle.output
+        forward.send_signal(2)  # Ctrl-C
+        assert forward.wait(30) == 0, forward.output
+    finally:
+        if forward.running():
+            forward.kill()
+    down = rt(infra, "down", "tiny-grpo", timeout=300)
+    print(plain(down.output))
+    assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 60, "SkyPilot's Slurm job to end")
+    assert "No existing clusters." in plain(infra.sky("status", timeout=120, check=True).output)
+
+
+def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_path):
+    """A node whose `run` exits non-zero, launched with `rlhf-tasks launch --provider sky` on the Slurm
+    infra: SkyPilot's job is FAILED (`sky queue`), the launcher's summary names the node and its first
+    error, `logs --bundle` gathers every node's logs with the task's secret scrubbed; `down` leaves no
+    Slurm job."""
+    import yaml
+    infra = sky_slurm3
+    secret = "sky-fail-secret-value-42"
+    task = {"name": "sky-fail", "nodes": 2, "preflight": False, "resources": {"cpus": 1},
+            "secrets": ["FAIL_SECRET"], "setup": ["echo setup sees secret=$FAIL_SECRET"], "checkpoints": {"path": str(tmp_path / "ckpt")},
+            "placement": {"backends": ["slurm"]}, "wait": {"head": "2m", "nodes": "2m"},
+            "services": [{"name": "web", "where": "every_node", "timeout": "1m",
+                          "command": "echo secret=$FAIL_SECRET; "
+                                     "if [ \"$SKYPILOT_NODE_RANK\" = 1 ]; then "
+                                     "echo 'node1: broken on purpose' >&2; exit 3; fi; "
+                                     "exec python3 -m http.server --bind {node_addr} 23111",
+                          "ready": {"http": "http://{node_addr}:23111/"}}],
+            "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
+                    "args": {"entrypoint": "python3 -c 'print(1)'"}}}
+    src = tmp_path / "sky-fail.yaml"
+    src.write_text(yaml.safe_dump(task))
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(src), "--provider", "sky", timeout=900,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN, FAIL_SECRET=secret))
+    out = plain(launch.output)
+    print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}")
+    queue = plain(infra.sky("queue", "sky-fail", timeout=120, check=True).output)  # before autostop takes it
+    print(queue)
+    assert re.search(r"^1\s+sky-fail\s+root\s.*FAILED", queue, re.M), queue
+    assert launch.returncode == 1, out
+    assert "SkyPilot: the job on sky-fail ended FAILED" in out, out
+    assert re.search(r"first error on each node.*: node1 at [\d:]+: starting service web failed: it exited with "
+                     r"code 3", out), out
+    assert secret not in out
+    bundle = rt(infra, "logs", "sky-fail", "--bundle", timeout=300, env=infra.env(FAIL_SECRET=secret))
+    said = plain(bundle.output)
+    print(said)
+    assert bundle.returncode == 0, said
+    path = re.search(r"kept them here: (\S+\.tar\.gz)", said).group(1)
+    with tarfile.open(infra.laptop_home / path.removeprefix("/root/")) as tar:
+        texts = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar if m.isfile()}
+    assert "broken on purpose" in texts["node1/node1.log"], texts
+    # SkyPilot's job log (setup's lines among it) with the secret's value scrubbed, in every file
+    assert "setup sees secret=[secret FAIL_SECRET]" in texts["skypilot/sky-logs.log"], texts["skypilot/sky-logs.log"]
+    assert not any(secret in t for t in texts.values())
+    down = rt(infra, "down", "sky-fail", timeout=300)
+    print(plain(down.output))
+    assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")

@@ -265,6 +265,11 @@ class Provider:
         raise BadInput(f"forward: the {self.name} provider opens no tunnel of its own; use its port forward "
                        f"(e.g. ssh -L)")
 
+    def bundle_here(self, name: str, secrets: dict[str, str]) -> str | None:
+        """`logs NAME --bundle` where the dashboard reaches no node: a bundle made of what the provider kept
+        here (its path), or None."""
+        return None
+
     def ready(self, plan: Plan) -> None:
         """What `apply` needs of this machine (its CLI, credentials), checked before the
         launcher writes anything: BadInput saying what is missing and how to get it."""

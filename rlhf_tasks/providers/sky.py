@@ -30,7 +30,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
+import time
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -61,6 +64,10 @@ LEAKED_ENV = ("OMP_NUM_THREADS", "PYTHONWARNINGS")
 SKY_WORKDIR = "~/sky_workdir"
 #: Where `sky` starts its local API server by default.
 API_SERVER_PORT = 46580
+#: How long the dashboard's ssh forward may take to be up: SkyPilot's ssh config for a cluster may go
+#: through its API server and the site (on Slurm: a websocket proxy, ssh to the login node, then
+#: `srun --overlap ... sshd -i` in the cluster's job).
+FORWARD_TIMEOUT_S = 120
 
 
 class SkyShared(StrictModel):
@@ -104,7 +111,11 @@ class SkyProvider(Provider):
     ray_overrides = {"agent_listen_port": AGENT_LISTEN_PORT, "min_worker_port": WORKER_PORTS[0],
                      "max_worker_port": WORKER_PORTS[1]}
     options = (Option("--managed", "run as a SkyPilot managed job (recovered on preemption)"),)
+    #: The launch's dashboard is its own `ssh -L`, gone with the launcher: `rlhf-tasks forward NAME` opens another.
+    forward_after_launch = True
     _started_api_server = False
+    #: `sky launch` made the cluster (its job runs detached): a later failure here leaves it to `down`.
+    _launched = False
 
     def check(self, task: Task) -> None:
         for field in ("port", "dashboard_port", "client_server_port", "ready_port"):
@@ -265,16 +276,135 @@ class SkyProvider(Provider):
                            node_logs=[str(log)], close=lambda: end_process(proc),
                            describe=lambda: [] if proc.poll() is None else
                            [f"sky jobs launch exited with code {proc.returncode}"])
-        out = subprocess.run(argv, cwd=directory, env=env)
-        if out.returncode != 0:
-            raise StepFailed("sky launch", f"exit code {out.returncode}")
+        self._launched = False
+        proc = subprocess.Popen(argv, cwd=directory, env=env)
+        try:
+            returncode = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C ends the `sky` client only: SkyPilot's API server goes on with the launch ("Request will
+            # continue running asynchronously", sky/client/cli/command.py). The record makes the launcher's
+            # Ctrl-C handling `down` the cluster (`sky down` kills the cluster's other requests first).
+            from ..console import say
+            try:
+                proc.wait(30)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                end_process(proc)
+            state.save(plan.name, {"provider": self.name, "cluster_id": plan.name})
+            say(f"SkyPilot's API server goes on with the launch of {plan.name} after Ctrl-C (`sky api status` shows "
+                f"it, `sky api cancel` cancels it); if `sky down {plan.name}` below finds no cluster yet, run it "
+                f"again once `sky status` shows {plan.name}")
+            raise
+        if returncode != 0:
+            raise StepFailed("sky launch", f"exit code {returncode}")
+        self._launched = True
         port = plan.ray.dashboard_port
-        tunnel = subprocess.Popen(["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-L",
-                                   f"{port}:127.0.0.1:{port}", plan.name], stdin=subprocess.DEVNULL)
-        dashboard = f"http://localhost:{port}"
-        state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard": dashboard})
+        local = port if not _listening(port) else _free_port()
+        state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard_port": port})
+        # SkyPilot's own record of the job: `sky logs NAME` follows the cluster's last job (every node's
+        # output, prefixed by SkyPilot) and exits when it ends, with its status as exit code. Kept here: the
+        # render's autostop takes the cluster, its logs with it, a minute after the job ends.
+        job_log = directory / "sky-job.log"
+        with open(job_log, "wb") as out:
+            follower = subprocess.Popen([sky, "logs", plan.name], cwd=directory, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            tunnel = open_forward(plan.name, local, port, directory / "ssh-forward.log")
+        except BaseException:
+            end_process(follower)
+            raise
+        dashboard = f"http://localhost:{local}"
+        state.update(plan.name, dashboard=dashboard, job_log=str(job_log))
+        scrubbed = {**secrets, **({plan.token_env: token} if token else {})}
+
+        def describe() -> list[str]:
+            lines = []
+            if follower.poll() is not None:
+                lines += skypilots_word(plan.name, follower.returncode, job_log.read_text(errors="replace"))
+            if tunnel.poll() is not None:
+                lines.append(f"the ssh forward of the dashboard (ssh -L {local}:127.0.0.1:{port} {plan.name}) exited "
+                             f"with code {tunnel.returncode}: {_tail(directory / 'ssh-forward.log') or 'no output'}")
+            return lines
+
+        def head_log() -> str:
+            """The head's lines of SkyPilot's job log (its prefix taken off), then, once the job is over,
+            what SkyPilot says of it and each node's first error."""
+            text = job_log.read_text(errors="replace") if job_log.exists() else ""
+            lines = by_node(text).get(0, [])
+            if follower.poll() is not None:
+                lines += skypilots_word(plan.name, follower.returncode, text)
+            return "".join(line + "\n" for line in lines)
+
+        def gather_here(reason: str) -> tuple[str, str] | None:
+            made = bundle_from_job_log(plan.name, job_log, scrubbed, str(state.run_dir(plan.name)), reason)
+            return (made, f"each node's output in SkyPilot's job log (`sky logs {plan.name}`), kept here as it ran") \
+                if made else None
+
+        def close() -> None:
+            end_process(tunnel)
+            end_process(follower)
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: tunnel.poll() is None, close=lambda: end_process(tunnel))
+                       head_alive=lambda: tunnel.poll() is None and follower.poll() is None, head_log=head_log,
+                       close=close, describe=describe, gather_here=gather_here)
+
+    def bundle_here(self, name: str, secrets: dict[str, str]) -> str | None:
+        """`logs NAME --bundle` once the dashboard is gone (the job over, autostop may have taken the
+        cluster): the bundle of the job log the launch kept here."""
+        job_log = (state.load(name) or {}).get("job_log")
+        if not job_log:
+            return None
+        return bundle_from_job_log(name, Path(job_log), secrets, str(state.run_dir(name)),
+                                   "asked for with `rlhf-tasks logs --bundle`, from SkyPilot's job log kept here")
+
+    def forward(self, name: str, port: int | None = None) -> int:
+        """`ssh -N -L LOCAL:127.0.0.1:PORT NAME` through the ssh config SkyPilot writes for the cluster
+        (~/.sky/generated/ssh/NAME, included from ~/.ssh/config), until Ctrl-C."""
+        from ..agent.protocol import AgentError, http_check, wait_for
+        from ..console import say
+
+        record = state.load(name) or {}
+        remote = record.get("dashboard_port") or 8265
+        local = port or remote
+        dashboard = f"http://localhost:{local}"
+        log = state.run_dir(name) / self.name / "ssh-forward.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        tunnel = open_forward(name, local, remote, log)
+        try:
+            def answers():
+                if tunnel.poll() is not None:
+                    raise StepFailed(f"forwarding the dashboard of {name}", f"ssh exited with code "
+                                     f"{tunnel.returncode}: {_tail(log) or 'no output'}")
+                return http_check(f"{dashboard}/api/gcs_healthz")
+            try:
+                wait_for(f"the dashboard of {name} through ssh -L", answers, FORWARD_TIMEOUT_S, interval=0.5,
+                         max_interval=2.0)
+            except AgentError as exc:
+                raise StepFailed(f"forwarding the dashboard of {name}",
+                                 f"{exc} (the forward is up, the head's Ray dashboard does not answer: is the "
+                                 f"cluster's Ray still running? sky status {name})") from None
+            if record:
+                state.update(name, dashboard=dashboard)
+            say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
+                f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, rlhf-tasks list --cluster {name}")
+            return tunnel.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            end_process(tunnel)
+
+    def status(self, name: str) -> str | None:
+        """`sky status NAME` (asks SkyPilot's API server, which it starts when none runs)."""
+        out = subprocess.run([require_cli("sky", "sky"), "status", name], capture_output=True, text=True,
+                             timeout=300, stdin=subprocess.DEVNULL)
+        said = _ANSI.sub("", out.stdout + out.stderr).strip()
+        if out.returncode != 0:
+            raise StepFailed(f"sky status {name}", said or f"exit code {out.returncode}")
+        row = next((line.split() for line in said.splitlines() if line.split()[:1] == [name]), None)
+        if row is None:
+            return f"{name}: SkyPilot has no such cluster (sky status {name}: {' '.join(said.split())[-300:]})"
+        return f"{name}: SkyPilot says: " + "\n  ".join(line.rstrip() for line in said.splitlines() if line.strip())
+
+    def state_line(self, name: str) -> str | None:
+        return None  # asking `sky status` starts SkyPilot's API server: `ps` leaves it to the user
 
     def down(self, name: str) -> str:
         record = state.load(name) or {}
@@ -290,9 +420,135 @@ class SkyProvider(Provider):
                 "--secret gives (\"No value available for secret(s)\") unless a managed secrets provider has it")
 
     def abandon(self, before: state.Before) -> list[str]:
-        """Also stop SkyPilot's local API server when this launch is what started it."""
+        """Also stop SkyPilot's local API server when this launch is what started it. Once `sky launch`
+        made the cluster (its job runs detached), nothing is undone: its record stays, for `down`."""
+        if self._launched:
+            return []
         undone = super().abandon(before)
         if self._started_api_server:
             subprocess.run([require_cli("sky", "sky"), "api", "stop"], capture_output=True, text=True)
             undone.append("the SkyPilot API server it started")
         return undone
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _listening(port: int) -> bool:
+    """Whether something on this machine already listens on 127.0.0.1:port (ssh -L could not bind it)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, chars: int = 600) -> str:
+    try:
+        return " ".join(path.read_text(errors="replace").split())[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+def open_forward(name: str, local: int, remote: int, log: Path, timeout: float = FORWARD_TIMEOUT_S) -> subprocess.Popen:
+    """`ssh -N -L LOCAL:127.0.0.1:REMOTE NAME`, SkyPilot's host entry for the cluster's head (on Slurm its
+    ProxyCommand is SkyPilot's websocket proxy through its API server, which runs `srun --overlap ...
+    sshd -i` on the head node in the cluster's job), returned once ssh holds the local port. A forward
+    that fails (ssh exits, or holds no port within `timeout`) is a StepFailed saying what ssh said."""
+    argv = ["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+            "-o", "ServerAliveInterval=15", "-o", "ConnectTimeout=30", "-L", f"{local}:127.0.0.1:{remote}", name]
+    what = f"forwarding the dashboard of {name} ({' '.join(argv)})"
+    if _listening(local):
+        raise StepFailed(what, f"127.0.0.1:{local} is taken on this machine (`rlhf-tasks forward {name} --port N` "
+                               f"picks another)")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not _listening(local):
+        if proc.poll() is not None:
+            raise StepFailed(what, f"ssh exited with code {proc.returncode}: {_tail(log) or 'no output'} (SkyPilot's "
+                                   f"ssh config for the cluster: ~/.sky/generated/ssh/{name}; `ssh {name}` tries it)")
+        if time.monotonic() > deadline:
+            end_process(proc)
+            raise StepFailed(what, f"no forward after {timeout:.0f}s: {_tail(log) or 'ssh said nothing'}")
+        time.sleep(0.2)
+    return proc
+
+
+#: SkyPilot's prefix of a node's line in its job log: `(head, rank=0, pid=7) `, `(worker1, rank=1, pid=8, ip=...) `.
+_NODE_LINE = re.compile(r"^\((?:head|worker\d+), rank=(\d+), pid=\d+(?:, ip=[^)]*)?\) ?(.*)$")
+#: `sky logs`'s exit codes (sky.exceptions.JobExitCode in SkyPilot 0.14.1).
+JOB_EXIT = {0: "SUCCEEDED", 100: "FAILED", 101: "NOT_FINISHED", 102: "NOT_FOUND", 103: "CANCELLED"}
+
+
+def by_node(text: str) -> dict[int, list[str]]:
+    """SkyPilot's job log split by node rank (setup's and SkyPilot's own lines left out)."""
+    nodes: dict[int, list[str]] = {}
+    for line in _ANSI.sub("", text).splitlines():
+        match = _NODE_LINE.match(line)
+        if match:
+            nodes.setdefault(int(match.group(1)), []).append(match.group(2))
+    return nodes
+
+
+def _first_errors(text: str) -> list[dict]:
+    from ..agent.protocol.bundle import find_errors, first_error, node_order
+
+    nodes = []
+    for rank, lines in sorted(by_node(text).items()):
+        found = find_errors("\n".join(lines) + "\n", f"node{rank}.log")
+        nodes.append({"label": f"node{rank}", "ip": "", "rank": rank, "first_error": first_error(found)})
+    return [{"label": n["label"], "ip": "", **{k: n["first_error"][k] for k in ("error", "kind", "at", "file")}}
+            for n in node_order(nodes)]
+
+
+def skypilots_word(name: str, code: int | None, text: str) -> list[str]:
+    """What SkyPilot says of the job once `sky logs` ended: its status, and each node's first error."""
+    from ..agent.protocol.bundle import describe
+
+    lines = [f"SkyPilot: the job on {name} ended {JOB_EXIT.get(code, f'(sky logs exit code {code})')} "
+             f"(sky queue {name})"]
+    errors = _first_errors(text) if code != 0 else []
+    if errors:
+        lines.append("first error on each node, by SkyPilot's job log: " + "; ".join(describe(e) for e in errors))
+    return lines
+
+
+def bundle_from_job_log(name: str, job_log: Path, secrets: dict[str, str], out_dir: str, reason: str) -> str | None:
+    """A failure bundle of SkyPilot's job log kept here: each node's lines, the errors found in them, secrets
+    scrubbed. Its path, or None without a log."""
+    import json
+
+    from ..agent.protocol.bundle import find_errors, first_error, node_order, scrub, write_bundle
+
+    try:
+        text = scrub(job_log.read_text(errors="replace"), secrets)
+    except FileNotFoundError:
+        return None
+    nodes, files = [], [{"node": "sky", "label": "skypilot", "name": "sky-logs.log", "text": text, "truncated": False,
+                         "found": []}]
+    for rank, lines in sorted(by_node(text).items()):
+        label, file = f"node{rank}", f"node{rank}.log"
+        node_text = "\n".join(lines) + "\n"
+        found = find_errors(node_text, file)
+        nodes.append({"label": label, "ip": "", "state": "SkyPilot job log", "head": rank == 0, "rank": rank,
+                      "first_error": first_error(found), "findings": found})
+        files.append({"node": label, "label": label, "name": file, "text": node_text, "truncated": False,
+                      "found": [f"{f['kind']}: {f['error']}" for f in found][:20]})
+    first = [{"label": n["label"], "ip": "", **{k: n["first_error"][k] for k in ("error", "kind", "at", "file")}}
+             for n in node_order(nodes)]
+    gathered = {"reason": scrub(reason, secrets), "made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "nodes": [{k: v for k, v in n.items() if k != "findings"} for n in nodes], "first_errors": first,
+                "files": files, "problems": [], "state": json.dumps({"cluster": name, "nodes": len(nodes)})}
+    try:
+        return write_bundle(gathered, out_dir, name)
+    except OSError:
+        return None
