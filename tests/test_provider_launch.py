@@ -560,3 +560,32 @@ def test_dstack_run_words_name_each_node_with_its_host_and_why_dstack_ended_it(t
     assert run_words(str(dstack), "nosuch") == []
     dstack.write_text("#!/bin/sh\nexit 1\n")
     assert run_words(str(dstack), "lost") == []
+
+
+def test_skypilots_job_log_gives_each_nodes_first_error_and_a_scrubbed_bundle(tmp_path):
+    """`sky logs NAME` as the launch keeps it: SkyPilot's prefixes split it by node; a failed job's summary names
+    the node that failed and its first error, and the bundle holds each node's lines, the secret scrubbed."""
+    import tarfile
+
+    from rlhf_tasks.providers.sky import bundle_from_job_log, by_node, skypilots_word
+
+    log = tmp_path / "sky-job.log"
+    log.write_text("Running setup on 2 nodes.\n"
+                   "\x1b[36m(head, rank=0, pid=7)\x1b[0m [10:00:00] node0: Ray head up\n"
+                   "(worker1, rank=1, pid=8, ip=10.0.0.2) token is s3cr3t-value-123\n"
+                   "(worker1, rank=1, pid=8, ip=10.0.0.2) Traceback (most recent call last):\n"
+                   "(worker1, rank=1, pid=8, ip=10.0.0.2)   File \"train.py\", line 3, in <module>\n"
+                   "(worker1, rank=1, pid=8, ip=10.0.0.2) ValueError: bad shard 7\n")
+    assert by_node(log.read_text())[0] == ["[10:00:00] node0: Ray head up"]
+    said = skypilots_word("t", 100, log.read_text())
+    assert said[0] == "SkyPilot: the job on t ended FAILED (sky queue t)"
+    assert "node1" in said[1] and "ValueError: bad shard 7" in said[1] and "node0" not in said[1], said
+    assert skypilots_word("t", 0, log.read_text()) == ["SkyPilot: the job on t ended SUCCEEDED (sky queue t)"]
+    bundle = bundle_from_job_log("t", log, {"TOKEN": "s3cr3t-value-123"}, str(tmp_path / "out"), "job failed")
+    with tarfile.open(bundle) as tar:
+        texts = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    joined = "\n".join(texts.values())
+    assert "s3cr3t-value-123" not in joined and "[secret TOKEN]" in joined
+    assert any(name.endswith("node1.log") and "ValueError: bad shard 7" in text for name, text in texts.items()), \
+        list(texts)
+    assert bundle_from_job_log("t", tmp_path / "none.log", {}, str(tmp_path / "out"), "x") is None

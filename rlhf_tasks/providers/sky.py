@@ -499,13 +499,22 @@ def by_node(text: str) -> dict[int, list[str]]:
     return nodes
 
 
-def _first_errors(text: str) -> list[dict]:
-    from ..agent.protocol.bundle import find_errors, first_error, node_order
+def _nodes(text: str) -> list[dict]:
+    """Each node of SkyPilot's job log: its lines, the errors found in them and the first."""
+    from ..agent.protocol.bundle import find_errors, first_error
 
     nodes = []
     for rank, lines in sorted(by_node(text).items()):
-        found = find_errors("\n".join(lines) + "\n", f"node{rank}.log")
-        nodes.append({"label": f"node{rank}", "ip": "", "rank": rank, "first_error": first_error(found)})
+        node_text = "\n".join(lines) + "\n"
+        found = find_errors(node_text, f"node{rank}.log")
+        nodes.append({"label": f"node{rank}", "ip": "", "rank": rank, "head": rank == 0, "text": node_text,
+                      "first_error": first_error(found), "findings": found})
+    return nodes
+
+
+def _first_errors(nodes: list[dict]) -> list[dict]:
+    from ..agent.protocol.bundle import node_order
+
     return [{"label": n["label"], "ip": "", **{k: n["first_error"][k] for k in ("error", "kind", "at", "file")}}
             for n in node_order(nodes)]
 
@@ -516,7 +525,7 @@ def skypilots_word(name: str, code: int | None, text: str) -> list[str]:
 
     lines = [f"SkyPilot: the job on {name} ended {JOB_EXIT.get(code, f'(sky logs exit code {code})')} "
              f"(sky queue {name})"]
-    errors = _first_errors(text) if code != 0 else []
+    errors = _first_errors(_nodes(text)) if code != 0 else []
     if errors:
         lines.append("first error on each node, by SkyPilot's job log: " + "; ".join(describe(e) for e in errors))
     return lines
@@ -527,26 +536,20 @@ def bundle_from_job_log(name: str, job_log: Path, secrets: dict[str, str], out_d
     scrubbed. Its path, or None without a log."""
     import json
 
-    from ..agent.protocol.bundle import find_errors, first_error, node_order, scrub, write_bundle
+    from ..agent.protocol.bundle import scrub, write_bundle
 
     try:
         text = scrub(job_log.read_text(errors="replace"), secrets)
     except FileNotFoundError:
         return None
-    nodes, files = [], [{"node": "sky", "label": "skypilot", "name": "sky-logs.log", "text": text, "truncated": False,
-                         "found": []}]
-    for rank, lines in sorted(by_node(text).items()):
-        label, file = f"node{rank}", f"node{rank}.log"
-        node_text = "\n".join(lines) + "\n"
-        found = find_errors(node_text, file)
-        nodes.append({"label": label, "ip": "", "state": "SkyPilot job log", "head": rank == 0, "rank": rank,
-                      "first_error": first_error(found), "findings": found})
-        files.append({"node": label, "label": label, "name": file, "text": node_text, "truncated": False,
-                      "found": [f"{f['kind']}: {f['error']}" for f in found][:20]})
-    first = [{"label": n["label"], "ip": "", **{k: n["first_error"][k] for k in ("error", "kind", "at", "file")}}
-             for n in node_order(nodes)]
+    nodes = _nodes(text)
+    files = [{"node": "sky", "label": "skypilot", "name": "sky-logs.log", "text": text, "truncated": False, "found": []}]
+    files += [{"node": n["label"], "label": n["label"], "name": f"{n['label']}.log", "text": n["text"],
+               "truncated": False, "found": [f"{f['kind']}: {f['error']}" for f in n["findings"]][:20]} for n in nodes]
+    first = _first_errors(nodes)
     gathered = {"reason": scrub(reason, secrets), "made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "nodes": [{k: v for k, v in n.items() if k != "findings"} for n in nodes], "first_errors": first,
+                "nodes": [{**{k: v for k, v in n.items() if k not in ("findings", "text")}, "state": "SkyPilot job log"}
+                          for n in nodes], "first_errors": first,
                 "files": files, "problems": [], "state": json.dumps({"cluster": name, "nodes": len(nodes)})}
     try:
         return write_bundle(gathered, out_dir, name)
