@@ -27,12 +27,11 @@ demo: install-demo
 kube:
 	@bash tests/kube/build.sh >/dev/null
 
-# Three workers (pytest-xdist) on 2 cores, since the suite mostly waits (servers' polls, clusters
-# forming): the Kubernetes tests in one, first, the dstack server's in another, while the rest go
-# wherever a worker is free; on a cold cache the Kubernetes programs build in the background
-# meanwhile, at nice 19 (tests/conftest.py says which tests go together and in what order). The 25
-# longest tests are listed at the end.
-PYTEST_WORKERS := -n 3 --dist loadgroup --no-loadscope-reorder
+# Two workers (pytest-xdist): the Kubernetes tests in one, first, the dstack server's in the other,
+# the rest wherever a worker is free; on a cold cache the Kubernetes programs build in the background
+# meanwhile, at nice 19 (tests/conftest.py says which tests go together and in what order). Three
+# workers overload 2 cores now (docs/development.md). The 25 longest tests are listed at the end.
+PYTEST_WORKERS := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: install-test
 	@bash tests/kube/build.sh --background >/dev/null
