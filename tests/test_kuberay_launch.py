@@ -572,7 +572,7 @@ def test_forward_that_fails_says_why_and_records_nothing(kube, rlhf_home):
     words, and no dashboard address is recorded (the real forward: tests/test_kuberay_cluster.py)."""
     launched_record(kube, rlhf_home)
     write_status(kube, "kr", jobDeploymentStatus="Running", rayClusterName=CLUSTER)
-    with pytest.raises(StepFailed, match=r"forwarding the dashboard of kr: kubectl port-forward exited 1"):
+    with pytest.raises(StepFailed, match=r"forwarding the dashboard of kr: kubectl port-forward exited with code 1: Error from server \(NotFound\)"):
         providers.get("kuberay").forward("kr", kuberay_cluster.free_port())
     record = json.loads((rlhf_home / "clusters" / "kr" / "cluster.json").read_text())
     assert not record.get("dashboard")

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -325,6 +326,56 @@ def end_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+def start_tunnel(argv: list[str]) -> tuple[subprocess.Popen, Callable[[], str]]:
+    """Start a port forward's command (`kubectl port-forward`, `dstack attach`) in its own session, its
+    output read by a thread: the process, and what it has said so far (the last 600 characters, one line)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def said() -> str:
+        if proc.poll() is not None:
+            reader.join(5)
+        return " ".join(b"".join(chunks).decode(errors="replace").split())[-600:]
+    return proc, said
+
+
+def hold_forward(name: str, tunnel: subprocess.Popen, how: str, dashboard: str, *, timeout: float,
+                 said: Callable[[], str], then: str, recorded: bool, ready: Callable[[], None] | None = None,
+                 silent_head: str = "", end: Callable[[subprocess.Popen], None] | None = None) -> int:
+    """`rlhf-tasks forward`, once the provider started its tunnel (`how`: its command, for messages): the
+    address is recorded where the cluster has a record here (`recorded`; and `ready` run) and said, with `then` to run in another shell, only once the
+    head's dashboard answers through it; then it is held until Ctrl-C (exit 0) or until it exits. A tunnel
+    that exits first, or a dashboard silent for `timeout` seconds (`silent_head`: what to check then), is a
+    StepFailed in the tunnel's own words. The tunnel is ended either way (`end`, else SIGTERM)."""
+    from ..agent.protocol import AgentError, http_check, wait_for
+    from ..console import say
+
+    what = f"forwarding the dashboard of {name}"
+
+    def answers() -> bool:
+        if tunnel.poll() is not None:
+            raise StepFailed(what, f"{how} exited with code {tunnel.returncode}: {said() or 'no output'}")
+        return http_check(f"{dashboard}/api/gcs_healthz")
+    try:
+        try:
+            wait_for(f"the dashboard of {name} through {how}", answers, timeout, interval=0.3, max_interval=2.0)
+        except AgentError as exc:
+            raise StepFailed(what, f"{exc}{silent_head}") from None
+        if recorded:
+            state.update(name, dashboard=dashboard)
+            if ready:
+                ready()
+        say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: {then}")
+        return tunnel.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        (end or end_process)(tunnel)
 
 
 def stop_with_cli(argv: list[str], name: str) -> str:

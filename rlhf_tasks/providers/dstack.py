@@ -31,7 +31,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -44,7 +43,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import Cluster, Provider, end_process, require_cli, stop_with_cli
+from .base import Cluster, Provider, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -537,42 +536,14 @@ class DstackProvider(Provider):
         port) until Ctrl-C. The address is said and recorded once the dashboard answers through it. The attach is
         ended with SIGINT, as dstack's CLI expects: its tunnel is a background `ssh -f` it closes itself
         (`ssh -O exit`) on the way out, which a SIGTERM would leave holding the port."""
-        from ..agent.protocol import AgentError, http_check, wait_for
-        from ..console import say
-
-        dstack = require_cli("dstack", "dstack")
         record = state.load(name) or {}
         remote = record.get("dashboard_port") or 8265
         local = port or remote
-        dashboard = f"http://localhost:{local}"
-        proc = subprocess.Popen([dstack, "attach", name, "-p", f"{local}:{remote}"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        said: list[bytes] = []
-        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
-        reader.start()
-
-        def answers():
-            if proc.poll() is not None:
-                reader.join(5)
-                words = " ".join(b"".join(said).decode(errors="replace").split())[-600:]
-                raise StepFailed(f"forwarding the dashboard of {name}",
-                                 f"dstack attach exited {proc.returncode}: {words or 'no output'}")
-            return http_check(f"{dashboard}/api/gcs_healthz")
-        try:
-            try:
-                wait_for(f"the dashboard of {name} through dstack attach", answers, 120, interval=0.5,
-                         max_interval=2.0)
-            except AgentError as exc:
-                raise StepFailed(f"forwarding the dashboard of {name}", str(exc)) from None
-            if record:
-                state.update(name, dashboard=dashboard)
-            say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
-                f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, rlhf-tasks list --cluster {name}")
-            return proc.wait()
-        except KeyboardInterrupt:
-            return 0
-        finally:
-            end_attach(proc)
+        tunnel, said = start_tunnel([require_cli("dstack", "dstack"), "attach", name, "-p", f"{local}:{remote}"])
+        return hold_forward(name, tunnel, "dstack attach", f"http://localhost:{local}", timeout=120, said=said,
+                            recorded=bool(record), end=end_attach,
+                            then=f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, "
+                                 f"rlhf-tasks list --cluster {name}")
 
     def state_line(self, name: str) -> str | None:
         """The run's status as `dstack ps --json` gives it (dstack's Run: status, status_message, cost)."""

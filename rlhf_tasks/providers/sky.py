@@ -44,7 +44,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, end_process, require_cli, stop_with_cli
+from .base import Cluster, Option, Provider, end_process, hold_forward, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -358,38 +358,18 @@ class SkyProvider(Provider):
     def forward(self, name: str, port: int | None = None) -> int:
         """`ssh -N -L LOCAL:127.0.0.1:PORT NAME` through the ssh config SkyPilot writes for the cluster
         (~/.sky/generated/ssh/NAME, included from ~/.ssh/config), until Ctrl-C."""
-        from ..agent.protocol import AgentError, http_check, wait_for
-        from ..console import say
-
         record = state.load(name) or {}
         remote = record.get("dashboard_port") or 8265
         local = port or remote
-        dashboard = f"http://localhost:{local}"
         log = state.run_dir(name) / self.name / "ssh-forward.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         tunnel = open_forward(name, local, remote, log)
-        try:
-            def answers():
-                if tunnel.poll() is not None:
-                    raise StepFailed(f"forwarding the dashboard of {name}", f"ssh exited with code "
-                                     f"{tunnel.returncode}: {_tail(log) or 'no output'}")
-                return http_check(f"{dashboard}/api/gcs_healthz")
-            try:
-                wait_for(f"the dashboard of {name} through ssh -L", answers, FORWARD_TIMEOUT_S, interval=0.5,
-                         max_interval=2.0)
-            except AgentError as exc:
-                raise StepFailed(f"forwarding the dashboard of {name}",
-                                 f"{exc} (the forward is up, the head's Ray dashboard does not answer: is the "
-                                 f"cluster's Ray still running? sky status {name})") from None
-            if record:
-                state.update(name, dashboard=dashboard)
-            say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
-                f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, rlhf-tasks list --cluster {name}")
-            return tunnel.wait()
-        except KeyboardInterrupt:
-            return 0
-        finally:
-            end_process(tunnel)
+        return hold_forward(name, tunnel, "ssh -L", f"http://localhost:{local}", timeout=FORWARD_TIMEOUT_S,
+                            said=lambda: _tail(log), recorded=bool(record),
+                            silent_head=f" (the forward is up, the head's Ray dashboard does not answer: is the "
+                                        f"cluster's Ray still running? sky status {name})",
+                            then=f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks logs {name} --bundle, "
+                                 f"rlhf-tasks list --cluster {name}")
 
     def status(self, name: str) -> str | None:
         """`sky status NAME` (asks SkyPilot's API server, which it starts when none runs)."""

@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import threading
 import time
 from typing import Any
 
 from ... import state
-from ...agent.protocol import AgentError, http_check, wait_for
+from ...agent.protocol import AgentError, wait_for
 from ...console import say
 from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
-from ..base import Cluster, Option, end_process, write_files
+from ..base import Cluster, Option, hold_forward, start_tunnel, write_files
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
 from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
@@ -321,38 +319,11 @@ class KubeRayProvider(KubeRayRender):
                            f"(context {kube.context})")
         remote = record.get("dashboard_port") or DASHBOARD_PORT
         local = port or remote
-        dashboard = f"http://127.0.0.1:{local}"
-        argv = kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{remote}")
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        said: list[str] = []
-        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
-        reader.start()
-
-        def answers():
-            if proc.poll() is not None:
-                reader.join(5)
-                raise StepFailed(f"forwarding the dashboard of {name}",
-                                 f"kubectl port-forward exited {proc.returncode}: "
-                                 f"{' '.join(line.strip() for line in said[-3:]) or 'no output'}")
-            return http_check(f"{dashboard}/api/gcs_healthz")
-        try:
-            wait_for(f"the dashboard of {name} through kubectl port-forward", answers, 30, interval=0.3,
-                     max_interval=1.0)
-        except (AgentError, StepFailed):
-            end_process(proc)
-            raise
-        if record:
-            state.update(name, dashboard=dashboard)
-            self._token(kube, name, cluster)
-        say(f"the dashboard of {name} is at {dashboard} (Ctrl-C closes it); in another shell: "
-            f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks submit TASK --provider kuberay --address {dashboard}")
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            return 0
-        finally:
-            end_process(proc)
+        tunnel, said = start_tunnel(kube.argv("port-forward", f"svc/{cluster}-head-svc", f"{local}:{remote}"))
+        return hold_forward(name, tunnel, "kubectl port-forward", f"http://127.0.0.1:{local}", timeout=30,
+                            said=said, recorded=bool(record), ready=lambda: self._token(kube, name, cluster),
+                            then=f"eval \"$(rlhf-tasks env {name})\", rlhf-tasks submit TASK --provider kuberay "
+                                 f"--address http://127.0.0.1:{local}")
 
 
 __all__ = ["AGENT_PORT", "ANNOTATIONS_LIMIT", "CONFIGMAP_DIR", "GPU_RESOURCE", "LIB_ARCHIVE", "POD_IP_ENV",
