@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,14 +165,24 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+#: Where each test's start and end go, one line each (`RLHF_TASKS_TIMELINE=FILE make test`): which
+#: worker ran what when, for fitting the suite in its time (docs/development.md).
+TIMELINE = os.environ.get("RLHF_TASKS_TIMELINE")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
     _running.append(item)
+    began = time.time()
     try:
         return (yield)
     finally:
         _running.pop()
         _stand_ins.clear()
+        if TIMELINE:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            with open(TIMELINE, "a") as out:
+                out.write(f"{worker}\t{began:.1f}\t{time.time():.1f}\t{item.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -87,7 +87,7 @@ def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster,
     a worker pod deleted mid-run is recreated by the operator and the job resumes from its
     checkpoint, every step once; SUCCEEDED; then `status`, and `down` leaves nothing of the run."""
     cluster = kube_cluster
-    ckpt, steps = tmp_path / "ckpt", 1500
+    ckpt, steps = tmp_path / "ckpt", 500  # the loss lands near step 70 of a quiet run; 400 steps of margin
     shared_claim(cluster, ns, "ckpt", ckpt)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_grpo(ckpt, steps, save_every=25)))

@@ -623,12 +623,16 @@ class PodRun:
     def end(self, grace: float) -> None:
         """Every process of the pod ended (SIGTERM, then the host's reboot after `grace`): the host
         boots afresh (new /tmp, /dev/shm, mounts) for the next pod; kube-streams no longer enters it."""
+        began = time.time()
         for c in self.inits + self.containers:
             if c.proc is not None and c.proc.running():
                 c.proc.send_signal()
         deadline = time.time() + min(grace, 30)
         while time.time() < deadline and any(c.running for c in self.inits + self.containers):
             time.sleep(0.1)
+        left = [c.name for c in self.inits + self.containers if c.running]
+        self.runner.note(f"pod {self.ns}/{self.name}: ended {time.time() - began:.1f}s after SIGTERM (grace {grace}s)"
+                         + (f", {', '.join(left)} still running: the host goes down with it" if left else ""))
         (self.dir / "netns").unlink(missing_ok=True)
         self.runner.tb.reboot(self.host)
 
@@ -653,11 +657,14 @@ class NodeRunner:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="noderunner", daemon=True)
         self.heartbeat = threading.Thread(target=self._heartbeat, name="noderunner-leases", daemon=True)
-        # Pods end on a thread of their own, off the loop (a grace period must not stall every
-        # other pod), and a long-lived one: a host booted again dies with the thread that booted it.
+        # Pods end on threads of their own, off the loop (a grace period must not stall every other
+        # pod), one per host as each kubelet ends its own pods at the same time (a worker pod's Ray
+        # takes its whole grace period once the head is gone: one after another, a cluster's `down`
+        # took a minute). Long-lived threads: a host booted again dies with the thread that booted it.
         self.ending: queue.Queue = queue.Queue()
         self.freed: queue.Queue = queue.Queue()
-        self.ender = threading.Thread(target=self._ender, name="noderunner-ender", daemon=True)
+        self.enders = [threading.Thread(target=self._ender, name=f"noderunner-ender-{i}", daemon=True)
+                       for i in range(len(pod_hosts))]
         self.streams = None
 
     def note(self, text: str) -> None:
@@ -675,7 +682,7 @@ class NodeRunner:
                 preexec_fn=die_with_parent, start_new_session=True)
         for node in self.nodes.values():
             self.register(node)
-        for thread in (self.heartbeat, self.ender, self.thread):
+        for thread in (self.heartbeat, *self.enders, self.thread):
             thread.start()
         return self
 
@@ -818,8 +825,10 @@ class NodeRunner:
                 run.host_freed = True
                 self.ending.put((run, 0, False))
         self.pods.clear()
-        self.ending.put((None, 0, False))
-        if self.ender.is_alive():
-            self.ender.join(120)
+        for _ in self.enders:
+            self.ending.put((None, 0, False))
+        for ender in self.enders:
+            if ender.is_alive():
+                ender.join(120)
         if self.streams is not None:
             end_process(self.streams)
