@@ -308,3 +308,41 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     print(plain(down.output))
     assert down.returncode == 0, down.output
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+
+
+def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slurm3, tmp_path):
+    """job.working_dir (submit: head) through `rlhf-tasks launch --provider sky`: SkyPilot's `workdir` rsyncs it to
+    the cluster's ~/sky_workdir (leaving out what its .gitignore names) and the head submits the job from there:
+    the job imports the module it holds and reads its file (issue 39, item 1; as dstack's and Ray's providers)."""
+    import yaml
+    infra = sky_slurm3
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "reward_fn.py").write_text("def score(x):\n    return 1.5\n")
+    (src / "data.txt").write_text("from-the-working-dir\n")
+    (src / "ignored.txt").write_text("left out\n")
+    (src / ".gitignore").write_text("ignored.txt\n")
+    entry = ("python3 -c \"import os, reward_fn; print('REWARD', reward_fn.score(0), open('data.txt').read().strip(), "
+             "'ignored' if os.path.exists('ignored.txt') else 'no-ignored')\"")
+    task = {"name": "wd", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+            "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+            "job": {"recipe": "command", "submit": "head", "working_dir": str(src), "timeout": "3m",
+                    "max_restarts": 0, "args": {"entrypoint": entry}}}
+    (tmp_path / "wd.yaml").write_text(yaml.safe_dump(task))
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(tmp_path / "wd.yaml"), "--provider", "sky", "--keep", timeout=600,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    try:
+        out = plain(launch.output)
+        job_log = infra.laptop_home / ".rlhf-tasks" / "runs" / "wd" / "sky" / "sky-job.log"
+        said = plain(job_log.read_text(errors="replace")) if job_log.exists() else "(no sky-job.log)"
+        print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}\n--- sky logs wd\n{said}")
+        assert launch.returncode == 0, out
+        assert "REWARD 1.5 from-the-working-dir no-ignored" in said, said
+        assert re.search(r"submitting job wd-\S+ with working_dir \.: ", said), said
+        synced = node_sh(infra, "ls -A /root/.sky_clusters/wd-*/sky_workdir")  # SkyPilot's rsync, .gitignore applied
+        assert set(synced.split()) == {".gitignore", "data.txt", "reward_fn.py"}, synced
+    finally:
+        down = rt(infra, "down", "wd", timeout=300)
+        assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
