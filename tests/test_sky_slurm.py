@@ -346,3 +346,46 @@ def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slu
         down = rt(infra, "down", "wd", timeout=300)
         assert down.returncode == 0, down.output
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+
+
+def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3, tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it: the launcher and its `sky launch`)
+    while SkyPilot is still provisioning on Slurm (its sbatch job is in squeue, `sky launch` has not returned):
+    SkyPilot's API server goes on with the launch, so the launcher `sky down`s the cluster, says so, and exits 130
+    (docs/cli.md); afterwards `sky status` has no cluster and squeue no job (issue 39, Ctrl-C)."""
+    import signal
+
+    import yaml
+    infra = sky_slurm3
+    task = {"name": "cc", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+            "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+            "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
+                    "max_restarts": 0, "args": {"entrypoint": "python3 -c 'print(1)'"}}}
+    (tmp_path / "cc.yaml").write_text(yaml.safe_dump(task))
+    infra.sky("check", "slurm", timeout=240, check=True)
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(tmp_path / "cc.yaml"), "--provider", "sky", timeout=0,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    try:
+        tbmod.poll(lambda: re.search(r"^cc-\S+$", node_sh(infra, "squeue -h -o '%j'"), re.M) or not launch.running(),
+                   300, "SkyPilot's sbatch job for cc")
+        assert launch.running() and "Job submitted" not in launch.output, launch.output  # still in `sky launch`
+        print(f"Ctrl-C {time.monotonic() - started:.0f} s after the launch began")
+        launch.kill(signal.SIGINT)
+        code = launch.wait(400)
+    finally:
+        if launch.running():
+            launch.kill()
+    out = plain(launch.output)
+    print(f"the launcher ended {time.monotonic() - started:.0f} s after it began\n{out}")
+    assert code == 130, out
+    assert "interrupted before the job's command started: stopping the cluster cc" in out, out
+    assert "the job of cc did not run" in out, out
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+    status = plain(infra.sky("status", timeout=120, check=True).output)
+    assert "No existing clusters." in status, status
+    # the launch request the API server went on with is over, not left to make the cluster again
+    request = re.search(r"sky api cancel (\w+)", out).group(1)
+    api = plain(infra.sky("api", "status", "-a", timeout=120, check=True).output)
+    print(api)
+    assert re.search(rf"^{request}\S*\s+\S+\s+sky\.launch\s.*\s(CANCELLED|FAILED)\s*$", api, re.M), api
