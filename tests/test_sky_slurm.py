@@ -389,3 +389,55 @@ def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3,
     api = plain(infra.sky("api", "status", "-a", timeout=120, check=True).output)
     print(api)
     assert re.search(rf"^{request}\S*\s+\S+\s+sky\.launch\s.*\s(CANCELLED|FAILED)\s*$", api, re.M), api
+
+
+def test_managed_job_through_the_jobs_controller_in_the_api_server(sky_slurm3, tmp_path):
+    """`rlhf-tasks launch --provider sky --managed` (`sky jobs launch`) with SkyPilot's jobs controller in
+    consolidation mode (`jobs.controller.consolidation_mode: true`: the controller runs inside the local API
+    server, no controller cluster): the job's cluster is launched on the Slurm infra, the managed job SUCCEEDS
+    (`sky jobs queue`) and its cluster is gone after (squeue empty) (issue 39, managed)."""
+    import yaml
+    infra = sky_slurm3
+    config = infra.laptop_home / ".sky" / "config.yaml"
+    config.parent.mkdir(exist_ok=True)
+    config.write_text(yaml.safe_dump({"jobs": {"controller": {"consolidation_mode": True}}}))
+    infra.sky("api", "stop", timeout=120)  # the server reads it at its start
+    try:
+        # the controller looks at its job only once HEAD https://8.8.8.8 or https://1.1.1.1 answers: played here
+        infra.api_start(timeout=240, env=infra.env(**infra.play_connectivity_probe()))
+        task = {"name": "mj", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+                "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+                "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
+                        "max_restarts": 0, "args": {"entrypoint": "python3 -c 'print(\"managed job says hi\")'"}}}
+        (tmp_path / "mj.yaml").write_text(yaml.safe_dump(task))
+        ca = str(infra.play / "probe-tls" / "ca.pem")
+        probe = "import requests; print('probe', requests.head('https://1.1.1.1', timeout=5).status_code)"
+        tbmod.poll(lambda: "probe 200" in infra.tb.run(infra.tb.laptop, [sys.executable, "-c", probe], background=False,
+                                                       timeout=60, env=infra.env(REQUESTS_CA_BUNDLE=ca)).output,
+                   60, "the played https://1.1.1.1 to answer", interval=1)
+        started = time.monotonic()
+        launch = rt(infra, "launch", str(tmp_path / "mj.yaml"), "--provider", "sky", "--managed", timeout=900,
+                    env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+        out = plain(launch.output)
+        log = infra.laptop_home / ".rlhf-tasks" / "runs" / "mj" / "sky" / "sky-jobs-launch.log"
+        said = plain(log.read_text(errors="replace")) if log.exists() else "(no sky-jobs-launch.log)"
+        print(f"rlhf-tasks launch --managed took {time.monotonic() - started:.0f} s\n{out}\n--- sky jobs launch\n{said}")
+        assert launch.returncode == 0, out + said
+        assert re.search(r"job mj-sky-managed-\S+: SUCCEEDED in \d+s", out), out
+        assert "managed job says hi" in said, said
+        queued = []  # the controller marks the job SUCCEEDED once it has taken the job's cluster down
+
+        def succeeded():
+            queued.append(plain(infra.sky("jobs", "queue", timeout=180, check=True).output))
+            return re.search(r"^\s*1\s+-?\s*mj\s.*\sSUCCEEDED\s", queued[-1], re.M)
+        try:
+            tbmod.poll(succeeded, 180, "`sky jobs queue` to say SUCCEEDED", interval=3)
+        except TimeoutError:
+            controller = infra.laptop_home / "sky_logs" / "jobs_controller" / "1.log"  # in the API server's HOME
+            raise AssertionError(f"{queued[-1:]}\n--- the controller's log\n"
+                                 f"{plain(controller.read_text(errors='replace'))[-4000:]}") from None
+        print(queued[-1])
+        tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 180, "the managed job's Slurm job to end")
+    finally:
+        config.unlink()
+        infra.sky("api", "stop", timeout=120)  # the next `sky` starts it without consolidation
