@@ -290,6 +290,8 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     assert re.search(r"^1\s+sky-fail\s+root\s.*FAILED", queue, re.M), queue
     assert launch.returncode == 1, out
     assert "SkyPilot: the job on sky-fail ended FAILED" in out, out
+    # the headline is the job's failure as SkyPilot says it, not a lost head
+    assert "running the job: SkyPilot: the job on sky-fail ended FAILED" in out and "process exited" not in out, out
     assert re.search(r"first error on each node.*: node1 at [\d:]+: starting service web failed: it exited with "
                      r"code 3", out), out
     assert secret not in out

@@ -342,9 +342,13 @@ class SkyProvider(Provider):
         def close() -> None:
             end_process(tunnel)
             end_process(follower)
+        def job_ended() -> str | None:
+            """SkyPilot's word once `sky logs` ended with the job not SUCCEEDED (a node's failure ends them all)."""
+            code = follower.poll()
+            return None if code in (None, 0) else skypilots_word(plan.name, code, "")[0]
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: tunnel.poll() is None and follower.poll() is None, head_log=head_log,
-                       close=close, describe=describe, gather_here=gather_here)
+                       close=close, describe=describe, gather_here=gather_here, job_ended=job_ended)
 
     def bundle_here(self, name: str, secrets: dict[str, str]) -> str | None:
         """`logs NAME --bundle` once the dashboard is gone (the job over, autostop may have taken the
