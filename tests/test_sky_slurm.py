@@ -341,7 +341,7 @@ def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slu
         print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}\n--- sky logs wd\n{said}")
         assert launch.returncode == 0, out
         assert "REWARD 1.5 from-the-working-dir no-ignored" in said, said
-        assert re.search(r"submitting job wd-\S+ with working_dir \.: ", said), said
+        assert re.search(r"submitting job wd-\S+ with working_dir \. \(its command waits", said), said
         synced = node_sh(infra, "ls -A /root/.sky_clusters/wd-*/sky_workdir")  # SkyPilot's rsync, .gitignore applied
         assert set(synced.split()) == {".gitignore", "data.txt", "reward_fn.py"}, synced
     finally:
