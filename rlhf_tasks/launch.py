@@ -184,6 +184,8 @@ def follow_head_log(cluster: Cluster, plan: Plan, tail: LogTail,
             result = tail.head_result
             if result is None:
                 told = "; ".join(cluster.describe())
+                if word := cluster.job_ended():  # the provider ended the job (and the head with it)
+                    raise StepFailed("running the job", f"{word} (its log is above)")
                 raise HeadLost("running the task", "the head's node agent ended without reporting the job's end "
                                + (f"({told}; its log is above)" if told else "(its log is above)"))
         return result is not None, result or "the head is running" + cost_so_far(plan, time.monotonic() - began)
@@ -247,6 +249,8 @@ def _watching(cluster: Cluster, tail: LogTail, check):
         if said.get("failed_step"):  # e.g. preflight: name the head's own failed step (not a lost head)
             error = (said.get("error") or "").replace(f"{said['failed_step']} failed: ", "", 1)
             raise StepFailed(said["failed_step"], f"{error} ({where})")
+        if word := cluster.job_ended():  # the provider ended the job (and the head with it)
+            raise StepFailed("running the job", f"{word} ({where})")
         raise HeadLost("bringing up the cluster", f"the head's process exited ({where})")
     return wrapped
 

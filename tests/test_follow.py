@@ -126,6 +126,19 @@ def test_a_head_gone_without_its_line_is_a_lost_head_with_the_providers_word(tmp
                         plan_of(), quiet(tmp_path))
 
 
+def test_a_head_gone_after_its_provider_said_the_job_failed_is_that_failure_not_a_lost_head(tmp_path):
+    """SkyPilot ended the job (a node's `run` failed: `sky logs` exited FAILED, srun killed the head's step) before
+    the head said a word: the headline is the job's failure as the provider says it, not "the head's process
+    exited" (a lost head, which a relaunch would retry), both while waiting for the cluster and following."""
+    (tmp_path / "node-0.log").write_text("[10:00:00] node0: Ray head up\n")
+    word = "SkyPilot: the job on t ended FAILED (sky queue t)"
+    for wait in (lambda c: _watching(c, quiet(tmp_path), lambda: (False, "no"))(),
+                 lambda c: follow_head_log(c, plan_of(), quiet(tmp_path))):
+        with pytest.raises(StepFailed, match=r"^running the job: SkyPilot: the job on t ended FAILED") as failed:
+            wait(cluster_on(tmp_path, lambda: False, job_ended=lambda: word))
+        assert not isinstance(failed.value, HeadLost) and "process exited" not in str(failed.value)
+
+
 def test_every_node_mode_fails_with_the_commands_exit_code(tmp_path):
     (tmp_path / "node-0.log").write_text(result_line(exit_code=3, job={"status": "FAILED", "exit_code": 3}))
     plan = get("dstack").plan(parse_task({"name": "t", "nodes": 2, "job": {"recipe": "torchrun", "args": {

@@ -589,3 +589,19 @@ def test_skypilots_job_log_gives_each_nodes_first_error_and_a_scrubbed_bundle(tm
     assert any(name.endswith("node1.log") and "ValueError: bad shard 7" in text for name, text in texts.items()), \
         list(texts)
     assert bundle_from_job_log("t", tmp_path / "none.log", {}, str(tmp_path / "out"), "x") is None
+
+
+def test_skypilots_single_node_prefix_is_the_head():
+    """On a one-node cluster SkyPilot prefixes the run's lines with the task's name, no rank (`(wd, pid=996)`:
+    skylet/executor/slurm.py, RayCodeGen's `name_str`; seen on the Slurm testbed): they are node 0's; setup's
+    `(setup pid=5)` lines are nobody's."""
+    from rlhf_tasks.providers.sky import by_node, skypilots_word
+
+    text = ("\x1b[36m(setup pid=5)\x1b[0m installing\n"
+            "\x1b[36m(wd, pid=996)\x1b[0m [17:04:25] node0: sky node 0 of 1\n"
+            "(my-task.v2, pid=996) Traceback (most recent call last):\n"
+            "(my-task.v2, pid=996) ValueError: bad shard 7\n")
+    assert by_node(text) == {0: ["[17:04:25] node0: sky node 0 of 1", "Traceback (most recent call last):",
+                                 "ValueError: bad shard 7"]}
+    said = skypilots_word("wd", 100, text)
+    assert "node0" in said[1] and "ValueError: bad shard 7" in said[1], said

@@ -290,6 +290,8 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     assert re.search(r"^1\s+sky-fail\s+root\s.*FAILED", queue, re.M), queue
     assert launch.returncode == 1, out
     assert "SkyPilot: the job on sky-fail ended FAILED" in out, out
+    # the headline is the job's failure as SkyPilot says it, not a lost head
+    assert "running the job: SkyPilot: the job on sky-fail ended FAILED" in out and "process exited" not in out, out
     assert re.search(r"first error on each node.*: node1 at [\d:]+: starting service web failed: it exited with "
                      r"code 3", out), out
     assert secret not in out
@@ -308,3 +310,136 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     print(plain(down.output))
     assert down.returncode == 0, down.output
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+
+
+def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slurm3, tmp_path):
+    """job.working_dir (submit: head) through `rlhf-tasks launch --provider sky`: SkyPilot's `workdir` rsyncs it to
+    the cluster's ~/sky_workdir (leaving out what its .gitignore names) and the head submits the job from there:
+    the job imports the module it holds and reads its file (issue 39, item 1; as dstack's and Ray's providers)."""
+    import yaml
+    infra = sky_slurm3
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "reward_fn.py").write_text("def score(x):\n    return 1.5\n")
+    (src / "data.txt").write_text("from-the-working-dir\n")
+    (src / "ignored.txt").write_text("left out\n")
+    (src / ".gitignore").write_text("ignored.txt\n")
+    entry = ("python3 -c \"import os, reward_fn; print('REWARD', reward_fn.score(0), open('data.txt').read().strip(), "
+             "'ignored' if os.path.exists('ignored.txt') else 'no-ignored')\"")
+    task = {"name": "wd", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+            "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+            "job": {"recipe": "command", "submit": "head", "working_dir": str(src), "timeout": "3m",
+                    "max_restarts": 0, "args": {"entrypoint": entry}}}
+    (tmp_path / "wd.yaml").write_text(yaml.safe_dump(task))
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(tmp_path / "wd.yaml"), "--provider", "sky", "--keep", timeout=600,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    try:
+        out = plain(launch.output)
+        job_log = infra.laptop_home / ".rlhf-tasks" / "runs" / "wd" / "sky" / "sky-job.log"
+        said = plain(job_log.read_text(errors="replace")) if job_log.exists() else "(no sky-job.log)"
+        print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}\n--- sky logs wd\n{said}")
+        assert launch.returncode == 0, out
+        assert "REWARD 1.5 from-the-working-dir no-ignored" in said, said
+        assert re.search(r"submitting job wd-\S+ with working_dir \. \(its command waits", said), said
+        synced = node_sh(infra, "ls -A /root/.sky_clusters/wd-*/sky_workdir")  # SkyPilot's rsync, .gitignore applied
+        assert set(synced.split()) == {".gitignore", "data.txt", "reward_fn.py"}, synced
+    finally:
+        down = rt(infra, "down", "wd", timeout=300)
+        assert down.returncode == 0, down.output
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+
+
+def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3, tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it: the launcher and its `sky launch`)
+    while SkyPilot is still provisioning on Slurm (its sbatch job is in squeue, `sky launch` has not returned):
+    SkyPilot's API server goes on with the launch, so the launcher `sky down`s the cluster, says so, and exits 130
+    (docs/cli.md); afterwards `sky status` has no cluster and squeue no job (issue 39, Ctrl-C)."""
+    import signal
+
+    import yaml
+    infra = sky_slurm3
+    task = {"name": "cc", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+            "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+            "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
+                    "max_restarts": 0, "args": {"entrypoint": "python3 -c 'print(1)'"}}}
+    (tmp_path / "cc.yaml").write_text(yaml.safe_dump(task))
+    infra.sky("check", "slurm", timeout=240, check=True)
+    started = time.monotonic()
+    launch = rt(infra, "launch", str(tmp_path / "cc.yaml"), "--provider", "sky", timeout=0,
+                env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+    try:
+        tbmod.poll(lambda: re.search(r"^cc-\S+$", node_sh(infra, "squeue -h -o '%j'"), re.M) or not launch.running(),
+                   300, "SkyPilot's sbatch job for cc")
+        assert launch.running() and "Job submitted" not in launch.output, launch.output  # still in `sky launch`
+        print(f"Ctrl-C {time.monotonic() - started:.0f} s after the launch began")
+        launch.kill(signal.SIGINT)
+        code = launch.wait(400)
+    finally:
+        if launch.running():
+            launch.kill()
+    out = plain(launch.output)
+    print(f"the launcher ended {time.monotonic() - started:.0f} s after it began\n{out}")
+    assert code == 130, out
+    assert "interrupted before the job's command started: stopping the cluster cc" in out, out
+    assert "the job of cc did not run" in out, out
+    tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
+    status = plain(infra.sky("status", timeout=120, check=True).output)
+    assert "No existing clusters." in status, status
+    # the launch request the API server went on with is over, not left to make the cluster again
+    request = re.search(r"sky api cancel (\w+)", out).group(1)
+    api = plain(infra.sky("api", "status", "-a", timeout=120, check=True).output)
+    print(api)
+    assert re.search(rf"^{request}\S*\s+\S+\s+sky\.launch\s.*\s(CANCELLED|FAILED)\s*$", api, re.M), api
+
+
+def test_managed_job_through_the_jobs_controller_in_the_api_server(sky_slurm3, tmp_path):
+    """`rlhf-tasks launch --provider sky --managed` (`sky jobs launch`) with SkyPilot's jobs controller in
+    consolidation mode (`jobs.controller.consolidation_mode: true`: the controller runs inside the local API
+    server, no controller cluster): the job's cluster is launched on the Slurm infra, the managed job SUCCEEDS
+    (`sky jobs queue`) and its cluster is gone after (squeue empty) (issue 39, managed)."""
+    import yaml
+    infra = sky_slurm3
+    config = infra.laptop_home / ".sky" / "config.yaml"
+    config.parent.mkdir(exist_ok=True)
+    config.write_text(yaml.safe_dump({"jobs": {"controller": {"consolidation_mode": True}}}))
+    infra.sky("api", "stop", timeout=120)  # the server reads it at its start
+    try:
+        # the controller looks at its job only once HEAD https://8.8.8.8 or https://1.1.1.1 answers: played here
+        infra.api_start(timeout=240, env=infra.env(**infra.play_connectivity_probe()))
+        task = {"name": "mj", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
+                "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
+                "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
+                        "max_restarts": 0, "args": {"entrypoint": "python3 -c 'print(\"managed job says hi\")'"}}}
+        (tmp_path / "mj.yaml").write_text(yaml.safe_dump(task))
+        ca = str(infra.play / "probe-tls" / "ca.pem")
+        probe = "import requests; print('probe', requests.head('https://1.1.1.1', timeout=5).status_code)"
+        tbmod.poll(lambda: "probe 200" in infra.tb.run(infra.tb.laptop, [sys.executable, "-c", probe], background=False,
+                                                       timeout=60, env=infra.env(REQUESTS_CA_BUNDLE=ca)).output,
+                   60, "the played https://1.1.1.1 to answer", interval=1)
+        started = time.monotonic()
+        launch = rt(infra, "launch", str(tmp_path / "mj.yaml"), "--provider", "sky", "--managed", timeout=900,
+                    env=infra.env(RAY_AUTH_TOKEN=TOKEN))
+        out = plain(launch.output)
+        log = infra.laptop_home / ".rlhf-tasks" / "runs" / "mj" / "sky" / "sky-jobs-launch.log"
+        said = plain(log.read_text(errors="replace")) if log.exists() else "(no sky-jobs-launch.log)"
+        print(f"rlhf-tasks launch --managed took {time.monotonic() - started:.0f} s\n{out}\n--- sky jobs launch\n{said}")
+        assert launch.returncode == 0, out + said
+        assert re.search(r"job mj-sky-managed-\S+: SUCCEEDED in \d+s", out), out
+        assert "managed job says hi" in said, said
+        queued = []  # the controller marks the job SUCCEEDED once it has taken the job's cluster down
+
+        def succeeded():
+            queued.append(plain(infra.sky("jobs", "queue", timeout=180, check=True).output))
+            return re.search(r"^\s*1\s+-?\s*mj\s.*\sSUCCEEDED\s", queued[-1], re.M)
+        try:
+            tbmod.poll(succeeded, 180, "`sky jobs queue` to say SUCCEEDED", interval=3)
+        except TimeoutError:
+            controller = infra.laptop_home / "sky_logs" / "jobs_controller" / "1.log"  # in the API server's HOME
+            raise AssertionError(f"{queued[-1:]}\n--- the controller's log\n"
+                                 f"{plain(controller.read_text(errors='replace'))[-4000:]}") from None
+        print(queued[-1])
+        tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 180, "the managed job's Slurm job to end")
+    finally:
+        config.unlink()
+        infra.sky("api", "stop", timeout=120)  # the next `sky` starts it without consolidation

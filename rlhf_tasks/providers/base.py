@@ -45,6 +45,9 @@ class Cluster:
     #: What the provider tells of its machines (a Slurm job's state, the pods and their price):
     #: lines for the launcher's summary.
     describe: Callable[[], list[str]] = lambda: []
+    #: The provider's own word that the job ended, and how, once it knows it (SkyPilot: `sky logs` exited
+    #: FAILED): the headline when the head leaves without its result line, instead of a lost head.
+    job_ended: Callable[[], str | None] = lambda: None
     #: Called while the launcher waits: what the provider does meanwhile (replace a dead node's
     #: agent, keep a tunnel up, report a queued job's state), as lines to show.
     tend: Callable[[], list[str]] = lambda: []

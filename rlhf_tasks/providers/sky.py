@@ -342,9 +342,13 @@ class SkyProvider(Provider):
         def close() -> None:
             end_process(tunnel)
             end_process(follower)
+        def job_ended() -> str | None:
+            """SkyPilot's word once `sky logs` ended with the job not SUCCEEDED (a node's failure ends them all)."""
+            code = follower.poll()
+            return None if code in (None, 0) else skypilots_word(plan.name, code, "")[0]
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: tunnel.poll() is None and follower.poll() is None, head_log=head_log,
-                       close=close, describe=describe, gather_here=gather_here)
+                       close=close, describe=describe, gather_here=gather_here, job_ended=job_ended)
 
     def bundle_here(self, name: str, secrets: dict[str, str]) -> str | None:
         """`logs NAME --bundle` once the dashboard is gone (the job over, autostop may have taken the
@@ -463,8 +467,10 @@ def open_forward(name: str, local: int, remote: int, log: Path, timeout: float =
     return proc
 
 
-#: SkyPilot's prefix of a node's line in its job log: `(head, rank=0, pid=7) `, `(worker1, rank=1, pid=8, ip=...) `.
-_NODE_LINE = re.compile(r"^\((?:head|worker\d+), rank=(\d+), pid=\d+(?:, ip=[^)]*)?\) ?(.*)$")
+#: SkyPilot's prefix of a node's line in its job log: `(head, rank=0, pid=7) `, `(worker1, rank=1, pid=8, ip=...) `;
+#: on a one-node cluster the task's name and no rank, `(NAME, pid=7) ` (skylet/executor/slurm.py, RayCodeGen's
+#: name_str). Setup's `(setup pid=7)` is no node's.
+_NODE_LINE = re.compile(r"^\((?:(?:head|worker\d+), rank=(\d+)|[^\s,()]+), pid=\d+(?:, ip=[^)]*)?\) ?(.*)$")
 #: `sky logs`'s exit codes (sky.exceptions.JobExitCode in SkyPilot 0.14.1).
 JOB_EXIT = {0: "SUCCEEDED", 100: "FAILED", 101: "NOT_FINISHED", 102: "NOT_FOUND", 103: "CANCELLED"}
 
@@ -475,7 +481,7 @@ def by_node(text: str) -> dict[int, list[str]]:
     for line in _ANSI.sub("", text).splitlines():
         match = _NODE_LINE.match(line)
         if match:
-            nodes.setdefault(int(match.group(1)), []).append(match.group(2))
+            nodes.setdefault(int(match.group(1) or 0), []).append(match.group(2))
     return nodes
 
 

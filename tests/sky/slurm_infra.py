@@ -285,8 +285,48 @@ class SkySlurm:
             raise RuntimeError(f"`sky {shlex.join(args)}` exited {p.returncode}:\n{p.output[-6000:]}")
         return p
 
-    def api_start(self, timeout: float = 180) -> "tbmod.Proc":
-        p = self.sky("api", "start", timeout=timeout, check=True)
+    #: What SkyPilot's managed-jobs controller asks before each look at its job (jobs/controller.py:
+    #: backend_utils.async_check_network_connection, HEAD https://8.8.8.8 then https://1.1.1.1): with
+    #: neither answering it logs "Network is not available" and never looks at the job again.
+    PROBE_IPS = ("8.8.8.8", "1.1.1.1")
+
+    def play_connectivity_probe(self) -> dict[str, str]:
+        """Answer SkyPilot's connectivity probe on the laptop: PROBE_IPS as the laptop's own addresses (on its
+        loopback, in its network namespace only) and an HTTPS server on their port 443 with a certificate of a
+        CA made here; returns the environment (SSL_CERT_FILE, REQUESTS_CA_BUNDLE: that CA only) the API
+        server must start with. Nothing leaves the machine."""
+        tls = self.play / "probe-tls"
+        tls.mkdir(exist_ok=True)
+        sans = ",".join(f"IP:{ip}" for ip in self.PROBE_IPS)
+        ssl_cmds = [
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=rlhf-tasks test CA",
+             "-keyout", "ca.key", "-out", "ca.pem"],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=probe", "-keyout", "probe.key",
+             "-out", "probe.csr"],
+            ["/bin/sh", "-c", f"printf 'subjectAltName={sans}\\n' > san.ext && openssl x509 -req -in probe.csr "
+             "-CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext -out probe.pem"]]
+        for argv in ssl_cmds:
+            subprocess.run(argv, cwd=tls, check=True, capture_output=True, timeout=60)
+        addrs = " && ".join(f"ip addr add {ip}/32 dev lo" for ip in self.PROBE_IPS)
+        self.tb.run(self.tb.laptop, ["/bin/sh", "-c", addrs], env=self.tb.env(), check=True, background=False,
+                    timeout=30, name="probe-addrs")
+        server = (
+            "import http.server, ssl\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_HEAD(self):\n        self.send_response(200); self.end_headers()\n"
+            "    do_GET = do_HEAD\n"
+            "srv = http.server.ThreadingHTTPServer(('0.0.0.0', 443), H)\n"
+            "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)\n"
+            f"ctx.load_cert_chain({str(tls / 'probe.pem')!r}, {str(tls / 'probe.key')!r})\n"
+            "srv.socket = ctx.wrap_socket(srv.socket, server_side=True)\n"
+            "srv.serve_forever()\n")
+        self.probe = self.tb.run(self.tb.laptop, [sys.executable, "-c", server], env=self.tb.env(), background=True,
+                                 name="probe-https")
+        ca = str(tls / "ca.pem")
+        return {"SSL_CERT_FILE": ca, "REQUESTS_CA_BUNDLE": ca}
+
+    def api_start(self, timeout: float = 180, env: dict[str, str] | None = None) -> "tbmod.Proc":
+        p = self.sky("api", "start", timeout=timeout, check=True, env=env)
         self.api_started = True
         return p
 
@@ -302,5 +342,7 @@ class SkySlurm:
                 self.sky("api", "stop", timeout=60)
             except Exception:  # noqa: BLE001
                 pass
+        if getattr(self, "probe", None) is not None and self.probe.running():
+            self.probe.kill()
         if self.sshd is not None and self.sshd.running():
             self.sshd.send_signal()
