@@ -153,6 +153,23 @@ def run_order(item) -> int:
     return 2 if item.get_closest_marker(CLUSTER) else 3
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test
+def pytest_runtest_teardown(item, nextitem):
+    """In `make test`'s workers a session-wide cluster (the Kubernetes control plane and operator, the dstack
+    server) ends after its group's last test, not at the session's end: left running, its polling took CPU
+    from every test after it. A group's tests run one after another in one worker (`xdist_group`, `run_order`);
+    a plain `pytest` run keeps them to the end, its order being the files'."""
+    if nextitem is None or not hasattr(item.config, "workerinput"):
+        return
+    group = xdist_group(item)
+    if not group or not (group == "kube" or group.startswith("session-")) or xdist_group(nextitem) == group:
+        return
+    for name, fixturedef in _our_fixtures(item):
+        if fixturedef.scope == "session" and getattr(fixturedef.func, "starts_cluster", False) \
+                and fixturedef.cached_result is not None:
+            fixturedef.finish(item._request)  # what depends on it (the dstack fleet) is finished first
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI a skip is a failure, whoever skips (`pytest.importorskip`, a fixture, a helper):

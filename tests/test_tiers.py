@@ -250,3 +250,60 @@ def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(i
     """)
     inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=2)
     assert (tmp_path / "beside-alone").read_text() == "" and (tmp_path / "beside-cluster").read_text() == ""
+
+
+def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessions_end(inner, tmp_path, monkeypatch):
+    """In `make test`'s workers the Kubernetes control plane and the dstack server (session-wide fixtures that
+    start a cluster) end once their group's tests are done, what depends on them first, so that their polling
+    takes no CPU from the tests after them. (One worker here, so the order is known: the Kubernetes group, the
+    other session group, then the rest.)"""
+    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
+                 if line.startswith("PYTEST_WORKERS"))
+    flags[flags.index("-n") + 1] = "1"
+    record = tmp_path / "ran"
+    monkeypatch.setenv("RAN", str(record))
+    inner.makepyfile(test_x="""
+        import os
+        import pytest
+        from conftest import starts_cluster
+
+        def ran(what):
+            with open(os.environ["RAN"], "a") as f:
+                f.write(what + "\\n")
+
+        @pytest.fixture(scope="session")
+        @starts_cluster
+        def kube_cluster():
+            ran("kube up")
+            yield 1
+            ran("kube down")
+
+        @pytest.fixture(scope="session")
+        @starts_cluster
+        def server():
+            ran("server up")
+            yield 1
+            ran("server down")
+
+        @pytest.fixture(scope="session")
+        def fleet(server):
+            ran("fleet up")
+            yield 1
+            ran("fleet down")
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_kube(kube_cluster, i):
+            ran("kube test")
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_fleet(fleet, i):
+            ran("fleet test")
+
+        def test_after():
+            ran("after")
+    """)
+    result = inner.runpytest_subprocess("-p", "xdist", *flags, "-q")
+    result.assert_outcomes(passed=5)
+    assert record.read_text().splitlines() == [
+        "kube up", "kube test", "kube test", "kube down",
+        "server up", "fleet up", "fleet test", "fleet test", "fleet down", "server down", "after"]
