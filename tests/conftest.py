@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,11 @@ def _audit(event: str, args: tuple) -> None:
 
 
 def pytest_configure(config):
+    # Tests send Ctrl-C (SIGINT) to the launchers they start. A shell without job control starts what it runs in
+    # the background (`make test &`) with SIGINT ignored, and an ignored signal stays ignored across exec: every
+    # launcher would ignore its Ctrl-C. Caught here, it is the default again in every child.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not any(line.startswith(f"{CLUSTER}:") for line in config.getini("markers")):  # pyproject.toml has it
         config.addinivalue_line("markers", f"{CLUSTER}: starts a Ray cluster, namespace hosts, Slurm or a container")
     tbmod.before_start = require_cluster_mark

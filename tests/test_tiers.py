@@ -307,3 +307,25 @@ def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessi
     assert record.read_text().splitlines() == [
         "kube up", "kube test", "kube test", "kube down",
         "server up", "fleet up", "fleet test", "fleet test", "fleet down", "server down", "after"]
+
+
+def test_launchers_get_their_ctrl_c_when_the_suite_was_started_in_the_background(inner):
+    """A shell without job control starts a background job (`make test &`) with SIGINT ignored, which every
+    process under it inherits: a launcher a test starts would ignore the Ctrl-C the test sends it. The conftest
+    makes it the default again for what the tests start."""
+    import signal
+    import subprocess
+    import sys
+
+    inner.makepyfile(test_x="""
+        import subprocess, sys
+
+        def test_child():
+            said = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"],
+                                  capture_output=True, text=True).stdout
+            assert "default_int_handler" in said, said
+    """)
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=inner.path,
+                         capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout + ran.stderr
