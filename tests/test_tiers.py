@@ -23,6 +23,12 @@ def inner(pytester, monkeypatch):
     return pytester
 
 
+def make_test_flags() -> list[str]:
+    """`make test`'s pytest-xdist flags, as the Makefile gives them (PYTEST_WORKERS)."""
+    return next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
+                if line.startswith("PYTEST_WORKERS"))
+
+
 def test_fixtures_that_start_a_cluster_mark_their_tests_even_through_another_fixture(inner):
     inner.makepyfile(test_x="""
         import pytest
@@ -173,8 +179,7 @@ def test_make_tests_workers_keep_each_group_together_the_kubernetes_tests_first(
     than one test (here a module's) run in one worker, so it starts once; the tests of the Kubernetes
     build (`kube_cluster`, `real_kubectl`) too, first in theirs; the rest go wherever a worker is free.
     (pytest 9 with xdist 3.8 ignored every group: pyproject.toml pins pytest 8.)"""
-    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
-                 if line.startswith("PYTEST_WORKERS"))
+    flags = make_test_flags()
     record = tmp_path / "ran"
     monkeypatch.setenv("RAN", str(record))
     inner.makepyfile(test_x="""
@@ -218,8 +223,7 @@ def test_make_tests_workers_keep_each_group_together_the_kubernetes_tests_first(
 def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(inner, tmp_path, monkeypatch):
     """Two workers start together: an `alone` test and another cluster test never overlap (the workers'
     lock), while two fast tests do not wait for each other's worker."""
-    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
-                 if line.startswith("PYTEST_WORKERS"))
+    flags = make_test_flags()
     monkeypatch.setenv("SEEN", str(tmp_path))
     inner.makepyfile(test_x="""
         import os
@@ -257,8 +261,7 @@ def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessi
     start a cluster) end once their group's tests are done, what depends on them first, so that their polling
     takes no CPU from the tests after them. (One worker here, so the order is known: the Kubernetes group, the
     other session group, then the rest.)"""
-    flags = next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
-                 if line.startswith("PYTEST_WORKERS"))
+    flags = make_test_flags()
     flags[flags.index("-n") + 1] = "1"
     record = tmp_path / "ran"
     monkeypatch.setenv("RAN", str(record))
