@@ -350,9 +350,10 @@ def start_tunnel(argv: list[str]) -> tuple[subprocess.Popen, Callable[[], str]]:
 def hold_forward(name: str, tunnel: subprocess.Popen, how: str, dashboard: str, *, timeout: float,
                  said: Callable[[], str], then: str, recorded: bool, ready: Callable[[], None] | None = None,
                  silent_head: str = "", end: Callable[[subprocess.Popen], None] | None = None) -> int:
-    """`rlhf-tasks forward`, once the provider started its tunnel (`how`: its command, for messages): the
-    address is recorded where the cluster has a record here (`recorded`; and `ready` run) and said, with `then` to run in another shell, only once the
-    head's dashboard answers through it; then it is held until Ctrl-C (exit 0) or until it exits. A tunnel
+    """`rlhf-tasks forward`, once the provider started its tunnel (`how`: its command, for messages): only
+    once the head's dashboard answers through it is the address recorded (where the cluster has a record
+    here: `recorded`; then `ready` runs) and said, with `then` to run in another shell; then the tunnel is
+    held until Ctrl-C (exit 0) or until it exits. A tunnel
     that exits first, or a dashboard silent for `timeout` seconds (`silent_head`: what to check then), is a
     StepFailed in the tunnel's own words. The tunnel is ended either way (`end`, else SIGTERM)."""
     from ..agent.protocol import AgentError, http_check, wait_for
