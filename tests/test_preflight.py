@@ -223,6 +223,15 @@ def test_the_nodes_environment_wins_over_the_preset_and_the_task_env_over_both()
     assert node_env(plan, info, {**base, "GLOO_SOCKET_IFNAME": "eth7"})["GLOO_SOCKET_IFNAME"] == "ib0"
 
 
+@pytest.mark.parametrize("left", [13.0, 60.0, 88.0])
+def test_a_nodes_own_limit_leaves_its_answer_time_to_come_back_through_a_loaded_head(left):
+    """A node stuck in its torch import says so itself; under load its answer took more than the 2 s it
+    used to be left, and preflight then named it only as silent ("no answer ... by the step's deadline")."""
+    limit = preflight.node_limit(deadline=1000.0 + left, now=1000.0)
+    assert 1.0 <= limit <= left - max(3.0, left / 5)
+    assert preflight.node_limit(deadline=1000.5, now=1000.0) == 1.0  # never nothing at all
+
+
 def test_preflight_ids_never_look_like_a_jobs_own():
     sid = protocol.preflight_submission_id("abc123")
     assert sid == "preflight_abc123" and not protocol.is_submission_of("preflight", sid)

@@ -56,6 +56,9 @@ SIZE_BUDGET_S = 1.0        # the all_reduce stops growing once a size would take
 #: How long after every node is ALIVE a node that never announced itself to the head agent is
 #: waited for before preflight's own probes check every node.
 EARLY_GRACE_S = 3.0
+#: What a node's own time limit leaves of a step's: this share of the time left, and at least
+#: ANSWER_MIN_S, for the call to reach the node and its answer to come back through a loaded head.
+ANSWER_SHARE, ANSWER_MIN_S = 0.25, 2.0
 #: The longest each step may take (less when the overall deadline is nearer).
 STEP_CAPS = {"nodes": 60.0, "interfaces": 15.0, "torch": 90.0, "pairs": 30.0, "gloo": 60.0, "nccl": 90.0,
              "services": 30.0, "checkpoints": 20.0, "disk": 10.0}
@@ -399,7 +402,7 @@ class Preflight(object):
 
     def step_torch(self) -> None:
         deadline = self.step_deadline("torch")
-        wait = max(1.0, deadline - time.time() - 2)  # each node says itself that its import is stuck
+        wait = node_limit(deadline)  # each node says itself that its import is stuck
         infos = self.gather("torch", [a.torch_info.remote(wait) for a in self.actors], list(range(len(self.nodes))),
                             deadline)
         errors = ["%s: %s" % (node["label"], info["error"]) for node, info in zip(self.nodes, infos) if info.get("error")]
@@ -505,7 +508,7 @@ class Preflight(object):
         port = self.gather(backend, [actors[0].free_port.remote()], [0], deadline)[0]
         world = len(self.nodes)
         calls = [actor.allreduce.remote(backend, master, port, rank, world, list(SIZES), SIZE_BUDGET_S,
-                                        max(1.0, deadline - time.time() - 1)) for rank, actor in enumerate(actors)]
+                                        node_limit(deadline)) for rank, actor in enumerate(actors)]
         results = self.gather(backend, calls, list(range(world)), deadline)
         errors = ["%s: %s" % (self.label(i), r["error"]) for i, r in enumerate(results) if r.get("error")]
         if errors:
@@ -704,6 +707,13 @@ def _rank(node: dict) -> int:
         return int(node.get("rank"))
     except (TypeError, ValueError):
         return 1 << 30
+
+
+def node_limit(deadline: float, now: Optional[float] = None) -> float:
+    """Seconds a node gets to say for itself that its part is stuck (a torch import, an all_reduce)
+    before the step's deadline: the answer must be back by then, or the node is only named as silent."""
+    left = deadline - (time.time() if now is None else now)
+    return max(1.0, left - max(ANSWER_MIN_S, ANSWER_SHARE * left))
 
 
 def duration(seconds: float) -> str:
