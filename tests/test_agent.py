@@ -232,6 +232,14 @@ def test_the_head_sets_rays_health_checks_so_a_silent_node_is_declared_dead_with
     assert plan_for()["wait"]["node_silence_s"] == 30.0  # the default
 
 
+def test_ray_ends_on_sigterm_without_its_drain_unless_the_node_or_the_task_wants_one():
+    info = NodeInfo(0, 2, "10.0.0.1", "10.0.0.1")
+    assert node_env(plan_for(), info, {"RAY_AUTH_TOKEN": "t"})["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    node = node_env(plan_for(), info, {"RAY_AUTH_TOKEN": "t", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "20"})
+    task = node_env(plan_for(env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "10"}), info, {"RAY_AUTH_TOKEN": "t"})
+    assert (node["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"], task["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]) == ("20", "10")
+
+
 def test_after_a_loss_the_head_counts_nodes_rather_than_matching_addresses(monkeypatch):
     """A replacement with another address makes the count; a lost node Ray still lists ALIVE
     (one too many) is waited out; the lost node is found by its node id, not its address."""

@@ -73,6 +73,8 @@ def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_hom
     assert sorted(p.name for p in ckpt.glob("step_*.pt"))[-1] == f"step_{steps:06d}.pt"
     record_id = next(line.split("job tiny-grpo-")[1].split(":")[0] for line in out.splitlines() if "job tiny-grpo-" in line)
     assert no_leftovers(record_id)
+    for log in (rlhf_home / "runs" / "tiny-grpo" / "nodes").glob("agent-node*.log"):  # each node's Ray ended on SIGTERM
+        assert "did not end within" not in log.read_text(), (log.name, log.read_text()[-3000:])
 
     more = yaml.safe_load(task.read_text())
     more["job"]["args"]["steps"] = steps + 5

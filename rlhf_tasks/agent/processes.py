@@ -63,7 +63,8 @@ class Child(object):
 
     def stop(self, grace: float = 15.0) -> None:
         if self.alive():
-            kill_group(self.proc.pid, grace, lambda: self.proc.poll() is not None)
+            if kill_group(self.proc.pid, grace, lambda: self.proc.poll() is not None) and grace:
+                log("%s did not end within %.0fs of SIGTERM: killed" % (self.name, grace))
         else:
             kill_group(self.proc.pid, 0.0, lambda: True)  # leftovers of an exited leader
         if self.pgid_file and os.path.exists(self.pgid_file):
@@ -124,17 +125,20 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def kill_group(pgid: int, grace: float, gone: Callable[[], bool]) -> None:
-    """SIGTERM the group, wait up to `grace` seconds for `gone()` and the group to end, then SIGKILL it."""
+def kill_group(pgid: int, grace: float, gone: Callable[[], bool]) -> bool:
+    """SIGTERM the group, wait up to `grace` seconds for `gone()` and the group to end, then SIGKILL it.
+    Whether it had to be killed."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except OSError:
-        return
+        return False
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not (gone() and not group_alive(pgid)):
         time.sleep(0.1)
     if group_alive(pgid):
         signal_group(pgid, signal.SIGKILL)
+        return True
+    return False
 
 
 def stop_stale(pgid_file: str) -> None:

@@ -41,6 +41,10 @@ def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
 HEALTH_CHECK_MISSES = 3
 
 
+#: Ray's drain on SIGTERM, in seconds (ray_constants; <= 0: none); a value the node or the task sets wins.
+RAY_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+
+
 def health_check_env(silence_s: Optional[float]) -> Dict[str, str]:
     """Ray's GCS health checks (read from the head's environment; names of Ray 2.60's
     ray_config_def.h) set so that a node that goes silent is declared dead within `silence_s`
@@ -63,6 +67,9 @@ def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]
     env.update(plan.get("env", {}))
     if info.rank == 0:  # the GCS runs there; a value the node or the task sets wins
         env.update({k: v for k, v in health_check_env(plan.get("wait", {}).get("node_silence_s")).items() if k not in env})
+    # The agent stops Ray only when its node is done (or going): Ray 2.60's `ray start --block` would first
+    # drain the node for up to 30 s (for Serve's replicas), and a busy head's drain ran out the agent's grace.
+    env.setdefault(RAY_DRAIN_ENV, "0")
     env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
                 "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
     token_env = plan.get("token_env")
