@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,21 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlhf_tasks.agent.protocol import alive_nodes, probe_tcp  # noqa: E402
+from rlhf_tasks.agent.protocol.ports import free_ports  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if not 10002 <= port <= 19999:
-            return port
-
-
 def bare(nodes: int) -> float:
-    gcs, dash, client = free_port(), free_port(), free_port()
+    gcs, dash, client = free_ports(3, host="")
     temp = tempfile.mkdtemp(prefix="rb-", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     common = ["--block", "--object-store-memory", "80000000", "--num-cpus", "1", "--dashboard-agent-listen-port", "0"]

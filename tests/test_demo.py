@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,17 +18,12 @@ from pathlib import Path
 import pytest
 
 from rlhf_tasks.demo import prepare, reward_server
+from rlhf_tasks.agent.protocol.ports import free_port
 
 from conftest import starts_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_IP = "127.0.1.1"  # Ray rewrites 127.0.0.1 to the machine's public address, not the rest of 127/8
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def request(url: str, body: bytes | dict | None = None, method: str = "POST") -> tuple[int, dict]:

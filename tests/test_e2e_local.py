@@ -387,11 +387,9 @@ def test_ctrl_c_before_the_job_started_stops_the_cluster_and_the_job_never_runs(
     """Ctrl-C after the head submitted the job behind its gate, while a head service keeps the
     cluster forming: the launch is cancelled, nothing of it keeps running (issue 20, item 6)."""
     import signal
-    import socket
+    from rlhf_tasks.agent.protocol.ports import free_port
 
-    with socket.socket() as sock:  # a port nothing listens on: the service never answers
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nothing listens on: the service never answers
     ran = tmp_path / "ran"
     task = tmp_path / "early.yaml"
     task.write_text(yaml.safe_dump({

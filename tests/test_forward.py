@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.server
 import signal
-import socket
 import sys
 import threading
 import time
@@ -18,16 +17,11 @@ import pytest
 
 from rlhf_tasks import console, state
 from rlhf_tasks.errors import StepFailed
+from rlhf_tasks.agent.protocol.ports import free_port
 from rlhf_tasks.providers.base import hold_forward, start_tunnel
 
 #: A tunnel that holds until it is ended.
 HOLDS = [sys.executable, "-c", "import time; print('forwarding', flush=True); time.sleep(600)"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

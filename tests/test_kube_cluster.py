@@ -4,13 +4,14 @@ real kubectl reaches it (logs, port-forward) through the API server."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
 import yaml
+
+from rlhf_tasks.agent.protocol.ports import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -82,7 +83,7 @@ def test_pod_runs_with_its_volumes_env_probe_logs_and_port_forward(kube_cluster,
         return out.output.strip() if out.returncode == 0 else None
     assert wait(resolved, 30, "the Service's name to resolve") == ip
 
-    port = _free_port()
+    port = free_port()
     forward = subprocess.Popen([str(cluster.cp.bin / "kubectl"), f"--kubeconfig={cluster.cp.kubeconfig}", "-n", ns,
                                 "port-forward", "svc/web", f"{port}:8080"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -128,12 +129,6 @@ def test_an_unknown_image_does_not_pull(kube_cluster):
                   60, "the pod's waiting state", cluster)
     assert status["reason"] == "ErrImagePull"
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fetch(url: str) -> str | None:

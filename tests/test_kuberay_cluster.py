@@ -16,6 +16,7 @@ import yaml
 
 import testbed as tbmod
 from conftest import ROOT
+from rlhf_tasks.agent.protocol.ports import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -184,7 +185,7 @@ def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluste
     assert token.returncode == 0 and token.stdout.strip() == kuberay_token, token.stdout + token.stderr
     assert "made a new" not in token.stderr
     # forward: the address is said once the dashboard answered through it
-    port = _free_port()
+    port = free_port()
     forward = subprocess.Popen([sys.executable, "-m", "rlhf_tasks.cli", "forward", "fails", "--port", str(port)],
                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -240,13 +241,6 @@ def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, ns, tm
     assert final["jobStatus"] == "SUCCEEDED", final
     log = cluster.cp.kubectl("-n", ns, "logs", "job/by-hand").stdout  # as the header says to follow it
     assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, ns, tmp_path):

@@ -24,6 +24,7 @@ from rlhf_tasks import providers
 from rlhf_tasks.agent.protocol import JOB_STARTS, result_line
 from rlhf_tasks.cli import main
 from rlhf_tasks.errors import StepFailed
+from rlhf_tasks.agent.protocol.ports import free_port
 from rlhf_tasks.providers.kuberay import cluster as kuberay_cluster
 from rlhf_tasks.spec import load_task
 
@@ -477,11 +478,7 @@ def test_an_unconfigured_kubectl_is_said_as_such_not_blamed_on_a_context_flag(re
 
 
 def test_an_unreachable_api_server_is_said_once_naming_the_context_and_server(real_kubectl, tmp_path):
-    import socket
-
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nothing listens on
     server = f"https://127.0.0.1:{port}"
     out = launch_with(real_kubectl, tmp_path, yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "lab",
@@ -573,7 +570,7 @@ def test_forward_that_fails_says_why_and_records_nothing(kube, rlhf_home):
     launched_record(kube, rlhf_home)
     write_status(kube, "kr", jobDeploymentStatus="Running", rayClusterName=CLUSTER)
     with pytest.raises(StepFailed, match=r"forwarding the dashboard of kr: kubectl port-forward exited with code 1: Error from server \(NotFound\)"):
-        providers.get("kuberay").forward("kr", kuberay_cluster.free_port())
+        providers.get("kuberay").forward("kr", free_port())
     record = json.loads((rlhf_home / "clusters" / "kr" / "cluster.json").read_text())
     assert not record.get("dashboard")
 
@@ -617,7 +614,7 @@ def test_the_standins_port_forward_relays_to_the_head_pods_ip(kube):
         data = json.load(handle)
     data["status"]["podIP"] = "127.0.0.1"  # the head pod's address, as the kubelet reports it
     write_pod(kube, data)
-    local = kuberay_cluster.free_port()
+    local = free_port()
     proc = subprocess.Popen(["kubectl", "port-forward", f"svc/{CLUSTER}-head-svc", f"{local}:{remote}"],
                             stdout=subprocess.PIPE, text=True)
     try:

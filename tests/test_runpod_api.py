@@ -287,11 +287,9 @@ def test_retries_are_bounded_and_end_in_a_clear_error(standin, progress):
 
 
 def test_connection_errors_are_retried_then_reported(progress):
-    import socket
+    from rlhf_tasks.agent.protocol.ports import free_port
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     client = RunPodClient(KEY, base_url=f"http://127.0.0.1:{port}/v2", progress=progress.append,
                           max_attempts=3, backoff=0.01)
     with pytest.raises(RunPodUnavailable) as info:

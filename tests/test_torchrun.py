@@ -3,13 +3,13 @@ torchrun with its own rank (no Ray), and `launch` ends with the command's exit c
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import yaml
 
 from conftest import ROOT
+from rlhf_tasks.agent.protocol.ports import free_port
 
 PROGRAM = """
 import sys, torch, torch.distributed as dist
@@ -22,19 +22,13 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def launch_torchrun(tmp_path, env, code: int) -> subprocess.CompletedProcess:
     (tmp_path / "allreduce.py").write_text(PROGRAM)
     task = tmp_path / "gloo.yaml"
     task.write_text(yaml.safe_dump({
         "name": "gloo", "nodes": 2, "resources": {"cpus": 1}, "wait": {"head": "2m"},
         "job": {"recipe": "torchrun", "timeout": "3m",
-                "args": {"script": str(tmp_path / "allreduce.py"), "args": [str(code)], "port": free_port()}}}))
+                "args": {"script": str(tmp_path / "allreduce.py"), "args": [str(code)], "port": free_port(host="")}}}))
     return subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "launch", str(task)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -23,6 +23,7 @@ import urllib.request
 from typing import Dict, List, Optional
 
 from .contract import iface_address, interface_names, interface_of
+from .protocol.ports import free_port
 
 MiB = 1 << 20
 
@@ -264,11 +265,7 @@ class NodeProbe(object):
         return out
 
     def free_port(self) -> int:
-        sock = socket.socket()
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-        sock.close()
-        return port
+        return free_port(host="")
 
     def allreduce(self, backend: str, master: str, port: int, rank: int, world: int, sizes: List[int],
                   budget_s: float, timeout: float) -> dict:

@@ -6,12 +6,13 @@ rewrites 127.0.0.1 to the machine's public address, but not the rest of 127/8), 
 dashboard agent port, and a small object store. Each cluster has its own 127.A.B.0/24,
 taken from its id, so two local clusters never share an address (a service's fixed port,
 like the demo's reward server, would clash). Ray's ports are picked free when the plan
-is made, so a local cluster never collides with another Ray on the machine, and the
-`start-nodes.sh` that `render` prints is the very script `apply` runs. `down` stops
-exactly the processes it started, by process group; it uses the agent's own process-group
-functions (rlhf_tasks.agent.processes), the one implementation of them, rather than a
-copy: the agent stops its children the same way, and this provider runs the agent on
-this very machine.
+is made, below the kernel's ephemeral range (agent/protocol/ports.py), so a local cluster
+never collides with another Ray or server on the machine, and the `start-nodes.sh` that
+`render` prints is the very script `apply` runs. `down` stops exactly the processes it
+started, by process group; it uses the agent's own process-group functions
+(rlhf_tasks.agent.processes), the one implementation of them, rather than a copy: the
+agent stops its children the same way, and this provider runs the agent on this very
+machine.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import os
 import secrets as pysecrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from .. import state
+from ..agent.protocol.ports import free_ports
 from ..agent.processes import group_alive, pid_alive, signal_group
 from ..agent.protocol import AGENT_ENTRY, parse_result
 from ..errors import BadInput, StepFailed
@@ -45,21 +46,6 @@ def node_address(cluster_id: str, rank: int) -> str:
     """This cluster's loopback address for a rank: 127.A.B.(rank+1), A and B from the id."""
     a, b = int(cluster_id[0:2], 16) % 254 + 1, int(cluster_id[2:4], 16)
     return f"127.{a}.{b}.{rank + 1}"
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free on every address, outside Ray's worker range (10002-19999)."""
-    held, ports = [], []
-    while len(ports) < count:
-        sock = socket.socket()
-        sock.bind(("", 0))
-        held.append(sock)
-        port = sock.getsockname()[1]
-        if not 10002 <= port <= 19999:
-            ports.append(port)
-    for sock in held:
-        sock.close()
-    return ports
 
 
 def left_on_its_own(log: Path) -> bool:
@@ -123,7 +109,7 @@ class LocalProvider(Provider):
         """The plan with this cluster's id, free ports and its own temp dir."""
         plan = super().plan(task)
         cluster_id = pysecrets.token_hex(4)
-        gcs, dashboard, client, ready = _free_ports(4)
+        gcs, dashboard, client, ready = free_ports(4, host="")  # free on every address
         # The head ends the cluster when its run is over (unless `launch --keep`), launcher or not.
         return plan.replace(cluster_id=cluster_id, ray={
             "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,

@@ -42,6 +42,7 @@ from .. import state
 from ..agent.protocol import probe_tcp
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
+from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task
 from .base import Cluster, Option, Provider, end_process, hold_forward, require_cli, stop_with_cli
@@ -298,7 +299,7 @@ class SkyProvider(Provider):
             raise StepFailed("sky launch", f"exit code {returncode}")
         self._launched = True
         port = plan.ray.dashboard_port
-        local = port if not _listening(port) else _free_port()
+        local = port if not _listening(port) else free_port()
         state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "dashboard_port": port})
         # SkyPilot's own record of the job: `sky logs NAME` follows the cluster's last job (every node's
         # output, prefixed by SkyPilot) and exits when it ends, with its status as exit code. Kept here: the
@@ -426,12 +427,6 @@ def _listening(port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, chars: int = 600) -> str:

@@ -5,20 +5,14 @@ which carries the head's dashboard to a local port (RunPod's `submit: client` an
 from __future__ import annotations
 
 import atexit
-import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 from ..errors import StepFailed
+from ..agent.protocol.ports import free_port
 from .base import end_process
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ssh_argv(direct: dict, local_port: int, remote_port: int) -> list[str]:
@@ -36,7 +30,7 @@ class SshTunnel:
 
     def __init__(self, direct: dict, remote_port: int, log: Path):
         self.direct, self.remote_port, self.log = direct, remote_port, log
-        self.local_port = _free_port()
+        self.local_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.closed = threading.Event()
         self.lock = threading.Lock()

@@ -13,7 +13,6 @@ import datetime
 import ipaddress
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_tasks.agent.protocol.ports import free_port  # noqa: F401 (noderunner takes it from here)
 from rlhf_tasks.providers.base import end_process  # SIGTERM, SIGKILL after a grace, reaped
 
 HERE = Path(__file__).resolve().parent
@@ -88,12 +88,6 @@ def _building(out: Path) -> bool:
     except BlockingIOError:
         return True
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:

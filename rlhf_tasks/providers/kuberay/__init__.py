@@ -25,6 +25,7 @@ from typing import Any
 from ... import state
 from ...agent.protocol import AgentError, wait_for
 from ...console import say
+from ...agent.protocol.ports import free_port
 from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
@@ -195,7 +196,7 @@ class KubeRayProvider(KubeRayRender):
             old.unlink()
         # The head's dashboard through a forward: `submit: client` submits through it, and for
         # `submit: head` a failed job's bundle is fetched through it before KubeRay deletes the cluster.
-        local = watching.free_port()
+        local = free_port()
         forward = watching.PortForward(kube, f"{cluster}-head-svc", local, plan.ray.dashboard_port,
                                        state.run_dir(plan.name) / self.name / "port-forward.log")
         dashboard = f"http://127.0.0.1:{local}"

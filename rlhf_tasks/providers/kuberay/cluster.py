@@ -13,7 +13,6 @@ container (node-K.log) are followed beside it."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -42,12 +41,6 @@ OUTPUT_LINES = 3
 POD_NOT_CREATED = ("FailedToCreateHeadPod", "FailedToCreateWorkerPod")
 #: The API server's words when PodSecurity admission refuses a pod: no retry of the operator's can pass.
 POD_SECURITY_REFUSAL = "violates PodSecurity"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def container_states(pod: dict) -> dict[str, dict]:

@@ -1,0 +1,56 @@
+"""Ports picked for a server another process starts later (a local cluster's Ray, a forward's
+`ssh -L`) must not be ones the kernel hands out meanwhile: CI once saw a local head's dashboard
+port taken by another test's server in the seconds between the pick and Ray's bind."""
+
+import socket
+
+from rlhf_tasks.agent.protocol import ports
+
+
+def test_ports_are_picked_below_the_kernels_ephemeral_range_and_above_rays_worker_ports():
+    low, _ = ports.ephemeral_range()
+    picked = ports.free_ports(50, host="")
+    assert len(set(picked)) == 50
+    for port in picked:
+        assert ports.PICK_FROM <= port < low, port
+        assert not 10002 <= port <= 19999
+
+
+def test_a_picked_port_can_be_bound_on_every_address():
+    port = ports.free_port(host="")
+    with socket.socket() as sock:
+        sock.bind(("", port))
+
+
+def test_a_port_in_use_is_never_picked():
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        used = taken.getsockname()[1]
+        # Only one port left to pick from besides the taken one.
+        assert ports.free_ports(1, host="", span=(used, used + 2)) == [used + 1]
+
+
+def test_without_room_below_the_ephemeral_range_the_kernel_picks():
+    port = ports.free_port(host="127.0.0.1", span=(20000, 20000))
+    assert port >= ports.ephemeral_range()[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_the_range_read_from_the_kernel():
+    low, high = ports.ephemeral_range()
+    assert 1024 <= low <= high <= 65535
+
+
+def test_a_local_clusters_ray_ports_are_never_ones_the_kernel_hands_out(rlhf_home):
+    from rlhf_tasks import providers
+    from rlhf_tasks.spec import load_task
+    from conftest import ROOT
+
+    low, _ = ports.ephemeral_range()
+    for _ in range(20):
+        plan = providers.get("local").plan(load_task(ROOT / "tasks" / "tiny-grpo.yaml"))
+        picked = [plan.ray.port, plan.ray.dashboard_port, plan.ray.client_server_port, plan.ray.ready_port]
+        assert len(set(picked)) == 4
+        assert all(ports.PICK_FROM <= port < low for port in picked), picked
