@@ -19,8 +19,8 @@ import socket
 from pathlib import Path
 
 #: Ray's default worker ports are 10002-19999: a port of ours there could be taken by a Ray worker.
-RAY_WORKER_PORTS = range(10002, 20000)
-PICK_FROM = RAY_WORKER_PORTS.stop
+WORKER_PORTS = range(10002, 20000)
+PICK_FROM = WORKER_PORTS.stop
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -47,7 +47,7 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
     """`count` distinct ports free on `host` ("": on every address), picked at random from `span`
     (from, to: to not included; default: above Ray's worker ports, below the ephemeral range)."""
     start, stop = span or (PICK_FROM, ephemeral_range()[0])
-    candidates = [port for port in range(start, stop) if port not in RAY_WORKER_PORTS]
+    candidates = [port for port in range(start, stop) if port not in WORKER_PORTS]
     random.shuffle(candidates)
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -60,7 +60,7 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
                 continue
             held.append(sock)  # held until every port is picked, so that none is picked twice
             port = sock.getsockname()[1]
-            if port not in RAY_WORKER_PORTS:
+            if port not in WORKER_PORTS:
                 ports.append(port)
     finally:
         for sock in held:
