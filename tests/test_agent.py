@@ -650,3 +650,43 @@ def test_a_worker_leaves_once_its_head_has_been_gone_for_head_gone_s_not_before(
     finally:
         beacon.close()
         node.ray.stop(grace=1.0)
+
+
+def _fake_ray(tmp_path, raylet_ignores_sigterm: bool = False):
+    """A process group shaped like `ray start --block`'s: a leader that takes its time on SIGTERM
+    (Ray's handler stops its processes one by one), a raylet, and a process that ignores SIGTERM
+    (the GCS and the autoscaler's monitor take about a second each)."""
+    raylet = tmp_path / "raylet"  # its name is what the agent looks for
+    raylet.write_bytes(open(sys.executable, "rb").read())
+    raylet.chmod(0o755)
+    ignore = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    plain = "import time; print('up', flush=True); time.sleep(600)"
+    script = (f"import subprocess, sys, signal, time\n"
+              f"subprocess.Popen([{str(raylet)!r}, '-c', {ignore if raylet_ignores_sigterm else plain!r}])\n"
+              f"subprocess.Popen([sys.executable, '-c', {ignore!r}])\n"
+              f"signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"print('up', flush=True)\n"
+              f"time.sleep(600)\n")
+    log = tmp_path / "ray.log"
+    child = processes.Child("ray", [sys.executable, "-c", script], dict(os.environ), str(log))
+    wait_for("the fake Ray", lambda: (log.read_text().count("up") == 3, "not up"), 30, interval=0.05)
+    assert processes.group_has(child.proc.pid, "raylet")
+    return child
+
+
+def test_a_nodes_ray_is_killed_once_its_raylet_has_left(tmp_path, capsys):
+    """At a node's end SIGTERM lets the raylet leave the cluster (the GCS marks its node dead at once); the
+    rest of Ray is killed then, without waiting out the grace for what takes its time on SIGTERM."""
+    child = _fake_ray(tmp_path)
+    done = threading.Event()
+    threading.Thread(target=lambda: (raynode.stop_ray(child, grace=60.0), done.set()), daemon=True).start()
+    assert done.wait(20), "stop_ray waited for the processes that ignore SIGTERM"
+    wait_for("the killed group to end", lambda: (not processes.group_alive(child.proc.pid), "alive"), 10)
+    assert "killed" not in capsys.readouterr().out
+
+
+def test_a_raylet_that_does_not_leave_is_killed_after_the_grace_and_said(tmp_path, capsys):
+    child = _fake_ray(tmp_path, raylet_ignores_sigterm=True)
+    raynode.stop_ray(child, grace=0.5)
+    wait_for("the killed group to end", lambda: (not processes.group_alive(child.proc.pid), "alive"), 10)
+    assert "ray did not end within 0.5s of SIGTERM: killed" in capsys.readouterr().out

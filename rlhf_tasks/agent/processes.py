@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from .protocol import log
 
@@ -61,10 +61,12 @@ class Child(object):
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = 15.0, enough: Optional[Callable[[], bool]] = None) -> None:
+        """SIGTERM, then SIGKILL after `grace`; once `enough()` holds, what is left is killed at once."""
         if self.alive():
-            if kill_group(self.proc.pid, grace, lambda: self.proc.poll() is not None) and grace:
-                log("%s did not end within %.0fs of SIGTERM: killed" % (self.name, grace))
+            if kill_group(self.proc.pid, grace, enough or (lambda: self.proc.poll() is not None),
+                          whole=enough is None) and grace:
+                log("%s did not end within %gs of SIGTERM: killed" % (self.name, grace))
         else:
             kill_group(self.proc.pid, 0.0, lambda: True)  # leftovers of an exited leader
         if self.pgid_file and os.path.exists(self.pgid_file):
@@ -94,6 +96,26 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def _members(pgid: int) -> Optional[List[str]]:
+    """The command names of process group `pgid`'s running members (zombies left out); None where
+    /proc cannot tell them."""
+    if not os.path.isdir("/proc"):
+        return None
+    names = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as handle:
+                head, tail = handle.read().rsplit(")", 1)
+            fields = tail.split()
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            names.append(head.split("(", 1)[-1])
+    return names
+
+
 def group_alive(pgid: int) -> bool:
     """Whether process group `pgid` has a running member (zombies do not count, where /proc
     tells them apart)."""
@@ -102,19 +124,14 @@ def group_alive(pgid: int) -> bool:
     except OSError as exc:
         if exc.errno != errno.EPERM:
             return False
-    if not os.path.isdir("/proc"):
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry) as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    members = _members(pgid)
+    return members is None or bool(members)
+
+
+def group_has(pgid: int, name: str) -> bool:
+    """Whether process group `pgid` has a running member whose command is `name` (the kernel's
+    15-character comm)."""
+    return name[:15] in (_members(pgid) or [])
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -125,20 +142,21 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def kill_group(pgid: int, grace: float, gone: Callable[[], bool]) -> bool:
-    """SIGTERM the group, wait up to `grace` seconds for `gone()` and the group to end, then SIGKILL it.
-    Whether it had to be killed."""
+def kill_group(pgid: int, grace: float, gone: Callable[[], bool], whole: bool = True) -> bool:
+    """SIGTERM the group, wait up to `grace` seconds for `gone()` (and, when `whole`, for the
+    group to end), then SIGKILL what is left. Whether the grace ran out."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except OSError:
         return False
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not (gone() and not group_alive(pgid)):
+    done = (lambda: gone() and not group_alive(pgid)) if whole else gone
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.1)
+    ran_out = not done()
     if group_alive(pgid):
         signal_group(pgid, signal.SIGKILL)
-        return True
-    return False
+    return ran_out
 
 
 def stop_stale(pgid_file: str) -> None:
