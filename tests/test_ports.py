@@ -54,3 +54,22 @@ def test_a_local_clusters_ray_ports_are_never_ones_the_kernel_hands_out(rlhf_hom
         picked = [plan.ray.port, plan.ray.dashboard_port, plan.ray.client_server_port, plan.ray.ready_port]
         assert len(set(picked)) == 4
         assert all(ports.PICK_FROM <= port < low for port in picked), picked
+
+
+def test_ports_to_avoid_are_never_picked():
+    assert ports.free_ports(1, host="", span=(ports.PICK_FROM, ports.PICK_FROM + 2), avoid=[ports.PICK_FROM]) == \
+        [ports.PICK_FROM + 1]
+
+
+def test_a_local_clusters_ray_ports_avoid_the_ports_its_services_are_ready_on(rlhf_home, monkeypatch):
+    """tiny-grpo's reward server listens on 23080, inside the range Ray's ports are picked from; Ray's GCS
+    listens on every address, so its port must not be that one."""
+    from rlhf_tasks import providers
+    from rlhf_tasks.providers import local
+    from rlhf_tasks.spec import load_task
+    from conftest import ROOT
+
+    asked = []
+    monkeypatch.setattr(local, "free_ports", lambda *a, **kw: asked.append(kw) or ports.free_ports(*a, **kw))
+    providers.get("local").plan(load_task(ROOT / "tasks" / "tiny-grpo.yaml"))
+    assert asked and set(asked[0]["avoid"]) == {23080}

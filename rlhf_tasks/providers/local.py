@@ -25,11 +25,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .. import state
-from ..agent.protocol.ports import free_ports
 from ..agent.processes import group_alive, pid_alive, signal_group
 from ..agent.protocol import AGENT_ENTRY, parse_result
+from ..agent.protocol.ports import free_ports
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
@@ -46,6 +47,20 @@ def node_address(cluster_id: str, rank: int) -> str:
     """This cluster's loopback address for a rank: 127.A.B.(rank+1), A and B from the id."""
     a, b = int(cluster_id[0:2], 16) % 254 + 1, int(cluster_id[2:4], 16)
     return f"127.{a}.{b}.{rank + 1}"
+
+
+def service_ports(plan: Plan) -> set[int]:
+    """The ports the plan's services are said ready on (`ready: {tcp: PORT}`, or an http URL's port)."""
+    ports = set()
+    for service in plan.services:
+        ready = service.ready
+        try:
+            port = getattr(ready, "tcp", None) or (urlsplit(ready.http).port if getattr(ready, "http", None) else None)
+        except ValueError:  # no port in the URL that urllib reads
+            continue
+        if port:
+            ports.add(port)
+    return ports
 
 
 def left_on_its_own(log: Path) -> bool:
@@ -109,7 +124,9 @@ class LocalProvider(Provider):
         """The plan with this cluster's id, free ports and its own temp dir."""
         plan = super().plan(task)
         cluster_id = pysecrets.token_hex(4)
-        gcs, dashboard, client, ready = free_ports(4, host="")  # free on every address
+        # free on every address, and none a service of the task is said ready on (the demo's reward server's
+        # 23080 is in the range they are picked from): Ray's GCS listens on every address
+        gcs, dashboard, client, ready = free_ports(4, host="", avoid=service_ports(plan))
         # The head ends the cluster when its run is over (unless `launch --keep`), launcher or not.
         return plan.replace(cluster_id=cluster_id, ray={
             "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,

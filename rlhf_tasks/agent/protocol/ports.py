@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import socket
 from pathlib import Path
+from typing import Iterable
 
 #: Ray's default worker ports are 10002-19999: a port of ours there could be taken by a Ray worker.
 WORKER_PORTS = range(10002, 20000)
@@ -43,11 +44,14 @@ def _bind(sock: socket.socket, host: str, port: int) -> bool:
     return True
 
 
-def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None = None) -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None = None,
+               avoid: Iterable[int] = ()) -> list[int]:
     """`count` distinct ports free on `host` ("": on every address), picked at random from `span`
-    (from, to: to not included; default: above Ray's worker ports, below the ephemeral range)."""
+    (from, to: to not included; default: above Ray's worker ports, below the ephemeral range),
+    none of `avoid` (ports that something binds later, as a service does)."""
     start, stop = span or (PICK_FROM, ephemeral_range()[0])
-    candidates = [port for port in range(start, stop) if port not in WORKER_PORTS]
+    avoid = set(avoid)
+    candidates = [port for port in range(start, stop) if port not in WORKER_PORTS and port not in avoid]
     random.shuffle(candidates)
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -60,7 +64,7 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
                 continue
             held.append(sock)  # held until every port is picked, so that none is picked twice
             port = sock.getsockname()[1]
-            if port not in WORKER_PORTS:
+            if port not in WORKER_PORTS and port not in avoid:
                 ports.append(port)
     finally:
         for sock in held:
