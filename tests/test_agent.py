@@ -690,3 +690,32 @@ def test_a_raylet_that_does_not_leave_is_killed_after_the_grace_and_said(tmp_pat
     raynode.stop_ray(child, grace=0.5)
     wait_for("the killed group to end", lambda: (not processes.group_alive(child.proc.pid), "alive"), 10)
     assert "ray did not end within 0.5s of SIGTERM: killed" in capsys.readouterr().out
+
+
+def test_an_answer_that_breaks_off_is_an_oserror_with_a_reason():
+    """A dashboard that dies while it sends a file (the head's Ray ending under a launcher's gather) breaks
+    its chunked answer off: the callers handle OSError, not http.client's IncompleteRead."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly part of it")
+        conn.close()
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        with pytest.raises(OSError, match="broke off"):
+            protocol.http_request("http://127.0.0.1:%d/api/v0/logs/file" % server.getsockname()[1])
+    finally:
+        server.close()
+
+
+def test_a_ray_the_agent_did_not_start_is_left_running_at_its_end():
+    """KubeRay starts Ray itself, and the agent stands beside it (attached.StartedRay): at the node's end the
+    agent stops what it started, which is not that Ray."""
+    from rlhf_tasks.agent.attached import StartedRay
+
+    with socket.create_server(("127.0.0.1", 0)) as gcs:
+        ray = StartedRay("127.0.0.1", gcs.getsockname()[1])
+        raynode.stop_ray(ray)
+        assert ray.alive()

@@ -53,7 +53,7 @@ class StartedRay(object):
     def tail(self, lines: int = 20) -> str:
         return "the Ray GCS on %s:%s stopped answering" % (self.host, self.port)
 
-    def stop(self, grace: float = 0.0) -> None:
+    def stop(self, grace: float = 0.0, enough=None) -> None:
         """Not ours to stop."""
 
 

@@ -9,6 +9,7 @@ submission ids, the job's command line, and running preflight on a running clust
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -139,6 +140,8 @@ def http_request(url: str, method: str = "GET", body=None, headers: Optional[dic
         raise OSError("no answer from %s (%s)" % (url, reason))
     except socket.timeout:
         raise OSError("request to %s timed out" % url)
+    except http.client.HTTPException as exc:  # the server went away while it answered
+        raise OSError("the answer from %s broke off (%s)" % (url, type(exc).__name__))
 
 
 def http_check(url: str, method: str = "GET", body=None, headers: Optional[dict] = None) -> Tuple[bool, object]:
