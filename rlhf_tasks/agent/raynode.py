@@ -50,11 +50,9 @@ RAY_STOP_S = 5.0
 
 
 def stop_ray(ray: Child, grace: float = RAY_STOP_S) -> None:
-    """End a node's `ray start --block`: SIGTERM lets the raylet leave the cluster (the GCS marks its
-    node dead at once, where a killed raylet is found only by missed health checks); the rest of Ray
-    is killed as soon as it has. Waiting for all of it would cost about 3 s at every node's end: on
-    SIGTERM `ray start` stops its processes one by one, and the GCS and the autoscaler's monitor each
-    take their second (Ray 2.60's node.py), for nothing a node that goes away needs."""
+    """SIGTERM lets the raylet leave the cluster (a killed one is found only by missed health
+    checks); the rest of Ray is killed once it has, not waited for (its GCS and monitor take a
+    second each, one after the other: 3 s at every node's end)."""
     ray.stop(grace, enough=lambda: not group_has(ray.proc.pid, "raylet"))
 
 

@@ -1,15 +1,7 @@
-"""Free ports for servers that another process binds later: a local cluster's Ray, a forward's
-`ssh -L` or `kubectl port-forward`.
-
-A port the kernel picked (bind to port 0) and that we let go is soon handed out again: the
-kernel picks every process's port 0 binds and every outgoing connection's port from its
-ephemeral range, and a Ray cluster alone binds dozens of them. CI saw a local head's
-dashboard port taken by another test's server in the seconds between our pick and Ray's bind.
-So ports are picked at random below that range (and above Ray's worker ports), where the
-kernel never picks, each checked by binding it; only where there is no room there does the
-kernel pick.
-
-Standard library only, Python >= 3.8 (the probe picks its all_reduce's port on the nodes).
+"""Free ports for servers another process binds later (a local cluster's Ray, a forward, the
+probe's all_reduce), picked at random below the kernel's ephemeral range, where it never picks
+a port itself: one it picked and we let go was taken by another server before Ray bound it.
+Standard library only, Python >= 3.8.
 """
 
 from __future__ import annotations
