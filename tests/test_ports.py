@@ -73,3 +73,20 @@ def test_a_local_clusters_ray_ports_avoid_the_ports_its_services_are_ready_on(rl
     monkeypatch.setattr(local, "free_ports", lambda *a, **kw: asked.append(kw) or ports.free_ports(*a, **kw))
     providers.get("local").plan(load_task(ROOT / "tasks" / "tiny-grpo.yaml"))
     assert asked and set(asked[0]["avoid"]) == {23080}
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound():
+    """An API server's port picked, then its etcd's two: none of them may be the same, though the first is not
+    bound yet when the others are picked."""
+    span = (ports.PICK_FROM + 100, ports.PICK_FROM + 120)
+    picked = [ports.free_port(host="", span=span) for _ in range(20)]
+    assert len(set(picked)) == 20, picked
+
+
+def test_seeding_random_does_not_make_two_processes_pick_alike():
+    import random
+
+    random.seed(7)
+    first = ports.free_ports(5, host="")
+    random.seed(7)
+    assert ports.free_ports(5, host="") != first

@@ -15,6 +15,8 @@ from typing import Iterable
 WORKER_PORTS = range(10002, 20000)
 PICK_FROM = WORKER_PORTS.stop
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_GIVEN = set()  # type: set  (handed out by this process, maybe not bound yet: never again)
+_RANDOM = random.SystemRandom()  # not `random`, which a job may seed
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -42,9 +44,9 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
     (from, to: to not included; default: above Ray's worker ports, below the ephemeral range),
     none of `avoid` (ports that something binds later, as a service does)."""
     start, stop = span or (PICK_FROM, ephemeral_range()[0])
-    avoid = set(avoid)
+    avoid = set(avoid) | _GIVEN
     candidates = [port for port in range(start, stop) if port not in WORKER_PORTS and port not in avoid]
-    random.shuffle(candidates)
+    _RANDOM.shuffle(candidates)
     held: list[socket.socket] = []
     ports: list[int] = []
     try:
@@ -61,6 +63,7 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
     finally:
         for sock in held:
             sock.close()
+    _GIVEN.update(ports)
     return ports
 
 
