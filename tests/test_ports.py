@@ -4,6 +4,8 @@ port taken by another test's server in the seconds between the pick and Ray's bi
 
 import socket
 
+import pytest
+
 from rlhf_tasks.agent.protocol import ports
 
 
@@ -90,3 +92,15 @@ def test_seeding_random_does_not_make_two_processes_pick_alike():
     first = ports.free_ports(5, host="")
     random.seed(7)
     assert ports.free_ports(5, host="") != first
+
+
+def test_the_picker_travels_to_a_ray_actor_by_value():
+    """The preflight probe, a Ray actor, picks its all_reduce port on its node; Ray pickles the agent's modules
+    by value there, globals and all (CI: "NotImplementedError: System entropy source does not have state")."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    cloudpickle.register_pickle_by_value(ports)
+    try:
+        again = cloudpickle.loads(cloudpickle.dumps(ports.free_port))
+    finally:
+        cloudpickle.unregister_pickle_by_value(ports)
+    assert ports.PICK_FROM <= again(host="") < ports.ephemeral_range()[0]

@@ -16,7 +16,6 @@ WORKER_PORTS = range(10002, 20000)
 PICK_FROM = WORKER_PORTS.stop
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _GIVEN = set()  # type: set  (handed out by this process, maybe not bound yet: never again)
-_RANDOM = random.SystemRandom()  # not `random`, which a job may seed
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -46,7 +45,7 @@ def free_ports(count: int, host: str = "127.0.0.1", span: tuple[int, int] | None
     start, stop = span or (PICK_FROM, ephemeral_range()[0])
     avoid = set(avoid) | _GIVEN
     candidates = [port for port in range(start, stop) if port not in WORKER_PORTS and port not in avoid]
-    _RANDOM.shuffle(candidates)
+    random.SystemRandom().shuffle(candidates)  # not `random`, which a job may seed (and a SystemRandom does not pickle)
     held: list[socket.socket] = []
     ports: list[int] = []
     try:

@@ -24,8 +24,8 @@ from typing import Any
 
 from ... import state
 from ...agent.protocol import AgentError, wait_for
-from ...console import say
 from ...agent.protocol.ports import free_port
+from ...console import say
 from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
