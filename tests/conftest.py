@@ -150,12 +150,17 @@ def run_order(item) -> int:
     """The longest first, so that the workers end together: the Kubernetes tests (on a cold
     cache they wait for their build while the other workers go on), then the other session-wide
     groups (the dstack server's), then the other cluster tests, then the fast tier (short tests that
-    even out the workers' ends). Python's sort is stable: each keeps the collection's order."""
+    even out the workers' ends), and last a test marked `alone`: by then the other worker is in the
+    fast tier, which takes no lock, so no worker idles while it runs (in the middle of the run the
+    other worker waited on the lock for as long as it ran). Python's sort is stable: each keeps the
+    collection's order."""
     group = xdist_group(item) or ""
     if group == "kube":
         return 0
     if group.startswith("session-"):
         return 1
+    if item.get_closest_marker("alone") is not None and not group:
+        return 4
     return 2 if item.get_closest_marker(CLUSTER) else 3
 
 

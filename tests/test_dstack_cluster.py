@@ -87,7 +87,7 @@ def _fleet_instances(bed, name):
 
 
 @pytest.fixture(scope="session")
-def dstack_fleet(dstack_bed, tmp_path_factory):
+def session_fleet(dstack_bed, tmp_path_factory):
     """The project's rendered fleet for tiny-grpo with the bed's two hosts as its SSH fleet
     (`placement.dstack.ssh`, as an on-prem user writes it), applied as rendered with the real CLI and
     provisioned by the real server (its own SSH steps, our shim downloaded from the bed). Shared by the tests;
@@ -117,6 +117,24 @@ def dstack_fleet(dstack_bed, tmp_path_factory):
     print(f"fleet {name} provisioned in {time.monotonic() - started:.0f} s: {got}")
     bed.fleet_file = work / "tiny-grpo-fleet.dstack.yml"  # for a test that deletes the fleet to put it back
     return name
+
+
+@pytest.fixture
+def dstack_fleet(dstack_bed, session_fleet):
+    """The session's fleet, there and idle: put back first when a test before deleted it."""
+    _put_the_session_fleet_back(dstack_bed, session_fleet)
+    return session_fleet
+
+
+@pytest.fixture
+def no_session_fleet(dstack_bed, session_fleet):
+    """For a test whose `launch` applies the fleet itself: the session's fleet deleted, unless a test before left
+    it so (the next test that needs it puts it back: two such tests in a row provision it once, not twice)."""
+    bed = dstack_bed
+    if not _fleet_gone(bed, session_fleet):
+        bed.cli("fleet", "delete", session_fleet, "-y", timeout=120)
+        wait_for(lambda: _fleet_gone(bed, session_fleet), 120, f"the session's fleet {session_fleet} deleted", 2)
+    return session_fleet
 
 
 def test_fleet_is_provisioned_by_the_server_over_ssh(dstack_bed, dstack_fleet):
@@ -333,14 +351,12 @@ def _run_processes(bed, h) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip() and not any(k in line for k in keep)]
 
 
-def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, dstack_fleet, tmp_path):
+def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, no_session_fleet, tmp_path):
     """`status` while tiny-grpo runs says so; `down` (`dstack stop`, then `dstack fleet delete` of the fleet `launch`
     applied) ends the run in dstack, deletes that fleet and leaves no process of the run on the hosts (the shim
     tears the job down as a container's end would). The task's fleet is its own SSH hosts (placement.dstack.ssh),
-    which `launch` applies: the session's fleet, deleted for this test, is put back after it."""
+    which `launch` applies: the session's fleet, deleted for this test, is put back by the next test that needs it."""
     bed = dstack_bed
-    bed.cli("fleet", "delete", dstack_fleet, "-y", timeout=120)
-    wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, f"the session's fleet {dstack_fleet} deleted", 2)
     task = tiny_grpo(tmp_path, steps=100000, placement={"dstack": {"ssh": bed.ssh_config()}})
     launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
     try:
@@ -355,14 +371,50 @@ def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_b
         run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
         assert run["status"] == "terminated", _why(bed, run, tmp_path)
         assert "Fleet tiny-grpo-fleet deleted" in down.output or "deleted" in down.output, down.output
-        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 60, "the fleet launch applied to be gone after `down`", 2)
+        wait_for(lambda: _fleet_gone(bed, no_session_fleet), 60, "the fleet launch applied to be gone after `down`", 2)
         for h in bed.tb.hosts:
             wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
         launch.wait(120)
     finally:
         if launch.running():
             launch.kill()
-        _put_the_session_fleet_back(bed, dstack_fleet)
+
+
+def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch_applied(dstack_bed, no_session_fleet,
+                                                                                          tmp_path):
+    """The task's fleet is its own SSH hosts (placement.dstack.ssh) and not there yet: `launch` applies it, then the
+    task. Ctrl-C (the terminal's) once the run is submitted, before the job's command runs: launch exits 130 and
+    nothing is left: the run stopped, the fleet launch applied deleted (the session's fleet, deleted for this test,
+    is put back by the next test that needs it)."""
+    bed = dstack_bed
+    task = tiny_grpo(tmp_path, steps=10, placement={"dstack": {"ssh": bed.ssh_config()}})
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    started = time.monotonic()
+    try:
+        def submitted():
+            runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": True, "include_jobs": False})
+            return any(r["run_spec"]["run_name"] == "tiny-grpo" for r in runs) or not launch.running()
+        wait_for(submitted, 300, "launch to apply its fleet and submit the run", 1)
+        assert launch.running(), launch.output[-4000:]
+        assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
+        assert "the command runs" not in launch.output  # not started yet
+        launch.kill(signal.SIGINT)
+        assert launch.wait(240) == 130, launch.output[-4000:]
+        out = launch.output
+        print(out[out.rindex("interrupted"):])
+        assert "interrupted before the job's command started: stopping the cluster tiny-grpo" in out, out[-3000:]
+        assert "the job of tiny-grpo did not run" in out, out[-3000:]
+        run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
+        assert run["status"] == "terminated", _why(bed, run, tmp_path)
+        gone = time.monotonic()  # `dstack fleet delete` said "deleted"; the server removes it in the background
+        wait_for(lambda: _fleet_gone(bed, no_session_fleet), 120, "the fleet launch applied to be gone", 2)
+        print(f"the fleet was gone {time.monotonic() - gone:.0f} s after `down` said it was deleted")
+        for h in bed.tb.hosts:
+            wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
+        print(f"Ctrl-C before the start: {time.monotonic() - started:.0f} s")
+    finally:
+        if launch.running():
+            launch.kill()
 
 
 def _put_the_session_fleet_back(bed, name) -> None:
@@ -439,46 +491,6 @@ def test_ctrl_c_after_the_jobs_start_then_forward_bundle_and_stop_as_it_says(dst
 def _fleet_gone(bed, name) -> bool:
     fleets = bed.api("/api/project/main/fleets/list", {})  # the project's fleets, a deleted one gone from it
     return not [f for f in fleets if f["name"] == name]
-
-
-def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch_applied(dstack_bed, dstack_fleet,
-                                                                                          tmp_path):
-    """The task's fleet is its own SSH hosts (placement.dstack.ssh) and not there yet: `launch` applies it, then the
-    task. Ctrl-C (the terminal's) once the run is submitted, before the job's command runs: launch exits 130 and
-    nothing is left: the run stopped, the fleet launch applied deleted (the session's fleet, deleted for this test,
-    is put back after it)."""
-    bed = dstack_bed
-    bed.cli("fleet", "delete", dstack_fleet, "-y", timeout=120)
-    wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, f"the session's fleet {dstack_fleet} deleted", 2)
-    task = tiny_grpo(tmp_path, steps=10, placement={"dstack": {"ssh": bed.ssh_config()}})
-    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
-    started = time.monotonic()
-    try:
-        def submitted():
-            runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": True, "include_jobs": False})
-            return any(r["run_spec"]["run_name"] == "tiny-grpo" for r in runs) or not launch.running()
-        wait_for(submitted, 300, "launch to apply its fleet and submit the run", 1)
-        assert launch.running(), launch.output[-4000:]
-        assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
-        assert "the command runs" not in launch.output  # not started yet
-        launch.kill(signal.SIGINT)
-        assert launch.wait(240) == 130, launch.output[-4000:]
-        out = launch.output
-        print(out[out.rindex("interrupted"):])
-        assert "interrupted before the job's command started: stopping the cluster tiny-grpo" in out, out[-3000:]
-        assert "the job of tiny-grpo did not run" in out, out[-3000:]
-        run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
-        assert run["status"] == "terminated", _why(bed, run, tmp_path)
-        gone = time.monotonic()  # `dstack fleet delete` said "deleted"; the server removes it in the background
-        wait_for(lambda: _fleet_gone(bed, dstack_fleet), 120, "the fleet launch applied to be gone", 2)
-        print(f"the fleet was gone {time.monotonic() - gone:.0f} s after `down` said it was deleted")
-        for h in bed.tb.hosts:
-            wait_for(lambda: not _run_processes(bed, h), 60, f"the run's processes on {h.name} to be gone")
-        print(f"Ctrl-C before the start: {time.monotonic() - started:.0f} s")
-    finally:
-        if launch.running():
-            launch.kill()
-        _put_the_session_fleet_back(bed, dstack_fleet)
 
 
 def _job_host(run: dict, num: int) -> str:

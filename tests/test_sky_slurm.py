@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "tests" / "sky"))
 import slurm_infra  # noqa: E402  (tests/sky has no __init__: a package named sky would hide SkyPilot's)
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-slurm = stmod.make_slurm_fixture(2, real_memory_mb=8192)
 
 
 def plain(text: str) -> str:
@@ -33,29 +32,24 @@ def plain(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def sky_slurm(slurm, tmp_path_factory):
-    pytest.importorskip("sky")
-    started = time.monotonic()
-    cache = slurm_infra.prepare()
-    infra = slurm_infra.SkySlurm(slurm, tmp_path_factory.mktemp("skyslurm"), cache)
-    infra.prepare_s = time.monotonic() - started
-    yield infra
-    infra.close()
-
-
-def _three_nodes(tmp_path_factory):
+@starts_cluster
+def sky_slurm(tmp_path_factory):
+    """Three Slurm nodes (tiny-grpo's num_nodes), the site's Python active on them, SkyPilot's API
+    server started and Slurm enabled by one `sky check slurm` (SkyPilot keeps it in its state: the
+    launches need no check of their own). One setting for the module: each takes a minute to make."""
     reason = tbmod.require_root() or stmod.slurm_missing()
     if reason:
         if tbmod.in_ci():
             pytest.fail(f"required in CI: {reason}")
         pytest.skip(reason)
     pytest.importorskip("sky")
-    base = tmp_path_factory.mktemp("skyslurm3-")
+    base = tmp_path_factory.mktemp("skyslurm-")
     tb = tbmod.Testbed(3, base / "testbed", shared=[tmp_path_factory.getbasetemp()])
     cluster = infra = None
     try:
         cluster = stmod.SlurmCluster(tb, base / "slurm", real_memory_mb=8192)
         infra = slurm_infra.SkySlurm(cluster, base / "sky", slurm_infra.prepare(), site_python=True)
+        infra.sky("check", "slurm", timeout=240, check=True)
         yield infra
     finally:
         if infra is not None:
@@ -91,7 +85,6 @@ def test_sky_launch_runs_setup_and_run_on_two_slurm_nodes(sky_slurm):
         "run: |\n"
         "  echo RUN rank=$SKYPILOT_NODE_RANK host=$(hostname) ips=$(echo $SKYPILOT_NODE_IPS)"
         " omp=${OMP_NUM_THREADS-unset} pwd=$PWD\n")
-    sky_slurm.sky("check", "slurm", timeout=240, check=True)
     started = time.monotonic()
     launch = sky_slurm.sky("launch", "-c", "t1", "t1.yaml", "--infra", "slurm", "-y", timeout=600)
     launch_s = time.monotonic() - started
@@ -124,18 +117,11 @@ def test_sky_launch_runs_setup_and_run_on_two_slurm_nodes(sky_slurm):
 TOKEN = "sky-slurm-test-token-0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
-@starts_cluster
-def sky_slurm3(tmp_path_factory):
-    """Three Slurm nodes (tiny-grpo's num_nodes), the site's Python active on them."""
-    yield from _three_nodes(tmp_path_factory)
-
-
-def test_rendered_tiny_grpo_through_sky_launch_infra_slurm(sky_slurm3, tmp_path):
+def test_rendered_tiny_grpo_through_sky_launch_infra_slurm(sky_slurm, tmp_path):
     """`rlhf-tasks render tasks/tiny-grpo.yaml --provider sky`, then, from the rendered file's
     directory, `sky launch -c tiny-grpo tiny-grpo.sky.yaml --infra slurm --secret RAY_AUTH_TOKEN`."""
     import yaml
-    infra = sky_slurm3
+    infra = sky_slurm
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["job"]["args"].update(steps=4, save_every=10)
     task["checkpoints"]["path"] = str(tmp_path / "ckpt")  # shared by the nodes, never the machine's /
@@ -147,7 +133,6 @@ def test_rendered_tiny_grpo_through_sky_launch_infra_slurm(sky_slurm3, tmp_path)
                                        "-o", str(render_dir / "tiny-grpo.sky.yaml")],
                      env=infra.env(), timeout=120, background=False)
     assert r.returncode == 0, r.output
-    infra.sky("check", "slurm", timeout=240, check=True)
     started = time.monotonic()
     launch = infra.sky("launch", "-c", "tiny-grpo", "tiny-grpo.sky.yaml", "--infra", "slurm",
                        "--secret", "RAY_AUTH_TOKEN", "-y", timeout=600, cwd=render_dir,
@@ -202,15 +187,14 @@ def tiny_grpo(tmp_path, **changes) -> Path:
     return src
 
 
-def test_rlhf_tasks_launch_provider_sky_on_slurm(sky_slurm3, tmp_path):
+def test_rlhf_tasks_launch_provider_sky_on_slurm(sky_slurm, tmp_path):
     """`rlhf-tasks launch tiny-grpo.yaml --provider sky --keep` on SkyPilot's Slurm infra: `sky launch
     --detach-run` of the render (placement.backends [slurm] is SkyPilot's `cloud: slurm`), the head's
     dashboard through `ssh -L` over the ssh config SkyPilot writes for the cluster, the job followed to
     SUCCEEDED with every step once; then `status`, `forward`, `logs --bundle` and `down` (nothing left
     in squeue)."""
-    infra = sky_slurm3
+    infra = sky_slurm
     src = tiny_grpo(tmp_path)
-    infra.sky("check", "slurm", timeout=240, check=True)
     try:
         _launch_follow_and_down(infra, src)
     except BaseException:
@@ -259,13 +243,13 @@ def _launch_follow_and_down(infra, src):
     assert "No existing clusters." in plain(infra.sky("status", timeout=120, check=True).output)
 
 
-def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_path):
+def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm, tmp_path):
     """A node whose `run` exits non-zero, launched with `rlhf-tasks launch --provider sky` on the Slurm
     infra: SkyPilot's job is FAILED (`sky queue`), the launcher's summary names the node and its first
     error, `logs --bundle` gathers every node's logs with the task's secret scrubbed; `down` leaves no
     Slurm job."""
     import yaml
-    infra = sky_slurm3
+    infra = sky_slurm
     secret = "sky-fail-secret-value-42"
     task = {"name": "sky-fail", "nodes": 2, "preflight": False, "resources": {"cpus": 1},
             "secrets": ["FAIL_SECRET"], "setup": ["echo setup sees secret=$FAIL_SECRET"], "checkpoints": {"path": str(tmp_path / "ckpt")},
@@ -312,12 +296,12 @@ def test_a_failing_node_through_rlhf_tasks_launch_provider_sky(sky_slurm3, tmp_p
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
 
 
-def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slurm3, tmp_path):
+def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slurm, tmp_path):
     """job.working_dir (submit: head) through `rlhf-tasks launch --provider sky`: SkyPilot's `workdir` rsyncs it to
     the cluster's ~/sky_workdir (leaving out what its .gitignore names) and the head submits the job from there:
     the job imports the module it holds and reads its file (issue 39, item 1; as dstack's and Ray's providers)."""
     import yaml
-    infra = sky_slurm3
+    infra = sky_slurm
     src = tmp_path / "src"
     src.mkdir()
     (src / "reward_fn.py").write_text("def score(x):\n    return 1.5\n")
@@ -350,7 +334,7 @@ def test_the_tasks_working_dir_reaches_the_job_through_skypilots_workdir(sky_slu
     tbmod.poll(lambda: not node_sh(infra, "squeue -h -o '%j'").strip(), 120, "SkyPilot's Slurm job to end")
 
 
-def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3, tmp_path):
+def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm, tmp_path):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it: the launcher and its `sky launch`)
     while SkyPilot is still provisioning on Slurm (its sbatch job is in squeue, `sky launch` has not returned):
     SkyPilot's API server goes on with the launch, so the launcher `sky down`s the cluster, says so, and exits 130
@@ -358,13 +342,12 @@ def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3,
     import signal
 
     import yaml
-    infra = sky_slurm3
+    infra = sky_slurm
     task = {"name": "cc", "nodes": 1, "preflight": False, "resources": {"cpus": 1},
             "checkpoints": {"path": str(tmp_path / "ckpt")}, "placement": {"backends": ["slurm"]},
             "job": {"recipe": "command", "submit": "head", "working_dir": None, "timeout": "3m",
                     "max_restarts": 0, "args": {"entrypoint": "python3 -c 'print(1)'"}}}
     (tmp_path / "cc.yaml").write_text(yaml.safe_dump(task))
-    infra.sky("check", "slurm", timeout=240, check=True)
     started = time.monotonic()
     launch = rt(infra, "launch", str(tmp_path / "cc.yaml"), "--provider", "sky", timeout=0,
                 env=infra.env(RAY_AUTH_TOKEN=TOKEN))
@@ -393,13 +376,13 @@ def test_ctrl_c_during_sky_launch_leaves_no_cluster_and_no_slurm_job(sky_slurm3,
     assert re.search(rf"^{request}\S*\s+\S+\s+sky\.launch\s.*\s(CANCELLED|FAILED)\s*$", api, re.M), api
 
 
-def test_managed_job_through_the_jobs_controller_in_the_api_server(sky_slurm3, tmp_path):
+def test_managed_job_through_the_jobs_controller_in_the_api_server(sky_slurm, tmp_path):
     """`rlhf-tasks launch --provider sky --managed` (`sky jobs launch`) with SkyPilot's jobs controller in
     consolidation mode (`jobs.controller.consolidation_mode: true`: the controller runs inside the local API
     server, no controller cluster): the job's cluster is launched on the Slurm infra, the managed job SUCCEEDS
     (`sky jobs queue`) and its cluster is gone after (squeue empty) (issue 39, managed)."""
     import yaml
-    infra = sky_slurm3
+    infra = sky_slurm
     config = infra.laptop_home / ".sky" / "config.yaml"
     config.parent.mkdir(exist_ok=True)
     config.write_text(yaml.safe_dump({"jobs": {"controller": {"consolidation_mode": True}}}))

@@ -256,6 +256,37 @@ def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(i
     assert (tmp_path / "beside-alone").read_text() == "" and (tmp_path / "beside-cluster").read_text() == ""
 
 
+def test_a_test_marked_alone_runs_last_after_the_fast_tier(inner, tmp_path, monkeypatch):
+    """An `alone` test holds every other cluster test back while it runs; dispatched last, after the fast
+    tier (which takes no lock), it keeps no worker waiting. (One worker here, so the order is known.)"""
+    flags = make_test_flags()
+    flags[flags.index("-n") + 1] = "1"
+    record = tmp_path / "ran"
+    monkeypatch.setenv("RAN", str(record))
+    inner.makepyfile(test_x="""
+        import os
+        import pytest
+
+        def ran(what):
+            with open(os.environ["RAN"], "a") as f:
+                f.write(what + "\\n")
+
+        @pytest.mark.cluster
+        @pytest.mark.alone
+        def test_alone():
+            ran("alone")
+
+        def test_fast():
+            ran("fast")
+
+        @pytest.mark.cluster
+        def test_cluster():
+            ran("cluster")
+    """)
+    inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=3)
+    assert record.read_text().split() == ["cluster", "fast", "alone"]
+
+
 def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessions_end(inner, tmp_path, monkeypatch):
     """In `make test`'s workers the Kubernetes control plane and the dstack server (session-wide fixtures that
     start a cluster) end once their group's tests are done, what depends on them first, so that their polling
