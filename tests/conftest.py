@@ -14,6 +14,7 @@ subprocess the guard cannot see into: give such a test `cli_env`, as the local o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -213,12 +214,18 @@ def pytest_runtest_protocol(item):
                 out.write(f"{worker}\t{began:.1f}\t{time.time():.1f}\t{item.nodeid}\n")
 
 
+#: Cluster tests that run at once, however many workers `make test` has: what they do at once (Ray on every host,
+#: its daemons, the servers) fills 2 cores. A test marked `waits` takes no slot: most of its time is a server's fixed
+#: intervals (dstack's), so a third worker runs it beside two others.
+CLUSTER_SLOTS = 2
+
+
 @pytest.fixture(autouse=True)
 def _side_by_side(request, tmp_path_factory):
-    """`make test`'s workers run cluster tests side by side, sharing 2 cores; a test marked `alone`
-    (it bounds how fast something happens, e.g. a silent node declared dead within 18 s) runs with no
-    other cluster test beside it: it takes the workers' lock exclusively, every other cluster test
-    shares it. The fast tier takes no lock."""
+    """`make test`'s workers run cluster tests side by side, sharing 2 cores: at most `CLUSTER_SLOTS` at once,
+    and beside them those marked `waits`. A test marked `alone` (it bounds how fast something happens, e.g. a
+    silent node declared dead within 18 s) runs with no other cluster test beside it: it takes the workers'
+    lock exclusively, every other cluster test shares it. The fast tier takes no lock."""
     item = request.node
     if item.get_closest_marker(CLUSTER) is None or not hasattr(request.config, "workerinput"):
         yield
@@ -227,9 +234,38 @@ def _side_by_side(request, tmp_path_factory):
 
     alone = item.get_closest_marker("alone") is not None
     # every worker's basetemp is popen-gwN in the run's own directory
-    with open(tmp_path_factory.getbasetemp().parent / "cluster-tests.lock", "a") as lock:
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / "cluster-tests.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone or item.get_closest_marker("waits") is not None:
+            yield
+            return
+        with _cluster_slot(shared):
+            yield
+
+
+@contextlib.contextmanager
+def _cluster_slot(shared: Path):
+    """One of the `CLUSTER_SLOTS` lock files, held while the test runs; polled, since one flock cannot wait for
+    whichever of several is free first."""
+    import fcntl
+
+    slots = [open(shared / f"cluster-slot-{i}.lock", "a") for i in range(CLUSTER_SLOTS)]
+    try:
+        while not any(_try_lock(f, fcntl) for f in slots):
+            time.sleep(0.2)
         yield
+    finally:
+        for f in slots:
+            f.close()
+
+
+def _try_lock(f, fcntl) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 @pytest.fixture

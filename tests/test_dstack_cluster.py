@@ -16,7 +16,9 @@ import yaml
 import testbed as tbmod
 from conftest import ROOT
 
-pytestmark = pytest.mark.cluster
+# Most of each test is dstack's own pipeline, which moves a run on at fixed intervals (4-15 s a step) and fails a lost
+# node's job after a fixed 2 minutes: a third worker runs these beside two other cluster tests (conftest.CLUSTER_SLOTS).
+pytestmark = [pytest.mark.cluster, pytest.mark.waits]
 
 
 def wait_for(fn, timeout, what, interval=1.0):

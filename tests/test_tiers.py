@@ -256,6 +256,47 @@ def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(i
     assert (tmp_path / "beside-alone").read_text() == "" and (tmp_path / "beside-cluster").read_text() == ""
 
 
+def test_at_most_two_cluster_tests_run_at_once_and_one_that_waits_runs_beside_them(inner, tmp_path, monkeypatch):
+    """Whatever the workers (four here), two cluster tests hold the two slots and a third waits for one (2 cores),
+    while a test marked `waits` runs beside both."""
+    flags = make_test_flags()
+    flags[flags.index("-n") + 1] = "4"
+    monkeypatch.setenv("SEEN", str(tmp_path))
+    inner.makepyfile(test_x="""
+        import os
+        import time
+        from pathlib import Path
+        import pytest
+
+        def hold(me, seconds):
+            # running for a while; records the most cluster tests (and tests of any kind) seen running at once
+            seen = Path(os.environ["SEEN"])
+            (seen / f"running-{me}").touch()
+            most = [0, 0]
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                running = [p.name for p in seen.glob("running-*")]
+                most = [max(most[0], sum(not n.endswith("waits") for n in running)), max(most[1], len(running))]
+                time.sleep(0.05)
+            (seen / f"running-{me}").unlink()
+            (seen / f"most-{me}").write_text(" ".join(map(str, most)))
+
+        @pytest.mark.cluster
+        @pytest.mark.waits
+        def test_waits():
+            hold("waits", 4)
+
+        @pytest.mark.cluster
+        @pytest.mark.parametrize("i", range(3))
+        def test_cluster(i):
+            hold(f"c{i}", 1.5)
+    """)
+    inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=4)
+    most = {p.name[5:]: [int(n) for n in p.read_text().split()] for p in tmp_path.glob("most-*")}
+    assert max(m[0] for m in most.values()) == 2, most  # never three cluster tests at once
+    assert most["waits"][1] == 3, most  # the waiting one ran beside two others
+
+
 def test_a_test_marked_alone_runs_last_after_the_fast_tier(inner, tmp_path, monkeypatch):
     """An `alone` test holds every other cluster test back while it runs; dispatched last, after the fast
     tier (which takes no lock), it keeps no worker waiting. (One worker here, so the order is known.)"""
