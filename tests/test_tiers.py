@@ -5,6 +5,8 @@ in a pytest of its own (a subprocess: the guard is an audit hook, one per proces
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import ROOT
@@ -27,6 +29,16 @@ def make_test_flags() -> list[str]:
     """`make test`'s pytest-xdist flags, as the Makefile gives them (PYTEST_WORKERS)."""
     return next(line.split(":=", 1)[1].split() for line in (ROOT / "Makefile").read_text().splitlines()
                 if line.startswith("PYTEST_WORKERS"))
+
+
+def one_worker(tmp_path, monkeypatch) -> tuple[list[str], Path]:
+    """`make test`'s flags with one worker, so that the order is known, and the file where the inner tests say
+    what ran (their environment's RAN)."""
+    flags = make_test_flags()
+    flags[flags.index("-n") + 1] = "1"
+    record = tmp_path / "ran"
+    monkeypatch.setenv("RAN", str(record))
+    return flags, record
 
 
 def test_fixtures_that_start_a_cluster_mark_their_tests_even_through_another_fixture(inner):
@@ -221,7 +233,7 @@ def test_make_tests_workers_keep_each_group_together_the_kubernetes_tests_first(
 
 
 def test_a_cluster_test_marked_alone_runs_with_no_other_cluster_test_beside_it(inner, tmp_path, monkeypatch):
-    """Two workers start together: an `alone` test and another cluster test never overlap (the workers'
+    """The workers start together: an `alone` test and another cluster test never overlap (the workers'
     lock), while two fast tests do not wait for each other's worker."""
     flags = make_test_flags()
     monkeypatch.setenv("SEEN", str(tmp_path))
@@ -300,10 +312,7 @@ def test_at_most_two_cluster_tests_run_at_once_and_one_that_waits_runs_beside_th
 def test_a_test_marked_alone_runs_last_after_the_fast_tier(inner, tmp_path, monkeypatch):
     """An `alone` test holds every other cluster test back while it runs; dispatched last, after the fast
     tier (which takes no lock), it keeps no worker waiting. (One worker here, so the order is known.)"""
-    flags = make_test_flags()
-    flags[flags.index("-n") + 1] = "1"
-    record = tmp_path / "ran"
-    monkeypatch.setenv("RAN", str(record))
+    flags, record = one_worker(tmp_path, monkeypatch)
     inner.makepyfile(test_x="""
         import os
         import pytest
@@ -333,10 +342,7 @@ def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessi
     start a cluster) end once their group's tests are done, what depends on them first, so that their polling
     takes no CPU from the tests after them. (One worker here, so the order is known: the Kubernetes group, the
     other session group, then the rest.)"""
-    flags = make_test_flags()
-    flags[flags.index("-n") + 1] = "1"
-    record = tmp_path / "ran"
-    monkeypatch.setenv("RAN", str(record))
+    flags, record = one_worker(tmp_path, monkeypatch)
     inner.makepyfile(test_x="""
         import os
         import pytest
