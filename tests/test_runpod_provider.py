@@ -676,9 +676,26 @@ exec "$@"
 
 
 def image(tb) -> tuple[str, ...]:
+    """The played image's entrypoint, written once per testbed and never rewritten in place: the hand-made
+    test starts its hosts one after another, and a rewrite (truncate, then write) while the host before
+    opened it gave that host's bash an empty script (it printed nothing and exited: once, in CI's load)."""
     path = tb.dir / "image-entrypoint.sh"
-    path.write_text(IMAGE)
+    if not path.exists() or path.read_text() != IMAGE:
+        fresh = path.with_name(path.name + ".new")
+        fresh.write_text(IMAGE)
+        os.replace(fresh, path)
     return ("bash", str(path))
+
+
+def test_the_played_images_entrypoint_is_written_once(tmp_path):
+    """A second host's start does not rewrite the file a first host's bash may be opening."""
+    class Bed:
+        dir = tmp_path
+    first = image(Bed)
+    before = os.stat(first[1])
+    assert image(Bed) == first and Path(first[1]).read_text() == IMAGE
+    after = os.stat(first[1])
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 @pytest.fixture
