@@ -15,6 +15,7 @@ subprocess the guard cannot see into: give such a test `cli_env`, as the local o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -151,9 +152,9 @@ def run_order(item) -> int:
     """The longest first, so that the workers end together: the Kubernetes tests (on a cold
     cache they wait for their build while the other workers go on), then the other session-wide
     groups (the dstack server's), then the other cluster tests, then the fast tier (short tests that
-    even out the workers' ends), and last a test marked `alone`: by then the other worker is in the
-    fast tier, which takes no lock, so no worker idles while it runs (in the middle of the run the
-    other worker waited on the lock for as long as it ran). Python's sort is stable: each keeps the
+    even out the workers' ends), and last a test marked `alone`: by then the other workers are in the
+    fast tier, which takes no lock, so none idles while it runs (in the middle of the run the other
+    worker waited on the lock for as long as it ran). Python's sort is stable: each keeps the
     collection's order."""
     group = xdist_group(item) or ""
     if group == "kube":
@@ -230,8 +231,6 @@ def _side_by_side(request, tmp_path_factory):
     if item.get_closest_marker(CLUSTER) is None or not hasattr(request.config, "workerinput"):
         yield
         return
-    import fcntl
-
     alone = item.get_closest_marker("alone") is not None
     # every worker's basetemp is popen-gwN in the run's own directory
     shared = tmp_path_factory.getbasetemp().parent
@@ -248,11 +247,9 @@ def _side_by_side(request, tmp_path_factory):
 def _cluster_slot(shared: Path):
     """One of the `CLUSTER_SLOTS` lock files, held while the test runs; polled, since one flock cannot wait for
     whichever of several is free first."""
-    import fcntl
-
     slots = [open(shared / f"cluster-slot-{i}.lock", "a") for i in range(CLUSTER_SLOTS)]
     try:
-        while not any(_try_lock(f, fcntl) for f in slots):
+        while not any(_try_lock(f) for f in slots):
             time.sleep(0.2)
         yield
     finally:
@@ -260,7 +257,7 @@ def _cluster_slot(shared: Path):
             f.close()
 
 
-def _try_lock(f, fcntl) -> bool:
+def _try_lock(f) -> bool:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
