@@ -24,7 +24,8 @@ import json, os, sys
 files = {{a: open(a).read() for a in sys.argv[1:] if os.path.isfile(a)}}  # what it was asked to apply
 with open({log!r}, "a") as f:
     f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:], "cwd": os.getcwd(), "files": files,
-                        "token": os.environ.get("RAY_AUTH_TOKEN"), "wandb": os.environ.get("WANDB_API_KEY")}}) + "\\n")
+                        "token": os.environ.get("RAY_AUTH_TOKEN"), "wandb": os.environ.get("WANDB_API_KEY"),
+                        "own_session": os.getsid(0) == os.getpid()}}) + "\\n")
 print({output!r}, end="", flush=True)
 sys.exit({code})
 """
@@ -160,6 +161,9 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     assert dstack_parsed(call["argv"]) == ("apply", {"project": None, "configuration_file": str(generated),
                                                      "yes": True, "force": False, "detach": False, "verbose": False})
     assert call["token"] and call["wandb"] == "wandb-value-xyz"  # by environment only
+    # in a session of its own: a terminal's Ctrl-C reaches the launcher only, which SIGINTs it once (dstack's CLI aborts
+    # the run on a second SIGINT while it handles the first: the terminal's, then the launcher's)
+    assert call["own_session"] is True
     rendered = call["files"][str(generated)]
     assert "RAY_AUTH_TOKEN" in rendered and call["token"] not in rendered and "wandb-value-xyz" not in rendered
     assert call["token"] not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr

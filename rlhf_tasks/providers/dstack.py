@@ -488,9 +488,11 @@ class DstackProvider(Provider):
         path = directory / "dstack-apply.log"
         with open(path, "ab") as log:  # an earlier launch's part stays; this one's head log starts at `start`
             start = log.tell()
+            # its own session: a terminal's Ctrl-C reaches the launcher only, whose close() then SIGINTs it once
+            # (`-y`: detach). A second SIGINT while dstack's CLI handles the first stops the run: ABORTED_BY_USER
             proc = subprocess.Popen([dstack, "apply", "-f", str(directory / yml), "-y"],
                                     cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
         kept: list[str] = []  # the head's log as dstack's server kept it, once `dstack apply` ended without it
 
