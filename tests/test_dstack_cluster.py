@@ -117,15 +117,25 @@ def session_fleet(dstack_bed, tmp_path_factory):
     except (TimeoutError, AssertionError) as exc:
         raise AssertionError(f"{exc}\nserver log:\n{bed.server.output[-6000:]}") from None
     print(f"fleet {name} provisioned in {time.monotonic() - started:.0f} s: {got}")
-    bed.fleet_file = work / "tiny-grpo-fleet.dstack.yml"  # for a test that deletes the fleet to put it back
+    bed.fleet_file = work / "tiny-grpo-fleet.dstack.yml"  # for `dstack_fleet`, to put it back after a test deleted it
     return name
 
 
 @pytest.fixture
 def dstack_fleet(dstack_bed, session_fleet):
-    """The session's fleet, there and idle: put back first when a test before deleted it."""
-    _put_the_session_fleet_back(dstack_bed, session_fleet)
-    return session_fleet
+    """The session's fleet, there and idle. Where a test before deleted it (its `launch` applied the same file under
+    the same name, and its `down` or cancel deleted that): applied again as `session_fleet` did, both idle; a fleet
+    of the name left there (that test failed before its `down`) is the same fleet, and stays."""
+    bed, name = dstack_bed, session_fleet
+
+    def settled():
+        fleets = [f for f in bed.api("/api/project/main/fleets/list", {}) if f["name"] == name]
+        return "gone" if not fleets else fleets[0]["status"] not in ("terminating", "submitted") and "there"
+    if wait_for(settled, 120, f"the fleet {name} deleted or there", 2) == "gone":
+        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
+        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, name)) == ["idle", "idle"], 300,
+                 "the session's fleet back", 2)
+    return name
 
 
 @pytest.fixture
@@ -417,19 +427,6 @@ def test_ctrl_c_before_the_jobs_start_stops_the_run_and_deletes_the_fleet_launch
     finally:
         if launch.running():
             launch.kill()
-
-
-def _put_the_session_fleet_back(bed, name) -> None:
-    """After a test that deleted the session's fleet and whose `launch` applied it again (the same file, the same
-    name): once a `down` or a cancel has deleted it, applied again as the session's fixture did, both idle; a fleet of
-    the name left there (the test failed before its `down`) is the same fleet, and stays."""
-    def settled():
-        fleets = [f for f in bed.api("/api/project/main/fleets/list", {}) if f["name"] == name]
-        return "gone" if not fleets else fleets[0]["status"] not in ("terminating", "submitted") and "there"
-    if wait_for(settled, 120, f"the fleet {name} deleted or there", 2) == "gone":
-        bed.cli("apply", "-f", bed.fleet_file.name, "-y", "-d", cwd=bed.fleet_file.parent, timeout=300)
-        wait_for(lambda: sorted(s for _, s in _fleet_instances(bed, name)) == ["idle", "idle"], 300,
-                 "the session's fleet back", 2)
 
 
 def _port_open(bed, port: int) -> bool:
