@@ -53,7 +53,13 @@ def cmd_check(args) -> int:
     if args.provider:
         _warn_shared_storage(provider, plan)
     _warn_wandb(task)
-    if args.json:
+    framework = _asked(task, lambda: task.job.ask_framework(plan.job.entrypoint + plan.job.wandb_args))
+    if args.provider:
+        asked = framework + _asked(task, lambda: provider.ask_own_code(plan))
+        if args.json:
+            print(plan.to_json(), end="")
+            return 0
+    elif args.json:
         print(plan.to_json(), end="")
         return 0
     res = task.resources
@@ -61,35 +67,52 @@ def cmd_check(args) -> int:
     print(f"  cluster   {task.nodes} node(s) x {res.gpus or 'no GPU'}"
           + (f", {res.cpus} CPU(s) each" if res.cpus else "") + (f" on {name}" if args.provider else ""))
     if args.provider:
-        print("\n".join(_plan_lines(provider, plan, task)))
+        print("\n".join(_plan_lines(provider, plan, task) + [f"  asked     {line}" for line in asked]))
         cost = _cost_line(provider, plan)
         if cost:
             print(cost)
         return 0
-    # No provider chosen: speak for none in particular. Each provider's own plan; the lines that
-    # differ between them said per group; their warnings counted, not given as the user's.
-    plans, warned = {}, {}
+    # No provider chosen: speak for none in particular. Each provider's own plan, asked of its own
+    # code (a provider whose code refuses the render cannot run it); the lines that differ between
+    # them said per group; their warnings counted, not given as the user's.
+    plans, warned, asked = {}, {}, {}
     for other in fits:
         each = provider if other == name else _provider(other)
         try:
             plans[other] = (each, plan if other == name else each.plan(task))
+            asked[other] = each.ask_own_code(plans[other][1])
         except BadInput as exc:
+            plans.pop(other, None)
             refusals[other] = str(exc)
             continue
         notes = each.notes(plans[other][1])
         if notes:
             warned[other] = len(notes)
+    if not plans:
+        raise BadInput(f"{task.source}: no provider can run this task:\n"
+                       + "\n".join(f"  {n}: {why}" for n, why in refusals.items()))
     print(f"  providers {', '.join(plans)} can run it" + "".join(
         f"\n            not {n}: {why.split(': ', 1)[-1]}" for n, why in refusals.items()))
     if warned:
         print(f"            with warnings on {', '.join(f'{n} ({count})' for n, count in warned.items())}: "
               f"rlhf-tasks check {args.task} --provider NAME says them")
-    for line in _merged({other: _plan_lines(each, each_plan, task) for other, (each, each_plan) in plans.items()}):
+    for line in _merged({other: _plan_lines(each, each_plan, task) + [f"  asked {line}" for line in asked[other]]
+                         for other, (each, each_plan) in plans.items()}):
         print(line)
+    for line in framework:
+        print(f"  asked     {line}")
     cost = _cost_line(provider, plan, neutral=True)
     if cost:
         print(cost)
     return 0
+
+
+def _asked(task, ask) -> list[str]:
+    """What a framework's or provider's own code says (`ask()`), its refusal named by the task file."""
+    try:
+        return ask()
+    except BadInput as exc:
+        raise BadInput(f"{task.source}: {exc}") from None
 
 
 def _merged(lines: dict[str, list[str]]) -> list[str]:

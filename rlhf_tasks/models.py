@@ -46,13 +46,47 @@ class WandbOptions(StrictModel):
 
 
 def did_you_mean(word: str, choices, listing: str = "choose one of") -> str:
-    """'(did you mean steps?)' for a near miss, else '(choose one of: a, b, c)'."""
+    """'(did you mean steps?)' for a near miss, else '(choose one of: a, b, c)'. A near miss is a word
+    whose parts (split at `_`, `.`, `-`) abbreviate one choice's (`rollout_tp`: rollout_tensor_parallel_size),
+    or a typo of one: difflib's closest match whose parts are each close to the word's (so `rollout_tp`, two
+    letters from `rollout_n` but no typo of it, is never offered `rollout_n`)."""
     choices = list(choices)
     word = str(word)
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.7)
+    abbreviated = [c for c in choices if c != word and _abbreviates(_parts(word), _parts(c))]
+    if len(abbreviated) > 1:  # `rollout`: the start of several; none is meant more than another
+        return f"({listing}: {', '.join(choices)})"
+    close = abbreviated or \
+        [c for c in difflib.get_close_matches(word, choices, n=3, cutoff=0.7) if _typo_of(word, c)][:1]
     starting = [c for c in choices if word and c.startswith(word)]
     close = close or (starting if len(starting) == 1 else [])
     return f"(did you mean {close[0]}?)" if close else f"({listing}: {', '.join(choices)})"
+
+
+def _parts(name: str) -> list[str]:
+    return [part for part in re.split(r"[_.\-]", name.lower()) if part]
+
+
+def _abbreviates(word: list[str], choice: list[str]) -> bool:
+    """Each part of the word is a prefix of the choice's next part, or the initials of its next parts
+    (`tp`: tensor_parallel); the choice may go on after the word ends (`_size`)."""
+    if not word or not choice:
+        return False
+    head, rest = word[0], word[1:]
+    if len(head) >= 2 and choice[0].startswith(head) and (not rest or _abbreviates(rest, choice[1:])):
+        return True
+    n = len(head)
+    if n >= 2 and len(choice) >= n and "".join(part[0] for part in choice[:n]) == head:
+        return not rest or _abbreviates(rest, choice[n:])
+    return False
+
+
+def _typo_of(word: str, choice: str) -> bool:
+    """Whether `word` reads as `choice` mistyped: part by part close where they have as many parts,
+    else close as a whole once the separators are dropped."""
+    ours, theirs = _parts(word), _parts(choice)
+    if len(ours) == len(theirs):
+        return all(a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.5 for a, b in zip(ours, theirs))
+    return difflib.SequenceMatcher(None, "".join(ours), "".join(theirs)).ratio() >= 0.85
 
 
 def parse_duration(value: str | int | float) -> float:

@@ -13,24 +13,19 @@ $RLHF_TASKS_TEST_CACHE, default ~/.cache/rlhf-tasks-tests.
 
 from __future__ import annotations
 
-import argparse
-import ast
-import builtins
-import contextlib
-import datetime
-import io
-import math
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+from rlhf_tasks.recipes import installed
+
 CACHE = Path(os.environ.get("RLHF_TASKS_TEST_CACHE", Path.home() / ".cache" / "rlhf-tasks-tests"))
 
 
-class Rejected(Exception):
-    """The framework refused the arguments (argparse error or failed assertion)."""
+#: The framework refused the arguments (argparse error or failed assertion).
+Rejected = installed.Refused
 
 
 def wheel(name: str, version: str) -> tuple[Path | None, str]:
@@ -267,79 +262,22 @@ def search_r1_config_dir(tmp: Path) -> Path:
     return tmp
 
 
-# --- OpenRLHF: argparse -------------------------------------------------------------------
-
-_BUILTINS = set(dir(builtins))
-
-
-def _only_args(node: ast.AST) -> bool:
-    """True when an expression reads nothing but `args` (and builtins)."""
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    return names <= {"args"} | _BUILTINS
-
-
-def _assertions(body: list[ast.stmt]) -> list[ast.stmt]:
-    """train()'s checks that need no GPU: asserts on args, the ifs around them, _validate_* calls."""
-    kept: list[ast.stmt] = []
-    for stmt in body:
-        if isinstance(stmt, ast.Assert) and _only_args(stmt):
-            kept.append(stmt)
-        elif isinstance(stmt, ast.If) and _only_args(stmt.test):
-            inner, orelse = _assertions(stmt.body), _assertions(stmt.orelse)
-            if inner or orelse:
-                kept.append(ast.If(test=stmt.test, body=inner or [ast.Pass()], orelse=orelse))
-        elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)
-              and stmt.value.func.id.startswith("_validate")):
-            kept.append(stmt)
-    return kept
-
-
-def _imported(archive: zipfile.ZipFile, node: ast.ImportFrom) -> dict:
-    """`from openrlhf.x import y` inside __main__, run from the wheel's own file."""
-    namespace: dict = {"__name__": node.module}
-    exec(compile(_member(archive, node.module.replace(".", "/") + ".py"), node.module, "exec"), namespace)
-    return {alias.asname or alias.name: namespace[alias.name] for alias in node.names}
+# --- OpenRLHF: argparse (the harness `check` runs on an installed release: rlhf_tasks/recipes/installed.py) ---
 
 
 def openrlhf_main(version: str) -> tuple[tuple | None, str]:
-    """train_ppo_ray's __main__ block of this release, compiled with train() cut down to its
+    """train_ppo_ray's __main__ block of this release's wheel, compiled with train() cut down to its
     assertions; (None, why) when the wheel cannot be had."""
     path, why = wheel("openrlhf", version)
     if path is None:
         return None, why
     with zipfile.ZipFile(path) as archive:
-        tree = ast.parse(_member(archive, "openrlhf/cli/train_ppo_ray.py"))
-        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-        main = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-        train = functions["train"]
-        train.body = _assertions(train.body) + [ast.parse("_parsed.append(args)").body[0]]
-        namespace = {"argparse": argparse, "os": os, "math": math, "datetime": datetime.datetime, "_parsed": []}
-        body = [train] + [f for name, f in functions.items() if name.startswith("_validate")]
-        for stmt in main.body:
-            if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("openrlhf"):
-                namespace.update(_imported(archive, stmt))
-            else:
-                body.append(stmt)
-    module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
-    return (compile(module, f"openrlhf-{version}/train_ppo_ray.py", "exec"), namespace), ""
+        return installed.openrlhf_main(lambda member: _member(archive, member), version), ""
 
 
 def openrlhf_parse(main, argv: list[str]):
     """Parse argv as train_ppo_ray would and run its GPU-free checks; Rejected on refusal."""
-    code, namespace = main
-    namespace = dict(namespace, _parsed=[], __name__="__main__")
-    saved, sys.argv = sys.argv, ["train_ppo_ray.py", *argv]
-    stderr, stdout = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
-            exec(code, namespace)
-    except SystemExit as exc:
-        raise Rejected(stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue() else f"exit {exc.code}") from None
-    except AssertionError as exc:
-        raise Rejected(f"assertion failed: {exc}") from None
-    finally:
-        sys.argv = saved
-    return namespace["_parsed"][0]
+    return installed.openrlhf_parse(main, argv)
 
 
 # --- metric lines: the frameworks' own logging code ------------------------------------------

@@ -17,8 +17,11 @@ HEAVY = ("ray", "torch", "sky", "dstack", "runpod")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["render", "tasks/tiny-grpo.yaml", "--provider", "local"],
-                                  ["check", "tasks/tiny-grpo.yaml"], ["recipes"]])
+                                  ["render", "tasks/tiny-grpo.yaml", "--provider", "sky"],
+                                  ["render", "tasks/tiny-grpo.yaml", "--provider", "dstack"],
+                                  ["check", "tasks/tiny-grpo.yaml", "--provider", "local"], ["recipes"]])
 def test_no_heavy_imports(argv):
+    """`render` never asks a provider's own code (`check` does, tests/test_check_own_code.py)."""
     code = ("import sys\nfrom rlhf_tasks.cli import main\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"

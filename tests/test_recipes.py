@@ -230,7 +230,8 @@ def test_openrlhf_roles_and_engines_fill_the_cluster():
     assert [flag(argv, f"--{r}.num_gpus_per_node") for r in ("actor", "ref", "critic", "reward")] == ["4"] * 4
     assert flag(argv, "--vllm.num_engines") == "4"  # the 8 GPUs the roles leave, at TP 2
     assert flag(argv, "--train.colocate_actor_ref") and flag(argv, "--train.colocate_critic_reward")
-    whole = build("openrlhf-ppo", {**OPENRLHF, "colocate": "all"}, nodes=3).entrypoint
+    # 24 GPUs: DeepSpeed's batch (train = micro 8 x accumulation x 24) needs a train_batch_size of 192 or more
+    whole = build("openrlhf-ppo", {**OPENRLHF, "colocate": "all", "train_batch_size": 192}, nodes=3).entrypoint
     assert (flag(whole, "--actor.num_nodes"), flag(whole, "--actor.num_gpus_per_node")) == ("3", "8")
     assert flag(whole, "--vllm.num_engines") == "24" and flag(whole, "--train.colocate_all")
 

@@ -153,6 +153,13 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    def ask_own_code(self, plan: Plan) -> list[str]:
+        """What the provider's own code, where it is installed here, says of this plan's render (its
+        parsers, names and catalogs, offline; `check` asks, `render` does not, to stay fast): BadInput
+        naming the task's field, with the provider's words, when it refuses; else the lines `check`
+        prints of what was asked and of what could not be."""
+        return []
+
     def notes(self, plan: Plan) -> list[str]:
         """What `check` and `render` say the plan leaves to the user on this provider (warnings,
         not refusals): the shared-storage warning, and the provider's own."""

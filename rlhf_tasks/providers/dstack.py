@@ -84,6 +84,26 @@ def dstack_gpu(gpus: str) -> str:
     return f"{name}:{count or 1}"
 
 
+def _field_of(error: str) -> str:
+    """The task's field for the location dstack's validation error names first (`task.resources.gpu`)."""
+    for line in error.splitlines()[1:]:
+        loc = line.strip().split(".")
+        if loc and loc[0] in ("task", "fleet"):
+            loc = loc[1:]
+        if not loc or " " in line.strip():
+            continue
+        if loc[0] in ("backends", "regions"):
+            return f"placement.{loc[0]}" + (f"[{loc[1]}]" if len(loc) > 1 and loc[1].isdigit() else "")
+        if loc[:2] == ["resources", "gpu"]:
+            return "resources.gpus"
+        if loc[0] == "resources" and len(loc) > 1:
+            return f"resources.{ {'cpu': 'cpus'}.get(loc[1], loc[1]) }"
+        if loc[0] in ("image", "env", "user", "registry_auth", "ssh_config"):
+            return {"image": "image", "env": "env"}.get(loc[0], f"placement.dstack.{loc[0]}")
+        break
+    return "the task"
+
+
 def amount(res, field: str) -> str:
     """A task's amount in dstack's words: `28..` (28 or more: dstack reads a bare `28` as exactly 28) unless the
     task lists the field under resources.exact, then `28` as given."""
@@ -326,6 +346,63 @@ class DstackProvider(Provider):
         if limit:
             out.append(limit + " (`launch` refuses it)")
         return out
+
+    # ------------------------------------------------------------------ dstack's own code
+
+    def ask_own_code(self, plan: Plan) -> list[str]:
+        """The render as dstack's own code takes it, where dstack is installed here (offline): its backend
+        names (BackendType), its configuration models (parse_apply_configuration, what `dstack apply`
+        parses), and the GPU names its offers can match: dstack compares an offer's GPU name with the
+        spec's, ignoring case (core/backends/base/offers.py, gpu_matches_gpu_spec), and the names offers
+        carry are gpuhunt's (gpuhunt's KNOWN_ACCELERATORS, with the memory sizes each comes in), so a name
+        outside that table matches no offer."""
+        try:
+            import gpuhunt
+            from dstack._internal.core.errors import ConfigurationError
+            from dstack._internal.core.models.backends.base import BackendType
+            from dstack._internal.core.models.configurations import parse_apply_configuration
+            from dstack.version import __version__ as version
+        except ImportError:
+            return ["dstack's configuration models, backend names and GPU table (gpuhunt): not checked: dstack is "
+                    "not installed here (pip install 'rlhf-tasks[dstack]')"]
+        import yaml
+
+        from ..models import did_you_mean
+
+        parsed = {}
+        for name, text in self.render(plan).items():
+            if name.endswith(".dstack.yml"):
+                try:
+                    parsed[name] = parse_apply_configuration(yaml.safe_load(text))
+                except ConfigurationError as exc:
+                    field = _field_of(str(exc))
+                    hint = ""
+                    if field.startswith("placement.backends["):  # the backend names are BackendType's
+                        wrong = plan.placement.backends[int(field.split("[")[1].rstrip("]"))]
+                        hint = "\n  " + did_you_mean(wrong, [b.value for b in BackendType], "its backends")
+                    raise BadInput(f"{field}: dstack {version} refuses {name}: "
+                                   + str(exc).strip().replace("\n", "\n  ") + hint) from None
+        gpu = plan.resources.gpus
+        if gpu and not gpu.isdigit():
+            table: dict[str, set[int]] = {}
+            for accelerator in gpuhunt.KNOWN_ACCELERATORS:
+                table.setdefault(accelerator.name, set()).add(int(accelerator.memory))
+            lower = {name.lower(): name for name in table}
+            spec = next(iter(parsed.values())).resources.gpu
+            for name in spec.name or []:
+                if name.lower() not in lower:
+                    raise BadInput(f"resources.gpus: {gpu}: dstack {version} renders GPU name {name!r}, which no "
+                                   f"dstack offer carries: gpuhunt's GPU table has no such GPU "
+                                   f"{did_you_mean(name, sorted(table), 'its GPUs')}")
+                sizes = table[lower[name.lower()]]
+                memory = spec.memory
+                if memory is not None and memory.min is not None and not any(
+                        memory.min <= size <= (memory.max if memory.max is not None else size) for size in sizes):
+                    raise BadInput(f"resources.gpus: {gpu}: gpuhunt's GPU table has {lower[name.lower()]} with "
+                                   f"{', '.join(f'{size}GB' for size in sorted(sizes))} only, so no dstack offer "
+                                   f"matches {dstack_gpu(gpu)}")
+        return [f"dstack {version}'s configuration models (parse_apply_configuration) take "
+                f"{' and '.join(parsed)}; backends and GPU names are dstack's and gpuhunt's"]
 
     # ------------------------------------------------------------------ the rendered files
 

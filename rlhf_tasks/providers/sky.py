@@ -71,6 +71,42 @@ API_SERVER_PORT = 46580
 FORWARD_TIMEOUT_S = 120
 
 
+#: A GPU name with its memory as a suffix, in any of the forms a task may write (A100-80G, A100-80GiB,
+#: V100_32GB): SkyPilot's catalog spells it NAME-<N>GB (A100-80GB, V100-32GB: its common/accelerators.csv).
+_GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<memory>\d+)\s*G(?:i?B)?$", re.IGNORECASE)
+#: Clouds whose accelerator names are the cluster's own (a Kubernetes node label, a Slurm gres), not the catalog's.
+OWN_NAMES = {"kubernetes", "ssh", "slurm"}
+
+
+def sky_gpu(gpus: str) -> str:
+    """`resources.gpus` in SkyPilot's words: `A100-80G:8` -> `A100-80GB:8`; other names as given."""
+    name, colon, count = gpus.partition(":")
+    match = _GPU_MEMORY_SUFFIX.match(name)
+    if match:
+        name = f"{match.group('name')}-{match.group('memory')}GB"
+    return f"{name}{colon}{count}"
+
+
+def _catalog_accelerators() -> dict[str, list[str]] | None:
+    """SkyPilot's accelerator catalog (common/accelerators.csv: name -> clouds) where it is on this
+    machine; None where it is not. SkyPilot ships no catalog: read_catalog (sky/catalog/common.py)
+    fetches it from GitHub on first use into ~/.sky/catalogs/<schema>/, so it is read here as a file,
+    never through SkyPilot's reader, which would fetch it."""
+    import ast
+    import csv
+
+    from sky.skylet import constants, runtime_utils
+
+    # sky/catalog/common.py get_catalog_path, read at call time (SkyPilot reads SKY_RUNTIME_DIR at import)
+    path = Path(runtime_utils.get_runtime_dir_path(
+        os.path.join(".sky/catalogs", constants.CATALOG_SCHEMA_VERSION, "common/accelerators.csv")))
+    if not path.is_file():
+        return None
+    with path.open(newline="") as handle:
+        return {row["AcceleratorName"]: [c.lower() for c in ast.literal_eval(row["Clouds"])]
+                for row in csv.DictReader(handle)}
+
+
 class SkyShared(StrictModel):
     """`checkpoints.shared.sky`: storage every node mounts at checkpoints.path."""
 
@@ -189,7 +225,7 @@ class SkyProvider(Provider):
         res, placement = plan.resources, plan.placement
         resources: dict = {}
         if res.gpus:
-            resources["accelerators"] = res.gpus
+            resources["accelerators"] = sky_gpu(res.gpus)
         if res.cpus:  # at least, unless resources.exact says exactly
             resources["cpus"] = f"{res.cpus}" + ("" if res.is_exact("cpus") else "+")
         if res.memory:
@@ -238,6 +274,68 @@ class SkyProvider(Provider):
         config["run"] = (f"# SkyPilot's runner exports {' '.join(LEAKED_ENV)} for its own Ray, and its job passes them "
                          f"on: the task's, or Ray's defaults\n" + "; ".join(leaked) + "\n" + agent_command(plan) + "\n")
         return config
+
+    def ask_own_code(self, plan: Plan) -> list[str]:
+        """The render as SkyPilot's own code takes it, where SkyPilot is installed here, offline: its task
+        schema and `Task.from_yaml_config` (what `sky launch` parses: cloud names included), then the
+        accelerator name against SkyPilot's catalog where that is on this machine (SkyPilot's
+        canonicalize_accelerator_name, sky/utils/accelerator_registry.py: a name the catalog lacks is kept
+        as written, and no cloud's offer carries it)."""
+        import copy
+
+        try:
+            import sky
+            from sky.utils import common_utils, schemas
+        except ImportError:
+            return ["SkyPilot's task schema, cloud names and accelerator catalog: not checked: skypilot is not "
+                    "installed here (pip install 'rlhf-tasks[sky]')"]
+        import yaml
+
+        from ..models import did_you_mean
+
+        name = f"{plan.name}.sky.yaml"
+        config = yaml.safe_load(self.render(plan)[name])
+        try:
+            common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+            sky.Task.from_yaml_config(copy.deepcopy(config))  # it consumes the dict
+        except Exception as exc:  # SkyPilot raises ValueError and its own errors, each with its words
+            words = str(exc).strip()
+            found = re.search(r"any_of\[(\d+)\]\.cloud", words)
+            field = f"placement.backends[{found.group(1)}]" if found else \
+                "resources.gpus" if "ccelerator" in words else "the task"
+            hint = ""
+            if found:
+                from sky.utils import registry
+
+                wrong = plan.placement.backends[int(found.group(1))]
+                hint = "\n  " + did_you_mean(wrong, sorted(registry.CLOUD_REGISTRY), "its clouds")
+            raise BadInput(f"{field}: SkyPilot {sky.__version__} refuses {name}: {words}{hint}") from None
+        asked = f"SkyPilot {sky.__version__}'s task schema and Task.from_yaml_config take {name}"
+        gpus = plan.resources.gpus
+        if not gpus or gpus.isdigit():
+            return [asked]
+        accelerator = sky_gpu(gpus).partition(":")[0]
+        backends = {b.lower() for b in plan.placement.backends}
+        if accelerator.lower().startswith("tpu-") or backends & OWN_NAMES:
+            return [asked, f"resources.gpus {accelerator}: not checked against SkyPilot's catalog: "
+                           + ("a TPU" if accelerator.lower().startswith("tpu-") else
+                              f"{', '.join(sorted(backends & OWN_NAMES))} name{'s' if len(backends & OWN_NAMES) > 1 else 's'} "
+                              f"its GPUs itself")]
+        catalog = _catalog_accelerators()
+        if catalog is None:
+            return [asked, "resources.gpus: not checked against SkyPilot's accelerator catalog: it is not on this "
+                           "machine (SkyPilot fetches it on first use into ~/.sky/catalogs; any `sky` command that "
+                           "reads it, e.g. `sky show-gpus`, puts it here)"]
+        known = {n.lower(): n for n in catalog}
+        if accelerator.lower() not in known:
+            raise BadInput(f"resources.gpus: {gpus}: SkyPilot's accelerator catalog (common/accelerators.csv) has "
+                           f"no {accelerator!r}, so no cloud offers it {did_you_mean(accelerator, sorted(catalog), 'its accelerators')}")
+        canonical = known[accelerator.lower()]
+        clouds = catalog[canonical]
+        if backends and not backends & set(clouds):
+            raise BadInput(f"placement.backends: SkyPilot's accelerator catalog offers {canonical} on "
+                           f"{', '.join(clouds)} only, none of {', '.join(plan.placement.backends)}")
+        return [asked, f"resources.gpus {canonical} is in SkyPilot's accelerator catalog ({', '.join(clouds)})"]
 
     def render(self, plan: Plan) -> dict[str, str]:
         names = " ".join(f"--secret {n}" for n in plan.secrets + ([plan.token_env] if plan.token_env else []))

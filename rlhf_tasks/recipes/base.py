@@ -80,6 +80,13 @@ class JobBase(StrictModel):
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def ask_framework(self, argv: list[str]) -> list[str]:
+        """What the framework's own code, where it is installed here, says of the rendered command
+        (`argv`: the entrypoint with the W&B flags; `check` asks, `render` does not): BadInput naming the
+        task's field, with the framework's words, when it refuses; else the lines `check` prints of what
+        was asked and of what could not be (recipes.installed)."""
+        return []
+
     def metrics_reader(self):
         """A reader of this framework's metric lines (recipes.metrics), fresh for one job's log;
         None where the recipe knows no metric lines (a free command)."""

@@ -317,6 +317,50 @@ def _check_training(a: OpenRLHFArgs, version: tuple[int, int, int], roles: dict[
         if "critic" in roles and actor % roles["critic"]:
             raise infeasible(f"the actor's {actor} GPUs are not divisible by the critic's {roles['critic']}",
                              f"give the critic a divisor of {actor} GPUs", args=("critic_gpus", "actor_gpus"))
+    _check_deepspeed_batch(a, roles)
+
+
+def _extra_value(extra_args: list[str], flags: tuple[str, ...], default: int) -> int:
+    """An integer flag's value as given in extra_args (`--ds.ring_attn_size 2` or `=2`), else the default."""
+    for i, arg in enumerate(extra_args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            value = value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+            return int(value) if value.isdigit() else default
+    return default
+
+
+def _check_deepspeed_batch(a: OpenRLHFArgs, roles: dict[str, int]) -> None:
+    """DeepSpeed's batch arithmetic for every role it runs (the actor and critic it trains, the
+    reference and reward models it evaluates: OpenRLHF gives each the same batch sizes).
+
+    OpenRLHF's DeepspeedStrategy (utils/deepspeed/deepspeed.py, get_ds_train_config and
+    get_ds_eval_config, 0.6.1 to 0.11.2) hands DeepSpeed train_batch_size x ring_attn_size x
+    ds tensor_parallel_size and micro_train_batch_size; DeepSpeed (runtime/config.py,
+    _set_batch_related_parameters) takes gradient_accumulation_steps = train // micro // world size
+    and _batch_assertion refuses a train batch that is not micro x accumulation x world size, and
+    an accumulation of 0. With dynamic batches OpenRLHF sets micro and accumulation to 1 instead."""
+    extra = a.extra_args
+    if {"--train.dynamic_batch_enable", "--use_dynamic_batch"} & {arg.split("=")[0] for arg in extra}:
+        return
+    factor = (_extra_value(extra, ("--ds.ring_attn_size", "--ring_attn_size"), 1)
+              * _extra_value(extra, ("--ds.tensor_parallel_size", "--ds_tensor_parallel_size"), 1))
+    train, micro = a.train_batch_size * factor, a.micro_train_batch_size
+    scaled = f"{a.train_batch_size} x {factor}" if factor > 1 else f"{a.train_batch_size}"
+    for role, world in roles.items():
+        accumulation = train // micro // world
+        if accumulation == 0 or train != micro * accumulation * world:
+            fitting = micro * world // factor if micro * world % factor == 0 else micro * world
+            words = (f"Gradient accumulation steps: 0 has to be greater than 0" if accumulation == 0 else
+                     f"train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size"
+                     f"{train} != {micro} * {accumulation} * {world}")
+            raise infeasible(
+                f"DeepSpeed refuses the {role}'s batch on its {world} GPUs: train_batch_size {scaled} must be "
+                f"micro_train_batch_size x gradient accumulation x world size ({micro} x {world} x a whole number "
+                f"of at least 1); DeepSpeed's words: \"{words}\"",
+                f"use a train_batch_size that is a multiple of {fitting} (micro_train_batch_size x the {role}'s "
+                f"GPUs), or change micro_train_batch_size",
+                args=("train_batch_size", "micro_train_batch_size", f"{role}_gpus"))
 
 
 def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
@@ -410,6 +454,35 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     )
 
 
+def ask_openrlhf(argv: list[str], version: str, extra_args: list[str]) -> list[str]:
+    """OpenRLHF's own argument parser and start-up assertions (train_ppo_ray.py's __main__ block, read
+    from the installed release: recipes.installed), run on the whole command, where the release the task
+    pins (job.args.version) is installed here."""
+    from ..errors import BadInput
+    from ..models import did_you_mean
+    from . import installed
+
+    what = "OpenRLHF's argument parser (openrlhf/cli/train_ppo_ray.py)"
+    where, found = installed.package("openrlhf")
+    if where is None:
+        return [f"{what}: not checked: openrlhf is not installed here (`pip install --no-deps openrlhf=={version}` "
+                f"puts its code here without vllm)"]
+    if found != version:
+        return [f"{what}: not checked: openrlhf {found} is installed here, the task pins {version} (job.args.version)"]
+    try:
+        installed.openrlhf_parse(installed.openrlhf_main(installed.installed_reader(where), found), argv)
+    except installed.Refused as exc:
+        words = str(exc)
+        unknown = words.partition("unrecognized arguments:")[2].split()
+        mine = [i for i, arg in enumerate(extra_args) if arg in unknown or arg.split("=")[0] in unknown]
+        field = f"job.args.extra_args[{mine[0]}]" if mine else "job.args"
+        flag = next((arg for arg in unknown if arg.startswith("--")), None)
+        hint = did_you_mean(flag, [o for o in exc.options if o.startswith("--")], "") if flag and exc.options else ""
+        hint = f" {hint}" if hint.startswith("(did") else ""
+        raise BadInput(f"{field}: OpenRLHF {found}'s train_ppo_ray refuses the command: {words}{hint}") from None
+    return [f"{what} of openrlhf {found}, installed here: the command parses and passes its start-up checks"]
+
+
 class OpenRLHFPPOJob(JobBase):
     """OpenRLHF's Ray PPO trainer with every shape flag taken from the task."""
 
@@ -421,6 +494,9 @@ class OpenRLHFPPOJob(JobBase):
 
     def metrics_reader(self):
         return OpenRLHFReader()
+
+    def ask_framework(self, argv: list[str]) -> list[str]:
+        return ask_openrlhf(argv[3:], self.args.version, self.args.extra_args)
 
     def build(self, shape: Shape) -> RecipeOutput:
         return openrlhf_command(self.args, shape)

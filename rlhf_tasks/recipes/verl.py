@@ -94,6 +94,54 @@ class VerlPPOArgs(StrictModel):
     _absolute = field_validator("train_files", "val_files", "verl_source")(classmethod(lambda cls, v: require_absolute(v, "relative paths resolve inside Ray's working_dir copy")))
 
 
+def ask_verl(argv: list[str], extra_overrides: list[str]) -> list[str]:
+    """verl's own Hydra config, composed with the overrides as `verl.trainer.main_ppo`'s @hydra.main
+    composes them (struct mode: a key the config lacks is refused), where verl is installed here."""
+    import importlib.util
+
+    from ..errors import BadInput
+    from . import installed
+
+    what = "verl's Hydra config (verl/trainer/config/ppo_trainer.yaml)"
+    where, version = installed.package("verl")
+    if where is None:
+        return [f"{what}: not checked: verl is not installed here (`pip install --no-deps verl=={VERL_VERSION} "
+                f"hydra-core` puts its config here without its GPU dependencies)"]
+    if version != VERL_VERSION:
+        return [f"{what}: not checked: verl {version} is installed here, the recipe renders for verl {VERL_VERSION}"]
+    if importlib.util.find_spec("hydra") is None:
+        return [f"{what}: not checked: hydra-core, which composes it, is not installed here (pip install hydra-core)"]
+    try:
+        installed.hydra_compose(where / "trainer" / "config", "ppo_trainer", argv)
+    except installed.Refused as exc:
+        words = str(exc)
+        mine = [i for i, item in enumerate(extra_overrides) if item.split("=")[0].lstrip("+~") in words]
+        field = f"job.args.extra_overrides[{mine[0]}]" if mine else "job.args"
+        hint = _near_key(where / "trainer" / "config", argv, extra_overrides[mine[0]]) if mine else ""
+        raise BadInput(f"{field}: verl {version}'s Hydra compose refuses the overrides: "
+                       + words.replace("\n", "\n  ") + hint) from None
+    return [f"{what} of verl {version}, installed here: the overrides compose"]
+
+
+def _near_key(config_dir, argv: list[str], refused: str) -> str:
+    """'(did you mean ...?)' from the keys verl's config has beside the refused one."""
+    from omegaconf import OmegaConf
+
+    from ..models import did_you_mean
+    from . import installed
+
+    key = refused.split("=")[0].lstrip("+~")
+    parent, _, leaf = key.rpartition(".")
+    try:
+        cfg = installed.hydra_compose(config_dir, "ppo_trainer", [a for a in argv if a != refused])
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+    except Exception:  # the rest refused too: say only Hydra's words
+        return ""
+    keys = list(node.keys()) if OmegaConf.is_dict(node) else []
+    hint = did_you_mean(leaf, keys, "its keys here") if keys else ""
+    return f"\n  {parent + '.' if parent else ''}{leaf}: {hint}" if hint.startswith("(did") else ""
+
+
 class VerlPPOJob(JobBase):
     """verl PPO/GRPO with the shape, checkpoints, resume and logger taken from the task."""
 
@@ -106,6 +154,9 @@ class VerlPPOJob(JobBase):
 
     def metrics_reader(self):
         return VerlReader()
+
+    def ask_framework(self, argv: list[str]) -> list[str]:
+        return ask_verl(argv[3:], self.args.extra_overrides)
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
