@@ -316,11 +316,11 @@ class SkyProvider(Provider):
             return [asked]
         accelerator = sky_gpu(gpus).partition(":")[0]
         backends = {b.lower() for b in plan.placement.backends}
-        if accelerator.lower().startswith("tpu-") or backends & OWN_NAMES:
-            return [asked, f"resources.gpus {accelerator}: not checked against SkyPilot's catalog: "
-                           + ("a TPU" if accelerator.lower().startswith("tpu-") else
-                              f"{', '.join(sorted(backends & OWN_NAMES))} name{'s' if len(backends & OWN_NAMES) > 1 else 's'} "
-                              f"its GPUs itself")]
+        if accelerator.lower().startswith("tpu-"):
+            return [asked, f"resources.gpus {accelerator}: not checked against SkyPilot's catalog: a TPU"]
+        if backends & OWN_NAMES:  # their GPU names are the cluster's (a node label, a gres), not the catalog's
+            return [asked, f"resources.gpus {accelerator}: not checked against SkyPilot's catalog: on "
+                           f"{', '.join(sorted(backends & OWN_NAMES))} the cluster names its GPUs itself"]
         catalog = _catalog_accelerators()
         if catalog is None:
             return [asked, "resources.gpus: not checked against SkyPilot's accelerator catalog: it is not on this "
@@ -329,7 +329,8 @@ class SkyProvider(Provider):
         known = {n.lower(): n for n in catalog}
         if accelerator.lower() not in known:
             raise BadInput(f"resources.gpus: {gpus}: SkyPilot's accelerator catalog (common/accelerators.csv) has "
-                           f"no {accelerator!r}, so no cloud offers it {did_you_mean(accelerator, sorted(catalog), 'its accelerators')}")
+                           f"no {accelerator!r}, so no cloud offers it "
+                           f"{did_you_mean(accelerator, sorted(catalog), 'its accelerators')}")
         canonical = known[accelerator.lower()]
         clouds = catalog[canonical]
         if backends and not backends & set(clouds):

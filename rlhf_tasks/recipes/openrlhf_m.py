@@ -70,6 +70,10 @@ class OpenRLHFMGrpoJob(JobBase):
     def metrics_reader(self):
         return OpenRLHFReader()
 
+    def ask_framework(self, argv: list[str]) -> list[str]:
+        return ["OpenRLHF-M's argument parser: not checked: OpenRLHF-M is not on PyPI (the nodes install it from "
+                "its repository); its DeepSpeed batch arithmetic is checked"]
+
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
         data_dir = a.data_dir or f"{shape.checkpoint_dir}/data/VerMulti"

@@ -85,6 +85,10 @@ class SearchR1Job(JobBase):
     def metrics_reader(self):
         return VerlReader(total=self.args.total_training_steps)
 
+    def ask_framework(self, argv: list[str]) -> list[str]:
+        return ["Search-R1's Hydra config: not checked: Search-R1 is not on PyPI (the nodes install its verl fork "
+                "from its repository)"]
+
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
         ckpt = shape.checkpoint_dir
