@@ -192,7 +192,11 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
     source = None if neutral else provider.price_source
     if price is None and cap is None and not neutral and not provider.bills:
         return None
-    words = [f"${price:.2f}/h for the cluster (placement.price_per_hour)" if price is not None else
+    bound = None if neutral or not price else provider.price_bound
+    heard = f"; {bound} ${price / plan.nodes:.2f}/h per node" if bound else ""
+    counted = (f"; the head counts {source} where it prices the offers" if source else
+               "; the head counts this price, not the provider's") if bound else ""
+    words = [f"${price:.2f}/h for the cluster (placement.price_per_hour{heard}{counted})" if price is not None else
              f"the price per hour comes from {source}" if source else
              "price per hour not given (placement.price_per_hour)"]
     grace = f"the cluster ends within placement.stop_grace {_span(budget.stop_grace_s)} after it"

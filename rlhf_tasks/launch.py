@@ -778,6 +778,8 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
     job_started = interrupted = command_started = False
     try:
         cluster = provider.apply(plan, secrets)
+        if cluster.price_per_hour is not None:  # the provider's own price (RunPod's catalog, dstack's plan)
+            plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": cluster.price_per_hour}))
         if plan.budget.price_per_hour is not None and "price_per_hour" not in (state.load(plan.name) or {}):
             state.update(plan.name, price_per_hour=plan.budget.price_per_hour)  # `ps` counts the cost so far
         state.update(plan.name, secrets=plan.secrets)  # their names (never values): `logs --bundle` scrubs them

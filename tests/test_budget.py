@@ -48,7 +48,7 @@ def test_the_budget_reaches_the_plan(tmp_path):
     assert plain["budget"]["idle_s"] == 3600.0 and plain["budget"]["max_cost"] is None and plain["self_end"] is None
 
 
-@pytest.mark.parametrize("provider", ["local", "dstack", "sky", "slurm"])
+@pytest.mark.parametrize("provider", ["local", "sky", "slurm"])  # dstack prices it from its plan (test_price.py)
 def test_a_cost_cap_without_a_price_is_refused_at_check(tmp_path, provider):
     out = check(tmp_path, task(tmp_path, {"max_cost": 10}, resources={"cpus": 1}), "--provider", provider)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -67,8 +67,9 @@ def test_runpod_prices_from_its_catalog_and_its_pods_end_themselves(tmp_path):
     cluster = json.loads(check(tmp_path, task(tmp_path, {"max_duration": "2h"}, network="runpod-cluster"),
                                "--provider", "runpod").stdout)
     assert cluster["self_end"] is None
-    own_price = check(tmp_path, task(tmp_path, {"price_per_hour": 3}), "--provider", "runpod")
-    assert own_price.returncode == 2 and "placement.price_per_hour: RunPod's price comes from its catalog" in own_price.stderr
+    own_price = check(tmp_path, task(tmp_path, {"price_per_hour": 3}), "--provider", "runpod")  # said, ignored
+    assert own_price.returncode == 0 and json.loads(own_price.stdout)["budget"]["price_per_hour"] is None
+    assert "placement.price_per_hour: ignored on runpod: RunPod's catalog price is counted" in own_price.stderr
     key = check(tmp_path, task(tmp_path, secrets=["RUNPOD_API_KEY"]), "--provider", "runpod")
     assert key.returncode == 2 and "secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod" in key.stderr
 

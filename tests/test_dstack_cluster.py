@@ -279,6 +279,29 @@ def test_launch_refuses_a_run_no_offer_fits_before_it_submits(dstack_bed, dstack
     assert sorted(h for h, _ in _fleet_instances(bed, dstack_fleet)) == sorted(bed.fleet_hosts())
 
 
+def test_launch_counts_dstacks_plan_price_or_refuses_a_cap_it_cannot_price(dstack_bed, dstack_fleet, tmp_path):
+    """dstack's own plan prices an SSH fleet's hosts at $0: a cap without placement.price_per_hour is refused (exit 2)
+    before anything is submitted, naming the fields; with a price, the rendered max_price (per instance) still lets the
+    fleet's hosts match, and the head counts the task's price (issue 48, item 2)."""
+    bed = dstack_bed
+    capped = tiny_grpo(tmp_path, steps=10, name="capped", placement={"max_cost": 5})
+    run = launcher(bed, tmp_path, ["launch", str(capped), "--provider", "dstack"], timeout=180)
+    assert run.returncode == 2, run.output[-4000:]
+    assert "placement.max_cost: dstack's plan for capped prices its offers at $0" in run.output, run.output[-3000:]
+    runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": False, "include_jobs": False})
+    assert "capped" not in [r["run_spec"]["run_name"] for r in runs]
+    entry = "python3 -c 'print(\"priced job says hello\")'"
+    priced = tiny_grpo(tmp_path, steps=10, name="priced", placement={"max_cost": 5, "price_per_hour": 2},
+                       job={"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
+                            "args": {"entrypoint": entry}})
+    launch = launcher(bed, tmp_path, ["launch", str(priced), "--provider", "dstack"], timeout=300)
+    assert launch.returncode == 0, launch.output[-6000:]
+    rendered = yaml.safe_load((tmp_path / "rlhf-home" / "runs" / "priced" / "dstack" / "priced.dstack.yml").read_text())
+    assert rendered["max_price"] == 1.0, rendered
+    assert "$2.00/h for the 2 nodes" in launch.output, launch.output[-4000:]  # the head's budget line
+    _wait_run(bed, "priced", ("done", "failed", "terminated"), 60)
+
+
 def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_path):
     """job.working_dir (src/ beside the task) goes through dstack's `files:` to the directory the job's commands
     run in, and the head submits the job from there: the job imports the module it holds (issue 37, item 1).

@@ -139,6 +139,7 @@ def test_the_dstack_and_skypilot_pages_example_tasks_check_and_render_as_they_sa
         if provider == "dstack":
             assert {"name": "ckpt", "path": "/checkpoints/verl-ppo-gsm8k"} in rendered["volumes"]
             assert rendered["fleets"] == ["h100-cluster"] and rendered["max_duration"] == 72 * 3600
-            assert rendered["retry"]
+            assert rendered["retry"] and rendered["max_price"] == 16.0  # price_per_hour per instance (issue 48)
         else:
             assert rendered["file_mounts"]["/checkpoints/verl-ppo-gsm8k"]["source"] == "s3://my-bucket/verl"
+            assert rendered["resources"]["max_hourly_cost"] == 16.0  # price_per_hour per instance (issue 48)

@@ -244,8 +244,6 @@ def test_the_agent_reads_the_guides_variables_and_the_instant_cluster_ones():
 @pytest.mark.parametrize("change,field", [
     ({"network": "infiniband"}, "network: infiniband"),
     ({"network": "runpod-cluster", "nodes": 1}, "nodes: an Instant Cluster has at least 2 nodes"),
-    ({"placement": {"spot": "on"}}, "placement.spot"),
-    ({"placement": {"retry": True}}, "placement.retry"),
     ({"checkpoints": {"path": "/c", "shared": {"runpod": {"volume": "x"}}}}, "checkpoints.shared.runpod.network_volume: Field required"),
 ])
 def test_what_runpod_refuses_names_the_field(change, field):

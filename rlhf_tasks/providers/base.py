@@ -60,6 +60,9 @@ class Cluster:
     #: Every node's logs gathered here into a bundle by the provider's own means, for a failure whose bundle
     #: the dashboard can no longer give (the run over): its path and how it was made, or None.
     gather_here: Callable[[str], tuple[str, str] | None] | None = None
+    #: The cluster's price per hour that its head agent counts, where the provider priced it itself before
+    #: anything was rented (RunPod's catalog, dstack's run plan); None: the plan's (placement.price_per_hour).
+    price_per_hour: float | None = None
 
     @property
     def logs_dir(self) -> str | None:
@@ -122,6 +125,13 @@ class Provider:
     #: Where the cluster's price per hour comes from when the provider knows it itself (`check` says it);
     #: None: placement.price_per_hour.
     price_source: ClassVar[str | None] = None
+    #: How placement.price_per_hour reaches the provider as its own bound on an instance's price (`check` says it);
+    #: None: it does not (the price is only counted by the head).
+    price_bound: ClassVar[str | None] = None
+    #: The portable placement fields (spot, retry, price_per_hour, fleets, backends, regions) this provider
+    #: cannot use, and why: said by `check` and `render` and ignored, not refused, so one task file serves every
+    #: provider (field -> what the provider does instead).
+    ignores: ClassVar[dict[str, str]] = {}
     #: Whether its machines are billed (`check` says the cost; the local provider's are this machine).
     bills: ClassVar[bool] = True
     #: The directory the rendered files are written to (set by `render -o` and `stage`); None: the
@@ -164,7 +174,13 @@ class Provider:
         """What `check` and `render` say the plan leaves to the user on this provider (warnings,
         not refusals): the shared-storage warning, and the provider's own."""
         warning = self.shared_storage_warning(plan)
-        return [warning] if warning else []
+        return ([warning] if warning else []) + self.ignored_words(plan)
+
+    def ignored_words(self, plan: Plan) -> list[str]:
+        """`placement.F: ignored on NAME: why` for each field of `ignores` the task sets."""
+        placement = plan.placement
+        return [f"placement.{field}: ignored on {self.name}: {why}" for field, why in self.ignores.items()
+                if field in placement.model_fields_set and getattr(placement, field) not in (None, False, [], "off")]
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """Why a multi-node task's checkpoints would be seen by one node only here, if so
@@ -184,7 +200,7 @@ class Provider:
     def build(self, task: Task) -> Plan:
         """Task + recipe + this provider's contract and choices -> the plan (nothing measured)."""
         return build_plan(task, self.name, self.contract, self.networks, self.default_checkpoint_dir(task),
-                          self.ray_overrides)
+                          self.ray_overrides, priced=self.price_source is not None)
 
     def fits(self, task: Task) -> None:
         """BadInput when this provider cannot run the task (`check` without --provider): its own

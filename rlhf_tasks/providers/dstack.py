@@ -25,6 +25,7 @@ from its registry at submit time (_user, _requirements); a fleet terminates only
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -43,7 +44,8 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import Cluster, Provider, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli
+from .base import (Cluster, Provider, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli,
+                   write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -70,6 +72,28 @@ DEFAULT_UPLOAD_LIMIT = 2 * 2**20
 #: A GPU name with its memory as a suffix (A100-80GB, V100-32G), which dstack's GPUSpec parser takes whole as a
 #: name its catalog (gpuhunt's KNOWN_ACCELERATORS) does not know: dstack writes the memory as its own field.
 _GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<memory>\d+)\s*G(?:i?B)?$", re.IGNORECASE)
+
+
+def max_price(plan: Plan) -> float | None:
+    """placement.price_per_hour (the whole cluster's) as dstack's `max_price`, "The maximum instance price per
+    hour" (core/models/profiles.py, Profile.max_price): an offer filter on every instance (gpuhunt's QueryFilter
+    through backends/base/offers.py requirements_to_query_filter, and on a fleet's instances through
+    server/services/instances.py instance_matches_constraints), so the cluster's price split over its nodes, rounded
+    up to 1/10000 of a dollar (an offer at the bound stays). None without a price, or a free one (dstack wants > 0)."""
+    price = plan.placement.price_per_hour
+    return math.ceil(price / plan.nodes * 10000) / 10000 if price else None
+
+
+def plan_price(answer: dict, task_price: float | None) -> float | None:
+    """The cluster's price per hour as dstack's run plan gives it before anything is provisioned (dstack_api.py
+    plan): for each job the dearest offer that fits it (JobPlan.max_price, over every matching offer, not only those
+    listed: server/services/runs/plan.py _get_job_plan), summed. dstack tries the offers cheapest first and moves on
+    to dearer ones when one fails, so this is never under what it provisions. Where a job's offers are unpriced
+    (an SSH fleet's hosts, which dstack prices at $0: server/services/instances.py), the task's price."""
+    prices = [job.get("max_price") for job in answer.get("jobs") or []]
+    if not prices or not all(prices):
+        return task_price
+    return round(sum(prices), 4)
 
 
 def dstack_gpu(gpus: str) -> str:
@@ -248,6 +272,9 @@ class DstackProvider(Provider):
         cluster_id=env("DSTACK_RUN_NAME"),
         gpus_per_node=env("DSTACK_GPUS_PER_NODE"),
     )
+    #: (plan_price: an SSH fleet's hosts, which dstack prices at $0, are counted at placement.price_per_hour)
+    price_source = "dstack's run plan at launch (its dearest offer for each node)"
+    price_bound = "dstack's max_price"
     #: `dstack apply`'s port forward ends with the launch (Ctrl-C detaches it): `forward` is `dstack attach`.
     forward_after_launch = True
     #: What the last plan's job.working_dir packs as dstack archives it (None: nothing shipped).
@@ -345,6 +372,11 @@ class DstackProvider(Provider):
         limit = self.over_limit(plan)
         if limit:
             out.append(limit + " (`launch` refuses it)")
+        if plan.budget.max_cost is not None and plan.budget.price_per_hour is None:
+            out.append("placement.max_cost: a `dstack apply` of the rendered file by hand counts no price, so its head "
+                       "never stops the job at the cap (placement.max_duration still holds); `rlhf-tasks launch` counts "
+                       "dstack's run plan's price (and refuses a plan that prices the offers at $0, an SSH fleet's); "
+                       "give placement.price_per_hour for a hand apply")
         return out
 
     # ------------------------------------------------------------------ dstack's own code
@@ -440,6 +472,8 @@ class DstackProvider(Provider):
         config["startup_order"] = "master-first"
         config["stop_criteria"] = "master-done"
         config["spot_policy"] = SPOT[placement.spot]
+        if max_price(plan):
+            config["max_price"] = max_price(plan)
         if placement.retry:
             config["retry"] = {"on_events": ["no-capacity", "interruption", "error"]}
         if placement.max_duration:
@@ -472,6 +506,8 @@ class DstackProvider(Provider):
                       "placement": "cluster"})
         fleet["resources"] = dstack_resources(plan.resources, ())
         fleet["spot_policy"] = SPOT[plan.placement.spot]
+        if max_price(plan):  # a cloud fleet's field (dstack refuses it for an SSH fleet); the lower of the two counts
+            fleet["max_price"] = max_price(plan)
         for key in ("backends", "regions"):
             if getattr(plan.placement, key):
                 fleet[key] = list(getattr(plan.placement, key))
@@ -538,6 +574,17 @@ class DstackProvider(Provider):
             f"resources (amounts are minimums unless in resources.exact), placement.fleets, backends or regions, or "
             f"apply a fleet that has the hosts ({fleet_name(plan)}.dstack.yml is rendered beside the task)")
 
+    def counted_plan(self, plan: Plan, answer: dict) -> Plan:
+        """The plan with the price its head counts: dstack's plan's (plan_price), where it prices the offers; the
+        task's otherwise. BadInput, before anything is submitted, for a cap no price can count."""
+        price = plan_price(answer, plan.placement.price_per_hour)
+        if price is None and plan.budget.max_cost is not None:
+            raise BadInput(f"placement.max_cost: dstack's plan for {plan.name} prices its offers at $0 (an SSH fleet's "
+                           f"hosts: dstack knows no price of them), so the head agent could not count the cost; give "
+                           f"placement.price_per_hour (US dollars per hour for the whole cluster), or use "
+                           f"placement.max_duration")
+        return plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": price}))
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """The fleet when the run has none (`dstack apply` of the rendered fleet), dstack's plan asked (no offer:
         refused before anything is submitted), then `dstack apply` of the task, which attaches and forwards
@@ -560,8 +607,14 @@ class DstackProvider(Provider):
             if made.returncode != 0:
                 raise StepFailed(f"dstack apply -f {self._made_fleet}.dstack.yml",
                                  (made.stdout + made.stderr).strip()[-2000:])
-        self.refuse_without_offers(plan, self.ask("asking dstack for the run's plan", ["plan", yml], directory, env),
-                                   yml)
+        answer = self.ask("asking dstack for the run's plan", ["plan", yml], directory, env)
+        self.refuse_without_offers(plan, answer, yml)
+        counted = self.counted_plan(plan, answer)
+        if counted.budget.price_per_hour != plan.budget.price_per_hour:  # the head reads its price from the files
+            plan = counted
+            write_files(directory, self.render(plan))
+            print(f"dstack: the head counts ${plan.budget.price_per_hour:.2f}/h for the cluster (dstack's plan: the "
+                  f"dearest offer that fits each of the {plan.nodes} nodes)", flush=True)
         path = directory / "dstack-apply.log"
         with open(path, "ab") as log:  # an earlier launch's part stays; this one's head log starts at `start`
             start = log.tell()
@@ -595,7 +648,7 @@ class DstackProvider(Provider):
         state.save(plan.name, record)
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
-                       close=lambda: end_attach(proc),
+                       close=lambda: end_attach(proc), price_per_hour=plan.budget.price_per_hour,
                        describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}",
                                                                         *run_words(dstack, plan.name)])
 

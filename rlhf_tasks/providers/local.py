@@ -102,6 +102,9 @@ class LocalProvider(Provider):
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
     bills = False  # this machine: `check` says a cost only where the task gives a price or a cap
+    ignores = {"spot": "the nodes are processes on this machine", "retry": "the local provider's own `launch --retry N` "
+               "relaunches a task whose head is lost", "fleets": "the nodes are processes on this machine",
+               "backends": "the nodes are processes on this machine", "regions": "the nodes are processes on this machine"}
     working_dir_here = True
     options = (Option("--retry", "relaunch the whole task up to N times when the head is lost; it resumes from "
                       "the checkpoint", {"type": int, "default": 0, "metavar": "N"}),)

@@ -27,6 +27,7 @@ image; a VM without one keeps its own /dev/shm (the rendered file says so).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -150,6 +151,8 @@ class SkyProvider(Provider):
     options = (Option("--managed", "run as a SkyPilot managed job (recovered on preemption)"),)
     #: The launch's dashboard is its own `ssh -L`, gone with the launcher: `rlhf-tasks forward NAME` opens another.
     forward_after_launch = True
+    price_bound = "SkyPilot's resources.max_hourly_cost"
+    ignores = {"fleets": "SkyPilot has no fleets; placement.backends and regions choose its clouds"}
     _started_api_server = False
     #: `sky launch` made the cluster (its job runs detached): a later failure here leaves it to `down`.
     _launched = False
@@ -236,6 +239,8 @@ class SkyProvider(Provider):
             resources["image_id"] = f"docker:{plan.image}"
         if placement.spot != "off":
             resources["use_spot"] = True
+        if placement.price_per_hour:  # "the maximum hourly cost (in USD) for instances" (sky/resources.py Resources)
+            resources["max_hourly_cost"] = math.ceil(placement.price_per_hour / plan.nodes * 10000) / 10000
         if placement.retry:
             resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
         if plan.ray.dashboard_host != "127.0.0.1":

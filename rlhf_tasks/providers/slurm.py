@@ -278,6 +278,10 @@ class SlurmProvider(Provider):
     #: In a container: the host list the script expanded (no scontrol in the image).
     container_contract = contract.model_copy(update={"head": env(HOSTS_ENV, item=0), "peer": env(HOSTS_ENV, item=1)})
     placement_options = SlurmPlacement
+    ignores = {"spot": "Slurm allocates the cluster's own nodes (placement.slurm.partition, qos)",
+               "fleets": "the cluster's nodes are chosen by placement.slurm (partition, constraint, reservation)",
+               "backends": "Slurm is the cluster's own scheduler",
+               "regions": "the cluster's nodes are chosen by placement.slurm (partition, constraint, reservation)"}
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -510,6 +510,11 @@ class KubeRayRender(Provider):
         cluster_id=env("RAY_CLUSTER_NAME"),
     )
     placement_options = KubeRayPlacement
+    ignores = {"spot": "the pods go where Kubernetes schedules them (placement.kuberay.node_selector, tolerations)",
+               "retry": "a failed RayJob is not rebuilt (backoffLimit 0); the head restarts the job (job.max_restarts)",
+               "fleets": "the pods go where Kubernetes schedules them (placement.kuberay.node_selector)",
+               "backends": "the cluster is the kubeconfig's",
+               "regions": "the pods go where Kubernetes schedules them (placement.kuberay.node_selector)"}
 
     def check(self, task: Task) -> None:
         options = kuberay_placement(task.placement)

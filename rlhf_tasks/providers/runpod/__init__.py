@@ -52,8 +52,8 @@ from ..base import Cluster, Option, Provider, write_files
 from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
-from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, NODE_DIR, POD_CONTRACT, SELF_END,
-                     MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
+from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, IGNORES, NAME, NODE_DIR, POD_CONTRACT,
+                     SELF_END, MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
 from .render import render as render_files
 
 
@@ -65,6 +65,7 @@ class RunPodProvider(Provider):
     options = (Option("-y", "create the pods without asking to confirm their price"),)
     stop_after_job = True  # pods bill by the hour: the launcher terminates them after the job unless --keep
     price_source = "RunPod's catalog at launch (the launcher shows it and asks before it creates anything)"
+    ignores = IGNORES
 
     def __init__(self, **options: Any):
         super().__init__(**options)
@@ -87,6 +88,7 @@ class RunPodProvider(Provider):
             update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
         plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
                           self.ray_overrides, priced=True)
+        plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": None}))  # the catalog's, at launch
         self._named_working_dir.pop(task.name, None)
         if plan.job.submit == "head" and plan.job.working_dir and "working_dir" in task.job.model_fields_set:
             self._named_working_dir[task.name] = plan.job.working_dir

@@ -112,4 +112,5 @@ def cluster(client: RunPodClient, plan: Plan, members: list[dict], token: str | 
 
     return Cluster(name=plan.name, cluster_id=head["id"], dashboard=dashboard, token=token, head_alive=head_alive,
                    node_logs=[str(logs / f"node-{rank}.log") for rank in range(len(members))], describe=describe,
-                   tend=tunnel.tend if tunnel else (lambda: []), close=close)
+                   tend=tunnel.tend if tunnel else (lambda: []), close=close,
+                   price_per_hour=plan.budget.price_per_hour)  # the catalog's, which its head counts

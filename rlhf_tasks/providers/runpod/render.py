@@ -136,6 +136,21 @@ def cross_node_traffic(plan: Plan) -> str:
     return "training across pods sends its gradients over it"
 
 
+#: The portable placement fields RunPod cannot use: said by `check` and ignored (base.Provider.ignores). Its REST
+#: API v2 has no bid and no price bound (CreatePodRequest and CreateClusterRequest: no price field), and creates
+#: on-demand pods only.
+IGNORES = {
+    "spot": "RunPod's v2 API creates on-demand pods only, at the catalog's on-demand (secure) price, which is what "
+            "the launcher shows and the head counts",
+    "retry": "the RunPod provider does not relaunch lost pods; the head restarts the job (job.max_restarts) while "
+             "its pod lives",
+    "price_per_hour": "RunPod's catalog price is counted (the launcher shows it and asks before it creates anything); "
+                      "RunPod's v2 API takes no price bound or bid for a pod",
+    "fleets": "RunPod has no fleets",
+    "backends": "RunPod is one backend",
+}
+
+
 def check(task: Task) -> None:
     """The provider's own checks of a task (BadInput naming the field)."""
     shared_entry(RunPodShared, task.checkpoints.shared.get(NAME), NAME)
@@ -150,19 +165,6 @@ def check(task: Task) -> None:
     if "RUNPOD_API_KEY" in task.secrets:
         raise BadInput("secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod (RunPod gives "
                        "each pod a key of its own, scoped to that pod, as RUNPOD_API_KEY); remove it")
-    placement = task.placement
-    refusals = {
-        "spot": (placement.spot != "off", "RunPod's v2 API creates on-demand pods only; write spot: off"),
-        "retry": (placement.retry, "the RunPod provider does not relaunch lost pods; the head restarts the job "
-                  "(job.max_restarts) while its pod lives"),
-        "price_per_hour": (placement.price_per_hour is not None, "RunPod's price comes from its catalog (the "
-                           "launcher shows it before it creates anything); remove it"),
-        "fleets": (bool(placement.fleets), "RunPod has no fleets"),
-        "backends": (bool(placement.backends), "RunPod is one backend"),
-    }
-    for field, (refused, why) in refusals.items():
-        if refused:
-            raise BadInput(f"placement.{field}: {why}")
 
 
 #: Files of a working_dir that hold credentials by convention: never shipped in a pod's start command, which
