@@ -200,7 +200,8 @@ def test_the_rule_table_in_docs_is_the_rules_the_providers_check_by():
     rows = providers.sharing_rows()
     assert table("providers.md", "Which storage every node shares") == rows
     assert {row.split("`")[1] for row in rows} == {"local", "dstack", "sky", "runpod", "slurm", "kuberay"}
-    for page, name in (("dstack.md", "dstack"), ("skypilot.md", "sky"), ("kuberay.md", "kuberay")):
+    for page, name in (("dstack.md", "dstack"), ("skypilot.md", "sky"), ("kuberay.md", "kuberay"),
+                       ("runpod.md", "runpod")):
         assert table(page, "Which storage every node shares") == [r for r in rows if r.startswith(f"| `{name}` ")]
 
 
