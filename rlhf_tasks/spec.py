@@ -196,7 +196,8 @@ class Checkpoints(StrictModel):
     resume: Literal["auto", "never"] = "auto"
     shared: dict[str, dict[str, Any]] = Field({}, description=(
         "storage mounted at path that every node (and a later run) sees, per provider: "
-        "dstack: {volume: NAME} or {host_path: /PATH} (a directory every fleet host mounts, e.g. NFS); "
+        "dstack: {volume: NAME} (for several nodes on runpod only: placement.backends) or {host_path: /PATH} "
+        "(a directory every fleet host mounts, e.g. NFS); "
         "sky: {bucket: s3://BUCKET/PREFIX} or {volume: NAME}; runpod: {network_volume: ID}; "
         "kuberay: {claim: PVC} (a ReadWriteMany PersistentVolumeClaim). "
         "Each provider checks its own entry; without one, path is a directory on each node"))

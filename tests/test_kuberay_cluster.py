@@ -31,17 +31,18 @@ def tiny_grpo(ckpt: Path, steps: int = 150, save_every: int = 25) -> dict:
                              "num_prompts": 200}}}
 
 
-def shared_claim(cluster, ns: str, name: str, path: Path) -> None:
-    """A ReadWriteMany claim bound to a hostPath volume every pod host sees (the test's tmp dir)."""
+def shared_claim(cluster, ns: str, name: str, path: Path, mode: str = "ReadWriteMany") -> None:
+    """A claim (ReadWriteMany unless `mode` says) bound to a hostPath volume every pod host sees (the test's
+    tmp dir)."""
     path.mkdir(parents=True, exist_ok=True)
     pv = f"{ns}-{name}"
     cluster.cp.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([
         {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode], "storageClassName": "",
                   "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)},
                   "claimRef": {"namespace": ns, "name": name}}},
         {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+         "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": pv,
                   "resources": {"requests": {"storage": "1Gi"}}}}]))
     tbmod.poll(lambda: json.loads(cluster.cp.kubectl("-n", ns, "get", "pvc", name, "-o", "json").stdout)
                ["status"].get("phase") == "Bound", 60, f"claim {name} bound")
@@ -80,6 +81,25 @@ def launch_task(cluster, ns: str, tmp_path: Path, task: dict, env: dict | None =
 
 def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_launch_refuses_a_claim_the_pods_cannot_all_mount_before_it_applies_anything(kube_cluster, ns, tmp_path):
+    """checkpoints.shared.kuberay names a ReadWriteOnce claim (one Kubernetes node's) for 3 pods, then a claim that
+    is not there: `check` cannot see either; `launch` reads the claim from the API server and refuses (exit 2),
+    saying its access modes, and no RayJob is made."""
+    cluster = kube_cluster
+    shared_claim(cluster, ns, "ckpt", tmp_path / "ckpt", mode="ReadWriteOnce")
+    launch, said = launch_task(cluster, ns, tmp_path, tiny_grpo(tmp_path / "ckpt"), timeout=180)
+    assert launch.returncode == 2, said
+    assert "checkpoints.shared.kuberay.claim: ckpt: its access modes are ReadWriteOnce" in said, said
+    assert "use a ReadWriteMany claim" in said
+    assert kubectl_json(cluster, ns, "rayjob", "tiny") is None
+    task = tiny_grpo(tmp_path / "ckpt")
+    task["checkpoints"]["shared"]["kuberay"]["claim"] = "not-there"
+    launch, said = launch_task(cluster, ns, tmp_path, task, timeout=180)
+    assert launch.returncode == 2, said
+    assert f"checkpoints.shared.kuberay.claim: not-there: no such PersistentVolumeClaim in namespace {ns}" in said
+    assert kubectl_json(cluster, ns, "rayjob", "tiny") is None
 
 
 def test_launch_on_the_real_operator_with_a_late_and_a_lost_worker(kube_cluster, ns, tmp_path):

@@ -18,7 +18,7 @@ from rlhf_tasks.spec import parse_task
 from conftest import ROOT
 
 SEARCH_R1 = yaml.safe_load((ROOT / "tasks" / "search-r1-ppo-qwen2.5-7b.yaml").read_text())
-SHARED = {"dstack": {"volume": "search-r1"}, "sky": {"volume": "search-r1"}, "runpod": {"network_volume": "vol123"},
+SHARED = {"dstack": {"host_path": "/mnt/nfs/search-r1"}, "sky": {"volume": "search-r1"}, "runpod": {"network_volume": "vol123"},
           "kuberay": {"claim": "search-r1"}}
 OPTION = {"dstack": "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}",
           "sky": "checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}",

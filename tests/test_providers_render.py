@@ -194,7 +194,7 @@ FULL = {
     "env": {"NCCL_DEBUG": "INFO"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"], "setup": ["pip install -e ."],
     "ray": {"dashboard_public": True},
     "checkpoints": {"path": "/mnt/ckpt",
-                    "shared": {"dstack": {"volume": "ckpt-vol"}, "sky": {"bucket": "s3://ckpt-bucket/run"}}},
+                    "shared": {"dstack": {"host_path": "/mnt/nfs/ckpt"}, "sky": {"bucket": "s3://ckpt-bucket/run"}}},
     "placement": {"spot": "auto", "retry": True, "max_duration": "72h", "fleets": ["gpu-fleet"],
                   "backends": ["aws", "gcp"], "regions": ["us-east-1"]},
     "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}},
@@ -209,7 +209,7 @@ def test_every_placement_option_passes_dstack():
     files = provider.render(provider.plan(parse_task(FULL)))
     cfg = parse(yaml.safe_load(files["everything.dstack.yml"]))
     assert cfg.spot_policy.value == "auto" and cfg.retry and cfg.fleets and cfg.backends and cfg.regions
-    assert cfg.volumes[0].name == "ckpt-vol" and cfg.image == "verlai/verl:latest" and cfg.shell == "bash"
+    assert cfg.volumes[0].instance_path == "/mnt/nfs/ckpt" and cfg.image == "verlai/verl:latest" and cfg.shell == "bash"
     assert cfg.max_duration == 72 * 3600
     parse(yaml.safe_load(files["everything-fleet.dstack.yml"]))
 
@@ -248,13 +248,13 @@ def render_task(provider_name: str, data: dict) -> tuple[providers.Provider, obj
     return provider, plan, provider.render(plan)
 
 
-@pytest.mark.parametrize("shared,volume", [
-    ({"volume": "ckpt-vol"}, {"name": "ckpt-vol", "path": "/ckpt/run"}),
-    ({"host_path": "/mnt/nfs/run"}, {"instance_path": "/mnt/nfs/run", "path": "/ckpt/run"}),
+@pytest.mark.parametrize("shared,volume,placement", [
+    ({"volume": "ckpt-vol"}, {"name": "ckpt-vol", "path": "/ckpt/run"}, {"backends": ["runpod"]}),  # one mounts in many
+    ({"host_path": "/mnt/nfs/run"}, {"instance_path": "/mnt/nfs/run", "path": "/ckpt/run"}, {}),
 ])
-def test_dstack_mounts_the_shared_checkpoint_storage(shared, volume):
+def test_dstack_mounts_the_shared_checkpoint_storage(shared, volume, placement):
     parse = _dstack_parser()
-    provider, plan, files = render_task("dstack", shared_task({"dstack": shared}))
+    provider, plan, files = render_task("dstack", shared_task({"dstack": shared}, placement=placement))
     config = yaml.safe_load(files["shared.dstack.yml"])
     assert config["volumes"] == [volume]
     parse(config)

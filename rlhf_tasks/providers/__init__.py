@@ -29,4 +29,10 @@ def get(name: str, **options) -> Provider:
     return provider_class(name)(**options)
 
 
-__all__ = ["BUILTIN", "GROUP", "Cluster", "Option", "Provider", "get", "names", "provider_class"]
+def sharing_rows() -> list[str]:
+    """The rows of docs/providers.md's table of which storage every node of a run can share: each built-in
+    provider's rules (Provider.sharing), which its `check` follows."""
+    return [rule.row(name) for name in BUILTIN for rule in provider_class(name).sharing]
+
+
+__all__ = ["BUILTIN", "GROUP", "Cluster", "Option", "Provider", "get", "names", "provider_class", "sharing_rows"]

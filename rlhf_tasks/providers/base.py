@@ -92,6 +92,21 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_")
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """One rule of which storage every node can really share: a form of `checkpoints.shared.<provider>` on one
+    backend, as the provider's own code and docs have it. The provider's check follows its rules, and the table
+    in docs/providers.md is these rows (a test compares them), so a rule changes in one place."""
+
+    form: str  #: the entry's key (`volume`, `bucket`, `claim`...), or what the provider shares without one
+    backend: str  #: where the run lands: a backend or cloud, `any`, `other`, `SSH fleet`
+    shared: str  #: "yes", "no", or "if ..." (a condition `check` cannot see, said as a note)
+    why: str  #: the reason, citing the provider's code or docs
+
+    def row(self, provider: str) -> str:
+        return f"| `{provider}` | `{self.form}` | {self.backend} | {self.shared} | {self.why} |"
+
+
 class Provider:
     name: ClassVar[str] = "?"
     #: How a node finds its rank, the node count and the head in this provider's environment.
@@ -122,6 +137,8 @@ class Provider:
     shares_filesystem: ClassVar[bool] = False
     #: The task's option for storage every node sees at checkpoints.path (checkpoints.shared.<name>).
     shared_option: ClassVar[str] = ""
+    #: Which storage the nodes of one run can share here, per form and backend (Sharing).
+    sharing: ClassVar[tuple[Sharing, ...]] = ()
     #: Where the cluster's price per hour comes from when the provider knows it itself (`check` says it);
     #: None: placement.price_per_hour.
     price_source: ClassVar[str | None] = None

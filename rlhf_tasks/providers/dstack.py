@@ -7,8 +7,9 @@ one port we expose. Secrets and the Ray token are listed as bare names, which th
 dstack CLI fills from the local environment at apply time.
 
 Checkpoints go to a directory on each host (`instance_path`) unless the task names shared
-storage in `checkpoints.shared.dstack`: a network volume, or a host directory the user
-declares shared (an NFS mount on every fleet host).
+storage in `checkpoints.shared.dstack`: a network volume (for several nodes only on backends whose
+volumes attach to several instances: SHARING), or a host directory the user declares shared (an NFS
+mount on every fleet host).
 
 What dstack's server does with the file, read in dstack 0.22.5's own code: it runs `commands` as
 `<shell> -i -c "<items joined with ' && '>"` (jobs/configurators/base.py, _commands and
@@ -44,7 +45,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import (Cluster, Provider, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli,
+from .base import (Cluster, Provider, Sharing, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli,
                    write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
@@ -155,10 +156,51 @@ def dstack_resources(res, keys: tuple[str, ...], cpu_arch: str | None = None) ->
 PS_RUNS = 100
 
 
+#: Which storage the nodes of one dstack run share, read in dstack 0.22.5. A network volume is one cloud disk that
+#: dstack attaches to each job's instance (server/background/pipeline_tasks/jobs_submitted.py,
+#: _process_volume_attachments: a failed attach ends the job VOLUME_ERROR, after its instance was provisioned), and
+#: the run's offers are limited to the volume's backend and region (server/services/offers.py).
+SHARING = (
+    Sharing("volume", "runpod", "yes", "a RunPod network volume mounts in many pods of its data center at once; "
+            "dstack's volume docs: mounting one volume in several runs and instances \"is currently supported only "
+            "by the `runpod` backend\" (concepts/volumes.md, FAQ)"),
+    Sharing("volume", "kubernetes", "if its PersistentVolumeClaim is ReadWriteMany",
+            "a dstack Kubernetes volume is a PVC whose `access_modes` default to ReadWriteOnce "
+            "(core/models/volumes.py, KubernetesVolumeConfiguration); a ReadWriteOnce claim mounts on one "
+            "Kubernetes node, and dstack does not check it"),
+    Sharing("volume", "aws", "no", "an EBS volume attaches to one instance: the second node's attach fails "
+            "(aws/compute.py attach_volume, VolumeInUse) after its instance is billed, and its job ends VOLUME_ERROR"),
+    Sharing("volume", "gcp", "no", "a persistent disk is attached read-write to one instance (gcp/compute.py "
+            "attach_volume, READ_WRITE): the second node's attach fails as on aws"),
+    Sharing("volume", "other backends, SSH fleets", "no", "no network volumes (only aws, gcp, kubernetes, runpod, "
+            "daytona and lium implement ComputeWithVolumeSupport, core/backends/base/compute.py; daytona and lium run "
+            "no multi-node task)"),
+    Sharing("volume", "any, a name with `${{ dstack.node_rank }}`", "no", "one volume per node (dstack interpolates "
+            "the name per job: server/services/jobs/configurators/base.py, interpolate_job_volumes): not shared"),
+    Sharing("host_path", "any", "if it is one network filesystem mounted on every host",
+            "you declare it (an NFS or Lustre mount on an SSH fleet's hosts): dstack mounts the host's directory "
+            "(instance_path) and shares nothing itself; it mounts no shared filesystem on cloud instances"),
+)
+
+
+def volume_backends(sharing=SHARING) -> list[str]:
+    """The backends on which one dstack network volume can be mounted by every node of a run (perhaps with a
+    condition `check` cannot see), from the rules."""
+    return [rule.backend for rule in sharing
+            if rule.form == "volume" and rule.shared != "no" and "`" not in rule.backend]
+
+
+def per_node_name(volume: str) -> bool:
+    """A volume name dstack interpolates per job (`ckpt-${{ dstack.node_rank }}`): each node its own volume."""
+    return bool(re.search(r"\$\{\{\s*dstack\.(node_rank|job_num)\s*\}\}", volume))
+
+
 class DstackShared(StrictModel):
     """`checkpoints.shared.dstack`: storage every node mounts at checkpoints.path."""
 
-    volume: str | None = Field(None, description="a dstack network volume that every node can mount at once")
+    volume: str | None = Field(None, description=(
+        "a dstack network volume; for several nodes only where every backend the run may land on mounts one in "
+        "several instances (placement.backends: [runpod]; kubernetes with a ReadWriteMany claim)"))
     host_path: str | None = Field(None, description="a directory on every fleet host that is the same storage "
                                   "on all of them (e.g. an NFS mount): you declare it shared")
 
@@ -263,6 +305,7 @@ class DstackProvider(Provider):
     name = "dstack"
     state_elsewhere = "dstack ps"
     shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
+    sharing = SHARING
     placement_options = DstackPlacement
     contract = Contract(
         rank=env("DSTACK_NODE_RANK"),
@@ -283,8 +326,8 @@ class DstackProvider(Provider):
     _made_fleet: str | None = None
 
     def check(self, task: Task) -> None:
-        shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name)
         options = dstack_placement(task.placement)
+        self.check_volume(task, shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name), options)
         if not task.image:
             for field in ("user", "cpu_arch", "registry_auth"):
                 if getattr(options, field) is not None:
@@ -297,6 +340,38 @@ class DstackProvider(Provider):
             which = "backends" if task.placement.backends else "regions"
             raise BadInput(f"placement.{which}: the task runs on its SSH fleet (placement.dstack.ssh), which has "
                            f"no cloud {which}; leave placement.{which} out")
+
+    def check_volume(self, task: Task, shared: DstackShared | None, options: DstackPlacement) -> None:
+        """One network volume for every node only where the run can land on backends that mount it in several
+        instances at once (SHARING): elsewhere the second node's attach fails once its instance is billed."""
+        if not shared or not shared.volume:
+            return
+        where = "checkpoints.shared.dstack.volume"
+        instead = ("checkpoints.shared.dstack: {host_path: /PATH} (a directory every fleet host mounts, e.g. an NFS "
+                   "on an SSH fleet), or checkpoints.shared.sky: {bucket: ...} with --provider sky")
+        if per_node_name(shared.volume):
+            raise BadInput(f"{where}: {shared.volume} names one volume per node (dstack interpolates it per job), "
+                           f"which no other node sees: it is not shared storage; use one volume on runpod "
+                           f"(placement.backends: [runpod]) or {instead}")
+        if options.ssh:
+            raise BadInput(f"{where}: {shared.volume}: an SSH fleet (placement.dstack.ssh) has no dstack network "
+                           f"volumes (only cloud backends implement them); use {instead}")
+        if task.nodes < 2:
+            return
+        backends = list(task.placement.backends)
+        allowed = volume_backends()
+        outside = [b for b in backends if b.lower() not in allowed]
+        if backends and not outside:
+            return
+        lands = f"placement.backends lists {', '.join(outside)}" if backends else \
+            "placement.backends is empty, so the run may land on any backend"
+        raise BadInput(
+            f"{where}: {shared.volume}: one dstack network volume for {task.nodes} nodes is mounted by all of them "
+            f"only on {' or '.join(allowed)} (a RunPod network volume; a ReadWriteMany claim), and {lands}: an "
+            f"aws (EBS) or gcp volume attaches to one instance, and the second node's attach fails after its "
+            f"instance is billed (the job ends VOLUME_ERROR, then dstack's retry starts over); set "
+            f"placement.backends: [runpod] for a RunPod volume, or use {instead}. A volume per node "
+            f"(NAME-${{{{ dstack.node_rank }}}}) is no shared storage, so not for checkpoints every node reads")
 
     # ------------------------------------------------------------------ job.working_dir
 
@@ -377,6 +452,13 @@ class DstackProvider(Provider):
                        "never stops the job at the cap (placement.max_duration still holds); `rlhf-tasks launch` counts "
                        "dstack's run plan's price (and refuses a plan that prices the offers at $0, an SSH fleet's); "
                        "give placement.price_per_hour for a hand apply")
+        shared = shared_entry(DstackShared, plan.checkpoint_shared, self.name)
+        if shared and shared.volume and plan.nodes > 1:
+            for rule in SHARING:
+                if rule.form == "volume" and rule.shared.startswith("if ") and \
+                        rule.backend in [b.lower() for b in plan.placement.backends]:
+                    out.append(f"checkpoints.shared.dstack.volume {shared.volume} on {rule.backend}: every node mounts "
+                               f"it only {rule.shared} ({rule.why}): `check` cannot see it")
         return out
 
     # ------------------------------------------------------------------ dstack's own code

@@ -34,7 +34,7 @@ from ..agent.protocol.ports import free_ports
 from ..errors import BadInput, StepFailed
 from ..plan import TOKEN_ENV, Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, write_files
+from .base import Cluster, Option, Provider, Sharing, write_files
 
 #: This installation's agent, run by its path: `-m` would run an rlhf_tasks in the directory `launch` runs from.
 AGENT_MAIN = str(Path(__file__).resolve().parents[2] / AGENT_ENTRY)
@@ -98,6 +98,7 @@ def groups_below(groups: set[int], pids: list[int]) -> set[int]:
 class LocalProvider(Provider):
     name = "local"
     shares_filesystem = True  # every node is on this machine
+    sharing = (Sharing("checkpoints.path", "this machine", "yes", "every node is a process on this machine"),)
     contract = Contract(rank=env(RANK), nodes=env(NODES), head=env(HEAD), node_addr=env(NODE_ADDR))
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True

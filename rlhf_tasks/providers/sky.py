@@ -46,7 +46,7 @@ from ..models import StrictModel, size_bytes
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, end_process, hold_forward, require_cli, stop_with_cli
+from .base import Cluster, Option, Provider, Sharing, end_process, hold_forward, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -108,6 +108,30 @@ def _catalog_accelerators() -> dict[str, list[str]] | None:
                 for row in csv.DictReader(handle)}
 
 
+#: Which storage the nodes of one SkyPilot cluster share, read in SkyPilot 0.14.1. A volume (`sky volumes apply`)
+#: pins the task to its cloud, and SkyPilot refuses a task whose resources name another (task.py,
+#: Task.resolve_and_validate_volumes: VolumeTopologyConflictError, "even if user specifies 'any_of'").
+SHARING = (
+    Sharing("bucket", "any", "yes", "MOUNT and MOUNT_CACHED are close-to-open: a file is in the bucket for every "
+            "node once closed (SkyPilot's storage docs, storage modes); MOUNT_CACHED uploads it in the background "
+            "after the close and rereads listings every 10 s (data/mounting_utils.py get_mount_cached_cmd: rclone "
+            "--vfs-cache-mode full --dir-cache-time 10s); each node writes its own files, two writers of one file: "
+            "the last close wins"),
+    Sharing("volume", "kubernetes (k8s-pvc)", "if its access mode is ReadWriteMany", "SkyPilot itself refuses a "
+            "ReadWriteOnce or ReadWriteOncePod volume for a multi-node task at `sky launch`, before anything is "
+            "provisioned (task.py Task.resolve_and_validate_volumes)"),
+    Sharing("volume", "kubernetes (k8s-hostpath)", "if its host_path is one network filesystem on every node",
+            "a directory on each Kubernetes node: \"Data is local to each node\" (volumes/volume.py HostPathVolume)"),
+    Sharing("volume", "runpod (runpod-network-volume)", "yes", "a RunPod network volume, mounted by every pod of "
+            "its data center (volumes/volume.py RunpodNetworkVolume: the zone is its DataCenterId)"),
+    Sharing("volume", "other clouds", "no", "SkyPilot has volumes on kubernetes and runpod only "
+            "(volumes/volume.py VOLUME_TYPE_TO_CLOUD)"),
+)
+
+#: The clouds a SkyPilot volume can be on (the SHARING rows of a volume that are not "no").
+VOLUME_CLOUDS = ("kubernetes", "runpod")
+
+
 class SkyShared(StrictModel):
     """`checkpoints.shared.sky`: storage every node mounts at checkpoints.path."""
 
@@ -116,7 +140,8 @@ class SkyShared(StrictModel):
     mode: Literal["MOUNT_CACHED", "MOUNT"] = Field(
         "MOUNT_CACHED", description="MOUNT_CACHED: writes go to a local cache and upload in the background (any "
         "write pattern); MOUNT: written through to the bucket (no appends or random writes)")
-    volume: str | None = Field(None, description="a SkyPilot volume (sky volumes apply) several nodes can mount")
+    volume: str | None = Field(None, description="a SkyPilot volume (sky volumes apply), on kubernetes or runpod: "
+                               "every node shares a RunPod one or a ReadWriteMany claim")
 
     @field_validator("bucket")
     @classmethod
@@ -138,6 +163,7 @@ class SkyProvider(Provider):
     name = "sky"
     state_elsewhere = "sky status {name}"  # asking starts SkyPilot's API server: `ps` leaves it to the user
     shared_option = "checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}"
+    sharing = SHARING
     contract = Contract(
         rank=env("SKYPILOT_NODE_RANK"),
         nodes=env("SKYPILOT_NUM_NODES"),
@@ -170,7 +196,14 @@ class SkyProvider(Provider):
                 if low <= port <= high:
                     raise BadInput(f"ray.{field}: {port} is inside {low}-{high}, the ports of {whose} on a "
                                    f"SkyPilot node; choose another")
-        shared_entry(SkyShared, task.checkpoints.shared.get(self.name), self.name)
+        shared = shared_entry(SkyShared, task.checkpoints.shared.get(self.name), self.name)
+        outside = [b for b in task.placement.backends if b.lower() not in VOLUME_CLOUDS]
+        if shared and shared.volume and outside:
+            raise BadInput(f"checkpoints.shared.sky.volume: {shared.volume}: SkyPilot volumes are on "
+                           f"{' or '.join(VOLUME_CLOUDS)} only, and a volume pins the task to its cloud, but "
+                           f"placement.backends lists {', '.join(outside)} (`sky launch` would refuse the task: "
+                           f"VolumeTopologyConflictError); use checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}}, "
+                           f"which every cloud's nodes mount, or leave {', '.join(outside)} out")
         if self.chosen["managed"] and task.job.submit != "head":
             raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
                            "since SkyPilot relaunches the whole task on recovery")
@@ -211,6 +244,16 @@ class SkyProvider(Provider):
         return (f"checkpoints {plan.checkpoint_dir} is a directory on each SkyPilot node: the "
                 f"{plan.nodes} nodes do not share it, and a relaunched cluster starts without it; add "
                 f"checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}} or {{volume: NAME}}")
+
+    def notes(self, plan: Plan) -> list[str]:
+        out = super().notes(plan)
+        shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
+        if shared and shared.volume and plan.nodes > 1:
+            out.append(f"checkpoints.shared.sky.volume {shared.volume}: every node shares it only if it is a RunPod "
+                       f"network volume, a ReadWriteMany k8s-pvc (`sky launch` refuses a ReadWriteOnce one for "
+                       f"{plan.nodes} nodes) or a k8s-hostpath that is one network filesystem on every Kubernetes "
+                       f"node (else each node's own directory): `check` cannot see its type (`sky volumes ls`)")
+        return out
 
     def autostop(self, plan: Plan) -> dict | None:
         """SkyPilot's own autostop, run by the cluster (its skylet on the head), so that the VMs end

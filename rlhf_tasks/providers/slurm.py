@@ -56,7 +56,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
 from ..plan import Contract, Plan, check_contract_env, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
-from .base import Cluster, Provider
+from .base import Cluster, Provider, Sharing
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
@@ -267,6 +267,10 @@ class SlurmJob:
 class SlurmProvider(Provider):
     name = "slurm"
     shares_filesystem = True  # the submission directory and checkpoints must be on the shared filesystem
+    sharing = (Sharing("checkpoints.path", "a Slurm cluster", "if it is on the cluster's shared filesystem",
+                       "Slurm mounts no storage of its own: every node sees what the site mounts on all of them "
+                       "(NFS, Lustre, GPFS); `check` warns for a path under /checkpoints, which may be each "
+                       "node's own disk"),)
     contract = Contract(
         rank=env("SLURM_NODEID"),
         nodes=env("SLURM_JOB_NUM_NODES"),

@@ -30,11 +30,13 @@ from ...errors import BadInput, StepFailed
 from ...plan import Plan
 from ...spec import Task
 from ..base import Cluster, Option, hold_forward, start_tunnel, write_files
+from ..shipping import shared_entry
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
 from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
                      PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
-                     KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement, pack)
+                     SHARED_MODE, KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement,
+                     pack)
 
 #: How long the operator may take to give a new RayJob its cluster's name (a queued RayJob waits longer).
 OPERATOR_S = 120.0
@@ -99,6 +101,27 @@ class KubeRayProvider(KubeRayRender):
         """kubectl, the context, and KubeRay's CRDs in it; BadInput (nothing launched) otherwise."""
         self._kube = resolve(self.chosen.get("context"), kuberay_placement(plan.placement).namespace)
         require_crds(self._kube)
+        self.require_shared_claim(self._kube, plan)
+
+    def require_shared_claim(self, kube: Kubectl, plan: Plan) -> None:
+        """checkpoints.shared.kuberay's claim as the API server has it: there, and ReadWriteMany when several pods
+        mount it (a ReadWriteOnce claim mounts on one node, and a pod on another waits for it, ContainerCreating,
+        until the RayJob's deadline); BadInput otherwise, before anything is applied. `check` cannot see it."""
+        shared = shared_entry(KubeRayShared, plan.checkpoint_shared, self.name)
+        if not shared:
+            return
+        where = f"checkpoints.shared.kuberay.claim: {shared.claim}"
+        claim = kube.get("persistentvolumeclaim", shared.claim)
+        if claim is None:
+            raise BadInput(f"{where}: no such PersistentVolumeClaim in namespace {kube.namespace} ({kube.where}); "
+                           f"create it first ({SHARED_MODE} for several pods), or name another")
+        modes = (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or []
+        if plan.nodes > 1 and SHARED_MODE not in modes:
+            raise BadInput(f"{where}: its access modes are {', '.join(modes) or 'none'} (kubectl get pvc "
+                           f"{shared.claim} -n {kube.namespace}), so the {plan.nodes} pods cannot all mount it "
+                           f"read-write: ReadWriteOnce is one Kubernetes node's, ReadWriteOncePod one pod's, "
+                           f"ReadOnlyMany read-only; use a {SHARED_MODE} claim (a StorageClass on NFS, CephFS, EFS, "
+                           f"Filestore...)")
 
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         if self._kube is None:

@@ -51,7 +51,7 @@ from ...models import StrictModel, parse_duration, size_bytes
 from ...plan import Contract, Plan, env, gpu_vendor
 from ...recipes.base import Shape
 from ...spec import Placement, Task, provider_part
-from ..base import Provider
+from ..base import Provider, Sharing
 from ..shipping import AGENT, LIB, NODE_DIR, NODE_ENTRY, dump_yaml, module_files, shared_entry
 
 RANK_ENV, POD_IP_ENV, WORKERS_ENV = "RLHF_TASKS_RANK", "RLHF_TASKS_POD_IP", "RLHF_TASKS_WORKER_REPLICAS"
@@ -452,6 +452,21 @@ class KubeRayPlacement(StrictModel):
         return tuple(int(part) for part in self.ray.split("."))
 
 
+#: Which claims every pod of a RayJob can mount read-write, by the claim's access mode (Kubernetes' persistent
+#: volumes docs, concepts/storage/persistent-volumes, "Access Modes"). `check` cannot see the cluster; `launch`
+#: reads the claim's modes (`kubectl get pvc`) and refuses one that is not ReadWriteMany for several pods.
+SHARING = (
+    Sharing("claim", "ReadWriteMany", "yes", "\"mounted as read-write by many nodes\" (Kubernetes' docs, persistent "
+            "volumes, access modes; e.g. NFS, CephFS, EFS, Filestore); `check` cannot see the cluster: `launch` reads "
+            "the claim's modes (kubectl get pvc) and refuses another for several pods"),
+    Sharing("claim", "ReadWriteOnce", "no", "\"mounted as read-write by a single node\": a pod scheduled on "
+            "another node stays ContainerCreating (Multi-Attach error)"),
+    Sharing("claim", "ReadWriteOncePod", "no", "\"mounted as read-write by a single Pod\""),
+    Sharing("claim", "ReadOnlyMany", "no", "\"mounted as read-only by many nodes\": no checkpoint can be written"),
+)
+SHARED_MODE = "ReadWriteMany"
+
+
 class KubeRayShared(StrictModel):
     """`checkpoints.shared.kuberay`: storage every pod mounts at checkpoints.path."""
 
@@ -502,6 +517,7 @@ class KubeRayRender(Provider):
 
     name = "kuberay"
     shared_option = "checkpoints.shared.kuberay: {claim: PVC}"
+    sharing = SHARING
     contract = Contract(
         rank=env(RANK_ENV),
         nodes=env(WORKERS_ENV, plus=1),
@@ -583,6 +599,9 @@ class KubeRayRender(Provider):
     def notes(self, plan: Plan) -> list[str]:
         options, res = kuberay_placement(plan.placement), plan.resources
         out = super().notes(plan)
+        claim = self.shared_claim_note(plan)
+        if claim:
+            out.append(claim)
         if plan.image:
             out.append(f"image {plan.image}: it must hold bash and python3 (the agent), and Ray {options.ray} "
                        f"(`ray` on PATH) by the time KubeRay's `ray start` runs: in the image, or installed by setup "
@@ -605,6 +624,15 @@ class KubeRayRender(Provider):
                 out.append("network: infiniband sets NCCL's InfiniBand variables, but the pods get "
                            + "; and ".join(missing))
         return out
+
+    def shared_claim_note(self, plan: Plan) -> str | None:
+        """What `check` cannot see of a claim several pods mount: its access mode (`launch` reads it)."""
+        shared = shared_entry(KubeRayShared, plan.checkpoint_shared, self.name)
+        if not shared or plan.nodes < 2:
+            return None
+        return (f"checkpoints.shared.kuberay.claim {shared.claim}: the {plan.nodes} pods share it only if it is "
+                f"{SHARED_MODE} (a ReadWriteOnce claim mounts on one Kubernetes node); `check` cannot see the "
+                f"cluster, `launch` reads the claim's access modes there and refuses another")
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if plan.nodes < 2 or not plan.unshared_checkpoints:

@@ -53,13 +53,14 @@ from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
 from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, IGNORES, NAME, NODE_DIR, POD_CONTRACT,
-                     SELF_END, MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
+                     SELF_END, SHARING, MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
 from .render import render as render_files
 
 
 class RunPodProvider(Provider):
     name = NAME
     shared_option = "checkpoints.shared.runpod: {network_volume: ID}"
+    sharing = SHARING
     contract = POD_CONTRACT
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)

@@ -21,6 +21,7 @@ from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, SelfEnd, env, template
 from ...spec import Task
+from ..base import Sharing
 from ..shipping import NODE_DIR, WRITTEN_BY, plan_file, agent_command, heredoc, node_path, shared_entry, shipped_files
 from . import vault
 
@@ -75,6 +76,15 @@ GLOBAL_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}
                  "NCCL_SOCKET_FAMILY": "IPv4", "NCCL_LAUNCH_MODE": "GROUP", "NCCL_SOCKET_NTHREADS": "1",
                  "NCCL_NSOCKS_PERTHREAD": "1"}
 CLUSTER_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"}
+
+
+#: Which storage RunPod's pods share (RunPod's storage docs and its REST API v2, /work/shared/runpod/openapi-v2.json).
+SHARING = (
+    Sharing("network_volume", "pods (Global Networking) or an Instant Cluster", "yes",
+            "a network volume is \"Shareable: Yes (across Pods)\" (docs.runpod.io/pods/storage/types) and lives in "
+            "one data center, where `launch` creates the pods (catalog.py); a pod mounts at most one "
+            "(REST API v2 Mounts.network, maxItems 1)"),
+)
 
 
 class RunPodShared(StrictModel):
