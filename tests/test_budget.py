@@ -396,3 +396,35 @@ def test_a_launch_continues_the_trainings_spend_and_refuses_one_already_at_its_c
             del os.environ["RLHF_TASKS_HOME"]
         else:
             os.environ["RLHF_TASKS_HOME"] = old
+
+
+SKY_RECOVERY = '''
+import asyncio, json, sys
+from rlhf_tasks.providers.sky import SkyProvider
+from rlhf_tasks.spec import parse_task
+import sky
+from sky import backends
+from sky.jobs import recovery_strategy
+
+async def restarts(retry):
+    task = {"name": "rj", "nodes": 1, "placement": {"retry": retry},
+            "job": {"recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": "true"}}}
+    provider = SkyProvider(managed=True)
+    config = provider.task_config(provider.plan(parse_task(task, "t.yaml")))
+    executor = recovery_strategy.StrategyExecutor.make("rj", backends.CloudVmRayBackend(), sky.Task.from_yaml_config(
+        config), 1, 0, None, set(), asyncio.Lock(), asyncio.Condition())
+    return [executor.should_restart_on_failure(exit_codes=[1]) for _ in range(4)]
+
+print(json.dumps({"true": asyncio.run(restarts(True)), "errors": asyncio.run(restarts({"errors": 2}))}))
+'''
+
+
+def test_skypilots_managed_job_restarts_the_jobs_failure_only_as_often_as_retry_errors_says(tmp_path):
+    """SkyPilot's own managed-jobs code (sky/jobs/recovery_strategy.py: StrategyExecutor.make from the rendered
+    task, should_restart_on_failure as its controller asks it after each user-code failure): `retry: true`
+    restarts no failure; `retry: {errors: 2}` two, then none."""
+    out = subprocess.run([sys.executable, "-c", SKY_RECOVERY], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), HOME=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"true": [False] * 4,
+                                                               "errors": [True, True, False, False]}

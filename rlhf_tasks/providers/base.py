@@ -85,6 +85,7 @@ class Retries:
     on: str                        # what it relaunches after, in words
     unbounded: str | None          # what it relaunches without a count, in words (None: every relaunch counted)
     cites: str                     # where that is read in its code
+    on_failure: bool = False       # it relaunches after the job's own failure (placement.retry.errors)
     cap_exit: int = 1              # the head agent's exit status it does not relaunch (plan.budget.cap_exit)
     error_retries: int | None = None  # relaunches after the job's own failure the head counts (None: it counts none)
 
@@ -175,7 +176,7 @@ class Provider:
         attempts before it spent starts its count again."""
         retries = self.retries(plan)
         errors = plan.placement.retry_errors
-        if errors and (retries is None or "failure" not in retries.on):
+        if errors and (retries is None or not retries.on_failure):
             raise BadInput(f"placement.retry.errors: the {self.name} provider does not relaunch a run after the "
                            f"job's own failure; use placement.retry: true (or the job's own job.max_restarts)")
         if retries is None:

@@ -269,7 +269,7 @@ class DstackProvider(Provider):
             f"spend record, and ends the last one with exit 0, which dstack does not retry)" if errors else ""),
             unbounded="dstack's retry.duration counts from the last interruption or error, not the first",
             cites="dstack's server/background/pipeline_tasks/runs/active.py _should_retry_job",
-            cap_exit=0, error_retries=errors or None)
+            on_failure=bool(errors), cap_exit=0, error_retries=errors or None)
 
     # ------------------------------------------------------------------ job.working_dir
 

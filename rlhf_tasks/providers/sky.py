@@ -157,7 +157,7 @@ class SkyProvider(Provider):
                        unbounded="a preempted cluster is recovered with no count: max_restarts_on_errors counts "
                                  "only the job's own failures",
                        cites="SkyPilot's sky/jobs/controller.py and recovery_strategy.py should_restart_on_failure",
-                       cap_exit=0)
+                       on_failure=bool(errors), cap_exit=0)
 
     def notes(self, plan: Plan) -> list[str]:
         """`check` and `render` do not know whether `launch --managed` will run it: what that would refuse."""
