@@ -206,15 +206,34 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
         most = f"at most about ${budget.max_cost + price * budget.stop_grace_s / 3600:.2f}: " if price else ""
         after = f", after {_hm(cap)}" if price else ", at its price"
         words.append(f"{most}the head stops the job at ${budget.max_cost:.2f} (placement.max_cost{after}) and {grace}, "
-                     f"counted from the head agent's start")
+                     f"counted from the head agent's start, over every attempt of the training")
     elif budget.max_duration_s:
         most = (f"at most about ${price * (budget.max_duration_s + budget.stop_grace_s) / 3600:.2f}: "
                 if price is not None else "")
         words.append(f"{most}the head stops the job after {_hm(budget.max_duration_s)} (placement.max_duration) and "
-                     f"{grace}, counted from the head agent's start")
+                     f"{grace}, counted from the head agent's start, over every attempt of the training")
     else:
         words.append("no cap (placement.max_cost, placement.max_duration): nothing ends the bill but the job's end")
+    retries = None if neutral else provider.retries(plan)
+    if retries is not None:
+        words.append(_retry_words(provider, plan, retries, cap is not None or by_cost))
     return "  cost      " + "; ".join(words)
+
+
+def _retry_words(provider, plan, retries, capped: bool) -> str:
+    """What `check` says of the provider's own relaunches: what it relaunches after, and how the caps hold
+    across them (each attempt's head adds the spend record of the attempts before it)."""
+    from .agent.protocol.spend import SPEND_FILE
+
+    said = f"{provider.name} relaunches the run after {retries.on} ({retries.cites})"
+    if not capped:
+        return said + ": with no cap, each attempt bills until its job ends"
+    if not provider.spend_kept(plan):  # refused by retry_rules where a cap is given; said for a plan built anyway
+        return said + f": each attempt's head counts from $0 (no spend record every attempt sees)"
+    return (said + f": one cap for the training, whatever restarts it: each attempt's head adds what the attempts "
+            f"before it spent ({plan.checkpoint_dir}/{SPEND_FILE}) and ends at the cap with exit status "
+            f"{retries.cap_exit}, which {provider.name} does not relaunch; beyond the cap, each attempt bills its "
+            f"start before its head agent counts (provisioning, setup)")
 
 
 def _warn_wandb(task) -> None:

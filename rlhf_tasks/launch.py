@@ -125,6 +125,7 @@ class Outcome:
     last_line: str | None = None        # the job's own last line
     forensics: dict | None = None       # a failure's first error on each node and its bundle (agent.protocol.bundle)
     budget: dict | None = None          # the head stopped the run at a cap: its words, cost, last checkpoint
+    spend: dict | None = None           # the training's spend record as the head ended (agent/budget.py)
 
     @classmethod
     def from_result(cls, result: dict, every_node: bool = False) -> Outcome:
@@ -134,7 +135,8 @@ class Outcome:
                    failed_step=result.get("failed_step"), exit_code=code, attempts=job.get("attempts") or [],
                    steps=result.get("steps") or [], node_ids=set(result.get("node_ids") or []),
                    last_line=job_said(result.get("job_log_tail") or ""), forensics=result.get("forensics"),
-                   budget=result.get("budget") if (result.get("budget") or {}).get("capped") else None)
+                   budget=result.get("budget") if (result.get("budget") or {}).get("capped") else None,
+                   spend=result.get("spend") if isinstance(result.get("spend"), dict) else None)
 
 
 #: Lines that are not the job's own: Ray's log records (Python's and its C++ core's, `[2026-11-28
@@ -602,6 +604,40 @@ def verdict(plan: Plan, outcome: Outcome, via_head_log: bool) -> int:
 # ------------------------------------------------------------------ launch
 
 
+def refuse_spent(plan: Plan) -> None:
+    """BadInput, before anything is rented, when the training's attempts so far (the launcher's record) reached
+    a cap already: a launch without --fresh continues the training, and its head would end at once."""
+    from .agent.protocol import spend as bmod
+
+    seconds, cost, _ = bmod.totals(plan.budget.spent)
+    left = bmod.cap_seconds(plan.budget.model_dump(), seconds, cost)
+    if not plan.budget.spent or left is None or left > 0:
+        return
+    from . import state
+
+    which = "placement.max_cost" if plan.budget.max_cost is not None and plan.budget.price_per_hour and \
+        cost >= plan.budget.max_cost else "placement.max_duration"
+    raise BadInput(f"{which}: the training {plan.budget.training} spent ${cost:.2f} over {bmod.hm(seconds)} in "
+                   f"{len(plan.budget.spent)} attempts already ({state.spend_path(plan.name)}), which reaches "
+                   f"{which} ({f'${plan.budget.max_cost:.2f}' if which.endswith('cost') else bmod.hm(plan.budget.max_duration_s or 0)}): "
+                   f"a launch without --fresh continues that training and its budget. Raise {which}, or start a new "
+                   f"training with `rlhf-tasks launch --fresh`; nothing was launched")
+
+
+def keep_spend(plan: Plan, spend: dict | None) -> None:
+    """The head's word on the training's spend (its result line) merged into the launcher's record."""
+    if not spend or spend.get("training") != plan.budget.training:
+        return
+    from . import state
+    from .agent.protocol import spend as bmod
+
+    record = state.training(plan.name)
+    if record.get("training") != plan.budget.training:
+        record = {"version": 1, "training": plan.budget.training, "attempts": {}}
+    record["attempts"] = bmod.merge(record.get("attempts") or {}, plan.budget.spent, spend.get("attempts") or {})
+    state.keep_training(plan.name, record)
+
+
 def refuse_live_cluster(name: str, provider: Provider) -> None:
     """One live cluster per name: a launch on another provider under the name of a cluster that
     still lives would overwrite its record (and its token), leaving it running, billed and out of
@@ -765,12 +801,17 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
         plan = plan.replace(fresh=fresh)
     if wandb_env:
         plan = plan.replace(env={**wandb_env, **plan.env})  # the task's own env wins
+    trained = state.training(task.name, fresh)
+    plan = plan.replace(budget=plan.budget.model_copy(update={"training": trained["training"],
+                                                              "spent": trained["attempts"]}))
+    refuse_spent(plan)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
     if wandb_env and secrets.get("WANDB_API_KEY"):
         keep_wandb_run(task.name, wandb_env)
     before = provider.before_launch(task.name)
     say(f"launching {task.name} on {provider.name}: {task.nodes} nodes; its files go to {state.run_dir(task.name)}")
+    state.keep_training(task.name, trained)  # the training this launch belongs to, for the next one of the name
     if plan.fresh:
         say(f"--fresh: the run starts over; the head moves the old checkpoints aside before prepare, nothing deleted: "
             f"{plan.checkpoint_dir} -> {plan.checkpoint_dir}.old-{plan.fresh} (its log says where they went)")
@@ -812,6 +853,7 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
             state.update(plan.name, job={"submission_id": outcome.submission_id, "status": outcome.status})
         if outcome.budget:  # `status NAME` says it too
             state.update(plan.name, budget={k: outcome.budget.get(k) for k in ("words", "checkpoint")})
+        keep_spend(plan, outcome.spend)
         training.close()
         summarise(plan, outcome, started, cluster, training)
         if keep and not outcome.budget:

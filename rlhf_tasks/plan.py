@@ -240,6 +240,16 @@ class BudgetPlan(StrictModel):
     max_duration_s: float | None = None
     stop_grace_s: float = 120.0
     idle_s: float | None = 3600.0        # None: never (a kept cluster stays until `down`)
+    #: The training the caps belong to, whatever restarts it (the cluster's name; `launch --fresh` starts a new
+    #: one): the head adds up the spend of every attempt of it (agent/budget.py, the spend record).
+    training: str | None = None
+    #: The attempts of the training the launcher knows of (its record, runs/NAME/spend.json): attempt id -> spend.
+    spent: dict[str, dict] = {}
+    #: The head agent's exit status at a cap, one the provider does not relaunch (dstack: 0, its DONE_BY_RUNNER).
+    cap_exit: int = 1
+    #: How often the provider relaunches after the job's own failure with no count of its own (dstack): the head
+    #: ends the last allowed attempt's failure with cap_exit. None: the head counts no failures.
+    error_retries: int | None = None
 
 
 #: The action a node takes to end its own machine once its agent is done (RunPod: terminate its pod with
@@ -433,5 +443,5 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         node_inputs=out.node_inputs,
         budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
                           max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,
-                          idle_s=task.placement.idle),
+                          idle_s=task.placement.idle, training=task.name),
     )

@@ -284,6 +284,14 @@ IdleDuration = Annotated[Union[Duration, None], BeforeValidator(_never), WithJso
     {"type": "number"}, {"type": "string"}], "description": "a duration (90s, 15m, 1h) or never"})]
 
 
+class RetryOptions(StrictModel):
+    """`placement.retry: {errors: N}`: the provider's relaunches after no capacity and an interruption, and
+    after the job's own failure too, at most `errors` times (a bad flag or an OOM fails every attempt alike)."""
+
+    errors: int = Field(0, ge=0, le=10, description=(
+        "also relaunch the run after the job itself failed, at most this many times (0: never)"))
+
+
 class Placement(StrictModel):
     """Where and how the provider may place the nodes (used by the providers that have it)."""
 
@@ -305,7 +313,9 @@ class Placement(StrictModel):
     idle: IdleDuration = Field(3600.0, description=(
         "a cluster kept up after its run (launch --keep, or submit: client) ends itself after this long without "
         "a running job; `never` keeps it until `rlhf-tasks down`"))
-    retry: bool = Field(False, description="let the provider relaunch the run after an interruption or no capacity")
+    retry: Union[bool, RetryOptions] = Field(False, description=(
+        "let the provider relaunch the run after an interruption or no capacity (true), and after the job's own "
+        "failure at most N times ({errors: N}); every attempt counts against one max_cost and max_duration"))
     fleets: list[str] = Field([], description="named pools of machines to run on, where the provider has them")
     backends: list[str] = Field([], description="clouds or backends the provider may use")
     regions: list[str] = []
@@ -321,6 +331,11 @@ class Placement(StrictModel):
     kuberay: dict[str, Any] = Field({}, description=(
         "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
         "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
+
+    @property
+    def retry_errors(self) -> int:
+        """How often the provider may relaunch the run after the job's own failure (placement.retry.errors)."""
+        return self.retry.errors if isinstance(self.retry, RetryOptions) else 0
 
 
 #: Keys of `placement` whose options a provider owns and reads with its own model (spec.py imports

@@ -7,6 +7,9 @@ working_dir), and wherever the command is run from:
                                 the cluster has ended: when, how its job ended, its logs
   runs/<name>/                  a launch's files: rendered output, node logs, and for the
                                 local provider its checkpoints (so a relaunch resumes)
+  runs/<name>/spend.json        the training's spend over its attempts (the heads' result
+                                lines), which a later launch of the name continues
+                                (agent/protocol/spend.py has the format; `launch --fresh` starts anew)
 """
 
 from __future__ import annotations
@@ -170,3 +173,30 @@ def undo_launch(before: Before) -> list[str]:
     if directory.is_dir() and not any(directory.iterdir()):
         directory.rmdir()
     return undone
+
+
+def spend_path(name: str) -> Path:
+    return run_dir(name) / "spend.json"
+
+
+def training(name: str, fresh: str | None = None) -> dict:
+    """The training of cluster `name` as the launcher keeps it: `{"training": ID, "attempts": {...}}`. The
+    name's own (its first launch, or a rendered file applied by hand: the training is the name) unless
+    `fresh` (the launch's stamp) starts a new one, which is kept from then on."""
+    try:
+        record = json.loads(spend_path(name).read_text())
+    except (OSError, ValueError):
+        record = None
+    wanted = f"{name}-{fresh}" if fresh else None  # a relaunch within the fresh launch continues its training
+    if not isinstance(record, dict) or not record.get("training") or (wanted and record["training"] != wanted):
+        return {"version": 1, "training": wanted or name, "attempts": {}}
+    return record
+
+
+def keep_training(name: str, record: dict) -> None:
+    """Write the training's record whole (a temporary file renamed over it)."""
+    path = spend_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+    tmp.replace(path)

@@ -43,7 +43,8 @@ def test_the_budget_reaches_the_plan(tmp_path):
                                           "stop_grace": "30s", "idle": "never"}))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["budget"] == {"price_per_hour": 5.0, "max_cost": 12.5, "max_duration_s": 10800.0,
-                                                "stop_grace_s": 30.0, "idle_s": None}
+                                                "stop_grace_s": 30.0, "idle_s": None, "training": "cost",
+                                                "spent": {}, "cap_exit": 1, "error_retries": None}
     plain = json.loads(check(tmp_path, task(tmp_path)).stdout)
     assert plain["budget"]["idle_s"] == 3600.0 and plain["budget"]["max_cost"] is None and plain["self_end"] is None
 
@@ -242,3 +243,189 @@ def test_the_jobs_last_line_is_its_own_not_rays_sigterm_dump():
         "",
     ])
     assert job_said(tail) == "saved step_000480.pt"
+
+
+# ---------------------------------------------------------------- issue 48 (1): one cap per training
+
+def test_retry_renders_the_jobs_own_failure_only_when_asked(tmp_path):
+    """`retry: true`: dstack's no-capacity and interruption, SkyPilot's max_restarts_on_errors 0; `{errors: N}`:
+    dstack's `error` too (the head counts N), SkyPilot's max_restarts_on_errors N."""
+    from rlhf_tasks.providers.dstack import DstackProvider
+    from rlhf_tasks.providers.sky import SkyProvider
+    from rlhf_tasks.spec import load_task
+
+    def plan(provider, retry):
+        return provider.plan(load_task(str(task(tmp_path, {"retry": retry}))))
+    dstack = DstackProvider()
+    assert dstack.task_config(plan(dstack, True), {})["retry"] == {"on_events": ["no-capacity", "interruption"]}
+    two = plan(dstack, {"errors": 2})
+    assert dstack.task_config(two, {})["retry"] == {"on_events": ["no-capacity", "interruption", "error"]}
+    assert two.budget.error_retries == 2 and two.budget.cap_exit == 0
+    assert plan(dstack, False).budget.cap_exit == 1 and "retry" not in dstack.task_config(plan(dstack, False), {})
+    sky = SkyProvider(managed=True)
+    assert sky.task_config(plan(sky, True))["resources"]["job_recovery"] == {
+        "strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0}
+    managed = plan(sky, {"errors": 3})
+    assert sky.task_config(managed)["resources"]["job_recovery"]["max_restarts_on_errors"] == 3
+    assert managed.budget.cap_exit == 0 and managed.budget.error_retries is None  # SkyPilot counts them itself
+
+
+def test_check_refuses_retries_that_could_spend_past_the_cap_and_says_the_worst_case(tmp_path):
+    capped = {"retry": True, "max_cost": 800, "price_per_hour": 40}
+    out = check(tmp_path, task(tmp_path, capped), "--provider", "dstack")
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = " ".join(out.stderr.split())
+    assert "placement.retry: dstack relaunches the run after no capacity or an interruption" in said, said
+    assert "checkpoints.path /checkpoints/cost is a directory on each node" in said, said
+    assert "each attempt may spend up to $801.33 (placement.max_cost $800.00, then placement.stop_grace 120s at " \
+           "$40.00/h), with no bound on the attempts" in said, said
+    assert "checkpoints.shared.dstack" in said, said
+    # SkyPilot: `check` cannot know whether `launch --managed` runs it (SkyPilot recovers a managed job's
+    # preempted cluster, with no count): said at check, refused by `launch --managed`
+    unshared = task(tmp_path, capped, checkpoints={"path": "/ckpt"})
+    sky = check(tmp_path, unshared, "--provider", "sky")
+    assert sky.returncode == 0 and "warning: with `launch --managed`: placement.retry: sky relaunches the run after " \
+        "a preemption" in sky.stderr, sky.stderr
+    from rlhf_tasks.errors import BadInput
+    from rlhf_tasks.providers.sky import SkyProvider
+    from rlhf_tasks.spec import load_task
+    with pytest.raises(BadInput, match="a preempted cluster is recovered with no count"):
+        SkyProvider(managed=True).plan(load_task(str(unshared)))
+    # Shared checkpoints: every attempt's head reads the spend record there, and `check` says so
+    shared = {"path": "/checkpoints/cost", "shared": {"dstack": {"host_path": "/mnt/nfs/cost"}}}
+    ok = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(task(tmp_path, capped, checkpoints=shared)),
+                         "--provider", "dstack"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(tmp_path / "home")))
+    assert ok.returncode == 0, ok.stderr
+    words = " ".join(ok.stdout.split())
+    assert "at most about $801.33" in words and "over every attempt of the training" in words, words
+    assert "one cap for the training, whatever restarts it" in words and \
+        "/checkpoints/cost/.rlhf-tasks-spend.json" in words and "exit status 0, which dstack does not relaunch" in words
+    # No cap: nothing to hold across attempts; errors where the provider relaunches none: refused
+    assert check(tmp_path, task(tmp_path, {"retry": True}), "--provider", "dstack").returncode == 0
+    slurm = check(tmp_path, task(tmp_path, {"retry": {"errors": 2}}), "--provider", "slurm")
+    assert slurm.returncode == 2 and "placement.retry.errors: the slurm provider does not relaunch" in slurm.stderr
+
+
+def test_the_head_counts_the_trainings_spend_over_its_attempts(tmp_path):
+    """A relaunched attempt's head reads the spend record the attempts before it wrote (and the launcher's
+    own, the plan's `spent`), stops at what is left of the training's cap, and writes its own attempt there."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    path = ckpt / bmod.SPEND_FILE
+    earlier = {"a1": {"seconds": 1.5, "cost": 1.5, "ended": "failed"}}
+    bmod.write_spend(str(path), {"version": 1, "training": "cost", "attempts": earlier})
+    budget = {"price_per_hour": 3600.0, "max_cost": 2.5, "stop_grace_s": 0.0, "training": "cost",
+              "spent": {"a0": {"seconds": 0.5, "cost": 0.5, "ended": "failed"}, "a1": {"seconds": 1.0, "cost": 1.0}}}
+    ended = []
+    watch = bmod.Watch({"nodes": 1, "budget": budget, "checkpoint_dir": str(ckpt)}, lambda: [], kept=False,
+                       client=False)
+    watch._end = lambda ending, report, followed=False: ended.append((ending, report))
+    assert (watch.spend.seconds_before, watch.spend.cost_before, watch.spend.failed_before) == (2.0, 2.0, 2)
+    started = time.monotonic()
+    watch.start()
+    watch.join(20)
+    took = time.monotonic() - started
+    assert ended and 0.4 <= took < 5, (ended, took)  # $0.50 left at $1 a second
+    report = ended[0][1]
+    assert report["capped"] and report["attempts"] == 3 and 2.45 <= report["cost"] <= 2.7, report
+    assert report["words"].startswith("stopped at the budget cap: $2.5") and \
+        "over 3 attempts (placement.max_cost $2.50)" in report["words"], report["words"]
+    record = json.loads(path.read_text())
+    assert record["training"] == "cost" and set(record["attempts"]) == {"a0", "a1", watch.spend.attempt}
+    assert record["attempts"][watch.spend.attempt]["ended"] == "capped"
+    # Another training's record (moved aside by --fresh, a name reused) counts for nothing
+    assert bmod.read_spend(str(path), "cost-20261201T000000Z") == {}
+
+
+def test_a_head_ends_at_the_cap_and_at_the_last_allowed_failure_with_the_providers_exit(tmp_path):
+    """The head agent's exit status (what the provider's retry reads) at a cap, and at a failure once the
+    training used its placement.retry.errors; the result line keeps saying the run did not finish."""
+    from rlhf_tasks.agent.__main__ import settle_spend
+
+    def flow(before, error_retries, capped=False):
+        budget = {"price_per_hour": 1.0, "max_cost": 100.0, "training": "t", "cap_exit": 0,
+                  "error_retries": error_retries, "spent": before}
+        watch = bmod.Watch({"nodes": 1, "budget": budget, "checkpoint_dir": str(tmp_path / "ckpt")}, lambda: [],
+                           kept=False, client=False)
+        if capped:
+            watch.report = {"capped": True}
+
+        class Flow:
+            plan = {"budget": budget}
+        Flow.watch = watch
+        return Flow()
+    failed = {"a": {"seconds": 1, "cost": 0.1, "ended": "failed"}}
+    result = {"exit_code": 1}
+    assert settle_spend(flow({}, 1), result, signalled=False) is None  # the first failure: the provider relaunches it
+    assert result["spend"]["attempts"] and list(result["spend"]["attempts"].values())[0]["ended"] == "failed"
+    assert settle_spend(flow(failed, 1), {"exit_code": 1}, signalled=False) == 0  # the last one allowed
+    assert settle_spend(flow(failed, None), {"exit_code": 1}, signalled=False) is None  # the head counts none
+    assert settle_spend(flow({}, None, capped=True), {"exit_code": 1}, signalled=False) == 0
+    assert settle_spend(flow(failed, 1), {"exit_code": 143}, signalled=True) is None  # stopped: no failure of its own
+
+
+def test_a_launch_continues_the_trainings_spend_and_refuses_one_already_at_its_cap(tmp_path):
+    """The launcher's record of the training (runs/NAME/spend.json): a launch without --fresh hands it to the
+    head (the plan's budget.spent) and refuses, before anything is rented, a training already at its cap;
+    `--fresh` starts a new training."""
+    from rlhf_tasks import state
+
+    home = tmp_path / "home"
+    spend = home / "runs" / "cost" / "spend.json"
+    spend.parent.mkdir(parents=True)
+    spend.write_text(json.dumps({"version": 1, "training": "cost", "attempts": {
+        "a": {"seconds": 3000, "cost": 8.0, "ended": "failed"}, "b": {"seconds": 700, "cost": 2.0, "ended": "capped"}}}))
+    path = task(tmp_path, {"max_cost": 10, "price_per_hour": 9.6})
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake_cli(bin_dir, "dstack", log, code=1)
+    env = dict(env_with(tmp_path, bin_dir), RLHF_TASKS_HOME=str(home))
+    out = run_cli(["launch", str(path), "--provider", "dstack"], tmp_path, env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = " ".join(out.stderr.split())
+    assert "placement.max_cost: the training cost spent $10.00 over 1 h 02 m in 2 attempts already" in said, said
+    assert "launch --fresh" in said and "nothing was launched" in said, said
+    assert not log.exists()  # dstack was never called
+    os.environ["RLHF_TASKS_HOME"], old = str(home), os.environ.get("RLHF_TASKS_HOME")
+    try:
+        assert state.training("cost")["training"] == "cost" and len(state.training("cost")["attempts"]) == 2
+        fresh = state.training("cost", "20261201T000000Z")
+        assert fresh == {"version": 1, "training": "cost-20261201T000000Z", "attempts": {}}
+    finally:
+        if old is None:
+            del os.environ["RLHF_TASKS_HOME"]
+        else:
+            os.environ["RLHF_TASKS_HOME"] = old
+
+
+SKY_RECOVERY = '''
+import asyncio, json, sys
+from rlhf_tasks.providers.sky import SkyProvider
+from rlhf_tasks.spec import parse_task
+import sky
+from sky import backends
+from sky.jobs import recovery_strategy
+
+async def restarts(retry):
+    task = {"name": "rj", "nodes": 1, "placement": {"retry": retry},
+            "job": {"recipe": "command", "submit": "head", "working_dir": None, "args": {"entrypoint": "true"}}}
+    provider = SkyProvider(managed=True)
+    config = provider.task_config(provider.plan(parse_task(task, "t.yaml")))
+    executor = recovery_strategy.StrategyExecutor.make("rj", backends.CloudVmRayBackend(), sky.Task.from_yaml_config(
+        config), 1, 0, None, set(), asyncio.Lock(), asyncio.Condition())
+    return [executor.should_restart_on_failure(exit_codes=[1]) for _ in range(4)]
+
+print(json.dumps({"true": asyncio.run(restarts(True)), "errors": asyncio.run(restarts({"errors": 2}))}))
+'''
+
+
+def test_skypilots_managed_job_restarts_the_jobs_failure_only_as_often_as_retry_errors_says(tmp_path):
+    """SkyPilot's own managed-jobs code (sky/jobs/recovery_strategy.py: StrategyExecutor.make from the rendered
+    task, should_restart_on_failure as its controller asks it after each user-code failure): `retry: true`
+    restarts no failure; `retry: {errors: 2}` two, then none."""
+    out = subprocess.run([sys.executable, "-c", SKY_RECOVERY], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), HOME=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"true": [False] * 4,
+                                                               "errors": [True, True, False, False]}

@@ -147,6 +147,15 @@ def test_the_head_stops_the_run_at_its_budget_cap(tmp_path, cli_env, rlhf_home):
     said = ended.stdout + ended.stderr  # `status NAME` shows an ended cluster (how it ended) on stdout
     assert "stopped at the budget cap: $0.45" in said and str(ckpt / "final.json") in said
     assert no_leftovers(rec["cluster_id"])
+    # The cap is the training's (issue 48): the launcher keeps its spend from the head's result line, the head
+    # its record beside the checkpoints, and a launch again without --fresh is refused before anything starts
+    kept = json.loads((rlhf_home / "runs" / "capped" / "spend.json").read_text())
+    beside = json.loads((ckpt / ".rlhf-tasks-spend.json").read_text())
+    assert kept["training"] == beside["training"] == "capped" and kept["attempts"] == beside["attempts"], (kept, beside)
+    assert [a["ended"] for a in kept["attempts"].values()] == ["capped"], kept
+    again = cli(tmp_path, cli_env, "launch", str(task), timeout=120)
+    assert again.returncode == 2 and "placement.max_cost: the training capped spent $0.4" in again.stderr and \
+        "launch --fresh" in again.stderr, again.stdout + again.stderr
 
 
 def test_with_its_launcher_killed_the_cluster_ends_itself_after_the_job(tmp_path, cli_env, rlhf_home):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -593,3 +594,78 @@ def test_a_worker_lost_mid_run_dstack_fails_the_run_and_launch_names_the_lost_no
         wait_for(lambda: not _run_processes(bed, h), 120, f"the run's processes on {h.name} to be gone")
     print(f"the host was back in the fleet and clean {time.monotonic() - restored:.0f} s after its link came back; "
           f"the test took {time.monotonic() - started:.0f} s")
+
+
+def _spend_task(tmp_path, name: str, entrypoint: str, placement: dict):
+    """A one-node command task with the training's spend record on storage both fleet hosts see (the test's
+    tmp_path, shared by the testbed as an NFS mount would be: checkpoints.shared.dstack.host_path), so that an
+    attempt dstack relaunches on either host finds what the attempts before it spent."""
+    ckpt = str(tmp_path / f"{name}-ckpt")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name, "nodes": 1, "ray": {"object_store_memory": "80MB"}, "preflight": "off",
+        "checkpoints": {"path": ckpt, "shared": {"dstack": {"host_path": ckpt}}},
+        "wait": {"head": "3m", "nodes": "3m"}, "placement": placement,
+        "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "max_restarts": 0,
+                "args": {"entrypoint": entrypoint}}}))
+    return (path, Path(ckpt) / ".rlhf-tasks-spend.json")
+
+
+def test_dstacks_retries_keep_one_cap_for_the_training_and_end_without_another_submission(dstack_bed, dstack_fleet,
+                                                                                           tmp_path):
+    """Issue 48 (1), on dstack's own server: two runs side by side, each retried by dstack (`retry` rendered from
+    placement.retry with `error`), each priced by a played placement.price_per_hour. `capped` ($3.60/h, max_cost
+    $0.15: 150 s of head time for the training): its first attempt's job fails at once and dstack relaunches it;
+    the second attempt's job would run for 10 minutes, and its head stops it at what is left of the training's cap
+    after the first attempt (read from the spend record), not at its own 150 s. `bounded` ($36/h): its job fails on
+    every attempt, retry.errors 1: the second failure is the last. Each run ends with the head's exit 0
+    (DONE_BY_RUNNER, which dstack never retries): `done`, two submissions and none after them, and the spend
+    record's total (at the played price) within the cap and its grace."""
+    bed = dstack_bed
+    marker = tmp_path / "capped-ckpt" / "first-attempt-failed"
+    first_fails = f"bash -c 'test -e {marker} || {{ touch {marker}; exit 3; }}; sleep 600'"
+    every_fails = "python3 -c 'import time; time.sleep(4); raise SystemExit(3)'"
+    grace = 5.0
+    runs = {"capped": (3.6, 0.15) + _spend_task(tmp_path, "capped", first_fails, {
+                "retry": {"errors": 10}, "price_per_hour": 3.6, "max_cost": 0.15, "stop_grace": "5s"}),
+            "bounded": (36.0, 50.0) + _spend_task(tmp_path, "bounded", every_fails, {
+                "retry": {"errors": 1}, "price_per_hour": 36.0, "max_cost": 50, "stop_grace": "5s"})}
+    for name, (_, _, task, _) in runs.items():
+        render = launcher(bed, tmp_path, ["render", str(task), "--provider", "dstack", "-o", f"{name}/"], timeout=120)
+        assert render.returncode == 0, render.output
+        rendered = yaml.safe_load((tmp_path / name / f"{name}.dstack.yml").read_text())
+        assert rendered["retry"] == {"on_events": ["no-capacity", "interruption", "error"]}, rendered
+    started = time.monotonic()
+    for name in runs:
+        bed.cli("apply", "-f", f"{name}.dstack.yml", "-y", "-d", cwd=tmp_path / name, timeout=180,
+                env=bed.env(RAY_AUTH_TOKEN="0123456789abcdef" * 4))
+    final = {name: _wait_run(bed, name, ("done", "failed", "terminated"), 900) for name in runs}
+    print(f"both runs over {time.monotonic() - started:.0f} s after their submission")
+    for name, (price, cap, _, record_path) in runs.items():
+        run = final[name]
+        subs = next(j for j in run["jobs"] if j["job_spec"]["job_num"] == 0)["job_submissions"]
+        record = json.loads(record_path.read_text())
+        attempts = sorted(record["attempts"].values(), key=lambda a: a["started"])
+        total = sum(a["cost"] for a in attempts)
+        print(f"{name}: the run {run['status']} ({run.get('termination_reason')}), {len(subs)} submissions "
+              f"({', '.join(str(s.get('termination_reason')) for s in subs)}); the spend record: "
+              + "; ".join(f"{a['ended']} ${a['cost']:.3f} after {a['seconds']:.0f}s" for a in attempts)
+              + f"; total ${total:.3f} of ${cap}")
+        assert run["status"] == "done", _why(bed, run, tmp_path / name)
+        assert record["training"] == name and len(attempts) == len(subs) == 2, (dump(record), dump(subs))
+        assert [s["termination_reason"] for s in subs] == ["container_exited_with_error", "done_by_runner"], dump(subs)
+        assert total <= cap + price * (grace + 2) / 3600, f"{name}: ${total:.3f} spent, cap ${cap}"
+        logs = bed.cli("logs", name, cwd=tmp_path / name).output
+        if name == "capped":
+            assert [a["ended"] for a in attempts] == ["failed", "capped"], dump(record)
+            assert total >= cap - 0.005, f"stopped before the cap: ${total:.3f}"
+            assert attempts[1]["seconds"] <= 150 - attempts[0]["seconds"] + grace + 2, dump(record)
+            assert "before this attempt (1 attempts, 1 failed" in logs, logs[-3000:]
+            assert "stopped at the budget cap" in logs and "over 2 attempts (placement.max_cost $0.15)" in logs, \
+                logs[-3000:]
+        else:
+            assert [a["ended"] for a in attempts] == ["failed", "failed"], dump(record)
+            assert "the job failed on 2 attempts of the training (placement.retry.errors 1): this attempt ends " \
+                   "with exit status 0, which the provider does not relaunch" in logs, logs[-3000:]
+    for h in bed.tb.hosts:
+        wait_for(lambda: not _run_processes(bed, h), 60, f"the runs' processes on {h.name} to be gone")

@@ -1,6 +1,6 @@
 """KubeRay: every task renders a RayJob that KubeRay v1.7.0's own CRD schema accepts (with
 unknown fields refused, as `kubectl apply --validate=strict` would), beside a ConfigMap that
-carries the plan and the agent packed in one gzipped tar; the options are the provider's own and bad ones name their
+carries the plan and the agent packed in one xz-compressed tar; the options are the provider's own and bad ones name their
 field; no secret's value is ever rendered; and the agent's attached roles (prepare before
 KubeRay's Ray, a node's services and environment before its `ray start`) do what the pods need."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import base64
 import copy
 import functools
-import gzip
 import io
 import json
+import lzma
 import os
 import re
 import signal
@@ -119,7 +119,7 @@ def test_every_task_renders_a_rayjob_the_crd_schema_accepts(task_path):
             >= plan.wait.head_s
         if plan.checkpoint_dir:
             assert {"name": "checkpoints", "mountPath": plan.checkpoint_dir} in container["volumeMounts"]
-    # The ConfigMap carries the plan (readable) and lib/ as one gzipped tar, which every pod that runs
+    # The ConfigMap carries the plan (readable) and lib/ as one xz-compressed tar, which every pod that runs
     # the agent before Ray unpacks into the emptyDir at /opt/rlhf-tasks.
     assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["name"] == f"{plan.name}-rlhf-tasks"
     assert set(configmap["data"]) == {f"{plan.name}.plan.json", "ray-path.sh", "ray"}
@@ -155,7 +155,7 @@ def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tm
     files = provider.shipped(plan)
     archive = pack(files)
     assert archive == pack(dict(reversed(list(files.items()))))
-    assert gzip.decompress(archive) and archive[4:8] == b"\0\0\0\0"  # gzip mtime 0
+    assert lzma.decompress(archive) and archive.startswith(b"\xfd7zXZ")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         assert {(m.mtime, m.uid, m.gid, m.mode, m.uname, m.gname) for m in tar.getmembers()} == {(0, 0, 0, 0o644, "", "")}
     (tmp_path / "cm").mkdir()

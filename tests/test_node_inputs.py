@@ -20,7 +20,7 @@ from conftest import ROOT
 SEARCH_R1 = yaml.safe_load((ROOT / "tasks" / "search-r1-ppo-qwen2.5-7b.yaml").read_text())
 SHARED = {"dstack": {"host_path": "/mnt/nfs/search-r1"}, "sky": {"volume": "search-r1"}, "runpod": {"network_volume": "vol123"},
           "kuberay": {"claim": "search-r1"}}
-OPTION = {"dstack": "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}",
+OPTION = {"dstack": "checkpoints.shared.dstack: {host_path: /PATH} (a directory every fleet host mounts) or {volume: NAME} with placement.backends: [runpod]",
           "sky": "checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}",
           "runpod": "checkpoints.shared.runpod: {network_volume: ID}",
           "kuberay": "checkpoints.shared.kuberay: {claim: PVC}"}

@@ -22,8 +22,10 @@ from rlhf_tasks.spec import parse_task
 from conftest import need
 
 JOB = {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 train.py"}}
-#: The file the issue names: a price, a cap and a retry, with nothing of any one provider's.
+#: The file the issue names: a price, a cap and a retry, with nothing of any one provider's but the storage that
+#: dstack's retries need to count one cap over every attempt (tests/test_budget.py: refused without it).
 PORTABLE = {"name": "t", "nodes": 2, "resources": {"gpus": "H100:8"}, "job": JOB,
+            "checkpoints": {"path": "/ckpt/t", "shared": {"dstack": {"host_path": "/mnt/nfs/t"}}},
             "placement": {"price_per_hour": 48, "max_cost": 100, "retry": True}}
 PROVIDERS = ["dstack", "kuberay", "local", "runpod", "sky", "slurm"]
 

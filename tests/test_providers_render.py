@@ -279,7 +279,7 @@ def test_skypilot_mounts_the_shared_checkpoint_storage(shared, key, value, tmp_p
 
 
 @pytest.mark.parametrize("provider_name,hint", [
-    ("dstack", "add checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"),
+    ("dstack", "add checkpoints.shared.dstack: {host_path: /PATH} (a directory every fleet host mounts) or {volume: NAME} with placement.backends: [runpod]"),
     ("sky", "add checkpoints.shared.sky: {bucket: s3://BUCKET/PATH} or {volume: NAME}"),
 ])
 def test_a_multi_node_resume_from_per_node_directories_is_warned(provider_name, hint):

@@ -14,6 +14,7 @@ import base64
 import ctypes
 import gzip
 import json
+import lzma
 import os
 import queue
 import shlex
@@ -86,10 +87,13 @@ REFERENCES = {"WANDB_API_KEY": "{{ RUNPOD_SECRET_rlhf-tasks.rp-contract.WANDB_AP
 
 
 def script_of(args: str) -> str:
-    """The start script a pod's args run (base64 of gzip inside `bash -c '...'`)."""
+    """The start script a pod's args run (base64 of gzip inside `bash -c '...'`: a first stage whose python3
+    unpacks the script, base64 of xz, from its here-document)."""
     command = shlex.split(args)[2]
     encoded = command.split()[1]
-    return gzip.decompress(base64.b64decode(encoded)).decode()
+    first = gzip.decompress(base64.b64decode(encoded)).decode()
+    packed = first.split("<<'RLHF_TASKS_START'\n", 1)[1].split("\nRLHF_TASKS_START\n", 1)[0]
+    return lzma.decompress(base64.b64decode(packed)).decode()
 
 
 # ------------------------------------------------------------------ render: pure, RunPod's own schemas

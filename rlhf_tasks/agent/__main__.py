@@ -169,6 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             node.stop_all()
             result["steps"] = node.steps
             log("stopped the processes this agent started")
+        status = settle_spend(flow, result, signalled)
         hold = bundle_hold(node, result) if args.ray_started and node is not None and not signalled else 0.0
         if hold:
             result["bundle_held_s"] = hold  # the launcher fetches it now, not once this runner has exited
@@ -177,7 +178,30 @@ def main(argv: Optional[List[str]] = None) -> int:
             hold_bundle(result["forensics"]["bundle"], hold)
         if plan_end is not None:
             end_machine(plan_end, head=result.get("rank") == 0)
-    return result["exit_code"]
+    return result["exit_code"] if status is None else status
+
+
+def settle_spend(flow, result: dict, signalled: bool) -> Optional[int]:
+    """The head's last word on the training's spend (its record written with how this attempt ended, and in
+    the result line); the exit status where it must be one the provider does not relaunch (the plan's
+    budget.cap_exit): at a cap, and at a failure once the training used the error retries it has."""
+    watch = getattr(flow, "watch", None)
+    if watch is None:
+        return None
+    budget = flow.plan.get("budget") or {}
+    capped = watch.capped()
+    ended = "capped" if capped else "done" if result["exit_code"] == 0 else "stopped" if signalled else "failed"
+    result["spend"] = watch.settle(ended)
+    cap_exit = int(budget.get("cap_exit", 1))
+    if capped:
+        return cap_exit
+    if ended == "failed" and not watch.retried_failure_left():
+        failed = watch.spend.failed_before + 1
+        log("the job failed on %d attempt%s of the training (placement.retry.errors %d): this attempt ends with exit "
+            "status %d, which the provider does not relaunch" % (failed, "" if failed == 1 else "s",
+                                                                 budget.get("error_retries") or 0, cap_exit))
+        return cap_exit
+    return None
 
 
 if __name__ == "__main__":

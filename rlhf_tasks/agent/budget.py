@@ -1,14 +1,23 @@
 """The head's watch over what the run may cost and how long a kept cluster may idle, held by
 the cluster itself so that it holds when the launcher is gone (a closed laptop):
 
-- `placement.max_cost` (from the plan's price per hour, counted from the head agent's start)
-  and `placement.max_duration`: at 80% it says so once; at the cap every running job's driver
-  on the head gets SIGTERM, `placement.stop_grace` to checkpoint, then Ray stops what still
-  runs and the head agent ends the cluster (its workers leave, each machine ends as its
-  provider lets it: agent/ending.py);
+- `placement.max_cost` (from the plan's price per hour) and `placement.max_duration`, for the
+  training, not for one attempt: each head agent counts from its start and adds what the
+  training's attempts before it spent (the spend record, below); at 80% it says so once; at the
+  cap every running job's driver on the head gets SIGTERM, `placement.stop_grace` to checkpoint,
+  then Ray stops what still runs and the head agent ends the cluster (its workers leave, each
+  machine ends as its provider lets it: agent/ending.py), with an exit status the provider does
+  not relaunch (the plan's budget.cap_exit);
 - `placement.idle`: a cluster kept after its run (`launch --keep`, `submit: client`) ends
   after that long without a running job (a client's cluster sooner once its first job ended,
   unless kept).
+
+The spend record: `.rlhf-tasks-spend.json` in the checkpoint directory, where a relaunched
+attempt's head finds it (the provider's retry, a managed job's recovery: with shared or
+persistent checkpoint storage), written by the head every SPEND_EVERY_S and at its end:
+`{"version": 1, "training": ID, "attempts": {ATTEMPT: {"seconds", "cost", "price_per_hour",
+"started", "ended"}}}`. The launcher's own record of the training (runs/NAME/spend.json, the
+same shape) reaches the head as the plan's budget.spent; the two are merged by attempt.
 
 Standard library only. The pure parts (what a cap allows, the words) are functions; the
 thread only reads the clock and the Jobs API and signals the agent's main thread.
@@ -22,9 +31,12 @@ import os
 import signal
 import threading
 import time
+import uuid
 from typing import Callable, List, Optional
 
 from .protocol import TERMINAL_JOB_STATES, AgentError, log
+from .protocol.spend import (SPEND_EVERY_S, SPEND_FILE, SPEND_VERSION, cap_seconds, cap_words, hm, merge,  # noqa: F401
+                            read_spend, spent, totals, write_spend)
 
 #: The warning's share of a cap.
 WARN_AT = 0.8
@@ -37,41 +49,49 @@ RUNNER_NOTICES_S = 15.0
 #: The signal the watch uses to end the agent's main thread (handled in __main__).
 SIGNAL = signal.SIGUSR1
 
+# ---------------------------------------------------------------- the training's spend record
 
-def hm(seconds: float) -> str:
-    """`1 h 05 m`, `0 h 02 m`: how the summary says a duration."""
-    minutes = int(round(seconds / 60.0))
-    return "%d h %02d m" % (minutes // 60, minutes % 60)
+class Spend(object):
+    """This attempt's spend and the training's attempts before it (the plan's `spent`, from the launcher, and
+    the spend record in the checkpoint directory): what the caps count against."""
 
+    def __init__(self, budget: dict, checkpoint_dir: Optional[str], attempt: Optional[str] = None):
+        self.training = budget.get("training")
+        self.price = budget.get("price_per_hour")
+        self.path = os.path.join(checkpoint_dir, SPEND_FILE) if checkpoint_dir and self.training else None
+        self.attempt = attempt or "%s-%s" % (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), uuid.uuid4().hex[:8])
+        self.started = time.time()
+        before = merge(budget.get("spent") or {}, read_spend(self.path, self.training))
+        before.pop(self.attempt, None)
+        self.before = before
+        self.seconds_before, self.cost_before, self.failed_before = totals(before)
+        self.said_error = False
 
-def spent(price_per_hour: Optional[float], seconds: float) -> Optional[float]:
-    """US dollars after `seconds` at the price; None without a price."""
-    return None if price_per_hour is None else price_per_hour * seconds / 3600.0
+    def entry(self, seconds: float, ended: Optional[str] = None) -> dict:
+        out = {"seconds": round(seconds, 1), "cost": spent(self.price, seconds), "price_per_hour": self.price,
+               "started": round(self.started, 1)}
+        if ended:
+            out["ended"] = ended
+        return out
 
+    def record(self, seconds: float, ended: Optional[str] = None) -> dict:
+        """The whole record: every attempt of the training, this one's spend so far among them."""
+        attempts = dict(self.before)
+        attempts[self.attempt] = self.entry(seconds, ended)
+        return {"version": SPEND_VERSION, "training": self.training, "attempts": attempts}
 
-def cap_seconds(budget: dict) -> Optional[float]:
-    """When the first cap is reached, in seconds from the head's start: max_duration, or the
-    time max_cost buys at the price (a free cluster never reaches a cost cap); None: no cap."""
-    caps = []
-    if budget.get("max_duration_s"):
-        caps.append(float(budget["max_duration_s"]))
-    price, cost = budget.get("price_per_hour"), budget.get("max_cost")
-    if cost is not None and price:
-        caps.append(float(cost) / float(price) * 3600.0)
-    return min(caps) if caps else None
-
-
-def cap_words(budget: dict, seconds: float) -> str:
-    """`stopped at the budget cap: $12.00 after 1 h 30 m` (or at max_duration), for the logs,
-    the summary and `status`."""
-    cost = spent(budget.get("price_per_hour"), seconds)
-    money = "$%.2f" % cost if cost is not None else "cost unknown"
-    if budget.get("max_cost") is not None and budget.get("price_per_hour") and \
-            (not budget.get("max_duration_s") or cap_seconds(budget) < float(budget["max_duration_s"])):
-        return "stopped at the budget cap: %s after %s (placement.max_cost $%.2f)" % (money, hm(seconds),
-                                                                                   float(budget["max_cost"]))
-    return "stopped at the budget cap: %s after %s (placement.max_duration %s)" % (
-        money, hm(seconds), hm(float(budget["max_duration_s"])))
+    def write(self, seconds: float, ended: Optional[str] = None) -> dict:
+        """Write the record where the next attempt reads it (once an error is said, quietly after)."""
+        record = self.record(seconds, ended)
+        if self.path:
+            try:
+                write_spend(self.path, record)
+            except OSError as exc:
+                if not self.said_error:
+                    self.said_error = True
+                    log("budget: cannot write the spend record %s (%s): a relaunched attempt will not know what "
+                        "this one spent" % (self.path, exc))
+        return record
 
 
 def describe(budget: dict, nodes: int) -> Optional[str]:
@@ -192,6 +212,8 @@ class Watch(threading.Thread):
         self.checkpoint_files = plan.get("checkpoint_files") or []  # the recipe's own names for them
         self.jobs, self.kept, self.client, self.clock = jobs, kept, client, clock
         self.started = clock()
+        self.spend = Spend(self.budget, self.checkpoints)
+        self.final = None  # type: Optional[dict]  (the spend record as the attempt ended: settle)
         self.run_over = threading.Event()
         self.at_cap = threading.Event()  # set the moment a cap is reached: no restart from then on
         self.ending = None  # type: Optional[Ending]
@@ -216,23 +238,52 @@ class Watch(threading.Thread):
     def close(self) -> None:
         self._closed.set()
 
+    def seconds(self) -> float:
+        return self.clock() - self.started
+
+    def settle(self, ended: str) -> dict:
+        """At the attempt's end (`done`, `failed`, `capped`, `stopped`): the spend record written a last time
+        with how it ended, for the next attempt and the result line."""
+        if self.final is None:
+            self.final = self.spend.write(self.seconds(), ended)
+        return self.final
+
+    def retried_failure_left(self) -> bool:
+        """Whether a failure of this attempt may still be relaunched by the provider (the plan's
+        error_retries, counted over the training's failed attempts in the spend record)."""
+        allowed = self.budget.get("error_retries")
+        return allowed is None or self.spend.failed_before + 1 <= allowed
+
     # ---------------------------------------------------------------- the thread
 
     def run(self) -> None:
         line = describe(self.budget, self.nodes)
         if line:
             log(line)
-        cap = cap_seconds(self.budget)
+        spend = self.spend
+        before_s, before_cost = spend.seconds_before, spend.cost_before
+        if spend.before:
+            log("budget: the training %s spent %s over %s before this attempt (%d attempts, %d failed; its spend "
+                "record: %s)" % (spend.training, "$%.2f" % before_cost if self.budget.get("price_per_hour") is not None
+                                 else "cost unknown", hm(before_s), len(spend.before), spend.failed_before,
+                                 spend.path or "the launcher's"))
+        full = cap_seconds(self.budget)  # the training's whole allowance, for the 80% warning
+        cap = cap_seconds(self.budget, before_s, before_cost)
         idle_since = self.clock()
         ran = False
+        written = self.clock()
+        spend.write(0.0)
         while not self._closed.wait(TICK_S if cap is None else max(0.01, min(TICK_S, cap - (
                 self.clock() - self.started)))):  # the cap's moment itself, not the next tick after it
             seconds = self.clock() - self.started
-            if cap is not None and not self.warned and seconds >= WARN_AT * cap:
+            if self.clock() - written >= SPEND_EVERY_S:
+                written = self.clock()
+                spend.write(seconds)
+            if cap is not None and not self.warned and seconds >= cap - (1.0 - WARN_AT) * full:
                 self.warned = True
                 cost = spent(self.budget.get("price_per_hour"), seconds)
                 log("budget: 80%% of the cap reached (%s after %s): the job is stopped in about %s"
-                    % ("$%.2f" % cost if cost is not None else "cost unknown", hm(seconds),
+                    % ("$%.2f" % (cost + before_cost) if cost is not None else "cost unknown", hm(seconds + before_s),
                        hm(cap - seconds) if cap - seconds >= 120 else "%.0fs" % (cap - seconds)))
             if cap is not None and seconds >= cap:
                 return self._cap(seconds)
@@ -285,7 +336,11 @@ class Watch(threading.Thread):
             "preflight") for j in listed)
 
     def _cap(self, seconds: float) -> None:
-        words = cap_words(self.budget, seconds)
+        spend = self.spend
+        cost = spent(self.budget.get("price_per_hour"), seconds)
+        words = cap_words(self.budget, seconds + spend.seconds_before,
+                          None if cost is None else cost + spend.cost_before, len(spend.before) + 1,
+                          spend.seconds_before, spend.cost_before)
         grace = float(self.budget.get("stop_grace_s", 120.0))
         self.at_cap.set()
         log(words)
@@ -307,9 +362,11 @@ class Watch(threading.Thread):
         checkpoint = newest_checkpoint(self.checkpoints, self.checkpoint_files)
         log("the last checkpoint: %s" % (checkpoint or "none yet in %s" % self.checkpoints if self.checkpoints
                                           else "no checkpoint directory"))
+        self.settle("capped")
         self._end(Ending("the budget cap", words, code=1),
-                  {"capped": True, "words": words, "seconds": round(seconds, 1),
-                   "cost": spent(self.budget.get("price_per_hour"), seconds), "checkpoint": checkpoint},
+                  {"capped": True, "words": words, "seconds": round(seconds + spend.seconds_before, 1),
+                   "cost": None if cost is None else cost + spend.cost_before, "attempts": len(spend.before) + 1,
+                   "checkpoint": checkpoint},
                   followed=bool(stopped))
 
     stop_job = None  # type: Optional[Callable[[str], object]]

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from .beacon import ReadyBeacon, reachable
-from .budget import Watch
+from .budget import SPEND_FILE, Watch
 from .early import head_checks, node_probe
 from .forensics import keeper, on_failure
 from .jobrunner import JobRunner
@@ -41,8 +41,8 @@ def move_aside(directory, stamp):
         log("fresh start: this launch moved the old checkpoints aside already (%s): %s is the fresh run's"
             % (beside if os.path.lexists(beside) else inside, directory))
         return None
-    try:
-        entries = os.listdir(directory)
+    try:  # the training's spend record is no checkpoint: the fresh training's own may be there already
+        entries = [entry for entry in os.listdir(directory) if entry != SPEND_FILE]
     except OSError:
         entries = []
     if not entries:

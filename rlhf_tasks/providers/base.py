@@ -80,6 +80,20 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class Retries:
+    """What a provider relaunches on its own (placement.retry; a managed job's recovery), as read in its code:
+    a relaunched attempt's head must find the training's spend where it reads it (the checkpoint storage), and
+    end at a cap in a way the provider does not relaunch."""
+
+    on: str                        # what it relaunches after, in words
+    unbounded: str | None          # what it relaunches without a count, in words (None: every relaunch counted)
+    cites: str                     # where that is read in its code
+    on_failure: bool = False       # it relaunches after the job's own failure (placement.retry.errors)
+    cap_exit: int = 1              # the head agent's exit status it does not relaunch (plan.budget.cap_exit)
+    error_retries: int | None = None  # relaunches after the job's own failure the head counts (None: it counts none)
+
+
+@dataclass(frozen=True)
 class Option:
     """An extra `rlhf-tasks launch` option a provider declares (argparse's arguments)."""
 
@@ -173,6 +187,51 @@ class Provider:
         own relaunch, like dstack's `retry`, happens outside and needs none)."""
         return 0
 
+    def retries(self, plan: Plan) -> Retries | None:
+        """What this provider relaunches on its own for this plan; None: nothing (a relaunch is the
+        launcher's, `launch --retry N`, which passes the spend on itself)."""
+        return None
+
+    def spend_kept(self, plan: Plan) -> bool:
+        """Whether a relaunched attempt's head finds the spend record the attempts before it wrote: the
+        checkpoint directory is storage every attempt sees (shared storage, one filesystem)."""
+        return bool(plan.checkpoint_dir) and bool(plan.checkpoint_shared or self.shares_filesystem)
+
+    def retry_rules(self, plan: Plan) -> Plan:
+        """The plan's budget with the provider's retry rules (agent/budget.py), or BadInput naming the field
+        where the retries could spend past the caps: a retried attempt's head that cannot read what the
+        attempts before it spent starts its count again."""
+        retries = self.retries(plan)
+        errors = plan.placement.retry_errors
+        if errors and (retries is None or not retries.on_failure):
+            raise BadInput(f"placement.retry.errors: the {self.name} provider does not relaunch a run after the "
+                           f"job's own failure; use placement.retry: true (or the job's own job.max_restarts)")
+        if retries is None:
+            return plan
+        budget = plan.budget
+        capped = budget.max_duration_s or (budget.max_cost is not None and (budget.price_per_hour or
+                                                                           self.price_source))
+        if capped and not self.spend_kept(plan):
+            from ..agent.protocol.spend import SPEND_FILE
+
+            grace = budget.stop_grace_s
+            if budget.max_cost is not None and budget.price_per_hour:
+                each = f"${budget.max_cost + budget.price_per_hour * grace / 3600:.2f} (placement.max_cost " \
+                       f"${budget.max_cost:.2f}, then placement.stop_grace {grace:.0f}s at ${budget.price_per_hour:.2f}/h)"
+            else:
+                each = f"its caps (placement.max_duration {budget.max_duration_s or 0:.0f}s, then placement." \
+                       f"stop_grace {grace:.0f}s)"
+            where = f"checkpoints.path {plan.checkpoint_dir} is a directory on each node" if plan.checkpoint_dir \
+                else "the task has no checkpoint directory (checkpoints.path)"
+            many = f"with no bound on the attempts ({retries.unbounded})" if retries.unbounded else "on every attempt"
+            raise BadInput(f"placement.retry: {self.name} relaunches the run after {retries.on} ({retries.cites}), "
+                           f"and {where}, so a relaunched attempt's head cannot read what the attempts before it "
+                           f"spent (the spend record {SPEND_FILE} is kept there): each attempt may spend up to {each}, "
+                           f"{many}, past the training's caps. Give {self.shared_option or 'shared checkpoint storage'}"
+                           f", or leave placement.retry out")
+        return plan.replace(budget=budget.model_copy(update={"cap_exit": retries.cap_exit,
+                                                             "error_retries": retries.error_retries}))
+
     def default_checkpoint_dir(self, task: Task) -> str:
         """Where checkpoints go when the task names no path."""
         return f"/checkpoints/{task.name}"
@@ -208,7 +267,7 @@ class Provider:
         """The plan this provider's nodes run."""
         try:
             self.check(task)
-            plan = self.build(task)
+            plan = self.retry_rules(self.build(task))
             self.check_node_inputs(plan)
             return self.measure_upload(plan)
         except BadInput as exc:
@@ -228,7 +287,7 @@ class Provider:
             plan = self.build(task)
         except BadInput:
             return
-        self.check_node_inputs(plan)
+        self.check_node_inputs(self.retry_rules(plan))
 
     def check_node_inputs(self, plan: Plan) -> None:
         """What `prepare` makes on the head and every node reads (plan.node_inputs, the recipe's)

@@ -45,8 +45,8 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
-from .base import (Cluster, Provider, Sharing, end_process, hold_forward, require_cli, start_tunnel, stop_with_cli,
-                   write_files)
+from .base import (Cluster, Provider, Retries, Sharing, end_process, hold_forward, require_cli, start_tunnel,
+                   stop_with_cli, write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 
 SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
@@ -304,7 +304,8 @@ def upload_limit() -> int:
 class DstackProvider(Provider):
     name = "dstack"
     state_elsewhere = "dstack ps"
-    shared_option = "checkpoints.shared.dstack: {volume: NAME} or {host_path: /PATH}"
+    shared_option = ("checkpoints.shared.dstack: {host_path: /PATH} (a directory every fleet host mounts) or {volume: "
+                     "NAME} with placement.backends: [runpod]")
     sharing = SHARING
     placement_options = DstackPlacement
     contract = Contract(
@@ -373,6 +374,26 @@ class DstackProvider(Provider):
             f"placement.backends: [runpod] for a RunPod volume, or use {instead}. A volume per node "
             f"(NAME-${{{{ dstack.node_rank }}}}) is no shared storage, so not for checkpoints every node reads")
 
+    def retries(self, plan: Plan) -> Retries | None:
+        """dstack's `retry` (server/background/pipeline_tasks/runs/active.py, _should_retry_job): a job that ended
+        with a termination reason whose retry event is in `on_events` is submitted again (core/models/runs.py,
+        JobTerminationReason.to_retry_event: no capacity, an interruption, and every other FAILED reason is
+        `error`, a non-zero exit CONTAINER_EXITED_WITH_ERROR among them); `retry.duration` (1 h by default)
+        counts from the run's submission for no capacity, but from the last provisioned submission for an
+        interruption or an error, so it never bounds how often a job that provisions and fails is relaunched.
+        An exit 0 is DONE_BY_RUNNER, which is never retried (_job_is_done_or_finishing_done), and with
+        `stop_criteria: master-done` ends the run: the head ends with it at a cap, and at the last failure
+        placement.retry.errors allows, which the head counts in the spend record."""
+        if not plan.placement.retry:
+            return None
+        errors = plan.placement.retry_errors
+        return Retries(on="no capacity or an interruption" + (
+            f", and after the job's own failure at most {errors} times (dstack counts none: the head does, in the "
+            f"spend record, and ends the last one with exit 0, which dstack does not retry)" if errors else ""),
+            unbounded="dstack's retry.duration counts from the last interruption or error, not the first",
+            cites="dstack's server/background/pipeline_tasks/runs/active.py _should_retry_job",
+            on_failure=bool(errors), cap_exit=0, error_retries=errors or None)
+
     # ------------------------------------------------------------------ job.working_dir
 
     def ships_working_dir(self, plan: Plan) -> bool:
@@ -433,8 +454,7 @@ class DstackProvider(Provider):
             return None
         return (f"checkpoints {plan.checkpoint_dir} is a directory on each dstack host (instance_path): "
                 f"the {plan.nodes} nodes do not share it, and a resumed run may land on other hosts; add "
-                f"checkpoints.shared.dstack: {{volume: NAME}} or {{host_path: /PATH}} (a directory every fleet "
-                f"host mounts, e.g. NFS)")
+                f"{self.shared_option}")
 
     def notes(self, plan: Plan) -> list[str]:
         out = super().notes(plan)
@@ -556,8 +576,9 @@ class DstackProvider(Provider):
         config["spot_policy"] = SPOT[placement.spot]
         if max_price(plan):
             config["max_price"] = max_price(plan)
-        if placement.retry:
-            config["retry"] = {"on_events": ["no-capacity", "interruption", "error"]}
+        if placement.retry:  # the job's own failure only when asked: a bad flag fails every attempt alike
+            config["retry"] = {"on_events": ["no-capacity", "interruption"] + (["error"] if placement.retry_errors
+                                                                               else [])}
         if placement.max_duration:
             config["max_duration"] = int(placement.max_duration)  # seconds
         if placement.fleets or options.ssh:  # an SSH fleet's hosts are the task's own

@@ -46,7 +46,7 @@ from ..models import StrictModel, size_bytes
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, Sharing, end_process, hold_forward, require_cli, stop_with_cli
+from .base import Cluster, Option, Provider, Retries, Sharing, end_process, hold_forward, require_cli, stop_with_cli
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -214,6 +214,40 @@ class SkyProvider(Provider):
             plan = plan.replace(ray=plan.ray.model_copy(update={"client_server_port": CLIENT_SERVER_PORT}))
         return plan
 
+    def retries(self, plan: Plan) -> Retries | None:
+        """A managed job (`--managed`) is recovered by SkyPilot's jobs controller (sky/jobs/controller.py,
+        _run_one_task): a cluster found not UP (preempted, failed) is relaunched with no count, whatever
+        job_recovery says; a job that failed on an UP cluster (its user code: FAILED, FAILED_SETUP,
+        FAILED_DRIVER) is restarted only while recovery_strategy.py should_restart_on_failure allows
+        (max_restarts_on_errors, 0 by default); a SUCCEEDED job (exit 0) ends it. `sky launch` relaunches
+        nothing."""
+        if not self.chosen.get("managed"):
+            return None
+        errors = plan.placement.retry_errors
+        return Retries(on="a preemption" + (f", and after the job's own failure at most {errors} times "
+                                             f"(max_restarts_on_errors)" if errors else ""),
+                       unbounded="a preempted cluster is recovered with no count: max_restarts_on_errors counts "
+                                 "only the job's own failures",
+                       cites="SkyPilot's sky/jobs/controller.py and recovery_strategy.py should_restart_on_failure",
+                       on_failure=bool(errors), cap_exit=0)
+
+    def notes(self, plan: Plan) -> list[str]:
+        """`check` and `render` do not know whether `launch --managed` will run it: what that would refuse;
+        and whether a volume is of a type every node shares, which only `sky volumes ls` knows."""
+        out = super().notes(plan)
+        if not self.chosen.get("managed"):
+            try:
+                SkyProvider(managed=True).retry_rules(plan)
+            except BadInput as exc:
+                out.append(f"with `launch --managed`: {exc} (`launch --managed` refuses it)")
+        shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
+        if shared and shared.volume and plan.nodes > 1:
+            out.append(f"checkpoints.shared.sky.volume {shared.volume}: every node shares it only if it is a RunPod "
+                       f"network volume, a ReadWriteMany k8s-pvc (`sky launch` refuses a ReadWriteOnce one for "
+                       f"{plan.nodes} nodes) or a k8s-hostpath that is one network filesystem on every Kubernetes "
+                       f"node (else each node's own directory): `check` cannot see its type (`sky volumes ls`)")
+        return out
+
     def working_dir_words(self, plan: Plan) -> str | None:
         if not plan.job.working_dir or plan.job.submit != "head":
             return None
@@ -245,16 +279,6 @@ class SkyProvider(Provider):
                 f"{plan.nodes} nodes do not share it, and a relaunched cluster starts without it; add "
                 f"checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}} or {{volume: NAME}}")
 
-    def notes(self, plan: Plan) -> list[str]:
-        out = super().notes(plan)
-        shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
-        if shared and shared.volume and plan.nodes > 1:
-            out.append(f"checkpoints.shared.sky.volume {shared.volume}: every node shares it only if it is a RunPod "
-                       f"network volume, a ReadWriteMany k8s-pvc (`sky launch` refuses a ReadWriteOnce one for "
-                       f"{plan.nodes} nodes) or a k8s-hostpath that is one network filesystem on every Kubernetes "
-                       f"node (else each node's own directory): `check` cannot see its type (`sky volumes ls`)")
-        return out
-
     def autostop(self, plan: Plan) -> dict | None:
         """SkyPilot's own autostop, run by the cluster (its skylet on the head), so that the VMs end
         once the run is over with no launcher attached: a minute after the task's job ends, or for a
@@ -284,8 +308,9 @@ class SkyProvider(Provider):
             resources["use_spot"] = True
         if placement.price_per_hour:  # "the maximum hourly cost (in USD) for instances" (sky/resources.py Resources)
             resources["max_hourly_cost"] = math.ceil(placement.price_per_hour / plan.nodes * 10000) / 10000
-        if placement.retry:
-            resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
+        if placement.retry:  # the job's own failure only when asked (placement.retry.errors)
+            resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION",
+                                         "max_restarts_on_errors": placement.retry_errors}
         if plan.ray.dashboard_host != "127.0.0.1":
             resources["ports"] = [plan.ray.dashboard_port]
         if placement.backends:

@@ -7,7 +7,7 @@ the head pod's id and the data center, each secret (the task's and the Ray token
 an account secret in RunPod's vault (`{{ RUNPOD_SECRET_rlhf-tasks.NAME.VARIABLE }}`, which RunPod
 substitutes when a pod boots: `launch` creates them, `down` deletes them; vault.py), and `NAME.start.sh`, which carries the node agent and the
 plan inside itself (heredocs) and starts the agent; the requests pass it through the pod's
-`args` (gzip and base64 in a `bash -c`, the way SkyPilot ships its start script to RunPod).
+`args` (xz, then gzip and base64 in a `bash -c`, the way SkyPilot ships its start script to RunPod).
 
 Pods: the head first, then the workers, all in one data center whose catalog entry says
 `globalNetwork`; nodes find each other by the guide's variables (RAY_WORKER, HEAD_POD_ID,
