@@ -661,10 +661,11 @@ def test_save_logs_follows_a_pod_through_quiet_drops_and_clean_ends_to_its_end(t
 
 #: The test image: a container's own /opt, home and /etc/ssh (with an sshd config that works in a
 #: namespace host), then its command, as a container runtime would run it. (Its home is below /opt:
-#: the machine's /root holds the interpreter the hosts share.)
+#: the machine's /root holds the interpreter the hosts share; what every host must see under /opt, a
+#: checkout cloned there, stays: tests/testbed.py tmpfs_script.)
 IMAGE = r"""#!/bin/bash
 set -e
-mount -t tmpfs tmpfs /opt
+{opt}
 mkdir -p /opt/root
 export HOME=/opt/root
 mount -t tmpfs tmpfs /etc/ssh
@@ -672,7 +673,7 @@ printf '%s\n' 'Port 22' 'HostKey /etc/ssh/ssh_host_ed25519_key' 'AuthorizedKeysF
   'UsePAM no' 'PasswordAuthentication no' 'KbdInteractiveAuthentication no' 'PermitRootLogin prohibit-password' \
   'AllowTcpForwarding yes' 'StrictModes no' 'PidFile none' 'UseDNS no' > /etc/ssh/sshd_config
 exec "$@"
-"""
+""".replace("{opt}", "\n".join(tbmod.tmpfs_script("/opt")))
 
 
 def image(tb) -> tuple[str, ...]:
@@ -937,3 +938,4 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
     finally:
         for host in range(3):
             tb.kill(host)
+
