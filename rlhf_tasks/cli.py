@@ -45,9 +45,27 @@ def _fitting_provider(task) -> tuple[str, list[str], dict[str, str]]:
     return fits[0], fits, refusals
 
 
+def _json_provider(task, fits: list[str]) -> str:
+    """Whose plan `check --json` prints without --provider (a plan is one provider's, the text speaks
+    for all): local's, launch's and render's default, where local can run the task; else the one
+    provider that can and that the task names (placement.<provider>, checkpoints.shared.<provider>)."""
+    from .spec import PROVIDER_PLACEMENT
+
+    if "local" in fits:
+        return "local"
+    named = {n for n in PROVIDER_PLACEMENT if getattr(task.placement, n)} | set(task.checkpoints.shared)
+    named = [n for n in fits if n in named]
+    if len(named) == 1:
+        return named[0]
+    raise BadInput(f"--json: the plan is one provider's: give --provider ({', '.join(fits)} can run it"
+                   + (f"; the task names {', '.join(named)}" if named else "") + ")")
+
+
 def cmd_check(args) -> int:
     task = _task(args.task)
     name, fits, refusals = (args.provider, [args.provider], {}) if args.provider else _fitting_provider(task)
+    if args.json and not args.provider:
+        name = _json_provider(task, fits)
     provider = _provider(name)
     plan = provider.plan(task)
     if args.provider:
@@ -439,6 +457,14 @@ def cmd_status(args) -> int:
     if record:  # a cluster's name: the cluster
         print(_cluster_status(args.job, record))
         return 0
+    from .jobs import dashboard_from_env
+
+    if not (args.address or args.cluster or dashboard_from_env() or len(state.known()) == 1):
+        # no cluster to ask of a job of that id: the name of a cluster never launched from here
+        were = [f"{name} (ended)" if ended else name for name, ended in state.launched().items()]
+        raise BadInput(f"NAME: no cluster named {args.job} was launched from here "
+                       f"({'launched from here: ' + ', '.join(were) if were else 'none was'}); "
+                       f"a job's id names its cluster with --cluster NAME")
     status = _jobs(args).status(args.job)
     if status is None:
         raise BadInput(_no_such_job(args))
@@ -766,11 +792,23 @@ def _cluster_token(name: str, record: dict) -> str | None:
     return token
 
 
+def _cluster_name(name: str) -> str:
+    """A cluster's name as a task's: what the schema refuses is refused before any state is made for it."""
+    import re
+
+    from .models import NAME_PATTERN
+
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise BadInput(f"NAME: {name!r} is not a cluster's name: a task's name is lowercase letters, digits and "
+                       f"dashes, 1 to 40 of them, starting and ending with a letter or digit")
+    return name
+
+
 def cmd_token(args) -> int:
     """For `dstack apply` / `sky launch` by hand: export RAY_AUTH_TOKEN=$(rlhf-tasks token NAME)."""
     from . import state
 
-    name = _task(args.target).name if args.target.endswith((".yaml", ".yml")) else args.target
+    name = _task(args.target).name if args.target.endswith((".yaml", ".yml")) else _cluster_name(args.target)
     record = state.load(name)
     if record and _provider(record.get("provider", "")).makes_token:
         if args.new:

@@ -107,6 +107,14 @@ def known() -> list[str]:
     return sorted(p.name for p in home().glob("*") if (load(p.name) or {"ended": 1}).get("ended") is None)
 
 
+def launched() -> dict[str, bool]:
+    """Every cluster launched from here that has a record, and whether it has ended."""
+    if not home().exists():
+        return {}
+    records = {p.name: load(p.name) for p in sorted(home().glob("*"))}
+    return {name: record.get("ended") is not None for name, record in records.items() if record}
+
+
 @dataclass(frozen=True)
 class Before:
     """What was kept of a cluster, and which files a launch's staging directory held, before

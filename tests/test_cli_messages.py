@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -412,3 +413,59 @@ def test_renders_for_two_providers_share_a_folder(tmp_path, capsys, rlhf_home):
     for path in out.rglob("*"):
         if path.is_file() and not path.name.endswith(".json"):
             assert "Rendered by rlhf-tasks" in "\n".join(path.read_text().splitlines()[:5]), path
+
+
+# ---------------------------------------------------------------- issue 48 item 8: names never launched, names refused
+
+def test_token_of_a_name_the_schema_refuses_exits_2_and_writes_nothing(rlhf_home, capsys):
+    """`token Verl_X` made state for a name no task can have (the spec's NAME_PATTERN)."""
+    for name in ("Verl_X", "../x", "x-", "a" * 41, "x\n"):
+        assert main(["token", name]) == 2
+        err = capsys.readouterr().err
+        assert f"NAME: {name!r} is not a cluster's name" in err and "lowercase letters, digits and dashes" in err
+    assert not rlhf_home.exists()
+
+
+def test_status_of_a_name_never_launched_says_so_and_lists_what_was(rlhf_home, capsys, monkeypatch):
+    """`status NAME` of a name never launched spoke of `--address`."""
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    state.save("tiny-grpo", {"provider": "local", "cluster_id": "c1", "ended": 1.0})
+    state.save("verl-ppo", {"provider": "dstack", "cluster_id": "c2"})
+    state.save("verl-ppo-2", {"provider": "dstack", "cluster_id": "c3"})
+    assert main(["status", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no cluster named nope was launched from here (launched from here: tiny-grpo (ended), verl-ppo, " \
+           "verl-ppo-2)" in err
+    assert "--address" not in err
+    shutil.rmtree(rlhf_home)
+    assert main(["status", "nope"]) == 2
+    assert "no cluster named nope was launched from here (none was)" in capsys.readouterr().err
+
+
+def test_check_json_without_provider_plans_for_local_or_the_provider_the_task_names(rlhf_home, capsys, tmp_path):
+    """`check --json` without --provider planned for dstack (the first of the others by name) for a GPU
+    task: the JSON plan is one provider's, so it is local's (launch's and render's default) where local
+    can run the task, else the one provider the task names (placement.<provider>, checkpoints.shared),
+    else none: exit 2 naming those that can run it, as check's text says them."""
+    import yaml
+
+    assert main(["check", TINY, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["contract"] == json.loads(_check_json(TINY, "local", capsys))["contract"]
+    gpu = yaml.safe_load((ROOT / "tasks" / "verl-ppo-gsm8k.yaml").read_text())
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(gpu))
+    assert main(["check", str(path), "--json"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and "--json: the plan is one provider's: give --provider (dstack, kuberay, runpod, sky, " \
+                             "slurm can run it" in said.err
+    gpu.setdefault("placement", {})["slurm"] = {"partition": "gpu"}
+    path.write_text(yaml.safe_dump(gpu))
+    assert main(["check", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["contract"] == json.loads(_check_json(str(path), "slurm", capsys))[
+        "contract"]
+
+
+def _check_json(path: str, provider: str, capsys) -> str:
+    assert main(["check", path, "--provider", provider, "--json"]) == 0
+    return capsys.readouterr().out

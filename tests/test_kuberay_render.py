@@ -771,3 +771,27 @@ def test_readmes_kuberay_example_renders_with_its_options():
     assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in head["volumeMounts"]
     provider = providers.get("kuberay")
     assert not [n for n in provider.notes(plan) if n.startswith("network:")]
+
+
+def test_active_deadline_is_the_budget_cap_plus_the_bring_up_and_stop_grace_never_the_attempts_beyond_it():
+    """`max_duration: 48h` with `job.timeout: 24h` and two restarts made a 72.9 h deadline: KubeRay's
+    backstop then held the cluster 24 h past the cap the head enforces. It is the cap (max_duration,
+    or max_cost at the task's price), counted from the head agent's start, which is within
+    preRunningDeadlineSeconds of the RayJob's, plus stop_grace; the attempts' sum where that is shorter."""
+    base = {"name": "capped", "nodes": 2, "resources": {"gpus": "H100:8"},
+            "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}, "timeout": "24h",
+                    "max_restarts": 2}}
+    plan, _, rayjob, _ = render({**base, "placement": {"max_duration": "48h", "stop_grace": "5m"}})
+    spec = rayjob["spec"]
+    assert spec["activeDeadlineSeconds"] == spec["preRunningDeadlineSeconds"] + 48 * 3600 + 300
+    # a cost cap at the task's price: $200 at $10/h is 20 h
+    _, _, rayjob, _ = render({**base, "placement": {"max_cost": 200, "price_per_hour": 10, "stop_grace": "2m"}})
+    assert rayjob["spec"]["activeDeadlineSeconds"] == rayjob["spec"]["preRunningDeadlineSeconds"] + 20 * 3600 + 120
+    # a cap beyond every attempt allowed: the attempts bound it, as before
+    _, _, long, _ = render({**base, "placement": {"max_duration": "30d"}})
+    _, _, uncapped, _ = render(base)
+    assert long["spec"]["activeDeadlineSeconds"] == uncapped["spec"]["activeDeadlineSeconds"] < 30 * 24 * 3600
+    # no job.timeout but a cap: the cap still bounds the RayJob
+    nolimit = {**base, "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}}
+    _, _, rayjob, _ = render({**nolimit, "placement": {"max_duration": "2h"}})
+    assert rayjob["spec"]["activeDeadlineSeconds"] == rayjob["spec"]["preRunningDeadlineSeconds"] + 2 * 3600 + 120

@@ -663,10 +663,11 @@ def test_save_logs_follows_a_pod_through_quiet_drops_and_clean_ends_to_its_end(t
 
 #: The test image: a container's own /opt, home and /etc/ssh (with an sshd config that works in a
 #: namespace host), then its command, as a container runtime would run it. (Its home is below /opt:
-#: the machine's /root holds the interpreter the hosts share.)
+#: the machine's /root holds the interpreter the hosts share; what every host must see under /opt, a
+#: checkout cloned there, stays: tests/testbed.py tmpfs_script.)
 IMAGE = r"""#!/bin/bash
 set -e
-mount -t tmpfs tmpfs /opt
+{opt}
 mkdir -p /opt/root
 export HOME=/opt/root
 mount -t tmpfs tmpfs /etc/ssh
@@ -674,7 +675,7 @@ printf '%s\n' 'Port 22' 'HostKey /etc/ssh/ssh_host_ed25519_key' 'AuthorizedKeysF
   'UsePAM no' 'PasswordAuthentication no' 'KbdInteractiveAuthentication no' 'PermitRootLogin prohibit-password' \
   'AllowTcpForwarding yes' 'StrictModes no' 'PidFile none' 'UseDNS no' > /etc/ssh/sshd_config
 exec "$@"
-"""
+""".replace("{opt}", "\n".join(tbmod.tmpfs_script("/opt")))
 
 
 def image(tb) -> tuple[str, ...]:
@@ -939,3 +940,38 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
     finally:
         for host in range(3):
             tb.kill(host)
+
+
+def _check_warnings(capsys, task: dict, tmp_path: Path) -> list[str]:
+    from rlhf_tasks.cli import main
+
+    path = tmp_path / f"{task['name']}.yaml"
+    path.write_text(yaml.safe_dump(task))
+    assert main(["check", str(path), "--provider", "runpod"]) == 0
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+
+
+def test_check_warns_of_the_ignored_shm_size_and_of_weight_sync_over_global_networking(capsys, tmp_path):
+    """`check` said nothing of resources.shm_size (RunPod's create request has no /dev/shm size) nor of
+    Global Networking's 100 Mbit/s for a recipe that syncs weights between pods: both warned, with the
+    sync's time for one bf16 copy of the model where its name says its size (Qwen2.5-7B: 14 GB, about 19 m)."""
+    verl = yaml.safe_load((ROOT / "tasks" / "verl-ppo-gsm8k.yaml").read_text())
+    verl["network"] = "runpod-global"
+    warnings = _check_warnings(capsys, verl, tmp_path)
+    (shm,) = [w for w in warnings if "shm_size" in w]
+    assert "resources.shm_size 128GB is not applied" in shm and "no size for /dev/shm" in shm
+    (link,) = [w for w in warnings if "100 Mbit/s" in w]
+    assert "network: runpod-global: Global Networking links the 2 pods at 100 Mbit/s" in link
+    assert "verl shards the model over the pods" in link
+    assert "one bf16 copy of Qwen/Qwen2.5-7B-Instruct's weights (14 GB) takes about 19 m" in link
+    assert "network: runpod-cluster" in link
+    # a model whose name says no size: the bandwidth, per GB
+    verl["job"]["args"]["model"] = "my-org/house-model"
+    del verl["resources"]["shm_size"]
+    warnings = _check_warnings(capsys, verl, tmp_path)
+    assert not any("shm_size" in w for w in warnings)
+    (link,) = [w for w in warnings if "100 Mbit/s" in w]
+    assert "each GB of weights takes 80 s at that rate" in link and "bf16 copy" not in link
+    # an Instant Cluster, one pod, or a recipe that syncs no weights: no such warning
+    for other in ({**verl, "network": "runpod-cluster"}, {**verl, "nodes": 1}, command_task(nodes=2)):
+        assert not any("100 Mbit/s" in w for w in _check_warnings(capsys, other, tmp_path)), other

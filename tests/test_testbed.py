@@ -112,6 +112,29 @@ def test_hostname_tmp_and_pid_isolation(testbed, tmp_path):
     assert "sleep 1000" in t.sh(1, "ps -eo args")
 
 
+def test_a_hosts_own_directories_never_hide_what_every_host_must_see(testbed, tmp_path, monkeypatch):
+    """A directory of a host's own (testbed.own, a tmpfs by tmpfs_script) over one that holds what every
+    host must see (a checkout cloned there) keeps that visible and hides the rest; a plan that would hide
+    it is refused before it mounts anything, naming it."""
+    top = tmp_path / "top"
+    clone = top / "clone"
+    clone.mkdir(parents=True)
+    (clone / "marker").write_text("kept")
+    (top / "other").write_text("machine's")
+    real = tbmod.must_see()
+    monkeypatch.setattr(tbmod, "must_see", lambda: sorted([*real, str(clone)]))
+    testbed.own(0, str(top))
+    testbed.sh(1, "\n".join(["set -e", *tbmod.tmpfs_script(str(top))]), cwd="/")
+    for host in (0, 1):
+        assert testbed.sh(host, f"cat {clone}/marker") == "kept"
+        assert testbed.run(host, f"test -e {top}/other", background=False).returncode == 1
+        testbed.check_sees(host, "its own directories")
+    assert (top / "other").read_text() == "machine's"  # the machine's, untouched
+    with pytest.raises(tbmod.TestbedError, match=f"would hide {clone} from its hosts .*must never hide the checkout"):
+        testbed.mount(0, [(None, str(top))], "a tmpfs over the clone's parent")
+    assert testbed.sh(0, f"cat {clone}/marker") == "kept"
+
+
 def test_exact_environment(testbed, monkeypatch):
     monkeypatch.setenv("LEAKY_RUNNER_VAR", "1")
     env = testbed.env(DSTACK_NODE_RANK="1", DSTACK_MASTER_NODE_IP=testbed.hosts[0].ip)

@@ -201,6 +201,96 @@ def require_root() -> str | None:
     return reason
 
 
+REPO = Path(__file__).resolve().parent.parent
+#: The tests' caches (their defaults and the variables that move them), which hosts read.
+CACHE_VARS = {"RLHF_TASKS_CACHE": ".cache/rlhf-tasks", "RLHF_TASKS_KUBE_CACHE": ".cache/rlhf-tasks/kube",
+              "RLHF_TASKS_DSTACK_CACHE": ".cache/rlhf-tasks/dstack",
+              "RLHF_TASKS_TEST_CACHE": ".cache/rlhf-tasks-tests"}
+
+
+def must_see() -> list[str]:
+    """What every host must keep seeing of this machine: the checkout (its .venv with it), this
+    interpreter's prefix and base prefix, the tests' caches, each as given and resolved, outermost
+    only.  A user clones wherever they like (root's home on a fresh GPU machine, /var/tmp, /opt): a
+    host that mounts over any of these fails its first command with nsenter's "No such file"."""
+    paths = {Path(__file__).absolute().parent.parent, REPO, Path(sys.prefix), Path(sys.base_prefix),
+             Path(sys.executable).parent}
+    for var, default in CACHE_VARS.items():
+        paths.add(Path(os.environ.get(var) or Path.home() / default))
+    both = {os.path.normpath(str(p)) for p in paths} | {str(p.resolve()) for p in paths}
+    return sorted(p for p in both if os.path.exists(p) and not any(_under(p, q) and p != q for q in both))
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def mount_source(path: str, plan: Sequence[tuple[str | None, str]]) -> str | None:
+    """Where ``path`` reads from once the mounts of ``plan`` are made in order: each ``(source,
+    target)`` a recursive bind (``mount --rbind``), or ``(None, target)`` a fresh filesystem
+    (tmpfs); None when a fresh filesystem hides it."""
+    path = os.path.normpath(path)
+    for i in range(len(plan) - 1, -1, -1):
+        source, target = plan[i]
+        target = os.path.normpath(target)
+        if _under(path, target):
+            if source is None:
+                return None
+            rest = os.path.relpath(path, target)
+            return mount_source(os.path.normpath(os.path.join(str(source), rest)), plan[:i])
+    return path
+
+
+def hidden(plan: Sequence[tuple[str | None, str]], keep: Sequence[str] | None = None) -> list[str]:
+    """The paths of ``keep`` (default :func:`must_see`) that ``plan`` hides or replaces."""
+    return [p for p in (must_see() if keep is None else keep) if mount_source(p, plan) != p]
+
+
+def fresh_over(fresh: str | os.PathLike, over: str, before: Sequence[tuple[str | None, str]] = (),
+               keep: Sequence[str] | None = None) -> list[tuple[str | None, str]]:
+    """The plan that binds the directory ``fresh`` over ``over`` (a host's own /root, say) and keeps
+    what must be seen under it: ``before`` (binds into ``fresh``), then each such path not yet in
+    its place inside ``fresh`` bound there (a mount point made for it), then ``fresh`` over ``over``."""
+    plan = list(before)
+    for p in (must_see() if keep is None else keep):
+        if _under(p, over):
+            if p == os.path.normpath(over):
+                raise TestbedError(f"{p} must stay visible to the hosts, but a test mounts a directory of its own "
+                                   f"over it: clone the checkout into a directory below {over}")
+            inside = os.path.join(str(fresh), os.path.relpath(p, over))
+            if mount_source(inside, plan) != p:
+                plan.append((p, inside))
+    return [*plan, (str(fresh), over)]
+
+
+def tmpfs_script(target: str, keep: Sequence[str] | None = None) -> list[str]:
+    """Shell lines that mount a fresh tmpfs over ``target`` in the caller's mount namespace (a host's,
+    made private) and keep what must be seen under it (default :func:`must_see`): each bound aside
+    first, then moved back into its place on the tmpfs."""
+    inside = [p for p in (must_see() if keep is None else keep) if _under(p, target)]
+    if os.path.normpath(target) in inside:
+        raise TestbedError(f"{target} must stay visible to the hosts, but a test mounts a tmpfs over it")
+    t = shlex.quote(target)
+    lines = [f"mkdir -p /tmp/.rlhf-tasks-keep-{i} && mount --bind {shlex.quote(p)} /tmp/.rlhf-tasks-keep-{i}"
+             for i, p in enumerate(inside)]
+    lines.append(f"mount -t tmpfs tmpfs {t}")
+    lines += [f"mkdir -p {shlex.quote(p)} && mount --move /tmp/.rlhf-tasks-keep-{i} {shlex.quote(p)}"
+              for i, p in enumerate(inside)]
+    return lines
+
+
+def check_plan(plan: Sequence[tuple[str | None, str]], what: str) -> None:
+    """Refuse, loudly and before any mount, a host's mounts that would hide what every host must see."""
+    lost = hidden(plan)
+    if lost:
+        raise TestbedError(
+            f"{what} would hide {', '.join(lost)} from its hosts (the checkout, its virtualenv, this "
+            f"Python's prefixes or the tests' caches: tests/testbed.py must_see): every command on such "
+            f"a host would fail with nsenter's 'No such file or directory'. A test that hides a directory "
+            f"must never hide the checkout: bind these back (tests/testbed.py fresh_over) or mount lower. "
+            f"Mounts: {list(plan)}")
+
+
 def ensure_sshd() -> None:
     """Install Debian's openssh-server if sshd is missing (CI installs it up front)."""
     if os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("ssh-keygen"):
@@ -415,6 +505,7 @@ class Testbed:
         self._procs: list[Proc] = []
         self._seq = 0
         self._sshd: dict[int, Proc] = {}
+        self._own: set[tuple[str, str]] = set()  # (host, path) given a directory of its own (own)
         self._forwards: dict[int, tuple[Proc, int, int]] = {}  # local port -> (ssh, host, port)
         self._closed = False
         atexit.register(self.close)
@@ -573,6 +664,48 @@ class Testbed:
         """Run ``cmd`` to completion (must succeed) and return its output."""
         return self.run(h, cmd, background=False, check=True, **kw).output
 
+    def mount(self, h: int | str | Host, plan: Sequence[tuple[str | None, str]], what: str,
+              tmpfs_options: Mapping[str, str] | None = None) -> None:
+        """Make ``plan``'s mounts in the host's mount namespace, in order (see :func:`mount_source`;
+        ``tmpfs_options``: a fresh filesystem's ``-o``), once :func:`check_plan` passes; then check on
+        the host, with the system's own shell, that it still sees what it must."""
+        check_plan(plan, what)
+        script = ["set -e"]
+        for source, target in plan:
+            t = shlex.quote(str(target))
+            if source is None:
+                opts = (tmpfs_options or {}).get(str(target))
+                script.append(f"mkdir -p {t} && mount -t tmpfs {'-o ' + shlex.quote(opts) + ' ' if opts else ''}tmpfs {t}")
+            else:
+                script.append(f"{{ [ -e {t} ] || mkdir -p {t}; }} && mount --rbind {shlex.quote(str(source))} {t}")
+        self.sh(h, "\n".join(script), cwd="/", env={"PATH": os.defpath}, name="mount")
+        self.check_sees(h, what)
+
+    def own(self, h: int | str | Host, path: str) -> None:
+        """Give the host an empty directory of its own at ``path`` (a container's own /opt, say), once:
+        a directory of the testbed's bound over the machine's, what must be seen under it bound back
+        (a tmpfs there would hide a checkout cloned under it)."""
+        host = self.host(h)
+        if (host.name, path) in self._own:
+            return
+        fresh = self.dir / "own" / host.name / path.strip("/")
+        shutil.rmtree(fresh, ignore_errors=True)  # empty at each boot, as a tmpfs would be
+        fresh.mkdir(parents=True)
+        self.mount(host, fresh_over(fresh, path), f"host {host.name}'s own {path} (tests/testbed.py own)")
+        self._own.add((host.name, path))
+
+    def check_sees(self, h: int | str | Host, what: str) -> None:
+        """Fail loudly when the host no longer sees what every host must (:func:`must_see`)."""
+        paths = must_see()
+        p = self.run(h, ["/bin/sh", "-c", 'for p; do [ -e "$p" ] || echo "$p"; done', "sh", *paths],
+                     env={"PATH": os.defpath}, cwd="/", background=False, timeout=30, name="check-sees")
+        lost = p.output.split()
+        if p.returncode != 0 or lost:
+            raise TestbedError(f"host {self.host(h).name}: after {what} it no longer sees {', '.join(lost)} "
+                               f"(the checkout, its virtualenv, this Python's prefixes or the tests' caches: "
+                               f"tests/testbed.py must_see): a test that hides a directory must never hide "
+                               f"the checkout. {p.output[-2000:]}")
+
     # ----------------------------------------------------------------- faults
 
     def processes(self, h: int | str | Host) -> list[int]:
@@ -603,6 +736,7 @@ class Testbed:
         """Kill the whole host (init too) and boot it again: fresh /tmp, same name and IP."""
         host = self.host(h)
         self._kill_host(host, timeout)
+        self._own = {(name, path) for name, path in self._own if name != host.name}
         self._boot(host)
 
     def _kill_host(self, host: Host, timeout: float) -> None:

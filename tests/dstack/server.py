@@ -188,6 +188,21 @@ LogLevel VERBOSE
 """
 
 
+def host_mounts(base: Path) -> list[tuple[str | None, str]]:
+    """A fleet host's mounts (tests/testbed.py mount_source): its own /root (a fresh Debian root's,
+    with this machine's pyenv and caches bound in, and whatever else every host must see under /root:
+    a checkout cloned there), /usr/local/bin, systemd units, /opt, a container's own directories, and
+    the disk its shim reports: the free space under Docker's root dir (a tmpfs of DOCKER_DISK here,
+    nothing allocated until written), as a rented machine's data disk."""
+    root, home = base / "root", Path("/root")
+    before = [(str(home / d), str(root / d)) for d in (".pyenv", ".cache") if (home / d).exists()]
+    plan = tbmod.fresh_over(root, "/root", before)
+    for src, dst in (("usr-local-bin", "/usr/local/bin"), ("systemd", "/etc/systemd/system"), ("opt", "/opt"),
+                     ("checkpoints", "/checkpoints"), ("dstack", "/dstack")):
+        plan += tbmod.fresh_over(base / src, dst)
+    return [*plan, (None, "/var/lib/docker")]
+
+
 class DstackBed:
     """A testbed of ``n`` fleet hosts and the laptop; on the laptop the dstack server and CLI."""
 
@@ -313,17 +328,10 @@ class DstackBed:
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hostkey)], check=True)
         (keys / "authorized_keys").write_text(Path(str(self.key) + ".pub").read_text())
         (base / "sshd_config").write_text(SSHD_CONFIG.format(key=hostkey, extra=keys / "authorized_keys"))
-        home = Path("/root")  # what the host's own /root hides of this machine's (the interpreter, caches), whatever HOME says
-        mounts = [(home / ".pyenv", root / ".pyenv"), (home / ".cache", root / ".cache"), (root, "/root"),
-                  (ulb, "/usr/local/bin"), (base / "systemd", "/etc/systemd/system"), (base / "opt", "/opt"),
-                  (base / "checkpoints", "/checkpoints"), (base / "dstack", "/dstack")]
         for mountpoint in ("/checkpoints", "/dstack", "/var/lib/docker"):  # a container's own directories: empty mount points here
             os.makedirs(mountpoint, exist_ok=True)
-        script = "set -e\n" + "".join(f"mount --rbind {src} {dst}\n" for src, dst in mounts if Path(src).exists())
-        # The host's disk as its shim reports it: the free space under Docker's root dir (a tmpfs of
-        # DOCKER_DISK here, nothing allocated until written), as a rented machine's data disk.
-        script += f"mount -t tmpfs -o size={DOCKER_DISK} tmpfs /var/lib/docker\n"
-        self.tb.sh(h, script, cwd="/")
+        self.tb.mount(h, host_mounts(base), f"dstack fleet host {h.name}'s mounts (tests/dstack/server.py host_mounts)",
+                      tmpfs_options={"/var/lib/docker": f"size={DOCKER_DISK}"})
         os.makedirs("/run/sshd", exist_ok=True)
         sshd = self.tb.run(h, [tbmod.SSHD, "-D", "-e", "-f", str(base / "sshd_config")], name="sshd", cwd="/")
         try:

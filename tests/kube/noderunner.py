@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import testbed as tbmod
 
 from .controlplane import CLUSTER_DOMAIN, ControlPlane, die_with_parent, end_process, free_port
 
@@ -53,6 +54,22 @@ BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/root", "/work",
                "/boot")
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+def pod_mounts(pod: dict) -> dict[str, dict]:
+    """A pod's volume mounts by path, outermost first (the first container naming a path wins)."""
+    mounts: dict[str, dict] = {}
+    for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
+        for m in c.get("volumeMounts", []):
+            mounts.setdefault(m["mountPath"], m)
+    return dict(sorted(mounts.items()))
+
+
+def mount_points(pod: dict) -> list[str]:
+    """Every path the node runner mounts over for a pod's volumes: each volume at its exact path,
+    never a directory above it (a tmpfs over /var for the service-account token at
+    /var/run/secrets/... hid a checkout under /var/tmp, its virtualenv with it, from the pods)."""
+    return list(pod_mounts(pod))
+
 
 _PROBE = r"""
 import json, socket, sys, urllib.request
@@ -396,21 +413,12 @@ class PodRun:
         """Mount the pod's volumes on its host; the reason it cannot start yet, or None."""
         script = ["set -e", f"hostname {shlex.quote(self.name)}"]
         volumes = {v["name"]: v for v in self.pod["spec"].get("volumes", [])}
-        mounts = {}
-        for c in self.pod["spec"].get("initContainers", []) + self.pod["spec"]["containers"]:
-            for m in c.get("volumeMounts", []):
-                mounts.setdefault(m["mountPath"], m)
-        shared = self.runner.tb.shared
-        tops = set()
-        for path, mount in sorted(mounts.items()):
+        mounts = pod_mounts(self.pod)
+        plan: list[tuple[str | None, str]] = []  # what the script mounts, for tests/testbed.py check_plan
+        for path, mount in mounts.items():
             volume, target = volumes[mount["name"]], shlex.quote(path)
             if path.startswith(SYSTEM_DIRS) and path != "/dev/shm":
                 return f"a volume at {path} would hide the machine's own system (node runner)"
-            top = "/" + path.strip("/").split("/")[0]
-            if not path.startswith(("/tmp/", "/dev/shm")) and top not in tops and \
-                    not any(path == s or path.startswith(s + "/") for s in shared):
-                tops.add(top)  # a tmpfs of the host's own over the top directory: nothing lands on the disk
-                script.append(f"mkdir -p {top} && (mountpoint -q {top} || mount -t tmpfs tmpfs {top})")
             sub = mount.get("subPath", "")
             if any(k in volume for k in ("configMap", "secret", "projected", "downwardAPI")):
                 files = self.volume_files(volume)
@@ -430,6 +438,7 @@ class PodRun:
                     source.mkdir(parents=True)
                     opts = f"-o size={int(quantity(size))}" if size else ""
                     script.append(f"mount -t tmpfs {opts} tmpfs {shlex.quote(str(source))}")
+                    plan.append((None, str(source)))
                 source = source / sub
             elif "persistentVolumeClaim" in volume or "hostPath" in volume:
                 claim = volume.get("persistentVolumeClaim", {}).get("claimName")
@@ -440,10 +449,16 @@ class PodRun:
                 Path(source).mkdir(parents=True, exist_ok=True)
             else:
                 return f"volume {mount['name']}: {sorted(volume)} is not supported by the node runner"
+            # at the exact path, as a runtime mounts into a container: an empty mount point on this
+            # machine's disk at most, the volume's content never (it is staged, or a tmpfs, or the claim's)
             script += [f"mkdir -p {target}", f"mount --bind {shlex.quote(str(source))} {target}"]
+            plan.append((str(source), path))
             if mount.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {target}")
+        what = f"pod {self.ns}/{self.name}'s volumes (tests/kube/noderunner.py setup_volumes)"
+        tbmod.check_plan(plan, what)
         self.runner.tb.sh(self.host, " && ".join(script))
+        self.runner.tb.check_sees(self.host, what)
         return None
 
     # ------------------------------------------------------------ containers

@@ -143,6 +143,19 @@ exec {cache}/uv "$@"
 """
 
 
+def host_mounts(home: Path, cache: Path, curl: Path | None = None,
+                opt: Path | None = None) -> list[tuple[str | None, str]]:
+    """A host's mounts (tests/testbed.py mount_source): ``home`` over /root, keeping what every host
+    must see (the checkout cloned there, this Python's prefixes, the caches); on a node the played
+    ``curl`` and its own, empty ``opt`` (file_mounts such as /opt/rlhf-tasks land there)."""
+    plan = tbmod.fresh_over(home, "/root", keep=sorted({*tbmod.must_see(), str(cache.resolve())}))
+    if curl is not None:
+        plan.append((str(curl), "/usr/bin/curl"))
+    if opt is not None:
+        plan += tbmod.fresh_over(opt, "/opt")
+    return plan
+
+
 class SkySlurm:
     """SkyPilot's client and API server on the laptop, the testbed's Slurm as its infra.
 
@@ -185,29 +198,24 @@ class SkySlurm:
     def _mount_homes(self) -> None:
         """In each host's own mount namespace: the test's home over ``/root`` (one shared by the
         Slurm nodes, the laptop's own), with what must stay visible under /root bound back into
-        it (this Python's prefix, e.g. pyenv's, and the cache), and the played curl on the
-        nodes.  Checked by a marker: nothing of SkyPilot's runs until /root is the test's."""
-        keep = sorted({str(p) for p in (Path(sys.base_prefix).resolve(), self.cache.resolve())
-                       if str(p).startswith("/root/")})
+        it (tests/testbed.py fresh_over: the checkout cloned there, this Python's prefixes, e.g.
+        pyenv's, and the caches), and the played curl on the nodes.  Checked by a marker: nothing of
+        SkyPilot's runs until /root is the test's."""
         for h in [*self.tb.hosts, self.tb.laptop]:
             home = self.laptop_home if h is self.tb.laptop else self.home
             marker = home / ".rlhf-tasks-test-home"
             marker.write_text(str(home))
-            cmds = []
-            for path in keep:
-                inside = home / os.path.relpath(path, "/root")
-                inside.mkdir(parents=True, exist_ok=True)
-                cmds.append(f"mount --bind {shlex.quote(path)} {shlex.quote(str(inside))}")
-            cmds.append(f"mount --rbind {shlex.quote(str(home))} /root")
-            if h is not self.tb.laptop:
-                cmds.append(f"mount --bind {shlex.quote(str(self.play / 'curl'))} /usr/bin/curl")
-                # a node's /opt is its own, empty (file_mounts such as /opt/rlhf-tasks land here)
-                opt = self.base / f"opt-{h.name}"
-                opt.mkdir(exist_ok=True)
-                cmds.append(f"mount --bind {shlex.quote(str(opt))} /opt")
-            cmds.append(f"test \"$(cat /root/.rlhf-tasks-test-home)\" = {shlex.quote(str(home))}")
-            self.tb.run(h, ["/bin/sh", "-c", " && ".join(cmds)], env=self.tb.env(), check=True,
-                        background=False, timeout=30, name="mount-home")
+            self.tb.mount(h, self.host_mounts(h), f"SkyPilot-on-Slurm host {h.name}'s mounts "
+                          f"(tests/sky/slurm_infra.py host_mounts)")
+            self.tb.sh(h, f"test \"$(cat /root/.rlhf-tasks-test-home)\" = {shlex.quote(str(home))}",
+                       env=self.tb.env(), cwd="/", name="mount-home")
+
+    def host_mounts(self, h) -> list[tuple[str | None, str]]:
+        if h is self.tb.laptop:
+            return host_mounts(self.laptop_home, self.cache)
+        opt = self.base / f"opt-{h.name}"
+        opt.mkdir(exist_ok=True)
+        return host_mounts(self.home, self.cache, self.play / "curl", opt)
 
     def _ssh(self) -> None:
         """The user's key (laptop), root's authorized_keys (shared home), sshd on the login node."""

@@ -840,15 +840,27 @@ class KubeRayRender(Provider):
 
     def deadlines(self, plan: Plan) -> dict[str, int]:
         """preRunningDeadlineSeconds: every pod up (the head's setup and prepare, every node joining);
-        activeDeadlineSeconds, from the RayJob's start: that, the runner's bring-up and every attempt
-        the restart policy allows."""
+        activeDeadlineSeconds, from the RayJob's start, KubeRay's backstop: the shorter of that, the
+        runner's bring-up and every attempt the restart policy allows; and the budget's cap (what the
+        head agent enforces, agent/budget.py cap_seconds, counted from its start, which is within
+        preRunningDeadlineSeconds of the RayJob's) plus the stop_grace its job's driver gets there:
+        never longer than the bill the task allows, never cutting that grace short."""
         pre = plan.wait.head_s + plan.wait.nodes_s
         out = {"preRunningDeadlineSeconds": math.ceil(pre)}
+        ends = []
         if plan.job.timeout_s:
             services = sum(s.timeout for s in plan.services)
             preflight = plan.preflight.timeout_s if plan.preflight.enabled else 0
             attempts = (plan.job.max_restarts + 1) * plan.job.timeout_s
-            out["activeDeadlineSeconds"] = math.ceil(pre + services + preflight + attempts)
+            ends.append(pre + services + preflight + attempts)
+        budget = plan.budget
+        caps = ([budget.max_duration_s] if budget.max_duration_s else []) + (  # as agent/budget.py's cap_seconds
+            [budget.max_cost / budget.price_per_hour * 3600.0] if budget.max_cost is not None and budget.price_per_hour
+            else [])
+        if caps:
+            ends.append(pre + min(caps) + budget.stop_grace_s)
+        if ends:
+            out["activeDeadlineSeconds"] = math.ceil(min(ends))
         return out
 
     def submitter(self, plan: Plan, options: KubeRayPlacement) -> dict:

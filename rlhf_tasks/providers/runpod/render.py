@@ -168,6 +168,40 @@ IGNORES = {
     "backends": "RunPod is one backend",
 }
 
+#: Recipes whose roles move the model's weights between nodes at every step (an actor's to vLLM engines,
+#: verl's FSDP shards): over Global Networking's link, the step waits on it.
+WEIGHT_SYNC_RECIPES = ("openrlhf-ppo", "openrlhf-m-grpo", "verl-ppo", "search-r1")
+GLOBAL_LINK_BITS = 100e6
+
+
+def shm_warning(plan: Plan) -> str | None:
+    """resources.shm_size is not applied: RunPod's create request (REST v2 `CreatePodRequest`, its
+    `ContainerConfig`: ../shared/runpod/openapi-v2.json) has no field for /dev/shm."""
+    if not plan.resources.shm_size:
+        return None
+    return (f"resources.shm_size {plan.resources.shm_size} is not applied: RunPod's create request (REST API v2 "
+            f"CreatePodRequest) has no size for /dev/shm, so a pod's /dev/shm is what RunPod's machine for the "
+            f"GPU type gives it; NCCL and vLLM on one pod need it large (check `df -h /dev/shm` on a pod)")
+
+
+def weight_sync_warning(plan: Plan) -> str | None:
+    """Pods with Global Networking and a recipe that syncs weights across them: what the 100 Mbit/s link
+    costs each step, from the model's size where its name says it (plan.py model_weights)."""
+    if is_cluster(plan) or plan.nodes < 2 or plan.job.recipe not in WEIGHT_SYNC_RECIPES:
+        return None
+    model, weight_bytes = plan.preflight.model, plan.preflight.weight_bytes
+    if weight_bytes:
+        seconds = weight_bytes * 8 / GLOBAL_LINK_BITS
+        took = f"{seconds / 60:.0f} m" if seconds < 3600 else f"{seconds / 3600:.1f} h"
+        cost = (f"one bf16 copy of {model}'s weights ({weight_bytes / 1e9:.0f} GB) takes about {took} at that "
+                f"rate, at every weight sync")
+    else:
+        cost = f"each GB of weights takes {8e9 / GLOBAL_LINK_BITS:.0f} s at that rate ({model or 'the model'}: " \
+               f"its name says no size)"
+    return (f"network: {plan.network}: Global Networking links the {plan.nodes} pods at {GLOBAL_LINK} (RunPod's "
+            f"docs), and {cross_node_traffic(plan)}: {cost}; network: runpod-cluster (an Instant Cluster, "
+            f"1.6-3.2 Tbit/s between nodes) moves it in seconds")
+
 
 def check(task: Task) -> None:
     """The provider's own checks of a task (BadInput naming the field)."""
