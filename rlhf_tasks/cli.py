@@ -71,6 +71,7 @@ def cmd_check(args) -> int:
     if args.provider:
         _warn_shared_storage(provider, plan)
     _warn_wandb(task)
+    _warn_working_dir_moved(task, plan)
     framework = _asked(task, lambda: task.job.ask_framework(plan.job.entrypoint + plan.job.wandb_args))
     if args.provider:
         asked = framework + _asked(task, lambda: provider.ask_own_code(plan))
@@ -177,7 +178,7 @@ def _plan_lines(provider, plan, task) -> list[str]:
         upload = provider.upload
         left = f"; left out: {', '.join(p.lstrip('/') for p in upload.left_out)}" if upload.left_out else ""
         lines.append(f"  working_dir {upload.path} packs {human(upload.size)} (measured with {upload.how}{left}): "
-                     f"uploaded from this machine, the job runs in Ray's copy of it")
+                     f"{provider.upload_words(plan)}")
     elif words := provider.working_dir_words(plan):
         lines.append(f"  working_dir {words}")
     return lines
@@ -273,6 +274,16 @@ def _warn_wandb(task) -> None:
               "(export it first)", file=sys.stderr)
 
 
+def _warn_working_dir_moved(task, plan) -> None:
+    """What changed for a task whose relative job.working_dir named the current directory's: it is of the
+    task file's directory now (issue 48)."""
+    from .workdir import moved
+
+    said = moved(task.job.working_dir, task.base_dir) if plan.job.working_dir else None
+    if said:
+        print(f"warning: {said}", file=sys.stderr)
+
+
 def _warn_shared_storage(provider, plan) -> None:
     for note in provider.notes(plan):
         print(f"warning: {note}", file=sys.stderr)
@@ -283,6 +294,7 @@ def cmd_render(args) -> int:
     provider = _provider(args.provider)
     plan = provider.plan(task)
     _warn_shared_storage(provider, plan)
+    _warn_working_dir_moved(task, plan)
     if args.output:  # where the files go, for a provider whose CLI resolves paths from there
         provider.render_dir = Path(args.output) if (Path(args.output).is_dir() or args.output.endswith(os.sep)) \
             else Path(args.output).parent

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from . import workdir
 from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
 from .models import Service, StrictModel, WandbOptions, size_bytes
@@ -396,6 +397,10 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     ).model_copy(update=ray_overrides or {})
     job = task.job
     model, weight_bytes = model_weights(getattr(job, "args", None))
+    working_dir = None
+    if out.mode == "ray" and job.working_dir:
+        working_dir = workdir.resolve(job.working_dir, task.base_dir)
+        workdir.require_dir(working_dir, job.working_dir)
     return Plan(
         name=task.name,
         provider=provider,
@@ -426,7 +431,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
             submit=job.submit,
             entrypoint=out.entrypoint,
             wandb_args=out.wandb_args,
-            working_dir=job.working_dir if out.mode == "ray" else None,
+            working_dir=working_dir,  # absolute: each provider writes it as its own files resolve it
             excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
             timeout_s=job.timeout,
             summary=out.summary,

@@ -8,6 +8,7 @@ model through `provider_part`. Every error names the field path (`services[0].re
 
 from __future__ import annotations
 
+import os
 import re
 import types
 from pathlib import Path
@@ -348,6 +349,10 @@ Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignor
 
 class Task(StrictModel):
     _source: str = PrivateAttr("<task>")
+    #: The directory of the task file (load_task), against which a relative job.working_dir resolves, as
+    #: dstack, SkyPilot and docker compose resolve the paths of their files; None (a task given as data):
+    #: the current directory.
+    _base_dir: str | None = PrivateAttr(None)
 
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and dashes")
     nodes: int = Field(ge=1, le=1024)
@@ -376,6 +381,11 @@ class Task(StrictModel):
     def source(self) -> str:
         """The task file it came from, for error messages."""
         return self._source
+
+    @property
+    def base_dir(self) -> str:
+        """Where a relative job.working_dir is: the task file's directory, or the current one."""
+        return self._base_dir or os.getcwd()
 
     @field_validator("env")
     @classmethod
@@ -592,7 +602,9 @@ def load_task(path: str | Path) -> Task:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise BadInput(f"{path}: not valid YAML: {exc}") from None
-    return parse_task(data, str(path))
+    task = parse_task(data, str(path))
+    task._base_dir = str(path.absolute().parent)
+    return task
 
 
 def _key_twice(node: Any, path: str = "", seen_nodes: set | None = None) -> str | None:

@@ -1,14 +1,17 @@
-"""What of a job's `working_dir` is uploaded with it, measured on this machine before anything
-starts: what never belongs in a job's code is left out by default (virtualenvs, found by their
-`pyvenv.cfg`; `node_modules`, `__pycache__`, `.git`; the runs directory of rlhf-tasks), the
-rest is measured with Ray's own traversal and exclude rules when Ray is installed here, or
-with a standard-library one that follows the same rules (the job's excludes, `.gitignore` and
-`.rayignore` files) closely enough, and a working_dir over Ray's upload limit is refused with
-its size, its biggest entries and how to leave them out."""
+"""Where a job's `working_dir` is (a relative one is of the task file's directory) and what of
+it is uploaded with it, measured on this machine before anything starts, on every provider whose
+head's Ray uploads this directory or the provider's copy of it (local, SkyPilot, Slurm, any
+`submit: client`; dstack and RunPod add their own limits): what never belongs in a job's code is
+left out by default (virtualenvs, found by their `pyvenv.cfg`; `node_modules`, `__pycache__`,
+`.git`; the runs directory of rlhf-tasks), the rest is measured with Ray's own traversal and
+exclude rules when Ray is installed here, or with a standard-library one that follows the same
+rules (the job's excludes, `.gitignore` and `.rayignore` files) closely enough, and a working_dir
+over Ray's upload limit is refused with its size, its biggest entries and how to leave them out."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,34 @@ class Measure:
     how: str = RAY_TRAVERSAL
 
 
+def resolve(working_dir: str, base: str) -> str:
+    """A job.working_dir as an absolute path: a relative one is of `base`, the task file's directory
+    (as dstack, SkyPilot and docker compose resolve the paths their files name), not of the shell's."""
+    return os.path.normpath(os.path.join(base, os.path.expanduser(working_dir)))
+
+
+def moved(working_dir: str, base: str, cwd: str | None = None) -> str | None:
+    """What to tell of a relative job.working_dir that names another directory from `cwd` (the current
+    one) than from the task file's, where earlier versions read it (None: nothing changed)."""
+    if not working_dir or os.path.isabs(os.path.expanduser(working_dir)):
+        return None
+    here, there = resolve(working_dir, cwd or os.getcwd()), resolve(working_dir, base)
+    if here == there or not os.path.isdir(here):
+        return None
+    return (f"job.working_dir: {working_dir} is {there}, of the task file's directory (as dstack, SkyPilot and docker "
+            f"compose read relative paths), not {here} of the current directory, as rlhf-tasks read it before; "
+            f"write the path relative to the task file, or absolute")
+
+
+def require_dir(path: str, written: str | None = None) -> None:
+    """Refuse, on every provider, a job.working_dir that is not a directory here."""
+    if not Path(path).is_dir():
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        said = f"{written} ({path}, of the task file's directory)" if written and written != path else path
+        raise BadInput(f"job.working_dir: {said} {what}: name the directory of the job's code, relative to the "
+                       f"task file's directory or absolute, or null for none")
+
+
 def upload_limit() -> int:
     """The most Ray takes: its dashboard's request body limit, or GCS's own when lower."""
     if importlib.util.find_spec("ray") is None:
@@ -53,9 +84,11 @@ def _runs_dir() -> Path:
     return (state.root() / "runs").absolute()
 
 
-def measure(path: str, excludes: list[str], files: list[Path] | None = None) -> Measure:
+def measure(path: str, excludes: list[str], files: list[Path] | None = None,
+            also: list[Callable[[Path], bool]] = ()) -> Measure:
     """Bytes Ray would pack from `path` (before compression), by top-level entry, leaving out by
-    default what never belongs in a job's code (`files`: appended with each file packed)."""
+    default what never belongs in a job's code (`files`: appended with each file packed; `also`:
+    what the provider's own copy leaves out before Ray packs it, e.g. SkyPilot's .skyignore)."""
     root = Path(path).absolute()
     out = Measure(str(path))
     sizes: dict[str, int] = {}
@@ -81,31 +114,50 @@ def measure(path: str, excludes: list[str], files: list[Path] | None = None) -> 
     if importlib.util.find_spec("ray") is not None:
         from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
 
-        _dir_travel(root, [_get_excludes(root, excludes), left_out], add, include_gitignore=True)
+        _dir_travel(root, [_get_excludes(root, excludes), left_out, *also], add, include_gitignore=True)
     else:
         out.how = STDLIB_TRAVERSAL
-        _travel(root, [_rules_matcher(root, excludes), left_out], add)
+        _travel(root, [_rules_matcher(root, excludes), left_out, *also], add)
     out.size = sum(sizes.values())
     out.biggest = sorted(sizes.items(), key=lambda item: -item[1])
     return out
 
 
-def check(path: str, excludes: list[str]) -> Measure:
+def check(path: str, excludes: list[str], also: list[Callable[[Path], bool]] = (),
+          who: str = "") -> Measure:
     """Refuse, before anything starts, a working_dir Ray would reject as too large: its size,
-    its biggest entries and how to leave them out."""
-    if not Path(path).is_dir():
-        raise BadInput(f"job.working_dir: {path} is not a directory")
-    found, limit = measure(path, excludes), upload_limit()
+    its biggest entries and how to leave them out (`who`: who uploads it, for the message)."""
+    require_dir(path)
+    found, limit = measure(path, excludes, also=also), upload_limit()
     if found.size >= limit:
         top = [(name + ("/" if (Path(path) / name).is_dir() else ""), size) for name, size in found.biggest[:5]
                if size * 100 >= found.size]  # an entry under 1% of the whole is no help
         listed = ", ".join(f"{name} {human(size)}" for name, size in top)
         example = ", ".join(f'"/{name}"' for name, _ in enough(top, found.size - limit + 1))
         raise BadInput(f"job.working_dir: {path} packs {human(found.size)} (measured with {found.how}), over Ray's "
-                       f"upload limit of {human(limit)}; the biggest entries: {listed}. Leave out what the job does not "
-                       f"need with job.excludes: [{example}] (or a .rayignore file there), or set job.working_dir to "
-                       f"the directory of the job's code only (null: none)")
+                       f"upload limit of {human(limit)}{who}; the biggest entries: {listed}. Leave out what the job "
+                       f"does not need with job.excludes: [{example}] (or a .rayignore file there), or set "
+                       f"job.working_dir to the directory of the job's code only (null: none)")
     return found
+
+
+def ignore_files(root: str, name: str) -> Callable[[Path], bool]:
+    """What the `name` files below `root` leave out (each applies to its own directory and below, as
+    rsync's `dir-merge` and Ray's .gitignore do)."""
+    base = Path(root).absolute()
+    matchers: dict[Path, Callable[[Path], bool] | None] = {}
+
+    def excluded(p: Path) -> bool:
+        p = p.absolute()
+        for parent in reversed(p.parents):
+            if parent != base and base not in parent.parents:
+                continue
+            if parent not in matchers:
+                matchers[parent] = _ignore_file(parent / name)
+            if matchers[parent] is not None and matchers[parent](p):
+                return True
+        return False
+    return excluded
 
 
 def enough(entries: list[tuple[str, int]], over: int) -> list[tuple[str, int]]:

@@ -26,7 +26,7 @@ from conftest import ROOT, stand_in
 
 def plan_for(provider="local", **overrides):
     """The plan as the agent reads it (JSON data)."""
-    data = {"name": "t", "nodes": 3, "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+    data = {"name": "t", "nodes": 3, "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}
     data.update(overrides)
     return json.loads(providers.get(provider).plan(parse_task(data)).to_json())
 

@@ -144,7 +144,7 @@ def test_summary_says_what_this_run_did(tmp_path, capsys):
     rows += [{"step": 3, "mean_reward": 0.9, "world_size": 3, "node_ids": ["x", "y", "z"]}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plan = providers.get("dstack").plan(parse_task({"name": "t", "nodes": 3, "job": {"recipe": "command",
-                                                    "args": {"entrypoint": "true"}}}))
+                                                    "working_dir": None, "args": {"entrypoint": "true"}}}))
     plan = plan.replace(job=plan.job.model_copy(update={"summary": {"metrics": str(metrics)}}))
     summarise(plan, Outcome("t-1", "SUCCEEDED", node_ids={"x", "y", "z", "head"}), 0.0)
     out = capsys.readouterr().out

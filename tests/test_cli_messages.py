@@ -121,7 +121,7 @@ def test_check_for_slurm_warns_about_the_default_checkpoint_path(tmp_path, capsy
     task = tmp_path / "t.yaml"
     task.write_text(json.dumps({"name": "t", "nodes": 2, "checkpoints": {"path": "/shared/ckpt/t"},
                                 "placement": {"max_duration": "2h"},  # (no --time is a warning of its own)
-                                "job": {"recipe": "command", "args": {"entrypoint": "true"}}}))
+                                "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}))
     assert main(["check", str(task), "--provider", "slurm"]) == 0
     assert "warning" not in capsys.readouterr().err  # a path of the user's own: nothing to say
 

@@ -20,7 +20,7 @@ RESULT = "RLHF_TASKS_RESULT "
 
 def plan_of(**job):
     task = parse_task({"name": "t", "nodes": 2, "preflight": "off", "wait": {"head": "1m", "nodes": "1m"},
-                       "job": {"recipe": "command", "args": {"entrypoint": "true"}, **job}})
+                       "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}, **job}})
     return get("dstack").plan(task)
 
 

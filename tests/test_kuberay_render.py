@@ -575,7 +575,7 @@ def test_with_submit_client_the_working_dir_is_uploaded_from_here_as_before(tmp_
         data = copy.deepcopy(WORKING_DIR_TASK)
         data["job"].update(submit="client", **given)
         plan, _, rayjob, text = render(data)
-        assert plan.job.working_dir == "."
+        assert plan.job.working_dir == str(tmp_path)  # the current directory's: a task given as data
         assert "job.working_dir: none" not in text
         validate(rayjob)
 

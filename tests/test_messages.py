@@ -183,7 +183,7 @@ def ctrl_c_task():
     from rlhf_tasks.spec import parse_task
 
     return parse_task({"name": "t", "nodes": 2, "wait": {"head": "1m", "nodes": "1m"},
-                       "job": {"recipe": "command", "args": {"entrypoint": "true"}}})
+                       "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}})
 
 
 def test_ctrl_c_before_the_job_started_cancels_it_by_stopping_the_cluster(tmp_path, rlhf_home, capsys):

@@ -40,7 +40,8 @@ RATE = re.compile(r"\d+(\.\d+)? [GM]bit/s")
 
 
 def task_with(**fields) -> dict:
-    return {"name": "t", "nodes": 2, "job": {"recipe": "command", "args": {"entrypoint": "true"}}, **fields}
+    return {"name": "t", "nodes": 2, "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}},
+            **fields}
 
 
 # ------------------------------------------------------------------ the task, the plan, the shipped file
@@ -58,8 +59,8 @@ def test_preflight_is_on_by_default_and_off_in_one_word():
 def test_preflight_checks_torch_where_the_recipe_uses_it_and_a_task_can_say_otherwise():
     def torch_checked(task):
         return providers.get("dstack").plan(parse_task(task)).preflight.torch
-    verl = {"name": "v", "nodes": 2, "resources": {"gpus": "H100:8"}, "job": {"recipe": "verl-ppo", "args": {"model": "Qwen/Qwen2.5-0.5B",
-                                                                             "dataset": "gsm8k"}}}
+    verl = {"name": "v", "nodes": 2, "resources": {"gpus": "H100:8"},
+            "job": {"recipe": "verl-ppo", "working_dir": None, "args": {"model": "Qwen/Qwen2.5-0.5B", "dataset": "gsm8k"}}}
     assert torch_checked(verl) and not torch_checked(task_with())  # an arbitrary command: TCP only
     assert torch_checked(task_with(preflight={"torch": True})) and not torch_checked({**verl, "preflight": {"torch": False}})
     argv = protocol.preflight_argv({"min_bandwidth_bits": 1e9, "torch": False}, 3, 60, wait_nodes=600)
@@ -77,7 +78,8 @@ def test_a_bad_bandwidth_names_its_field():
 def test_the_plan_carries_preflight_and_the_model_size_for_its_messages():
     plan = providers.get("dstack").plan(parse_task({
         "name": "v", "nodes": 2, "resources": {"gpus": "H100:8"},
-        "job": {"recipe": "verl-ppo", "args": {"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": "gsm8k"}}}))
+        "job": {"recipe": "verl-ppo", "working_dir": None,
+                "args": {"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": "gsm8k"}}}))
     assert plan.preflight.enabled and plan.preflight.model == "Qwen/Qwen2.5-7B-Instruct"
     assert plan.preflight.weight_bytes == 14 * 10**9  # one bf16 copy
     files = providers.get("dstack").render(plan)
@@ -245,7 +247,7 @@ def test_only_the_first_attempt_of_a_head_submitted_job_carries_preflight_in_its
     assert [protocol.attempt_of(s) for s in (first, restart, protocol.next_submission_id(restart))] == [0, 1, 2]
     def plan_of(**fields):
         return providers.get("dstack").plan(parse_task(task_with(**fields)))
-    head, client = (plan_of(job={"recipe": "command", "submit": submit, "args": {"entrypoint": "true"}})
+    head, client = (plan_of(job={"recipe": "command", "submit": submit, "working_dir": None, "args": {"entrypoint": "true"}})
                     for submit in ("head", "client"))
     assert gated_preflight(head, first) and not gated_preflight(head, restart) and not gated_preflight(client, first)
     assert not gated_preflight(plan_of(preflight=False), first)

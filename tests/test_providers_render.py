@@ -197,7 +197,7 @@ FULL = {
                     "shared": {"dstack": {"host_path": "/mnt/nfs/ckpt"}, "sky": {"bucket": "s3://ckpt-bucket/run"}}},
     "placement": {"spot": "auto", "retry": True, "max_duration": "72h", "fleets": ["gpu-fleet"],
                   "backends": ["aws", "gcp"], "regions": ["us-east-1"]},
-    "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}},
+    "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 train.py"}},
 }
 
 
@@ -237,7 +237,7 @@ def test_every_placement_option_passes_skypilot(tmp_path, monkeypatch):
 def shared_task(shared: dict | None = None, nodes: int = 2, **extra) -> dict:
     checkpoints = {"path": "/ckpt/run", **({"shared": shared} if shared is not None else {})}
     return {"name": "shared", "nodes": nodes, "checkpoints": checkpoints,
-            "job": {"recipe": "command", "args": {"entrypoint": "python3 train.py"}}, **extra}
+            "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 train.py"}}, **extra}
 
 
 def render_task(provider_name: str, data: dict) -> tuple[providers.Provider, object, dict[str, str]]:

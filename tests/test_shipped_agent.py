@@ -50,7 +50,7 @@ def decoy_env(decoy: Path, **extra) -> dict:
 
 
 TASK = {"name": "t", "nodes": 2, "resources": {"gpus": "H100:1"},
-        "job": {"recipe": "command", "args": {"entrypoint": "true"}}}
+        "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}
 
 
 def rendered(provider: str, data: dict = TASK) -> dict[str, str]:

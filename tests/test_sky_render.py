@@ -193,10 +193,11 @@ def test_check_says_where_the_jobs_working_directory_will_be(tmp_path, rlhf_home
     code = project(tmp_path)
     out = cli(["check", "task.yaml", "--provider", "sky"], code, rlhf_home)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"working_dir src: `sky launch` syncs it to ~/sky_workdir on every node", out.stdout), out.stdout
+    assert re.search(rf"working_dir {code / 'src'} packs \d+ bytes \(measured with .*\): `sky launch` syncs it to "
+                     r"~/sky_workdir on every node", out.stdout), out.stdout
     client = cli(["check", str(project(tmp_path / "c", submit="client") / "task.yaml"), "--provider", "sky"],
                  tmp_path / "c" / "proj", rlhf_home)
-    assert "working_dir src packs" in client.stdout, client.stdout
+    assert f"working_dir {tmp_path / 'c' / 'proj' / 'src'} packs" in client.stdout, client.stdout
     config = yaml.safe_load(cli(["render", "task.yaml", "--provider", "sky"], tmp_path / "c" / "proj",
                                 rlhf_home).stdout)
     assert "workdir" not in config  # submit: client uploads it from here through Ray

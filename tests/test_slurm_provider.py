@@ -155,7 +155,7 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
         "secrets": ["FX_SECRET"],
         "job": {"recipe": "command", "working_dir": "code", "timeout": "5m", "max_restarts": 0,
                 "args": {"entrypoint": FAIL_IN_WORKDIR}}}))
-    # job.working_dir, relative: of the directory launch runs in (on the shared filesystem), read by the head
+    # job.working_dir, relative: of the task file's directory (on the shared filesystem), read by the head
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "shipped.txt").write_text("shipped from the launcher's directory\n")
     home = tmp_path / "home"

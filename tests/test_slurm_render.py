@@ -22,7 +22,7 @@ from rlhf_tasks.errors import BadInput
 from rlhf_tasks.plan import ROCM_ENV, gpu_vendor
 from rlhf_tasks.providers.shipping import AGENT, module_files
 from rlhf_tasks.providers.slurm import CONTAINER_SH, CONTAINER_STOP_S
-from rlhf_tasks.spec import parse_task
+from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT, need
 
@@ -134,14 +134,15 @@ def test_secrets_travel_by_name_only(monkeypatch):
         assert f"--env={name} " in docker + " "
 
 
-def test_pyxis_runs_the_image_with_the_agents_and_checkpoint_dirs_mounted():
+def test_pyxis_runs_the_image_with_the_agents_and_checkpoint_dirs_mounted(tmp_path):
     data = task_data(IMAGE_TASK, mounts=["/data:/data:ro"])
+    data["job"]["working_dir"] = str(tmp_path)  # the shipped task ships none
     script = render(data)
     step = srun_step(script)
     assert "--container-image=verlai/verl:vllm017.latest" in step
     assert ('--container-mounts="$job_dir":"$job_dir","$run_dir":"$run_dir",/checkpoints/verl-ppo-gsm8k:'
             "/checkpoints/verl-ppo-gsm8k,/data:/data:ro") in step
-    assert '--container-workdir="$job_dir"' in step  # job.working_dir `.` is read from there (the recipe's default)
+    assert '--container-workdir="$job_dir"' in step  # the head uploads job.working_dir `.` from there
     # no scontrol in the image: the script expands the host list, the contract reads it
     assert 'RLHF_TASKS_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)' in script
     contract = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))["contract"]
@@ -149,32 +150,37 @@ def test_pyxis_runs_the_image_with_the_agents_and_checkpoint_dirs_mounted():
 
 
 def test_the_agents_run_where_job_working_dir_is_read(tmp_path, monkeypatch, capsys):
-    """A relative job.working_dir is of the directory `launch` runs in (RLHF_TASKS_JOB_DIR, which launch
-    sets) or else of the one sbatch runs in: the agents run there, the head uploads it to the job; none
-    named, they run where they did. `check` says so."""
+    """job.working_dir, relative to the task file's directory, is written absolute (the path every node sees
+    on the shared filesystem, wherever `sbatch` or `launch` runs): the agents run there and the head uploads
+    `.` to the job; none named, they run where they did. `check` measures it, as the head's Ray will."""
     from rlhf_tasks.cli import main
 
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print(1)\n")
     data = {**FULL, "job": {**FULL["job"], "working_dir": "code"}}
-    script = render(data)
-    assert 'job_dir="${RLHF_TASKS_JOB_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"' in script
-    assert '--chdir="$job_dir"' in srun_step(script).split()
-    plan = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))
-    assert plan["job"]["working_dir"] == "code"
-    none = render({**FULL, "job": {**FULL["job"], "working_dir": None}})
-    assert "job_dir" not in none and "--chdir" not in srun_step(none)
     path = tmp_path / "full.yaml"
     path.write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
+    provider = providers.get("slurm")
+    (script,) = provider.render(provider.plan(load_task(path))).values()
+    assert f"job_dir={tmp_path / 'code'}" in script.splitlines()
+    assert '--chdir="$job_dir"' in srun_step(script).split()
+    plan = json.loads(heredoc(script, "RLHF_TASKS_PLAN_JSON"))
+    assert plan["job"]["working_dir"] == "."
+    none = render({**FULL, "job": {**FULL["job"], "working_dir": None}})
+    assert "job_dir" not in none and "--chdir" not in srun_step(none)
+    monkeypatch.chdir("/")
     assert main(["check", str(path), "--provider", "slurm"]) == 0
     out = capsys.readouterr().out
-    assert (f"working_dir code of the directory `launch` runs in ({tmp_path / 'code'} from here), or of the one you "
-            "run `sbatch` in: the head reads it there and uploads it to the job (Ray's working_dir), so it must be "
-            "on the cluster's shared filesystem") in out
+    assert (f"working_dir {tmp_path / 'code'} packs 9 bytes (measured with Ray's own traversal): the agents run in it "
+            "and the head uploads it to the job (Ray's working_dir), so it must be on the cluster's shared "
+            "filesystem") in out, out
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
-def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine):
-    script = render(task_data(ROOT / "tasks" / "verl-ppo-gsm8k-mi300x.yaml", container=engine))
+def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine, tmp_path):
+    data = task_data(ROOT / "tasks" / "verl-ppo-gsm8k-mi300x.yaml", container=engine)
+    data["job"]["working_dir"] = str(tmp_path)  # the shipped task ships none
+    script = render(data)
     step = srun_step(script)
     words = step.split()
     run = words.index(engine)

@@ -305,14 +305,29 @@ class Provider:
                 f"on each {self.name} node, so every node but the head would find nothing; add {self.shared_option} "
                 f"(storage every node mounts at checkpoints.path)")
 
+    def uploads_working_dir(self, plan: Plan) -> bool:
+        """Whether Ray uploads job.working_dir as it is on this machine (measured here: `submit: client`,
+        or a provider whose head reads this machine's directory or a copy of it)."""
+        return bool(plan.job.working_dir) and (self.working_dir_here or plan.job.submit == "client")
+
+    def upload_excluded(self, plan: Plan) -> list[Callable[[Path], bool]]:
+        """What the provider's own copy of job.working_dir leaves out before the head's Ray packs it."""
+        return []
+
+    def upload_words(self, plan: Plan) -> str:
+        """Where the measured job.working_dir goes, for `check`."""
+        return "uploaded from this machine, the job runs in Ray's copy of it"
+
     def measure_upload(self, plan: Plan) -> Plan:
-        """When job.working_dir is uploaded from this machine (`submit: client`, or a provider
-        whose head runs here), measure it now, before anything starts (BadInput over Ray's
-        limit), and leave out the virtualenvs and runs directory found in it (workdir.py)."""
+        """When Ray uploads job.working_dir from this machine's copy (uploads_working_dir), measure it
+        now, before anything starts (BadInput over Ray's limit), and leave out the virtualenvs and
+        runs directory found in it (workdir.py)."""
         self.upload = None
-        if not plan.job.working_dir or not (self.working_dir_here or plan.job.submit == "client"):
+        if not self.uploads_working_dir(plan):
             return plan
-        self.upload = workdir.check(plan.job.working_dir, plan.job.excludes)
+        self.upload = workdir.check(plan.job.working_dir, plan.job.excludes, self.upload_excluded(plan),
+                                    "" if plan.job.submit == "client" or self.working_dir_here else
+                                    f" (the head uploads it to the job on {self.name})")
         return plan.replace(job=plan.job.model_copy(update={"excludes": plan.job.excludes + self.upload.left_out}))
 
     def working_dir_words(self, plan: Plan) -> str | None:

@@ -401,12 +401,14 @@ class DstackProvider(Provider):
         uploads it from here through Ray)."""
         return bool(plan.job.working_dir) and plan.job.submit == "head"
 
-    def build(self, task: Task) -> Plan:
-        plan = super().build(task)
-        self.packed = dstack_packs(plan.job.working_dir) if self.ships_working_dir(plan) and \
-            Path(plan.job.working_dir).is_dir() else None
-        if self.ships_working_dir(plan) and self.packed is None:
-            raise BadInput(f"job.working_dir: {plan.job.working_dir} is not a directory")
+    def measure_upload(self, plan: Plan) -> Plan:
+        """A shipped job.working_dir measured as `dstack apply` archives it, and refused (at check, render
+        and launch) over the server's limit; `submit: client` uploads it through Ray (measured as everywhere)."""
+        plan = super().measure_upload(plan)
+        self.packed = dstack_packs(plan.job.working_dir) if self.ships_working_dir(plan) else None
+        limit = self.over_limit(plan)
+        if limit:
+            raise BadInput(limit)
         return plan
 
     def files_path(self, plan: Plan) -> str:
@@ -441,7 +443,8 @@ class DstackProvider(Provider):
         lines = ", ".join(f"/{name}" for name, _ in workdir.enough(top, packed.size - limit + 1))
         return (f"job.working_dir: {plan.job.working_dir} packs {workdir.human(packed.size)} as `dstack apply` archives "
                 f"it (measured with {packed.how}), over the dstack server's limit of {workdir.human(limit)} "
-                f"(DSTACK_SERVER_CODE_UPLOAD_LIMIT, set on the server); the biggest entries: {listed}. dstack's files: "
+                f"(DSTACK_SERVER_CODE_UPLOAD_LIMIT, set on the server: where yours is higher, set it here too); the "
+                f"biggest entries: {listed}. dstack's files: "
                 f"reads .gitignore and .dstackignore there, not job.excludes: list what the job does not need in "
                 f"{Path(plan.job.working_dir) / '.dstackignore'} (one a line, e.g. {lines}), or set job.working_dir to the "
                 f"directory of the job's code only (null: none)")
@@ -464,9 +467,6 @@ class DstackProvider(Provider):
             out.append(f"image {plan.image}: without placement.dstack.{missing}, dstack's server reads the image's "
                        f"configuration from its registry when the run is submitted (a private registry needs "
                        f"placement.dstack.registry_auth; an image the registry cannot serve fails the run)")
-        limit = self.over_limit(plan)
-        if limit:
-            out.append(limit + " (`launch` refuses it)")
         if plan.budget.max_cost is not None and plan.budget.price_per_hour is None:
             out.append("placement.max_cost: a `dstack apply` of the rendered file by hand counts no price, so its head "
                        "never stops the job at the cap (placement.max_duration still holds); `rlhf-tasks launch` counts "

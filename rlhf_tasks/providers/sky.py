@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .. import state
+from .. import state, workdir
 from ..agent.protocol import probe_tcp
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes
@@ -248,12 +248,25 @@ class SkyProvider(Provider):
                        f"node (else each node's own directory): `check` cannot see its type (`sky volumes ls`)")
         return out
 
-    def working_dir_words(self, plan: Plan) -> str | None:
-        if not plan.job.working_dir or plan.job.submit != "head":
-            return None
-        return (f"{plan.job.working_dir}: `sky launch` syncs it to {SKY_WORKDIR} on every node (SkyPilot's "
-                f"workdir; what .skyignore, else .gitignore, names is left out), and the head submits the job "
-                f"from there (leaving out job.excludes)")
+    def uploads_working_dir(self, plan: Plan) -> bool:
+        """`submit: head` too: `sky launch` rsyncs job.working_dir to every node and the head's Ray uploads
+        that copy to the job, so what it packs is measured here, before anything is rented."""
+        return super().uploads_working_dir(plan) or (bool(plan.job.working_dir) and plan.job.submit == "head")
+
+    def upload_excluded(self, plan: Plan) -> list:
+        """What SkyPilot's rsync leaves out: with a .skyignore at the top, what every .skyignore names
+        (it then reads no .gitignore; the head's Ray still does); else .gitignore, which Ray reads too
+        (sky/utils/command_runner.py SSHCommandRunner.rsync, RSYNC_FILTER_SKYIGNORE / _GITIGNORE)."""
+        if plan.job.submit != "head" or not os.path.isfile(os.path.join(plan.job.working_dir, ".skyignore")):
+            return []
+        return [workdir.ignore_files(plan.job.working_dir, ".skyignore")]
+
+    def upload_words(self, plan: Plan) -> str:
+        if plan.job.submit != "head":
+            return super().upload_words(plan)
+        return (f"`sky launch` syncs it to {SKY_WORKDIR} on every node (SkyPilot's workdir; what .skyignore, else "
+                f".gitignore, names is left out), and the head uploads it from there to the job (Ray's "
+                f"working_dir, leaving out job.excludes)")
 
     def workdir(self, plan: Plan) -> str | None:
         """SkyPilot's `workdir`: job.working_dir as seen from where `sky launch` runs (the rendered

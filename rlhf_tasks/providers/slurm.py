@@ -60,8 +60,6 @@ from .base import Cluster, Provider, Sharing
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
-#: The directory `launch` runs in, given to the script: a relative job.working_dir is read from there.
-JOB_DIR_ENV = "RLHF_TASKS_JOB_DIR"
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -433,7 +431,7 @@ class SlurmProvider(Provider):
             'run_dir="${SLURM_SUBMIT_DIR:-$PWD}/rlhf-tasks-${SLURM_JOB_ID}"',
             'mkdir -p "$run_dir/logs"',
             *self.job_dir_lines(plan),
-            *heredoc('"$run_dir/plan.json"', plan.to_json(), PLAN_EOF),
+            *heredoc('"$run_dir/plan.json"', self.node_plan(plan).to_json(), PLAN_EOF),
             "# The node agent's package and the code the recipe needs on the nodes (the demo's), first on",
             "# PYTHONPATH; the agent runs by its entry file's path (never `-m`: the working directory could shadow it).",
         ]
@@ -482,24 +480,31 @@ class SlurmProvider(Provider):
         return "\n".join(lines) + "\n"
 
     def job_dir_lines(self, plan: Plan) -> list[str]:
-        """Where the agents run, so that the head's `ray job submit --working-dir` finds job.working_dir:
-        the directory `launch` ran in (RLHF_TASKS_JOB_DIR), or the one sbatch was run from."""
+        """Where the agents run, so that the head's `ray job submit --working-dir .` finds job.working_dir:
+        the directory itself, absolute (it must be on a filesystem every node sees; the containers mount it)."""
         if not plan.job.working_dir:
             return []
-        return [f"# job.working_dir {plan.job.working_dir}: the agents run in the directory `rlhf-tasks launch` ran in",
-                f"# ({JOB_DIR_ENV}), or else the one you ran sbatch in; it must be on a filesystem every node sees",
-                "# (the head uploads job.working_dir from there to the job, with Ray).",
-                f'job_dir="${{{JOB_DIR_ENV}:-${{SLURM_SUBMIT_DIR:-$PWD}}}}"']
+        return [f"# job.working_dir: the agents run in it; it must be on a filesystem every node sees",
+                "# (the head uploads it from there to the job, with Ray).",
+                f"job_dir={shlex.quote(plan.job.working_dir)}"]
 
-    def working_dir_words(self, plan: Plan) -> str | None:
-        wd = plan.job.working_dir
-        if not wd or plan.job.mode != "ray" or plan.job.submit != "head":
-            return None
-        where = (f"{wd}" if os.path.isabs(wd) else
-                 f"{wd} of the directory `launch` runs in ({os.path.normpath(os.path.join(os.getcwd(), wd))} from "
-                 f"here), or of the one you run `sbatch` in")
-        return (f"{where}: the head reads it there and uploads it to the job (Ray's working_dir), so it must be on "
-                f"the cluster's shared filesystem")
+    @staticmethod
+    def node_plan(plan: Plan) -> Plan:
+        """The plan the nodes read: job.working_dir is the directory they run in (job_dir)."""
+        if not plan.job.working_dir:
+            return plan
+        return plan.replace(job=plan.job.model_copy(update={"working_dir": "."}))
+
+    def uploads_working_dir(self, plan: Plan) -> bool:
+        """`submit: head` too: the head reads job.working_dir on the shared filesystem and its Ray uploads
+        it to the job, so it is measured here, before sbatch."""
+        return super().uploads_working_dir(plan) or (bool(plan.job.working_dir) and plan.job.submit == "head")
+
+    def upload_words(self, plan: Plan) -> str:
+        if plan.job.submit != "head":
+            return super().upload_words(plan)
+        return ("the agents run in it and the head uploads it to the job (Ray's working_dir), so it must be on the "
+                "cluster's shared filesystem")
 
     def render(self, plan: Plan) -> dict[str, str]:
         return {f"{plan.name}.sbatch": self.script(plan)}
@@ -519,8 +524,6 @@ class SlurmProvider(Provider):
         self.ready(plan)
         sbatch = _cli("sbatch")
         directory, token, env = self.stage(plan, secrets)
-        if plan.job.working_dir:  # relative to where launch runs, as on every provider (the script's job_dir)
-            env[JOB_DIR_ENV] = os.getcwd()
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:

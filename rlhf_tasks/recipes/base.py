@@ -67,7 +67,9 @@ class JobBase(StrictModel):
     recipe_needs: ClassVar[str] = ""
 
     submit: Literal["head", "client"] = "head"
-    working_dir: str | None = "."
+    working_dir: str | None = Field(".", description=(
+        "the directory of the job's code, shipped with it: relative to the task file's directory (as dstack, "
+        "SkyPilot and docker compose resolve paths) or absolute; null for none"))
     excludes: list[str] = []
     timeout: Duration | None = None
     max_restarts: int = Field(2, ge=0, description="how often the head resubmits the job after a lost node, a "
