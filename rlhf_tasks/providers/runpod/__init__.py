@@ -53,7 +53,7 @@ from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
 from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, NAME, NODE_DIR, POD_CONTRACT, SELF_END,
-                     MAX_ARGS, check, is_cluster, pack, start_args, start_script, too_big_to_ship)
+                     MAX_ARGS, check, disk_note, is_cluster, pack, start_args, start_script, too_big_to_ship)
 from .render import render as render_files
 
 
@@ -119,6 +119,10 @@ class RunPodProvider(Provider):
                     f"in {NODE_DIR}/workdir on each pod, where the head submits the job with it (Ray's working_dir)")
         return (f"none shipped: the job runs in an empty directory of the head pod ({NODE_DIR}/workdir); name "
                 f"job.working_dir to ship a small one in the start command, or use job.submit: client")
+
+    def notes(self, plan: Plan) -> list[str]:
+        note = disk_note(plan)
+        return super().notes(plan) + ([note] if note else [])
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:
