@@ -284,12 +284,27 @@ def test_runpods_disk_is_whole_gb_rounded_up_and_check_says_so(text, disk, note)
 def test_kubernetes_quantities_are_exact(text, quantity):
     """Kubernetes' quantities: k, M, G, T are powers of 10, Ki, Mi, Gi, Ti of 2 (the real API server reads
     them back in tests/test_sizes_cluster.py)."""
-    _, _, files = render("kuberay", task({"memory": text, "shm_size": text, "disk": text},
+    memory = text if size_bytes(text) > 200 * 2**20 else "1GiB"  # check refuses less (see below)
+    _, _, files = render("kuberay", task({"memory": memory, "shm_size": text, "disk": text},
                                          placement={"kuberay": {"ephemeral_storage": True}}))
     rayjob = next(doc for doc in yaml.safe_load_all(files["t.rayjob.yaml"]) if doc["kind"] == "RayJob")
     spec = rayjob["spec"]["rayClusterSpec"]
     worker = spec["workerGroupSpecs"][0]["template"]["spec"]
     limits = worker["containers"][0]["resources"]["limits"]
-    assert (limits["memory"], limits["ephemeral-storage"]) == (quantity, quantity)
+    assert (limits["memory"], limits["ephemeral-storage"]) == (quantity if memory == text else "1Gi", quantity)
     shm = [v for v in worker["volumes"] if v["name"] == "shm"][0]
     assert shm["emptyDir"]["sizeLimit"] == quantity
+
+
+def test_kuberay_refuses_a_memory_the_heads_submitter_would_leave_nothing_of(tmp_path, capsys):
+    """The head's Ray container gets resources.memory less the 200Mi KubeRay's submitter requests: a task with
+    less rendered a negative limit (`-105Mi`), which KubeRay's CRD schema takes and Kubernetes refuses for the pod.
+    Found by the real API server (tests/test_sizes_cluster.py)."""
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(task({"memory": "100MB"})))
+    assert main(["check", str(path), "--provider", "kuberay"]) == 2
+    err = capsys.readouterr().err
+    assert ("resources.memory: 100MB is not more than the 200MiB KubeRay's submitter requests in the head's pod, "
+            "which the head's Ray container leaves it: give more") in err, err
+    _, _, files = render("kuberay", task({"memory": "300MiB"}))
+    assert "memory: 100Mi\n" in files["t.rayjob.yaml"]

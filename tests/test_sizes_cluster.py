@@ -120,7 +120,9 @@ def test_the_api_server_reads_every_rendered_quantity_back_to_the_same_bytes(kub
     (refused: a request above its limit)."""
     cluster = kube_cluster
     for size in SIZES:
-        files = render("kuberay", {"memory": size, "shm_size": size, "disk": size},
+        nbytes = size_bytes(size)
+        memory = size if nbytes > SUBMITTER_MEMORY else "1GiB"  # check refuses less (the head's submitter's)
+        files = render("kuberay", {"memory": memory, "shm_size": size, "disk": size},
                        placement={"kuberay": {"ephemeral_storage": True}})
         docs = list(yaml.safe_load_all(files["t.rayjob.yaml"]))
         taken = dry_run(cluster, ns, docs)
@@ -130,9 +132,8 @@ def test_the_api_server_reads_every_rendered_quantity_back_to_the_same_bytes(kub
         head = rayjob["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         limits = worker["containers"][0]["resources"]["limits"]
         shm = [v for v in worker["volumes"] if v["name"] == "shm"][0]["emptyDir"]["sizeLimit"]
-        nbytes = size_bytes(size)
-        head_bytes = (nbytes - SUBMITTER_MEMORY) // 2**20 * 2**20
-        for resource, quantity, expected in (("memory", limits["memory"], nbytes),
+        head_bytes = (size_bytes(memory) - SUBMITTER_MEMORY) // 2**20 * 2**20
+        for resource, quantity, expected in (("memory", limits["memory"], size_bytes(memory)),
                                              ("ephemeral-storage", limits["ephemeral-storage"], nbytes),
                                              ("memory", shm, nbytes), ("memory", head["memory"], head_bytes)):
             exact = dry_run(cluster, ns, [probe_pod(resource, quantity, expected)])

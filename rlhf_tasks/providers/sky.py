@@ -77,8 +77,8 @@ SKY_UNITS = (("TB", 2**40), ("GB", 2**30), ("MB", 2**20))
 #: SkyPilot's own disk_size, which Resources._from_yaml_config_single reads as none given (no ephemeral-storage
 #: request on Kubernetes): sky/resources.py DEFAULT_DISK_SIZE_GB.
 SKY_DEFAULT_DISK = 256
-#: The clouds of SkyPilot's whose nodes are Kubernetes pods: Kubernetes, and its SSH node pools (clouds/ssh.py:
-#: class SSH(kubernetes.Kubernetes)).
+#: The clouds of SkyPilot's whose nodes are Kubernetes pods: Kubernetes (`k8s` its alias: clouds/kubernetes.py), and
+#: its SSH node pools (clouds/ssh.py: class SSH(kubernetes.Kubernetes)).
 KUBERNETES_CLOUDS = ("kubernetes", "k8s", "ssh")
 
 

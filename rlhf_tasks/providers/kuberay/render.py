@@ -534,6 +534,10 @@ class KubeRayRender(Provider):
                 if clash:
                     raise BadInput(f"placement.kuberay.volumes[{i}].path: {volume.path} {clash} {path}, "
                                    f"{what}, which the pods mount themselves")
+        if task.resources.memory and size_bytes(task.resources.memory) <= SUBMITTER_MEMORY:
+            raise BadInput(f"resources.memory: {task.resources.memory} is not more than the "
+                           f"{SUBMITTER_MEMORY // 2**20}MiB KubeRay's submitter requests in the head's pod, which the "
+                           f"head's Ray container leaves it: give more")
         if task.ray.dashboard_public:
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")
