@@ -6,16 +6,25 @@ errors, so recipes and spec can both use it."""
 from __future__ import annotations
 
 import difflib
+import math
 import re
-from typing import Annotated, Any, Literal, Union
+from fractions import Fraction
+from typing import Annotated, Any, Literal, Sequence, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: The units a size is written in (case ignored): MB, GB, TB are powers of 10 (as Kubernetes' M, G, T), MiB, GiB,
+#: TiB powers of 2 (as Kubernetes' Mi, Gi, Ti; and as dstack's, SkyPilot's, Slurm's and docker's MB, GB or G).
+SIZE_UNITS = {"MB": 10**6, "GB": 10**9, "TB": 10**12, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*[MGTmgt]([Bb]|i[Bb])\s*$"
+_SIZE_WORDS = ("sizes need a unit: MB, GB, TB, MiB, GiB, TiB; a bare number was bytes on some providers "
+               "(KubeRay, SkyPilot's --shm-size) and gigabytes on others (dstack, SkyPilot's disk_size)")
+#: Units of other tools, read only to say the right form: Kubernetes' and docker's short ones, and sizes below a MB.
+_OTHER_UNITS = {"k": 10**3, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "b": 1, "kb": 10**3, "kib": 2**10}
+_AMBIGUOUS = {"m": ("M", 6), "g": ("G", 9), "t": ("T", 12)}
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
 
 
@@ -103,15 +112,57 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
-def size_bytes(value: str | int) -> int:
-    """'128GB', '64GiB', '200MB' or a number of bytes -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE.match(str(value))
-    if not match:
-        raise ValueError(f"{value!r} is not a size (use e.g. 128GB, 500GB, 64GiB)")
-    unit = match.group(2).lower() if match.group(2) else None
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+def _quoted(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def size_bytes(value: Any) -> int:
+    """'128GB' (10^9 bytes each), '64GiB' (2^30), '200MB', '1.5TB' -> bytes, a fraction of a byte rounded up.
+    Anything else, a bare number first, is a ValueError that shows the right form."""
+    text = str(value).strip()
+    match = _SIZE.match(text) if not isinstance(value, bool) else None
+    number, unit = (Fraction(match.group(1)), match.group(2)) if match else (None, "")
+    units = {name.lower(): size for name, size in SIZE_UNITS.items()}
+    if match and not unit:
+        guess = size_text(int(number), _GRAMMAR) if number >= 2**20 and number.denominator == 1 else f"{text}GB"
+        raise ValueError(f"{_quoted(value)} has no unit: write {guess} ({_SIZE_WORDS})")
+    if match and unit.lower() in units:
+        nbytes = math.ceil(number * units[unit.lower()])
+        if nbytes <= 0:
+            raise ValueError(f"{_quoted(value)} is not a size: a size is more than 0 bytes")
+        return nbytes
+    if match and unit.lower() in _AMBIGUOUS:  # Kubernetes' G is 10^9 bytes, docker's and Slurm's 2^30
+        big, power = _AMBIGUOUS[unit.lower()]
+        raise ValueError(f"{_quoted(value)} is not a size: write {match.group(1)}{big}B (10^{power} bytes each) or "
+                         f"{match.group(1)}{big}iB (2^{power // 3 * 10}) ({_SIZE_WORDS})")
+    if match and unit.lower() in _OTHER_UNITS:
+        right = size_text(math.ceil(number * _OTHER_UNITS[unit.lower()]),
+                          _BINARY if "i" in unit.lower() else _DECIMAL)
+        raise ValueError(f"{_quoted(value)} is not a size: write {right} ({_SIZE_WORDS})")
+    raise ValueError(f"{_quoted(value)} is not a size: write e.g. 128GB, 500GB, 64GiB ({_SIZE_WORDS})")
+
+
+def _exact_decimal(value: Fraction) -> str | None:
+    """A fraction as the decimal it is exactly ('122070.3125'), None where it has none within 30 digits."""
+    for digits in range(31):
+        scaled = value * 10**digits
+        if scaled.denominator == 1:
+            whole = str(scaled.numerator).rjust(digits + 1, "0")
+            return whole if not digits else f"{whole[:-digits]}.{whole[-digits:]}"
+    return None
+
+
+def size_text(nbytes: int, units: Sequence[tuple[str, int]]) -> str:
+    """`nbytes` exactly, in the first of `units` ((suffix, bytes), biggest first) it is a whole number of
+    ('64GB'), else as the shortest exact decimal among them ('122070.3125MB')."""
+    whole = [f"{nbytes // size}{suffix}" for suffix, size in units if nbytes % size == 0]
+    exact = [f"{text}{suffix}" for suffix, size in units if (text := _exact_decimal(Fraction(nbytes, size)))]
+    return whole[0] if whole else min(exact, key=len)
+
+
+_DECIMAL = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6))
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20))
+_GRAMMAR = (("TiB", 2**40), ("TB", 10**12), ("GiB", 2**30), ("GB", 10**9), ("MiB", 2**20), ("MB", 10**6))
 
 
 _BANDWIDTH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(bit|bps|B/s)\s*$", re.IGNORECASE)
@@ -139,12 +190,12 @@ Duration = Annotated[float, BeforeValidator(parse_duration),
 
 
 def _size_text(value: Any) -> Any:
-    size_bytes(value)  # validates; the text is kept, since providers render it as written
-    return value
+    size_bytes(value)  # validates; the text is kept, and each provider renders its bytes in its own form
+    return str(value).strip()
 
 
-#: A size as written ('128GB'); `size_bytes` turns it into bytes where a number is needed.
-Size = Annotated[str, BeforeValidator(_size_text)]
+#: A size as written ('128GB'); `size_bytes` turns it into bytes, and each provider's render into its own form.
+Size = Annotated[str, BeforeValidator(_size_text), WithJsonSchema({"type": "string", "pattern": SIZE_PATTERN})]
 
 
 def require_absolute(value: str | None, why: str = "every node reads it") -> str | None:

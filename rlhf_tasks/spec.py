@@ -19,8 +19,8 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
-from .models import (NAME_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits, did_you_mean,
-                     require_absolute)
+from .models import (NAME_PATTERN, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits,
+                     did_you_mean, require_absolute, size_bytes)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 
@@ -69,6 +69,9 @@ def secret_look(name: str, value: str) -> str | None:
     return None
 
 
+#: Ray's smallest object store: `ray start` refuses less (ray/_private/ray_constants.py).
+OBJECT_STORE_MINIMUM = 75 * 2**20
+
 #: Amounts a task gives per node (cpus, memory, disk) that a provider may read as "at least" or "exactly".
 AMOUNTS = ("cpus", "memory", "disk")
 _AT_LEAST = re.compile(r"^\s*(?P<value>\S.*?)\s*(?:\.\.|\+)\s*$")
@@ -100,7 +103,8 @@ def _cpu_count(value: Any) -> Any:
 _AMOUNT_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": r"^\s*\d+\s*(\.\.|\+)?\s*$"}]}
 CpuCount = Annotated[int, BeforeValidator(_cpu_count), WithJsonSchema(_AMOUNT_SCHEMA)]
 #: A size as written (`500GB`), or with `..` / `+` (at least, as without); the field holds the size.
-AmountSize = Annotated[Size, BeforeValidator(_at_least)]
+AmountSize = Annotated[Size, BeforeValidator(_at_least), WithJsonSchema(
+    {"type": "string", "pattern": SIZE_PATTERN.removesuffix(r"\s*$") + r"\s*(\.\.|\+)?\s*$"})]
 
 
 class Resources(StrictModel):
@@ -178,7 +182,17 @@ class RayConfig(StrictModel):
     dashboard_public: bool = Field(False, description="bind the dashboard to the private address instead of 127.0.0.1")
     auth: Literal["token", "none"] = "token"
     debug: _words("off", "legacy", "post_mortem") = "off"
-    object_store_memory: Size | None = None
+    object_store_memory: Size | None = Field(None, description=(
+        "each node's Ray object store (ray start --object-store-memory), at least 75MiB, Ray's minimum"))
+
+    @field_validator("object_store_memory")
+    @classmethod
+    def _object_store(cls, value):
+        """`ray start` refuses a smaller one on every node (ray/_private/services.py, determine_plasma_store_config:
+        OBJECT_STORE_MINIMUM_MEMORY_BYTES): refused here, before anything starts."""
+        if value is not None and size_bytes(value) < OBJECT_STORE_MINIMUM:
+            raise ValueError(f"{value} is below Ray's minimum object store of 75MiB ({OBJECT_STORE_MINIMUM / 10**6:g}MB)")
+        return value
 
     @model_validator(mode="after")
     def _ports(self):

@@ -111,7 +111,7 @@ def test_a_bare_gpu_name_is_exactly_one_gpu(spec, count):
 
 def test_amounts_render_as_at_least_ranges():
     """`cpus: 28` is "at least 28": dstack reads `cpu: 28` as exactly 28, so we render `28..`."""
-    task, fleet = render({"resources": {"cpus": 28, "memory": "200GB", "disk": "500GB", "shm_size": "64GB"}})
+    task, fleet = render({"resources": {"cpus": 28, "memory": "200GiB", "disk": "500GiB", "shm_size": "64GiB"}})
     resources = task.resources
     assert (resources.cpu.count.min, resources.cpu.count.max) == (28, None)
     assert (resources.memory.min, resources.memory.max) == (200, None)
@@ -158,11 +158,11 @@ def test_every_shipped_fleet_scales_to_zero(task_path: Path):
 def test_a_task_can_say_exactly_or_at_least():
     """Amounts are minimums (`28`, `28..`, `28+`), rendered as dstack's `28..`; listed under resources.exact they
     render as dstack's exact amount."""
-    task, fleet = render({"resources": {"cpus": "28..", "memory": "200GB+", "disk": "500GB.."}})
+    task, fleet = render({"resources": {"cpus": "28..", "memory": "200GiB+", "disk": "500GiB.."}})
     assert (task.resources.cpu.count.min, task.resources.cpu.count.max) == (28, None)
     assert (task.resources.memory.min, task.resources.memory.max) == (200, None)
     assert (task.resources.disk.size.min, task.resources.disk.size.max) == (500, None)
-    task, fleet = render({"resources": {"cpus": 28, "memory": "200GB", "disk": "500GB",
+    task, fleet = render({"resources": {"cpus": 28, "memory": "200GiB", "disk": "500GiB",
                                         "exact": ["cpus", "memory", "disk"]}})
     assert task.resources.cpu.count.min == task.resources.cpu.count.max == 28
     assert task.resources.memory.min == task.resources.memory.max == 200

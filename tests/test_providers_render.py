@@ -298,7 +298,7 @@ def test_skypilot_gives_shm_size_to_the_container_or_says_why_not(tmp_path, monk
     sky, common_utils, schemas = _sky()
     _, _, files = render_task("sky", shared_task(image="verlai/verl:latest", resources={"shm_size": "64GiB"}))
     config = yaml.safe_load(files["shared.sky.yaml"])
-    assert config["config"] == {"docker": {"run_options": [f"--shm-size={64 * 2**30}b"]}}
+    assert config["config"] == {"docker": {"run_options": ["--shm-size=64g"]}}
     common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
     monkeypatch.chdir(tmp_path)
     task = sky.Task.from_yaml_config(copy.deepcopy(config))

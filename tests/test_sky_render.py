@@ -203,9 +203,9 @@ def test_check_says_where_the_jobs_working_directory_will_be(tmp_path, rlhf_home
     assert "workdir" not in config  # submit: client uploads it from here through Ray
 
 
-@pytest.mark.parametrize("resources,cpus,memory", [({"cpus": 8, "memory": "64GB"}, "8+", "64+"),
-                                                    ({"cpus": "8..", "memory": "64GB+"}, "8+", "64+"),
-                                                    ({"cpus": 8, "memory": "64GB", "exact": ["cpus", "memory"]},
+@pytest.mark.parametrize("resources,cpus,memory", [({"cpus": 8, "memory": "64GiB"}, "8+", "64+"),
+                                                    ({"cpus": "8..", "memory": "64GiB+"}, "8+", "64+"),
+                                                    ({"cpus": 8, "memory": "64GiB", "exact": ["cpus", "memory"]},
                                                      "8", "64")])
 def test_amounts_are_at_least_unless_the_task_says_exactly(resources, cpus, memory, tmp_path, monkeypatch):
     """SkyPilot reads `cpus: 8` as exactly 8 and `8+` as 8 or more (its Resources): a task's amount is a minimum

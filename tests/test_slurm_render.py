@@ -85,7 +85,7 @@ def test_every_script_passes_bash_n_and_shellcheck(name, data, tmp_path):
 def test_sbatch_lines_come_from_the_task():
     assert sbatch_options(render(FULL)) == [
         "--job-name=full", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64", "--gpus-per-node=8",
-        "--mem=524288M", "--exclusive", "--time=0-02:15:00",  # the job's 2h + the waits for head (10m) and nodes (5m)
+        "--mem=512G", "--exclusive", "--time=0-02:15:00",  # the job's 2h + the waits for head (10m) and nodes (5m)
         "--output=%x-%j.out", "--export=ALL", "--requeue",
         "--partition=gpu", "--account=proj-42", "--qos=high", "--constraint=h100&ib", "--reservation=rlhf"]
     gres = {**FULL, "placement": {"max_duration": "3d", "slurm": {"gres": "gpu:h100:8"}}}
@@ -185,7 +185,7 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine, tmp_p
     words = step.split()
     run = words.index(engine)
     assert words[run:run + 4] == [engine, "run", "--rm", "--init"]
-    for option in ("--network=host", "--ipc=host", "--shm-size=122071m", "--device=/dev/kfd", "--device=/dev/dri",
+    for option in ("--network=host", "--ipc=host", "--shm-size=125000000k", "--device=/dev/kfd", "--device=/dev/dri",
                    "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
                    "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
                    '--volume="$job_dir":"$job_dir"', '--workdir="$job_dir"'):

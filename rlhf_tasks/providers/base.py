@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar
 
 from .. import state, workdir
 from ..errors import BadInput, StepFailed
+from ..models import size_bytes, size_text
 from ..plan import Contract, Plan, build_plan
 from ..spec import Task
 
@@ -410,6 +411,16 @@ class Provider:
         token = state.new_token(plan.name) if plan.token_env else None
         env = {**os.environ, **secrets, **({plan.token_env: token} if token else {})}
         return directory, token, env
+
+
+#: docker's and podman's --shm-size units (go-units RAMInBytes): powers of 1024, whatever the case.
+DOCKER_UNITS = (("g", 2**30), ("m", 2**20), ("k", 2**10), ("b", 1))
+
+
+def docker_size(size: str) -> str:
+    """A task's size as `docker run --shm-size` / `podman run --shm-size` takes it, the same bytes: `64GiB` ->
+    `64g`, `128GB` -> `125000000k`."""
+    return size_text(size_bytes(size), DOCKER_UNITS)
 
 
 def require_cli(executable: str, extra: str) -> str:

@@ -42,7 +42,7 @@ from pydantic import Field, field_validator, model_validator
 from .. import state, workdir
 from ..agent.protocol import RESULT_PREFIX
 from ..errors import BadInput, StepFailed
-from ..models import StrictModel, require_absolute
+from ..models import StrictModel, require_absolute, size_bytes, size_text
 from ..plan import Contract, Plan, env
 from ..spec import Task, provider_part
 from .base import (Cluster, Provider, Retries, Sharing, end_process, hold_forward, require_cli, start_tunnel,
@@ -53,7 +53,8 @@ SPOT = {"off": "on-demand", "on": "spot", "auto": "auto"}
 
 #: What we render when the task gives no disk. dstack's own default is `100GB..` (resources.DEFAULT_DISK),
 #: which it compares to an offer's disk and, on an SSH fleet, to the host's free disk: a host with less is no
-#: offer. 50GB holds the image with Ray and torch and a small model; a task that needs more says `disk:`.
+#: offer. 50GB (dstack's, 50GiB) holds the image with Ray and torch and a small model; a task that needs more says
+#: `disk:`. In dstack's words, as rendered.
 DEFAULT_DISK = "50GB"
 
 #: The fleet's `idle_duration` when the task does not set `placement.idle`: dstack's own default for a run's
@@ -129,10 +130,22 @@ def _field_of(error: str) -> str:
     return "the task"
 
 
+#: dstack's size units (core/models/resources.py, Memory.parse): its GB is 2^30 bytes (the server gives a container
+#: `shm_size * 1024**3` bytes: runner/client.py, _memory_to_bytes), TB 1024 of them, MB 1/1024; it has no GiB.
+DSTACK_UNITS = (("TB", 2**40), ("GB", 2**30), ("MB", 2**20))
+
+
+def dstack_size(size: str) -> str:
+    """A task's size in dstack's units, the same bytes: `64GiB` -> `64GB`, `128GB` (10^9 bytes each) ->
+    `122070.3125MB` (exact: dstack's Memory is a float, which holds any byte count / 2^20 exactly)."""
+    return size_text(size_bytes(size), DSTACK_UNITS)
+
+
 def amount(res, field: str) -> str:
     """A task's amount in dstack's words: `28..` (28 or more: dstack reads a bare `28` as exactly 28) unless the
-    task lists the field under resources.exact, then `28` as given."""
+    task lists the field under resources.exact, then `28` as given; a size in dstack's units."""
     value = getattr(res, field)
+    value = dstack_size(value) if field in ("memory", "disk") else value
     return str(value) if res.is_exact(field) else f"{value}.."
 
 
@@ -141,7 +154,7 @@ def dstack_resources(res, keys: tuple[str, ...], cpu_arch: str | None = None) ->
     exactly, as resources.exact says), the CPU architecture where the task gives it (`x86:28..`)."""
     resources: dict = {}
     if "shm_size" in keys and res.shm_size:
-        resources["shm_size"] = res.shm_size  # a size dstack gives the container, not an offer filter
+        resources["shm_size"] = dstack_size(res.shm_size)  # a size dstack gives the container, not an offer filter
     if "memory" in keys and res.memory:
         resources["memory"] = amount(res, "memory")
     resources["disk"] = amount(res, "disk") if res.disk else f"{DEFAULT_DISK}.."

@@ -42,11 +42,12 @@ from pydantic import Field, field_validator, model_validator
 from .. import state, workdir
 from ..agent.protocol import probe_tcp
 from ..errors import BadInput, StepFailed
-from ..models import StrictModel, size_bytes
+from ..models import StrictModel, size_bytes, size_text
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task
-from .base import Cluster, Option, Provider, Retries, Sharing, end_process, hold_forward, require_cli, stop_with_cli
+from .base import (Cluster, Option, Provider, Retries, Sharing, docker_size, end_process, hold_forward, require_cli,
+                   stop_with_cli)
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -130,6 +131,30 @@ SHARING = (
 
 #: The clouds a SkyPilot volume can be on (the SHARING rows of a volume that are not "no").
 VOLUME_CLOUDS = ("kubernetes", "runpod")
+
+
+#: SkyPilot's size units (skylet/constants.py MEMORY_SIZE_UNITS, read by utils/resources_utils.py
+#: parse_memory_resource): its GB is 2^30 bytes, and a bare number is its GB.
+SKY_UNITS = (("TB", 2**40), ("GB", 2**30), ("MB", 2**20))
+#: SkyPilot's own disk_size, which Resources._from_yaml_config_single reads as none given (no ephemeral-storage
+#: request on Kubernetes): sky/resources.py DEFAULT_DISK_SIZE_GB.
+SKY_DEFAULT_DISK = 256
+#: The clouds of SkyPilot's whose nodes are Kubernetes pods: Kubernetes (`k8s` its alias: clouds/kubernetes.py), and
+#: its SSH node pools (clouds/ssh.py: class SSH(kubernetes.Kubernetes)).
+KUBERNETES_CLOUDS = ("kubernetes", "k8s", "ssh")
+
+
+def sky_memory(size: str) -> str:
+    """`resources.memory` in SkyPilot's units, the same bytes (a fraction is allowed: Resources._set_memory reads
+    a float): `64GiB` -> `64` (a bare number is its GB), `200GB` -> `190734.86328125MB`."""
+    text = size_text(size_bytes(size), SKY_UNITS)
+    return text.removesuffix("GB") if text.endswith("GB") and text[:-2].isdigit() else text
+
+
+def disk_size(size: str) -> int:
+    """SkyPilot's `disk_size`: a whole number of its GB (Resources.__init__ takes an int), rounded up so that the
+    disk is at least what the task asks."""
+    return -(-size_bytes(size) // 2**30)
 
 
 class SkyShared(StrictModel):
@@ -233,7 +258,8 @@ class SkyProvider(Provider):
 
     def notes(self, plan: Plan) -> list[str]:
         """`check` and `render` do not know whether `launch --managed` will run it: what that would refuse;
-        and whether a volume is of a type every node shares, which only `sky volumes ls` knows."""
+        whether a volume is of a type every node shares, which only `sky volumes ls` knows; and what SkyPilot
+        does to the sizes (size_notes)."""
         out = super().notes(plan)
         if not self.chosen.get("managed"):
             try:
@@ -246,7 +272,7 @@ class SkyProvider(Provider):
                        f"network volume, a ReadWriteMany k8s-pvc (`sky launch` refuses a ReadWriteOnce one for "
                        f"{plan.nodes} nodes) or a k8s-hostpath that is one network filesystem on every Kubernetes "
                        f"node (else each node's own directory): `check` cannot see its type (`sky volumes ls`)")
-        return out
+        return out + self.size_notes(plan)
 
     def uploads_working_dir(self, plan: Plan) -> bool:
         """`submit: head` too: `sky launch` rsyncs job.working_dir to every node and the head's Ray uploads
@@ -292,6 +318,39 @@ class SkyProvider(Provider):
                 f"{plan.nodes} nodes do not share it, and a relaunched cluster starts without it; add "
                 f"checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}} or {{volume: NAME}}")
 
+    @staticmethod
+    def size_notes(plan: Plan) -> list[str]:
+        """What SkyPilot does to the task's sizes that its render cannot show: a disk rounded up to its whole GB,
+        and where the task can land on Kubernetes, the shm size dropped and the disk made an ephemeral-storage
+        request (sky/clouds/kubernetes.py, Kubernetes.make_deploy_resources_variables)."""
+        res, out = plan.resources, []
+        backends = [b.lower() for b in plan.placement.backends]
+        kube = any(b in KUBERNETES_CLOUDS for b in backends) or not backends
+        who = "on Kubernetes SkyPilot" if backends else \
+            "if SkyPilot places the task on Kubernetes (placement.backends does not rule it out), it"
+        disk = disk_size(res.disk) if res.disk else None
+        if disk is not None and disk * 2**30 != size_bytes(res.disk):
+            out.append(f"resources.disk {res.disk}: SkyPilot's disk_size is a whole number of its GB (2^30 bytes), so "
+                       f"it asks {disk} ({disk * 2**30 / 10**9:.1f}GB), rounded up")
+        if kube and res.shm_size:
+            shm = f"--shm-size={docker_size(res.shm_size)} does not reach the pod" if plan.image else \
+                "nothing sizes it"
+            out.append(f"resources.shm_size {res.shm_size}: {who} ignores docker.run_options, so {shm}: "
+                       f"its pod's /dev/shm is a memory emptyDir with no size limit, bounded by the pod's memory "
+                       f"(sky/resources.py Resources.make_deploy_variables; templates/kubernetes-ray.yml.j2, dshm)")
+        if kube and disk == SKY_DEFAULT_DISK:
+            out.append(f"resources.disk {res.disk}: {who} requests no ephemeral storage for disk_size "
+                       f"{disk}, its default, which it reads as none given (Resources._from_yaml_config_single)")
+        elif kube and disk is not None:
+            less = f", less than the {res.disk} asked" if disk * 10**9 < size_bytes(res.disk) else ""
+            out.append(f"resources.disk {res.disk}: {who} makes disk_size {disk} each pod's "
+                       f"ephemeral-storage request, {disk}G ({disk}GB: Kubernetes' G is 10^9 bytes{less}), and a "
+                       f"pod whose node has less allocatable ephemeral storage is not scheduled (a node's is its "
+                       f"kubelet's disk, often far less than a VM's: `kubectl describe node`); SkyPilot offers only "
+                       f"contexts whose nodes fit it (kubernetes_utils.check_instance_fits). Leave resources.disk out "
+                       f"for Kubernetes, or set placement.backends to the clouds you mean")
+        return out
+
     def autostop(self, plan: Plan) -> dict | None:
         """SkyPilot's own autostop, run by the cluster (its skylet on the head), so that the VMs end
         once the run is over with no launcher attached: a minute after the task's job ends, or for a
@@ -312,9 +371,9 @@ class SkyProvider(Provider):
         if res.cpus:  # at least, unless resources.exact says exactly
             resources["cpus"] = f"{res.cpus}" + ("" if res.is_exact("cpus") else "+")
         if res.memory:
-            resources["memory"] = f"{max(1, size_bytes(res.memory) // 10**9)}" + ("" if res.is_exact("memory") else "+")
+            resources["memory"] = sky_memory(res.memory) + ("" if res.is_exact("memory") else "+")
         if res.disk:
-            resources["disk_size"] = max(1, size_bytes(res.disk) // 10**9)
+            resources["disk_size"] = disk_size(res.disk)
         if plan.image:
             resources["image_id"] = f"docker:{plan.image}"
         if placement.spot != "off":
@@ -354,7 +413,7 @@ class SkyProvider(Provider):
             setup.append(f"mkdir -p {ckpt} 2>/dev/null || "
                          f"{{ sudo mkdir -p {ckpt} && sudo chown \"$(id -u):$(id -g)\" {ckpt}; }}")
         if res.shm_size and plan.image:  # SkyPilot's own --shm-size guess is skipped when one is given
-            config["config"] = {"docker": {"run_options": [f"--shm-size={size_bytes(res.shm_size)}b"]}}
+            config["config"] = {"docker": {"run_options": [f"--shm-size={docker_size(res.shm_size)}"]}}
         config["setup"] = "\n".join(setup) + "\n"
         leaked = [f"export {k}={shlex.quote(plan.env[k])}" if k in plan.env else f"unset {k}" for k in LEAKED_ENV]
         config["run"] = (f"# SkyPilot's runner exports {' '.join(LEAKED_ENV)} for its own Ray, and its job passes them "

@@ -53,10 +53,10 @@ from .. import state
 from ..agent.protocol import AGENT_ENTRY, AgentError, parse_result, wait_for
 from ..console import say
 from ..errors import BadInput, StepFailed
-from ..models import StrictModel, size_bytes
+from ..models import StrictModel, size_bytes, size_text
 from ..plan import Contract, Plan, check_contract_env, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
-from .base import Cluster, Provider, Sharing
+from .base import Cluster, Provider, Sharing, docker_size
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
@@ -174,8 +174,14 @@ def _slurm_time(seconds: float) -> str:
     return f"{minutes // 1440}-{minutes // 60 % 24:02d}:{minutes % 60:02d}:00"
 
 
-def _mebibytes(size: str) -> str:
-    return f"{math.ceil(size_bytes(size) / 2**20)}M"
+#: Slurm's --mem units: M, G, T are powers of 1024, and Slurm keeps memory in whole M (str_to_mbytes).
+SLURM_UNITS = (("T", 2**40), ("G", 2**30), ("M", 2**20))
+
+
+def slurm_mem(size: str) -> str:
+    """--mem: whole MiB, rounded up (Slurm keeps no less), in the biggest of its units that is exact: `512GiB` ->
+    `512G`, `200GB` -> `190735M`. Never 0, which Slurm reads as all of the node's memory."""
+    return size_text(-(-size_bytes(size) // 2**20) * 2**20, SLURM_UNITS)
 
 
 def job_info(job_id: str) -> dict[str, str]:
@@ -363,7 +369,7 @@ class SlurmProvider(Provider):
             typed = f"{slurm.gpu_type}:" if slurm.gpu_type else ""
             options.append(f"--gpus-per-node={typed}{plan.gpus_per_node}")
         if res.memory:
-            options.append(f"--mem={_mebibytes(res.memory)}")
+            options.append(f"--mem={slurm_mem(res.memory)}")
         options.append("--exclusive")  # Ray's fixed ports and the GPUs are the job's alone
         limit = self.time_limit(plan)
         if limit:
@@ -394,7 +400,7 @@ class SlurmProvider(Provider):
         lines = [["bash", '"$run_dir/container.sh"', '"$container"'],  # stops the container when the task ends
                  [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host", "--ipc=host"]]
         if plan.resources.shm_size:
-            lines[-1].append(f"--shm-size={_mebibytes(plan.resources.shm_size).lower()}")
+            lines[-1].append(f"--shm-size={docker_size(plan.resources.shm_size)}")
         vendor = gpu_vendor(plan.resources.gpu_name) if plan.gpus_per_node else None
         if vendor == "amd":
             lines.append(["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"])

@@ -128,19 +128,18 @@ TTL = Annotated[float, BeforeValidator(lambda v: 0.0 if str(v).strip() in ("0", 
 
 #: What KubeRay's submitter requests (common/job.go); the head's Ray container leaves room for it.
 SUBMITTER_CPU, SUBMITTER_MEMORY = 0.5, 200 * 2**20
-_K8S_UNITS = {"b": "", "kb": "k", "mb": "M", "gb": "G", "tb": "T", "kib": "Ki", "mib": "Mi", "gib": "Gi", "tib": "Ti"}
+#: Kubernetes' quantity suffixes (apimachinery resource.Quantity): Ki..Ti powers of 2, k..T powers of 10.
+K8S_UNITS = (("Ti", 2**40), ("T", 10**12), ("Gi", 2**30), ("G", 10**9), ("Mi", 2**20), ("M", 10**6), ("Ki", 2**10),
+             ("k", 10**3))
 
 
 def quantity(size: str, less: int = 0) -> str:
-    """A task's size ('128GB', '64GiB') as a Kubernetes quantity ('128G', '64Gi'), `less` bytes
-    taken off (then in Mi, rounded down)."""
+    """A task's size as a Kubernetes quantity of the same bytes ('128GB' -> '128G', '64GiB' -> '64Gi', '1.5TB' ->
+    '1500G'; plain bytes where no suffix is exact), `less` bytes taken off (then in Mi, rounded down)."""
     if less:
         return f"{(size_bytes(size) - less) // 2**20}Mi"
-    m = re.match(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$", str(size))
-    unit = (m.group(2) or "b").lower() if m else None
-    if unit not in _K8S_UNITS:
-        return str(size_bytes(size))
-    return m.group(1) + _K8S_UNITS[unit]
+    nbytes = size_bytes(size)
+    return next((f"{nbytes // unit}{suffix}" for suffix, unit in K8S_UNITS if nbytes % unit == 0), str(nbytes))
 
 
 def _dns(value, what: str = "a DNS label (lowercase letters, digits, dashes)", pattern=_DNS_LABEL):
@@ -555,6 +554,10 @@ class KubeRayRender(Provider):
                 if clash:
                     raise BadInput(f"placement.kuberay.volumes[{i}].path: {volume.path} {clash} {path}, "
                                    f"{what}, which the pods mount themselves")
+        if task.resources.memory and size_bytes(task.resources.memory) <= SUBMITTER_MEMORY:
+            raise BadInput(f"resources.memory: {task.resources.memory} is not more than the "
+                           f"{SUBMITTER_MEMORY // 2**20}MiB KubeRay's submitter requests in the head's pod, which the "
+                           f"head's Ray container leaves it: give more")
         if task.ray.dashboard_public:
             raise BadInput("ray.dashboard_public: KubeRay binds the dashboard to the pod network itself; reach it "
                            "with kubectl port-forward (leave dashboard_public off)")

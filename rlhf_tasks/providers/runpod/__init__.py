@@ -53,8 +53,8 @@ from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
 from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, IGNORES, NAME, NODE_DIR, POD_CONTRACT,
-                     SELF_END, SHARING, MAX_ARGS, check, is_cluster, pack, shm_warning, start_args, start_script,
-                     too_big_to_ship, weight_sync_warning)
+                     SELF_END, SHARING, MAX_ARGS, check, disk_note, is_cluster, pack, shm_warning, start_args,
+                     start_script, too_big_to_ship, weight_sync_warning)
 from .render import render as render_files
 
 
@@ -125,9 +125,9 @@ class RunPodProvider(Provider):
                 f"job.working_dir to ship a small one in the start command, or use job.submit: client")
 
     def notes(self, plan: Plan) -> list[str]:
-        """Besides the shared-storage warning: what RunPod does not apply (shm_size), and what Global
-        Networking's 100 Mbit/s costs a recipe that syncs weights between pods."""
-        return [*super().notes(plan), *filter(None, (shm_warning(plan), weight_sync_warning(plan)))]
+        """Besides the shared-storage warning: what RunPod does not apply (shm_size), how it rounds the disk,
+        and what Global Networking's 100 Mbit/s costs a recipe that syncs weights between pods."""
+        return [*super().notes(plan), *filter(None, (shm_warning(plan), disk_note(plan), weight_sync_warning(plan)))]
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         if not plan.unshared_checkpoints:

@@ -358,6 +358,21 @@ def start_script(plan: Plan, archive: bytes | None = None) -> str:
     return script
 
 
+def disk_gb(size: str) -> int:
+    """RunPod's `disk`: a whole number of GB, at least 1 (BaseContainerConfig.disk in its OpenAPI document), rounded
+    up so that a pod has at least what the task asks; GB as 10^9 bytes, which is also at least 2^30-byte GB's."""
+    return max(1, -(-size_bytes(size) // 10**9))
+
+
+def disk_note(plan: Plan) -> str | None:
+    """What `check` says when RunPod's whole GB is more than the task's disk."""
+    disk = plan.resources.disk
+    if not disk or disk_gb(disk) * 10**9 == size_bytes(disk):
+        return None
+    return (f"resources.disk {disk}: RunPod's disk is a whole number of GB (10^9 bytes), so it asks {disk_gb(disk)}GB, "
+            f"rounded up")
+
+
 def secret_names(plan: Plan) -> list[str]:
     """The variables that go through RunPod's vault: the task's secrets and the Ray token's."""
     return plan.secrets + ([plan.token_env] if plan.token_env else [])
@@ -370,7 +385,7 @@ def bodies(plan: Plan, args: str) -> dict:
     secrets = {name: vault.reference(plan.name, name) for name in secret_names(plan)}
     container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
     if plan.resources.disk:
-        container["disk"] = max(1, size_bytes(plan.resources.disk) // 10**9)
+        container["disk"] = disk_gb(plan.resources.disk)
     if client:  # the head's sshd, for the dashboard's SSH forward
         container["ports"] = ["22/tcp"]
     where: dict[str, Any] = {"dataCenterIds": list(plan.placement.regions)} if plan.placement.regions else {}
@@ -475,5 +490,7 @@ def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
     if ignored:
         notes.append(f"{' and '.join(ignored)} not applied: RunPod sizes a pod's memory and /dev/shm by its "
                      f"GPU type.")
+    if disk_note(plan):
+        notes.append(disk_note(plan) + ".")
     document = {"note": " ".join(notes), **bodies(plan, args)}
     return {f"{plan.name}.runpod.json": json.dumps(document, indent=2) + "\n", f"{plan.name}.start.sh": script}
