@@ -241,14 +241,18 @@ def tiny_grpo(tmp_path, steps: int, nodes: int = 2, **changes):
     return path
 
 
+def user_env(bed, tmp_path, **extra) -> dict[str, str]:
+    """The user's environment on the laptop: dstack's CLI, this checkout's `rlhf-tasks` first on the path."""
+    env = bed.env(PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(tmp_path / "rlhf-home"), PYTHONUNBUFFERED="1", **extra)
+    env["PATH"] = f"{tbmod.BIN_DIR}:{env['PATH']}"
+    return env
+
+
 def launcher(bed, tmp_path, args, background=False, timeout=600, **extra):
     """`rlhf-tasks` on the laptop, beside the dstack server, this checkout first on the path (`extra`: more of
     the user's environment)."""
-    home = tmp_path / "rlhf-home"
-    env = bed.env(PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(home), PYTHONUNBUFFERED="1", **extra)
-    env["PATH"] = f"{tbmod.BIN_DIR}:{env['PATH']}"
-    return bed.tb.run("laptop", [f"{tbmod.BIN_DIR}/rlhf-tasks", *args], env=env, cwd=tmp_path,
-                      background=background, timeout=timeout, name=args[0])
+    return bed.tb.run("laptop", [f"{tbmod.BIN_DIR}/rlhf-tasks", *args], env=user_env(bed, tmp_path, **extra),
+                      cwd=tmp_path, background=background, timeout=timeout, name=args[0])
 
 
 def test_tiny_grpo_launch_succeeds_on_a_two_host_fleet(dstack_bed, dstack_fleet, tmp_path):
@@ -298,7 +302,9 @@ def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_pat
                if line.startswith("#   dstack secret set ")]
     assert by_hand == ['dstack secret set rlhf_tasks__wd__RAY_AUTH_TOKEN "$(rlhf-tasks token wd)"'], by_hand
     bed._no_update_check()
-    assert launcher(bed, tmp_path, ["bash", "-c", by_hand[0]], timeout=120).returncode == 0
+    typed = bed.tb.run("laptop", ["bash", "-c", by_hand[0]], env=user_env(bed, tmp_path), cwd=tmp_path,
+                       background=False, timeout=120, name="secret-set")
+    assert typed.returncode == 0, typed.output
     bed.cli("apply", "-f", "wd.dstack.yml", "-y", "-d", cwd=tmp_path / "out", timeout=180)
     run = _wait_run(bed, "wd", ("done", "failed", "terminated"), 300)
     bed.cli("secret", "delete", "rlhf_tasks__wd__RAY_AUTH_TOKEN", "-y")
