@@ -412,7 +412,8 @@ def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_b
         token = (tmp_path / "rlhf-home" / "clusters" / "tiny-grpo" / "token").read_text().strip()
         assert set(names) <= set(_project_secrets(bed)), _project_secrets(bed)
         run = bed.api("/api/project/main/runs/get", {"run_name": "tiny-grpo"})
-        assert "HF_TOKEN=${{ secrets.rlhf_tasks__tiny_grpo__HF_TOKEN }}" in run["run_spec"]["configuration"]["env"]
+        env = run["run_spec"]["configuration"]["env"]
+        assert env["HF_TOKEN"] == "${{ secrets.rlhf_tasks__tiny_grpo__HF_TOKEN }}", env
         stored = _stored(bed)
         assert "rlhf_tasks__tiny_grpo__RAY_AUTH_TOKEN" in stored  # what the server stores: references, no value
         for secret in (value, token):
