@@ -44,7 +44,8 @@ _SECRET_VALUES = {
     "an AWS access key id (AKIA...)": r"(?:AKIA|ASIA)[A-Z0-9]{16}",
     "a RunPod API key (rpa_...)": r"rpa_[A-Za-z0-9]{20,}",
     "a PEM private key (-----BEGIN ... PRIVATE KEY-----)": r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
-    "a URL with a password (scheme://user:password@host)": r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:[^\s/@]+@",
+    # (`://user:$TOKEN@` and `:${TOKEN}@` refer to a variable: they pass)
+    "a URL with a password (scheme://user:password@host)": r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:(?!\$)[^\s/@]+@",
     "a JSON Web Token (eyJ...)": r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
     "a Slack token (xox?-...)": r"xox[a-z]-[A-Za-z0-9-]{10,}",
     "a GitLab token (glpat-...)": r"glpat-[A-Za-z0-9_-]{20,}",
@@ -71,6 +72,85 @@ def secret_look(name: str, value: str) -> str | None:
 
 #: Ray's smallest object store: `ray start` refuses less (ray/_private/ray_constants.py).
 OBJECT_STORE_MINIMUM = 75 * 2**20
+#: In a command or an argument, a variable whose name says it is a secret set to a value written there
+#: (`HF_TOKEN=...`, `export WANDB_API_KEY=...`); `NAME=$VAR` refers to one and passes, as does a Hydra
+#: override's key (`model.token=...`: its value is checked for a credential's format).
+_ASSIGNMENT = re.compile(r"(?<![\w.$/-])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?![\"']?\$)[\"']?[^\s\"'$;&|)]")
+#: A flag given a value written there (`--api-key VALUE`, `--password=VALUE`); `--token $HF_TOKEN` passes.
+_FLAG = re.compile(r"(?<![\w-])--?(?P<flag>[A-Za-z][\w-]*)(?:=|\s+)(?![\"']?\$)[\"']?(?P<value>[^\s\"'$;&|)]+)")
+#: Flags that take a secret (a tokenizer's `--eos_token` and the like do not).
+_SECRET_FLAG = re.compile(r"(?:hf_|auth_|access_|api_)?token|(?:\w+_)?api_?key|(?:\w+_)?passw(?:or)?d|(?:\w+_)?secret"
+                          r"(?:_key)?|(?:\w+_)?access_key")
+#: Flags whose value is a W&B key (OpenRLHF's `--use_wandb KEY`) when it has the key's form.
+_WANDB_FLAG = re.compile(r"use_wandb|wandb_(?:api_)?key")
+_WANDB_LOGIN = re.compile(r"\bwandb\s+login\s+(?:--?[\w-]+\s+)*[\"']?[0-9a-f]{40}(?![0-9A-Za-z])")
+
+
+def _flag_look(flag: str, value: str) -> str | None:
+    name = flag.lower().replace("-", "_")
+    if _SECRET_FLAG.fullmatch(name) or (_WANDB_FLAG.fullmatch(name) and _WANDB_VALUE.fullmatch(value)):
+        return f"it gives --{flag.lstrip('-')} a value written here"
+    return None
+
+
+def secret_in_text(text: str) -> str | None:
+    """Why a string the task writes outside env (a command, a URL, a recipe's argument) looks like it holds a
+    secret's value, or None: a credential's format anywhere in it, a secret-named variable set to a value
+    written there, a secret's flag given one, `wandb login KEY`. References (`$HF_TOKEN`) pass."""
+    for what, pattern in _SECRET_VALUES.items():
+        if pattern.search(text):
+            return f"it holds what looks like {what}"
+    for match in _ASSIGNMENT.finditer(text):
+        if _SECRET_NAME.search(match.group("name")):
+            return f"it sets {match.group('name')}, whose name says it is a secret, to a value written here"
+    for match in _FLAG.finditer(text):
+        why = _flag_look(match.group("flag"), match.group("value"))
+        if why:
+            return why
+    if _WANDB_LOGIN.search(text):
+        return "it holds what looks like a W&B API key (wandb login with 40 hex digits)"
+    return None
+
+
+def _argv_look(flag: str, value: str) -> str | None:
+    """Why the list item `value`, after the item `flag`, is a secret's value given to a flag (`["--password", X]`)."""
+    match = re.fullmatch(r"--?(?P<flag>[A-Za-z][\w-]*)", flag)
+    if not match or not value or value.startswith("$"):
+        return None
+    return _flag_look(match.group("flag"), value)
+
+
+#: Mappings of the task whose entries are environment variables: checked by name and value, as `env` is.
+_ENV_MAPPINGS = re.compile(r"^services\[\d+\]\.env$")
+
+
+def written_secrets(data: Any, path: str = "") -> dict[str, str]:
+    """Every string below `data` (a task's fields as data) that looks like a secret's value: its field path
+    (`setup[0]`, `job.args.extra_overrides[3]`, `services[0].ready.json.auth`) and why, never the value."""
+    found: dict[str, str] = {}
+    if isinstance(data, str):
+        why = secret_in_text(data)
+        if why:
+            found[path] = why
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            here = f"{path}.{key}" if path else str(key)
+            if _ENV_MAPPINGS.match(path) and isinstance(value, str):
+                why = secret_look(str(key), value)
+                if why:
+                    found[here] = why
+                continue
+            found.update(written_secrets(value, here))
+    elif isinstance(data, (list, tuple)):
+        for index, value in enumerate(data):
+            found.update(written_secrets(value, f"{path}[{index}]"))
+            previous = data[index - 1] if index else None
+            if isinstance(previous, str) and isinstance(value, str) and f"{path}[{index}]" not in found:
+                why = _argv_look(previous, value)
+                if why:
+                    found[f"{path}[{index}]"] = why
+    return found
+
 
 #: Amounts a task gives per node (cpus, memory, disk) that a provider may read as "at least" or "exactly".
 AMOUNTS = ("cpus", "memory", "disk")
@@ -456,11 +536,38 @@ class Task(StrictModel):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise _entry_error("env", clash, "also under secrets: a secret's value must not be in the task file")
-        stray = [key for key in self.env_not_secret if key not in self.env]
+        service_env = {key for service in self.services for key in service.env}
+        stray = [key for key in self.env_not_secret if key not in self.env and key not in service_env]
         if stray:
             raise _entry_error("env_not_secret", stray, "not under env (env_not_secret only lets a name under env "
-                               "that looks like a secret stay there)")
+                               "or a service's env that looks like a secret stay there)")
+        self._no_written_secrets()
         return self
+
+    def _no_written_secrets(self) -> None:
+        """The checks of `env` over every other string the task writes: setup, prepare, services (command,
+        readiness, env), every recipe argument, placement and checkpoints. They are all written into the
+        rendered files and the plan the nodes read, so a secret's value there is as public as under env."""
+        data = self.model_dump(by_alias=True, exclude={"env", "env_not_secret", "secrets"})
+        not_secret = set(self.env_not_secret)
+        found = {path: why for path, why in written_secrets(data).items()
+                 if not (_ENV_MAPPINGS.match(path.rsplit(".", 1)[0]) and path.rsplit(".", 1)[1] in not_secret)}
+        if not found:
+            return
+        paths = list(found)
+        first, why = paths[0], found[paths[0]]
+        also = f" (also: {', '.join(paths[1:])})" if paths[1:] else ""
+        if _ENV_MAPPINGS.match(first.rsplit(".", 1)[0]):
+            name = first.rsplit(".", 1)[1]
+            how = (f"list the name under `secrets: [{name}]` (every process on the nodes, services too, gets it) and "
+                   f"export it where you launch. If it is not a secret, keep it and add `env_not_secret: [{name}]`")
+        else:
+            how = ("list the variable that holds it under `secrets: [NAME]`, export it where you launch, and write "
+                   "$NAME here instead (the nodes have it in their environment; a value that is no secret goes under "
+                   "env, with env_not_secret where its name looks like one)")
+        raise PydanticCustomError("task_entry", f"{why}, and a secret's value must not be in the task file (every "
+                                  f"field is written into the rendered files and the plan the nodes read): {how}"
+                                  + also, {"field": first})
 
 
 def _entry_error(field: str, keys: list[str], message: str) -> PydanticCustomError:

@@ -6,6 +6,7 @@ port forward)."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import tarfile
 from pathlib import Path
@@ -72,14 +73,22 @@ def place(tb, host: int, sources: dict[str, Path]) -> None:
 
 
 def dstack_env(tb, rank: int, nodes: int, rendered_env: list[str], secrets: dict | None = None) -> dict[str, str]:
-    """What dstack's runner sets on a node, plus the configuration's `env` (bare names filled
-    from the user's environment at `dstack apply`, `secrets` among them)."""
+    """What dstack's runner sets on a node, plus the configuration's `env` as dstack's server hands it to the
+    runner: each `${{ secrets.NAME }}` filled with dstack's own interpolator from the project's secrets
+    (server/services/jobs/__init__.py interpolate_job_spec_secrets), which `launch` set from the user's
+    environment (`secrets` among them; an empty one is not set)."""
+    from dstack._internal.utils.interpolator import VariablesInterpolator
+
     local = {"WANDB_API_KEY": "", "RAY_AUTH_TOKEN": TOKEN, **(secrets or {})}
-    env = {}
-    for entry in rendered_env:
-        key, sep, value = entry.partition("=")
-        env[key] = value if sep else local[key]
-    env = {k: v for k, v in env.items() if v}
+    entries = dict(entry.partition("=")[::2] for entry in rendered_env)
+    project = {}
+    for key, value in entries.items():
+        reference = re.fullmatch(r"\$\{\{ secrets\.(\w+) \}\}", value)
+        if reference and local.get(key):
+            project[reference.group(1)] = local[key]
+    interpolate = VariablesInterpolator({"secrets": project}).interpolate
+    env = {k: interpolate(v) for k, v in entries.items() if not re.fullmatch(r"\$\{\{ secrets\.\w+ \}\}", v)
+           or local.get(k)}
     ips = [h.ip for h in tb.hosts[:nodes]]
     return tb.env(**env, DSTACK_NODE_RANK=str(rank), DSTACK_MASTER_NODE_IP=ips[0], DSTACK_NODES_IPS="\n".join(ips),
                   DSTACK_NODES_NUM=str(nodes), DSTACK_GPUS_PER_NODE="0", DSTACK_GPUS_NUM="0",

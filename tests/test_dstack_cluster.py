@@ -242,13 +242,18 @@ def tiny_grpo(tmp_path, steps: int, nodes: int = 2, **changes):
     return path
 
 
-def launcher(bed, tmp_path, args, background=False, timeout=600):
-    """`rlhf-tasks` on the laptop, beside the dstack server, this checkout first on the path."""
-    home = tmp_path / "rlhf-home"
-    env = bed.env(PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(home), PYTHONUNBUFFERED="1")
+def user_env(bed, tmp_path, **extra) -> dict[str, str]:
+    """The user's environment on the laptop: dstack's CLI, this checkout's `rlhf-tasks` first on the path."""
+    env = bed.env(PYTHONPATH=str(ROOT), RLHF_TASKS_HOME=str(tmp_path / "rlhf-home"), PYTHONUNBUFFERED="1", **extra)
     env["PATH"] = f"{tbmod.BIN_DIR}:{env['PATH']}"
-    return bed.tb.run("laptop", [f"{tbmod.BIN_DIR}/rlhf-tasks", *args], env=env, cwd=tmp_path,
-                      background=background, timeout=timeout, name=args[0])
+    return env
+
+
+def launcher(bed, tmp_path, args, background=False, timeout=600, **extra):
+    """`rlhf-tasks` on the laptop, beside the dstack server, this checkout first on the path (`extra`: more of
+    the user's environment)."""
+    return bed.tb.run("laptop", [f"{tbmod.BIN_DIR}/rlhf-tasks", *args], env=user_env(bed, tmp_path, **extra),
+                      cwd=tmp_path, background=background, timeout=timeout, name=args[0])
 
 
 def test_tiny_grpo_launch_succeeds_on_a_two_host_fleet(dstack_bed, dstack_fleet, tmp_path):
@@ -316,9 +321,17 @@ def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_pat
                                                           "max_restarts": 0, "args": {"entrypoint": entry}})
     render = launcher(bed, tmp_path, ["render", str(task), "--provider", "dstack", "-o", "out/"], timeout=120)
     assert render.returncode == 0, render.output
-    bed.cli("apply", "-f", "wd.dstack.yml", "-y", "-d", cwd=tmp_path / "out", timeout=180,
-            env=bed.env(RAY_AUTH_TOKEN="0123456789abcdef" * 4))
+    # the Ray token as a dstack project secret, set by hand as the rendered file's header says
+    by_hand = [line[4:] for line in (tmp_path / "out" / "wd.dstack.yml").read_text().splitlines()
+               if line.startswith("#   dstack secret set ")]
+    assert by_hand == ['dstack secret set rlhf_tasks__wd__RAY_AUTH_TOKEN "$(rlhf-tasks token wd)"'], by_hand
+    bed._no_update_check()
+    typed = bed.tb.run("laptop", ["bash", "-c", by_hand[0]], env=user_env(bed, tmp_path), cwd=tmp_path,
+                       background=False, timeout=120, name="secret-set")
+    assert typed.returncode == 0, typed.output
+    bed.cli("apply", "-f", "wd.dstack.yml", "-y", "-d", cwd=tmp_path / "out", timeout=180)
     run = _wait_run(bed, "wd", ("done", "failed", "terminated"), 300)
+    bed.cli("secret", "delete", "rlhf_tasks__wd__RAY_AUTH_TOKEN", "-y")
     assert run["status"] == "done", _why(bed, run, tmp_path / "out")
     logs = bed.cli("logs", "wd", cwd=tmp_path / "out").output
     assert "REWARD 1.5" in logs and "job wd-wd SUCCEEDED" in logs, logs[-4000:]
@@ -387,23 +400,58 @@ def _run_processes(bed, h) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip() and not any(k in line for k in keep)]
 
 
+def _stored(bed) -> str:
+    """What dstack's server stores of its runs and jobs (its SQLite database: each run's spec, each job's spec and
+    submissions), as one text."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{bed.server_dir / 'data' / 'sqlite.db'}?mode=ro", uri=True)
+    try:
+        return "\n".join(repr(row) for table in ("runs", "jobs") for row in db.execute(f"SELECT * FROM {table}"))
+    finally:
+        db.close()
+
+
+def _project_secrets(bed) -> list[str]:
+    return sorted(s["name"] for s in bed.api("/api/project/main/secrets/list"))
+
+
 def test_status_then_down_in_the_middle_of_a_run_leaves_nothing_running(dstack_bed, no_session_fleet, tmp_path):
     """`status` while tiny-grpo runs says so; `down` (`dstack stop`, then `dstack fleet delete` of the fleet `launch`
     applied) ends the run in dstack, deletes that fleet and leaves no process of the run on the hosts (the shim
     tears the job down as a container's end would). The task's fleet is its own SSH hosts (placement.dstack.ssh),
-    which `launch` applies: the session's fleet, deleted for this test, is put back by the next test that needs it."""
+    which `launch` applies: the session's fleet, deleted for this test, is put back by the next test that needs it.
+    The task's secret and the Ray token go as dstack project secrets (issue 48, item 6): the run spec and the job
+    specs the server stores hold no value, every node's job has both values, and `down` deletes the secrets."""
     bed = dstack_bed
-    task = tiny_grpo(tmp_path, steps=100000, placement={"dstack": {"ssh": bed.ssh_config()}})
-    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True)
+    value = "hf-test-value-" + os.urandom(8).hex()
+    task = tiny_grpo(tmp_path, steps=100000, placement={"dstack": {"ssh": bed.ssh_config()}}, secrets=["HF_TOKEN"])
+    launch = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], background=True, HF_TOKEN=value)
+    names = ["rlhf_tasks__tiny_grpo__HF_TOKEN", "rlhf_tasks__tiny_grpo__RAY_AUTH_TOKEN"]
     try:
         wait_for(lambda: re.search(r"step \d+/100000", launch.output) or not launch.running(), 300,
                  "the launcher to show the job's steps", 1)
         assert launch.running(), launch.output[-4000:]
         assert "dstack: applying the fleet tiny-grpo-fleet" in launch.output, launch.output[-3000:]
+        token = (tmp_path / "rlhf-home" / "clusters" / "tiny-grpo" / "token").read_text().strip()
+        assert set(names) <= set(_project_secrets(bed)), _project_secrets(bed)
+        run = bed.api("/api/project/main/runs/get", {"run_name": "tiny-grpo"})
+        env = run["run_spec"]["configuration"]["env"]
+        assert env["HF_TOKEN"] == "${{ secrets.rlhf_tasks__tiny_grpo__HF_TOKEN }}", env
+        stored = _stored(bed)
+        assert "rlhf_tasks__tiny_grpo__RAY_AUTH_TOKEN" in stored  # what the server stores: references, no value
+        for secret in (value, token):
+            assert secret not in json.dumps(run) and secret not in stored and secret not in launch.output
+        for h in bed.tb.hosts:  # each node's job has both values in its environment, from dstack's server
+            seen = bed.tb.sh(h, "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | "
+                                "grep -E '^(HF_TOKEN|RAY_AUTH_TOKEN)=' | sort -u", cwd="/").split()
+            assert seen == [f"HF_TOKEN={value}", f"RAY_AUTH_TOKEN={token}"], (h.name, len(seen))
         status = launcher(bed, tmp_path, ["status", "tiny-grpo"], timeout=120)
         assert status.returncode == 0 and "RUNNING" in status.output, status.output
         down = launcher(bed, tmp_path, ["down", "tiny-grpo"], timeout=180)
         assert down.returncode == 0, down.output
+        assert f"dstack: deleted 2 project secret(s) of tiny-grpo: {', '.join(names)}" in down.output, down.output
+        assert not [n for n in _project_secrets(bed) if n.startswith("rlhf_tasks__tiny_grpo__")], _project_secrets(bed)
         run = _wait_run(bed, "tiny-grpo", ("terminated", "failed", "done"), 120)
         assert run["status"] == "terminated", _why(bed, run, tmp_path)
         assert "Fleet tiny-grpo-fleet deleted" in down.output or "deleted" in down.output, down.output

@@ -276,6 +276,38 @@ def test_registry_password_is_a_secret_name_never_a_value():
                                                                             "password_secret": "hunter2 !"}}}})
 
 
+# ------------------------------------------------------------------ secrets: dstack's project secrets
+
+def test_secrets_and_the_token_are_project_secret_references_the_server_fills():
+    """The job's env names each secret and the Ray token as a reference to the cluster's own dstack project
+    secret, which dstack's server fills as it hands the job to its runner (server/services/jobs/__init__.py
+    interpolate_job_spec_secrets: VariablesInterpolator({"secrets": ...}) over every env value); the header says
+    how to set them by hand. No bare name is left for `dstack apply` to fill from the environment."""
+    from dstack._internal.utils.interpolator import VariablesInterpolator
+
+    files = render_files({"name": "my-run", "secrets": ["HF_TOKEN", "WANDB_API_KEY"], "env": {"A": "1"}})
+    parse, _ = _dstack()
+    task = parse(yaml.safe_load(files["my-run.dstack.yml"]))
+    names = {"HF_TOKEN": "rlhf_tasks__my_run__HF_TOKEN", "WANDB_API_KEY": "rlhf_tasks__my_run__WANDB_API_KEY",
+             "RAY_AUTH_TOKEN": "rlhf_tasks__my_run__RAY_AUTH_TOKEN"}
+    env = dict(task.env.as_dict())
+    assert env == {"A": "1", **{k: f"${{{{ secrets.{v} }}}}" for k, v in names.items()}}, env
+    project = {v: f"value-of-{k}" for k, v in names.items()}
+    filled = {k: VariablesInterpolator({"secrets": project}).interpolate_or_error(v) for k, v in env.items()}
+    assert filled == {"A": "1", **{k: f"value-of-{k}" for k in names}}
+    header = files["my-run.dstack.yml"].split("\ntype: task")[0]
+    assert 'dstack secret set rlhf_tasks__my_run__HF_TOKEN "$HF_TOKEN"' in header
+    assert 'dstack secret set rlhf_tasks__my_run__RAY_AUTH_TOKEN "$(rlhf-tasks token my-run)"' in header
+
+
+def test_two_clusters_never_share_a_secret_name():
+    from rlhf_tasks.providers.dstack import secret_name
+
+    pairs = [("a-b", "C"), ("a", "b_C"), ("a", "B__C"), ("a-b-c", "X"), ("a-b", "c_X"), ("ab", "C")]
+    assert len({secret_name(c, v) for c, v in pairs}) == len(pairs)
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", secret_name(c, v)) for c, v in pairs)  # a reference's name
+
+
 # ------------------------------------------------------------------ commands under `bash -i -c`
 
 def dstack_command_line(task) -> list[str]:

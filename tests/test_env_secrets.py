@@ -148,3 +148,109 @@ def test_check_passes_with_the_override(tmp_path, capsys, rlhf_home):
     path = write(tmp_path, task_with(env={"MAX_NEW_TOKEN": "64"}, env_not_secret=["MAX_NEW_TOKEN"]))
     assert main(["check", path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["env"]["MAX_NEW_TOKEN"] == "64"
+
+
+# ------------------------------------------------------------------ secrets wherever they are written
+
+HF = "hf_" + "Q7xw" * 9                       # a Hugging Face token's format
+WB = "0123456789abcdef0123456789abcdef01234567"  # W&B's 40 hex digits
+SK = "sk-proj-" + "A1b2" * 10
+
+
+def shipped(name: str) -> dict:
+    from conftest import ROOT
+    return yaml.safe_load((ROOT / "tasks" / name).read_text())
+
+
+def verl_with(**args):
+    task = shipped("verl-ppo-gsm8k.yaml")
+    task["job"]["args"].update(args)
+    return task
+
+
+def openrlhf_with(**args):
+    task = shipped("openrlhf-ppo-llama3-8b.yaml")
+    task["job"]["args"].update(args)
+    return task
+
+
+def command_with(entrypoint):
+    return task_with(job={"recipe": "command", "args": {"entrypoint": entrypoint}})
+
+
+SERVICE = {"name": "rm", "command": "python3 rm.py"}
+
+#: (the task, the field path the error names, the value it must never repeat): one per kind of field.
+WRITTEN = [
+    (task_with(setup=["pip install x", f"huggingface-cli login --token {HF}"]), "setup[1]", HF),
+    (task_with(prepare=[f"export WANDB_API_KEY={WB} && python3 prep.py"]), "prepare[0]", WB),
+    (task_with(prepare=[f"wandb login {WB}"]), "prepare[0]", WB),
+    (task_with(services=[{**SERVICE, "command": f"python3 rm.py --api-key {SK}"}]), "services[0].command", SK),
+    (task_with(services=[{**SERVICE, "ready": {"http": "http://robot:s3cr3tpw@{node_addr}:8000/health"}}]),
+     "services[0].ready.http", "s3cr3tpw"),
+    (task_with(services=[{**SERVICE, "ready": {"http": "http://{node_addr}:8000/score", "method": "POST",
+                                               "json": {"query": ["q"], "auth": f"Bearer {SK}"}}}]),
+     "services[0].ready.json.auth", SK),
+    (task_with(services=[{**SERVICE, "env": {"HF_TOKEN": "plain-value-9"}}]), "services[0].env.HF_TOKEN",
+     "plain-value-9"),
+    (verl_with(extra_overrides=["trainer.val_before_train=false", f"+actor_rollout_ref.model.token={HF}"]),
+     "job.args.extra_overrides[1]", HF),
+    (openrlhf_with(extra_args=["--use_wandb", WB]), "job.args.extra_args[1]", WB),
+    (command_with(f"python3 train.py --hf_token {HF}"), "job.args.entrypoint", HF),
+    (command_with(["python3", "train.py", "--password", "hunter2hunter2"]), "job.args.entrypoint[3]",
+     "hunter2hunter2"),
+    (command_with(["env", "OPENAI_API_KEY=abc123xyz", "python3", "t.py"]), "job.args.entrypoint[1]", "abc123xyz"),
+]
+
+
+@pytest.mark.parametrize("data, path, value", WRITTEN, ids=[p for _, p, _ in WRITTEN])
+def test_a_secret_written_anywhere_in_the_task_is_refused_naming_the_field(data, path, value):
+    """The checks of `env` run over every string the task writes (setup, prepare, services' commands, readiness
+    and env, every recipe argument): the error names the field's path and what it looks like, never the value."""
+    with pytest.raises(BadInput) as err:
+        parse_task(data, "t.yaml")
+    said = str(err.value)
+    assert f"t.yaml: invalid task\n  {path}: " in said, said
+    assert value not in said and "secrets:" in said, said
+
+
+def test_each_field_is_named_once_with_the_others_listed():
+    with pytest.raises(BadInput) as err:
+        parse_task(task_with(setup=[f"echo {HF}"], prepare=[f"echo {SK}"]))
+    said = str(err.value)
+    assert "setup[0]: " in said and "(also: prepare[0])" in said and HF not in said and SK not in said
+
+
+@pytest.mark.parametrize("data", [
+    task_with(setup=["huggingface-cli login --token $HF_TOKEN", "export WANDB_API_KEY=$WANDB_API_KEY",
+                     "pip install git+https://${GH_USER}:${GH_TOKEN}@github.com/org/repo.git",
+                     f"git -C /src checkout {WB}",  # a commit's 40 hex digits are no W&B key
+                     "curl -H \"Authorization: Bearer $API_TOKEN\" https://example.com/x",
+                     "wandb login \"$WANDB_API_KEY\""]),
+    task_with(prepare=["python3 prep.py --eos_token '</s>' --max_new_tokens 64 --tokenizer_path /m",
+                       "MAX_JOBS=4 HF_HOME=/data/hf pip install flash-attn"]),
+    task_with(services=[{**SERVICE, "ready": {"http": "http://{node_addr}:8000/retrieve", "method": "POST",
+                                              "json": {"queries": ["what is 2+2?"], "topk": 3}}}]),
+    verl_with(extra_overrides=["actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+                               "data.max_prompt_length=512", f"actor_rollout_ref.model.revision={WB}"]),
+    command_with(["python3", "t.py", "--token_budget", "512", "--pad_token", "<pad>"]),
+], ids=["setup", "prepare", "ready-json", "verl-overrides", "command-list"])
+def test_references_to_secrets_and_ordinary_words_still_pass(data):
+    parse_task(data)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in __import__("conftest").ROOT.joinpath("tasks").glob("*.yaml")))
+def test_every_shipped_task_still_passes(name):
+    parse_task(shipped(name), name)
+
+
+@pytest.mark.parametrize("data, path, value", [WRITTEN[0], WRITTEN[7], WRITTEN[11]], ids=["setup", "args", "argv"])
+def test_check_render_and_launch_exit_2_naming_the_field_and_never_the_value(data, path, value, tmp_path, capsys,
+                                                                             rlhf_home):
+    task = write(tmp_path, data)
+    for args in (["check", task], ["render", task, "--provider", "dstack", "-o", str(tmp_path / "out")],
+                 ["launch", task, "--provider", "local"]):
+        assert main(args) == 2, args
+        said = capsys.readouterr()
+        assert f"{path}: " in said.err and value not in said.out + said.err, said.err
+    assert not (tmp_path / "out").exists()

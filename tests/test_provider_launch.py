@@ -32,14 +32,22 @@ sys.exit({code})
 
 
 #: A stand-in for the interpreter that runs rlhf_tasks/providers/dstack_api.py against dstack's server
-#: ($RLHF_TASKS_DSTACK_PYTHON): records the question, answers from the JSON file beside it.
+#: ($RLHF_TASKS_DSTACK_PYTHON): records the question (and what it was given on stdin), answers from the JSON
+#: file beside it; setting and deleting secrets succeed.
 API = """#!{python}
 import json, os, sys
 args = [a for a in sys.argv[1:] if a != "-I"]
+given = sys.stdin.read()
 with open({log!r}, "a") as f:
-    f.write(json.dumps({{"argv": ["dstack_api.py"] + args[1:], "cwd": os.getcwd(), "files": {{}}}}) + "\\n")
+    f.write(json.dumps({{"argv": ["dstack_api.py"] + args[1:], "cwd": os.getcwd(), "files": {{}}, "stdin": given,
+                        "wandb": os.environ.get("WANDB_API_KEY")}}) + "\\n")
 answers = json.load(open({answers!r}))
-print(json.dumps(answers[args[1]]))
+if args[1] == "secrets-set":
+    print(json.dumps({{"set": sorted(json.loads(given))}}))
+elif args[1] == "secrets-delete":
+    print(json.dumps({{"deleted": args[2:]}}))
+else:
+    print(json.dumps(answers[args[1]]))
 """
 #: dstack's answers by default: a fleet of the user's is there, and its plan has offers for every job.
 FITS = {"fleets": {"fleets": ["user-fleet"]},
@@ -147,7 +155,13 @@ def env_with(tmp_path: Path, bin_dir: Path | None) -> dict:
     return env
 
 
-def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path):
+SECRETS = ["rlhf_tasks__boundary__RAY_AUTH_TOKEN", "rlhf_tasks__boundary__WANDB_API_KEY"]
+
+
+def test_dstack_launch_sets_the_secrets_as_project_secrets_and_the_cli_sees_none(tmp_path):
+    """The task's secrets and the Ray token go to dstack's project secrets through dstack's API, their values on
+    dstack_api.py's stdin (never a command line); `dstack apply` gets none of them, and the rendered file only
+    references them. The launch that failed before its job deletes them again."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
     fake_cli(bin_dir, "dstack", log, code=1)  # "apply" fails at once, like a dstack without a server
@@ -155,20 +169,30 @@ def test_dstack_launch_runs_apply_with_secrets_in_the_environment_only(tmp_path)
     assert out.returncode == 1, out.stderr
     assert "head" in out.stderr  # the failed step is named
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [c["argv"] for c in calls[:2]] == [["dstack_api.py", "fleets"], ["dstack_api.py", "plan", "boundary.dstack.yml"]]
-    call = calls[2]  # a fleet of the user's is there: none applied; dstack's plan has offers: the task applied
+    assert [c["argv"] for c in calls[:3]] == [["dstack_api.py", "fleets"], ["dstack_api.py", "plan",
+                                                                         "boundary.dstack.yml"],
+                                              ["dstack_api.py", "secrets-set"]]
+    given = json.loads(calls[2]["stdin"])
+    token = given["rlhf_tasks__boundary__RAY_AUTH_TOKEN"]
+    assert sorted(given) == SECRETS and given["rlhf_tasks__boundary__WANDB_API_KEY"] == "wandb-value-xyz" and token
+    assert all(c["wandb"] is None for c in calls[:5])  # nor does dstack's API or apply get the variable
+    call = calls[3]  # a fleet of the user's is there: none applied; dstack's plan has offers: the task applied
     generated = tmp_path / "home" / "runs" / "boundary" / "dstack" / "boundary.dstack.yml"
     assert dstack_parsed(call["argv"]) == ("apply", {"project": None, "configuration_file": str(generated),
                                                      "yes": True, "force": False, "detach": False, "verbose": False})
-    assert call["token"] and call["wandb"] == "wandb-value-xyz"  # by environment only
+    assert call["token"] is None and call["wandb"] is None  # the server fills the job's env, not the CLI
     # in a session of its own: a terminal's Ctrl-C reaches the launcher only, which SIGINTs it once (dstack's CLI aborts
     # the run on a second SIGINT while it handles the first: the terminal's, then the launcher's)
     assert call["own_session"] is True
     rendered = call["files"][str(generated)]
-    assert "RAY_AUTH_TOKEN" in rendered and call["token"] not in rendered and "wandb-value-xyz" not in rendered
-    assert call["token"] not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
-    # A launch that failed before its job leaves nothing behind: no staged files, no token, no record.
-    assert "cleaned up what this launch created" in out.stdout
+    assert "RAY_AUTH_TOKEN=${{ secrets.rlhf_tasks__boundary__RAY_AUTH_TOKEN }}" in rendered
+    assert "WANDB_API_KEY=${{ secrets.rlhf_tasks__boundary__WANDB_API_KEY }}" in rendered
+    assert token not in rendered and "wandb-value-xyz" not in rendered
+    assert token not in out.stdout + out.stderr and "wandb-value-xyz" not in out.stdout + out.stderr
+    assert all(token not in " ".join(c["argv"]) and "wandb-value-xyz" not in " ".join(c["argv"]) for c in calls)
+    # A launch that failed before its job leaves nothing behind: no secrets, no staged files, no token, no record.
+    assert calls[4]["argv"] == ["dstack_api.py", "secrets-delete", *SECRETS]
+    assert "cleaned up what this launch created" in out.stdout and "the dstack project secrets it set" in out.stdout
     assert not generated.parent.exists() and not (tmp_path / "home" / "clusters" / "boundary").exists()
 
 
@@ -279,17 +303,18 @@ def test_dstack_launch_leaves_the_users_fleets_alone(tmp_path):
     fake_cli(bin_dir, "dstack", log, code=1)
     run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env_with(tmp_path, bin_dir))
     calls = dstack_calls(log)
-    assert [c[0] for c in calls] == ["dstack_api.py", "dstack_api.py", "apply"]
-    assert calls[2][1]["configuration_file"].endswith("boundary.dstack.yml")
+    assert [c[0] for c in calls] == ["dstack_api.py", "dstack_api.py", "dstack_api.py", "apply", "dstack_api.py"]
+    assert calls[3][1]["configuration_file"].endswith("boundary.dstack.yml")
 
 
-def test_down_deletes_the_fleet_launch_applied_and_only_that(tmp_path):
+def test_down_deletes_the_secrets_and_the_fleet_launch_applied_and_only_those(tmp_path):
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
     fake_cli(bin_dir, "dstack", log, code=0)
     env = env_with(tmp_path, bin_dir)
     for made in (True, False):
-        record = {"provider": "dstack", "cluster_id": "boundary", **({"fleet_made": "boundary-fleet"} if made else {})}
+        record = {"provider": "dstack", "cluster_id": "boundary",
+                  **({"fleet_made": "boundary-fleet", "dstack_secrets": SECRETS} if made else {})}
         subprocess.run([sys.executable, "-c", f"from rlhf_tasks import state; state.save('boundary', {record!r})"],
                        env=env, check=True)
         log.unlink(missing_ok=True)
@@ -298,10 +323,12 @@ def test_down_deletes_the_fleet_launch_applied_and_only_that(tmp_path):
         calls = dstack_calls(log)
         assert calls[0] == ("stop", {"project": None, "abort": False, "yes": True, "run_name": "boundary"})
         if made:
-            command, args = calls[1]
+            assert calls[1] == ["dstack_api.py", "secrets-delete", *SECRETS]
+            assert f"dstack: deleted 2 project secret(s) of boundary: {', '.join(SECRETS)}" in down.stdout
+            command, args = calls[2]
             assert (command, args["action"], args["name"].name, args["yes"]) == ("fleet", "delete", "boundary-fleet",
                                                                                  True)
-        assert len(calls) == (2 if made else 1)
+        assert len(calls) == (3 if made else 1)
 
 
 def test_sky_launch_and_managed_launch(tmp_path):
@@ -372,7 +399,7 @@ def test_a_provider_cli_beside_the_interpreter_is_found_without_path(tmp_path):
     fake_cli(bare_venv(tmp_path), "dstack", log, code=1)
     out = run_cli(["launch", str(task_file(tmp_path)), "--provider", "dstack"], tmp_path, env)
     assert out.returncode == 1 and "not installed" not in out.stderr, out.stderr
-    assert [json.loads(line)["argv"][:2] for line in log.read_text().splitlines()][-1] == ["dstack", "apply"]
+    assert ["dstack", "apply"] in [json.loads(line)["argv"][:2] for line in log.read_text().splitlines()]
 
 
 def test_local_refuses_gpu_tasks_before_starting_anything(tmp_path):
@@ -480,8 +507,9 @@ if sys.argv[1] == "apply":
     print(" NAME      BACKEND  RESOURCES  PRICE  STATUS  SUBMITTED\\n boundary  ssh      cpu=2      $0     {status}\\n")
     print("boundary provisioning completed ({status})", flush=True)
     sys.exit({code})
-if sys.argv[1] == "logs":  # job 0's log (job 1's the same here), a secret in it as a job might print one
-    text = {head_log!r} + "job " + sys.argv[-1] + " saw WANDB_API_KEY=" + os.environ.get("WANDB_API_KEY", "") + "\\n"
+if sys.argv[1] == "logs":  # job 0's log (job 1's the same here), a secret in it as a job might print one (its value
+    # the job's, which dstack's server put in from the project's secret; the CLI's environment has none)
+    text = {head_log!r} + "job " + sys.argv[-1] + " saw WANDB_API_KEY=wandb-value-xyz\\n"
     sys.stdout.buffer.write(text.encode().replace(b"\\n", b"\\r\\n"))  # a PTY's line ends
 """
 

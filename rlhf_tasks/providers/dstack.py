@@ -3,8 +3,14 @@
 dstack starts the same commands on every node and sets DSTACK_NODE_RANK,
 DSTACK_MASTER_NODE_IP and DSTACK_NODES_NUM; the node agent reads them. Only job 0's
 ports are forwarded by `dstack apply`, which is the head: its dashboard port is the
-one port we expose. Secrets and the Ray token are listed as bare names, which the
-dstack CLI fills from the local environment at apply time.
+one port we expose. Secrets and the Ray token are dstack project secrets, one per cluster and
+variable (`rlhf_tasks__<cluster>__<VARIABLE>`, secret_name), which the job's env references as
+`${{ secrets.NAME }}`: dstack's server puts the values in when it hands each job to its runner
+(server/services/jobs/__init__.py interpolate_job_spec_secrets, called by the jobs_submitted and
+jobs_running pipelines), so neither the rendered file, nor the run spec the server stores, nor the
+CLI's command line or environment holds a value. `launch` sets them through dstack's API
+(dstack_api.py, the values on its stdin), `down` deletes them, as does the launcher once the run
+it followed is over.
 
 Checkpoints go to a directory on each host (`instance_path`) unless the task names shared
 storage in `checkpoints.shared.dstack`: a network volume (for several nodes only on backends whose
@@ -271,6 +277,33 @@ def fleet_name(plan: Plan) -> str:
     return f"{plan.name}-fleet"
 
 
+def secret_name(cluster: str, variable: str) -> str:
+    """The dstack project secret that holds `variable` for `cluster`: `rlhf_tasks__my_run__HF_TOKEN`.
+
+    A project's secrets are one namespace for all its runs, so each cluster has its own (two clusters' Ray
+    tokens differ; `down` of one leaves the other's). A reference's name may hold only letters, digits and
+    `_` after `secrets.` (utils/interpolator.py Name: no `-`, though the server's own rule for a secret's name
+    takes `-`: services/secrets.py _SECRET_NAME_REGEX), so the cluster's dashes become `_`; a cluster name has no
+    `__` and ends in a letter or digit, so the first `__` after the prefix ends it: no two clusters' names meet."""
+    return f"{SECRET_PREFIX}{cluster.replace('-', '_')}__{variable}"
+
+
+#: What every project secret of ours begins with (secret_name).
+SECRET_PREFIX = "rlhf_tasks__"
+#: dstack's limits on a secret (server/services/secrets.py _SECRET_NAME_REGEX, _SECRET_VALUE_MAX_LENGTH).
+SECRET_NAME_MAX, SECRET_VALUE_MAX = 200, 5000
+
+
+def secret_variables(plan: Plan) -> list[str]:
+    """The variables that go through dstack's project secrets: the task's secrets and the Ray token's."""
+    return list(plan.secrets) + ([plan.token_env] if plan.token_env else [])
+
+
+def secret_reference(cluster: str, variable: str) -> str:
+    """What the job's env says for `variable`: dstack's server puts the project secret's value in."""
+    return f"${{{{ secrets.{secret_name(cluster, variable)} }}}}"
+
+
 def job_script(plan: Plan) -> str:
     """`commands` as one item: dstack runs `bash -i -c "<items joined with ' && '>"`, where a failing line inside a
     multi-line item does not stop the next (no `set -e`); one script under `set -e` stops at the first failure."""
@@ -338,8 +371,16 @@ class DstackProvider(Provider):
     packed: workdir.Measure | None = None
     #: The fleet this launch applied (and `abandon` deletes when the launch fails before its job).
     _made_fleet: str | None = None
+    #: The project secrets this launch set (and `abandon` deletes when the launch fails before its job).
+    _set_secrets: list[str] = []
+    #: The environment this launch runs dstack's commands with: the launcher's, less the secrets' variables.
+    _cli_env: dict[str, str] | None = None
 
     def check(self, task: Task) -> None:
+        long = [variable for variable in task.secrets if len(secret_name(task.name, variable)) > SECRET_NAME_MAX]
+        if long:
+            raise BadInput(f"secrets.{long[0]}: its dstack project secret's name ({SECRET_PREFIX}<name>__<variable>) "
+                           f"would be longer than dstack's {SECRET_NAME_MAX} characters; use a shorter variable name")
         options = dstack_placement(task.placement)
         self.check_volume(task, shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name), options)
         if not task.image:
@@ -565,9 +606,8 @@ class DstackProvider(Provider):
             if options.registry_auth:
                 config["registry_auth"] = {"username": options.registry_auth.username,
                                            "password": f"${{{{ secrets.{options.registry_auth.password_secret} }}}}"}
-        env = [f"{k}={v}" for k, v in plan.env.items()] + list(plan.secrets)
-        if plan.token_env:
-            env.append(plan.token_env)
+        env = [f"{k}={v}" for k, v in plan.env.items()]
+        env += [f"{name}={secret_reference(plan.name, name)}" for name in secret_variables(plan)]
         if env:
             config["env"] = env
         config["files"] = [f"{LOCAL_DIR}:{NODE_DIR}"]  # one archive of the directory rendered beside
@@ -631,9 +671,15 @@ class DstackProvider(Provider):
 
     def render(self, plan: Plan) -> dict[str, str]:
         files = shipped_files(self.node_plan(plan))
-        secrets = ", ".join(plan.secrets + ([plan.token_env] if plan.token_env else [])) or "none"
-        header = (f"# Rendered by rlhf-tasks for dstack; apply with: dstack apply -f <this file>\n"
-                  f"# Values filled from your environment at apply time: {secrets}\n")
+        header = f"# Rendered by rlhf-tasks for dstack; apply with: dstack apply -f <this file>\n"
+        if secret_variables(plan):
+            header += ("# Secrets: dstack project secrets, put into the job's env by dstack's server (`rlhf-tasks\n"
+                       "# launch` sets them, `rlhf-tasks down` deletes them). To apply this file by hand, set each\n"
+                       "# first (dstack's CLI takes the value as an argument) and delete each after the run\n"
+                       "# (dstack secret delete NAME -y):\n")
+            for name in secret_variables(plan):
+                value = f"$(rlhf-tasks token {plan.name})" if name == plan.token_env else f"${name}"
+                header += f"#   dstack secret set {secret_name(plan.name, name)} \"{value}\"\n"
         if self.ships_working_dir(plan):
             header += (f"# (dstack apply resolves files: against the directory this file is in: job.working_dir "
                        f"{plan.job.working_dir} is {self.files_path(plan)} from there)\n")
@@ -653,15 +699,18 @@ class DstackProvider(Provider):
             raise BadInput(limit)
 
     def refuses_missing_secrets(self, plan: Plan, missing: list[str]) -> str | None:
-        return ("the rendered file names every secret in its env, and `dstack apply` fills each from your "
-                "environment and refuses one that is not set (\"Environment variable NAME is not set\")")
+        return ("`launch` sets each as a dstack project secret that the job's env references, and dstack's server "
+                "fails a job whose secret is not there (\"Secrets interpolation error\")")
 
-    def ask(self, what: str, args: list[str], directory: Path, env: dict[str, str]) -> dict:
+    def ask(self, what: str, args: list[str], directory: Path | None, env: dict[str, str],
+            given: dict | None = None) -> dict:
         """dstack's server through dstack's own Python API (dstack_api.py, run by the `dstack` command's
-        interpreter): the answer as data, or StepFailed with what dstack said."""
+        interpreter; `given` on its stdin, as JSON: never on its command line): the answer as data, or StepFailed
+        with what dstack said."""
         script = str(Path(__file__).with_name("dstack_api.py"))
         out = subprocess.run([dstack_python(require_cli("dstack", "dstack")), "-I", script, *args], cwd=directory,
-                             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                             env=env, capture_output=True, text=True, timeout=300,
+                             **({"input": json.dumps(given)} if given is not None else {"stdin": subprocess.DEVNULL}))
         if out.returncode != 0:
             raise StepFailed(what, (out.stderr.strip() or out.stdout.strip())[-2000:] or f"exit code {out.returncode}")
         return json.loads(out.stdout)
@@ -707,6 +756,9 @@ class DstackProvider(Provider):
         job 0's ports (the head's dashboard) to localhost."""
         dstack = require_cli("dstack", "dstack")
         directory, token, env = self.stage(plan, secrets)
+        values = {name: env[name] for name in secret_variables(plan) if env.get(name)}
+        env = {k: v for k, v in env.items() if k not in values}  # dstack's CLI needs none of them: the server does
+        self._cli_env = env
         yml = f"{plan.name}.dstack.yml"
         dashboard = f"http://localhost:{plan.ray.dashboard_port}"
         self._made_fleet = self.fleet_to_make(plan, self.ask("listing dstack's fleets", ["fleets"], directory, env)
@@ -731,6 +783,7 @@ class DstackProvider(Provider):
             write_files(directory, self.render(plan))
             print(f"dstack: the head counts ${plan.budget.price_per_hour:.2f}/h for the cluster (dstack's plan: the "
                   f"dearest offer that fits each of the {plan.nodes} nodes)", flush=True)
+        self.set_secrets(plan, values, record, directory, env)
         path = directory / "dstack-apply.log"
         with open(path, "ab") as log:  # an earlier launch's part stays; this one's head log starts at `start`
             start = log.tell()
@@ -761,15 +814,50 @@ class DstackProvider(Provider):
                                            str(state.run_dir(plan.name)), reason)
             return (made, f"each node's log as dstack's server kept it (`dstack logs {plan.name} --job N`)") \
                 if made else None
+        def close() -> None:
+            """End the attach; once the run is over (not after Ctrl-C, which leaves it to `down`), its secrets go."""
+            over = proc.poll() is not None
+            end_attach(proc)
+            if over and not cluster.interrupted and self._set_secrets and run_over(dstack, plan.name):
+                print(forget_secrets(self, plan.name, env), flush=True)
+                self._set_secrets = []
         state.save(plan.name, record)
-        return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
-                       head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
-                       close=lambda: end_attach(proc), price_per_hour=plan.budget.price_per_hour,
-                       describe=lambda: [] if proc.poll() is None else [f"dstack apply exited with code {proc.poll()}",
-                                                                        *run_words(dstack, plan.name)])
+        cluster = Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
+                          head_alive=lambda: proc.poll() is None, head_log=head_log, gather_here=gather_here,
+                          close=close, price_per_hour=plan.budget.price_per_hour,
+                          describe=lambda: [] if proc.poll() is None else [
+                              f"dstack apply exited with code {proc.poll()}", *run_words(dstack, plan.name)])
+        return cluster
+
+    def set_secrets(self, plan: Plan, values: dict[str, str], record: dict, directory: Path,
+                    env: dict[str, str]) -> None:
+        """The task's secrets and the Ray token as dstack project secrets (secret_name), their values on
+        dstack_api.py's stdin; their names recorded first, so that `down` (and `abandon`) delete them."""
+        if not values:
+            return
+        names = {secret_name(plan.name, variable): value for variable, value in values.items()}
+        long = [variable for variable in values if len(values[variable]) > SECRET_VALUE_MAX]
+        if long:
+            raise BadInput(f"secrets: {', '.join(long)} holds more than {SECRET_VALUE_MAX} characters, the most a "
+                           f"dstack secret may hold (server/services/secrets.py); nothing was submitted")
+        record["dstack_secrets"] = sorted(names)
+        state.save(plan.name, record)
+        self._set_secrets = sorted(names)
+        self.ask("setting the task's secrets as dstack project secrets", ["secrets-set"], directory, env, names)
+        print(f"dstack: set {len(names)} project secret(s), which the job's env references: "
+              f"{', '.join(sorted(names))}", flush=True)
 
     def abandon(self, before: state.Before) -> list[str]:
-        undone = super().abandon(before)
+        gone = None
+        if self._set_secrets:
+            try:
+                self.ask("deleting the dstack project secrets this launch set", ["secrets-delete", *self._set_secrets],
+                         None, self._cli_env or dict(os.environ))
+                gone = f"the dstack project secrets it set ({', '.join(self._set_secrets)})"
+            except StepFailed as exc:
+                gone = f"the dstack project secrets this launch set are left ({', '.join(self._set_secrets)}): {exc}"
+            self._set_secrets = []
+        undone = super().abandon(before) + ([gone] if gone else [])
         if self._made_fleet:
             try:
                 delete_fleet(self._made_fleet, deadline_s=60)
@@ -814,9 +902,40 @@ class DstackProvider(Provider):
         fleet is the user's, and stays)."""
         record = state.load(name) or {}
         said = stop_with_cli([require_cli("dstack", "dstack"), "stop", name, "-y"], name)
+        if record.get("dstack_secrets"):
+            said += "\n" + forget_secrets(self, name, dict(os.environ), record)
         if record.get("fleet_made"):
             said += "\n" + delete_fleet(record["fleet_made"])
         return said
+
+
+def forget_secrets(provider: DstackProvider, name: str, env: dict[str, str], record: dict | None = None) -> str:
+    """Delete the project secrets `launch` set for cluster `name` (its record names them), and the names from
+    the record: what was done."""
+    record = record if record is not None else (state.load(name) or {})
+    names = record.get("dstack_secrets") or []
+    answer = provider.ask(f"deleting {name}'s dstack project secrets", ["secrets-delete", *names], None, env)
+    if state.load(name) is not None:
+        state.update(name, dstack_secrets=[])
+    deleted = answer.get("deleted") or []
+    return (f"dstack: deleted {len(deleted)} project secret(s) of {name}: {', '.join(deleted)}" if deleted else
+            f"dstack: no project secret of {name} was left")
+
+
+#: dstack's run states of a run that is over (core/models/runs.py RunStatus.is_finished).
+RUN_OVER = ("terminated", "failed", "done")
+
+
+def run_over(dstack: str, name: str) -> bool:
+    """Whether dstack says the run `name` is over (`dstack ps --json`); False when it cannot be asked."""
+    try:
+        out = subprocess.run([dstack, "ps", "--json", "--last", str(PS_RUNS)], capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        runs = [run for run in json.loads(out.stdout).get("runs") or []
+                if (run.get("run_spec") or {}).get("run_name") == name]
+    except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError):
+        return False
+    return bool(runs) and str(runs[0].get("status")) in RUN_OVER
 
 
 def run_words(dstack: str, name: str) -> list[str]:
