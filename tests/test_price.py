@@ -20,6 +20,7 @@ from rlhf_tasks.errors import BadInput
 from rlhf_tasks.spec import parse_task
 
 from conftest import need
+from test_check_words import check
 
 JOB = {"recipe": "command", "working_dir": None, "args": {"entrypoint": "python3 train.py"}}
 #: The file the issue names: a price, a cap and a retry, with nothing of any one provider's but the storage that
@@ -34,14 +35,6 @@ def plan_and_files(name: str, data: dict):
     provider = providers.get(name)
     plan = provider.plan(parse_task(copy.deepcopy(data)))
     return provider, plan, provider.render(plan)
-
-
-def check(tmp_path, capsys, data, *args):
-    path = tmp_path / "t.yaml"
-    path.write_text(json.dumps(data))
-    code = main(["check", str(path), *args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ------------------------------------------------------------------ the price bound each provider hears

@@ -926,15 +926,20 @@ def forget_secrets(provider: DstackProvider, name: str, env: dict[str, str], rec
 RUN_OVER = ("terminated", "failed", "done")
 
 
-def run_over(dstack: str, name: str) -> bool:
-    """Whether dstack says the run `name` is over (`dstack ps --json`); False when it cannot be asked."""
+def runs_named(dstack: str, name: str) -> list[dict] | None:
+    """The runs of that name as `dstack ps --json` gives them, newest first; None when dstack cannot be asked."""
     try:
         out = subprocess.run([dstack, "ps", "--json", "--last", str(PS_RUNS)], capture_output=True, text=True,
                              timeout=120, stdin=subprocess.DEVNULL)
-        runs = [run for run in json.loads(out.stdout).get("runs") or []
+        return [run for run in json.loads(out.stdout).get("runs") or []
                 if (run.get("run_spec") or {}).get("run_name") == name]
     except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError):
-        return False
+        return None
+
+
+def run_over(dstack: str, name: str) -> bool:
+    """Whether dstack says the run `name` is over (`dstack ps --json`); False when it cannot be asked."""
+    runs = runs_named(dstack, name)
     return bool(runs) and str(runs[0].get("status")) in RUN_OVER
 
 
@@ -944,13 +949,7 @@ def run_words(dstack: str, name: str) -> list[str]:
     rank N): e.g. a worker's machine lost mid-run, which dstack's server fails `instance_unreachable` once it has not
     answered for 2 minutes (jobs_running.py JOB_DISCONNECTED_RETRY_TIMEOUT) and which ends the run `job_failed`.
     Nothing when dstack does not say."""
-    try:
-        out = subprocess.run([dstack, "ps", "--json", "--last", str(PS_RUNS)], capture_output=True, text=True,
-                             timeout=120, stdin=subprocess.DEVNULL)
-        runs = [run for run in json.loads(out.stdout).get("runs") or []
-                if (run.get("run_spec") or {}).get("run_name") == name]
-    except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError):
-        return []
+    runs = runs_named(dstack, name)
     if not runs:
         return []
     run, jobs = runs[0], []
