@@ -68,3 +68,25 @@ def test_a_lost_node_is_restarted_even_right_after_the_same_one():
 def test_a_stall_is_restarted():
     stall = Restart("its log has not grown for 600s (job.stall_timeout)")
     assert decide([{"fingerprint": None}], stall, seconds=700.0).restart
+
+
+def test_the_spend_record_the_head_rewrites_is_no_new_checkpoint(tmp_path):
+    """The head rewrites the training's spend record in the checkpoint directory every few seconds
+    (agent/budget.py): that is no new checkpoint, or a job failing the same way twice would look like
+    progress and be restarted to its last restart (the full run's test_node_loss failure); a real
+    checkpoint file still moves the mark."""
+    import os
+
+    from rlhf_tasks.agent.jobrunner import checkpoint_mark
+    from rlhf_tasks.agent.protocol.spend import SPEND_FILE, write_spend
+
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "model.pt").write_text("weights")
+    old = os.path.getmtime(tmp_path / "step_1" / "model.pt") - 100
+    for path in (tmp_path, tmp_path / "step_1", tmp_path / "step_1" / "model.pt"):
+        os.utime(path, (old, old))
+    before = checkpoint_mark(str(tmp_path))
+    write_spend(str(tmp_path / SPEND_FILE), {"version": 1, "training": "t", "attempts": {}})
+    assert checkpoint_mark(str(tmp_path)) == before
+    (tmp_path / "step_2.pt").write_text("weights")
+    assert checkpoint_mark(str(tmp_path)) > before
