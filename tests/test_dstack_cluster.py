@@ -683,11 +683,15 @@ def test_dstacks_retries_keep_one_cap_for_the_training_and_end_without_another_s
         assert render.returncode == 0, render.output
         rendered = yaml.safe_load((tmp_path / name / f"{name}.dstack.yml").read_text())
         assert rendered["retry"] == {"on_events": ["no-capacity", "interruption", "error"]}, rendered
+    # the Ray token as each run's dstack project secret, which its render references (the header says how)
+    for name in runs:
+        bed.cli("secret", "set", f"rlhf_tasks__{name}__RAY_AUTH_TOKEN", "0123456789abcdef" * 4, timeout=120)
     started = time.monotonic()
     for name in runs:
-        bed.cli("apply", "-f", f"{name}.dstack.yml", "-y", "-d", cwd=tmp_path / name, timeout=180,
-                env=bed.env(RAY_AUTH_TOKEN="0123456789abcdef" * 4))
+        bed.cli("apply", "-f", f"{name}.dstack.yml", "-y", "-d", cwd=tmp_path / name, timeout=180)
     final = {name: _wait_run(bed, name, ("done", "failed", "terminated"), 900) for name in runs}
+    for name in runs:
+        bed.cli("secret", "delete", f"rlhf_tasks__{name}__RAY_AUTH_TOKEN", "-y", timeout=120)
     print(f"both runs over {time.monotonic() - started:.0f} s after their submission")
     for name, (price, cap, _, record_path) in runs.items():
         run = final[name]
