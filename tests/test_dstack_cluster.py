@@ -663,9 +663,9 @@ def test_dstacks_retries_keep_one_cap_for_the_training_and_end_without_another_s
                                                                                            tmp_path):
     """Issue 48 (1), on dstack's own server: two runs side by side, each retried by dstack (`retry` rendered from
     placement.retry with `error`), each priced by a played placement.price_per_hour. `capped` ($3.60/h, max_cost
-    $0.15: 150 s of head time for the training): its first attempt's job fails at once and dstack relaunches it;
+    $0.09: 90 s of head time for the training): its first attempt's job fails at once and dstack relaunches it;
     the second attempt's job would run for 10 minutes, and its head stops it at what is left of the training's cap
-    after the first attempt (read from the spend record), not at its own 150 s. `bounded` ($36/h): its job fails on
+    after the first attempt (read from the spend record), not at its own 90 s. `bounded` ($36/h): its job fails on
     every attempt, retry.errors 1: the second failure is the last. Each run ends with the head's exit 0
     (DONE_BY_RUNNER, which dstack never retries): `done`, two submissions and none after them, and the spend
     record's total (at the played price) within the cap and its grace."""
@@ -674,8 +674,8 @@ def test_dstacks_retries_keep_one_cap_for_the_training_and_end_without_another_s
     first_fails = f"bash -c 'test -e {marker} || {{ touch {marker}; exit 3; }}; sleep 600'"
     every_fails = "python3 -c 'import time; time.sleep(4); raise SystemExit(3)'"
     grace = 5.0
-    runs = {"capped": (3.6, 0.15) + _spend_task(tmp_path, "capped", first_fails, {
-                "retry": {"errors": 10}, "price_per_hour": 3.6, "max_cost": 0.15, "stop_grace": "5s"}),
+    runs = {"capped": (3.6, 0.09) + _spend_task(tmp_path, "capped", first_fails, {
+                "retry": {"errors": 10}, "price_per_hour": 3.6, "max_cost": 0.09, "stop_grace": "5s"}),
             "bounded": (36.0, 50.0) + _spend_task(tmp_path, "bounded", every_fails, {
                 "retry": {"errors": 1}, "price_per_hour": 36.0, "max_cost": 50, "stop_grace": "5s"})}
     for name, (_, _, task, _) in runs.items():
@@ -711,9 +711,9 @@ def test_dstacks_retries_keep_one_cap_for_the_training_and_end_without_another_s
         if name == "capped":
             assert [a["ended"] for a in attempts] == ["failed", "capped"], dump(record)
             assert total >= cap - 0.005, f"stopped before the cap: ${total:.3f}"
-            assert attempts[1]["seconds"] <= 150 - attempts[0]["seconds"] + grace + 2, dump(record)
+            assert attempts[1]["seconds"] <= 90 - attempts[0]["seconds"] + grace + 2, dump(record)
             assert "before this attempt (1 attempts, 1 failed" in logs, logs[-3000:]
-            assert "stopped at the budget cap" in logs and "over 2 attempts (placement.max_cost $0.15)" in logs, \
+            assert "stopped at the budget cap" in logs and "over 2 attempts (placement.max_cost $0.09)" in logs, \
                 logs[-3000:]
         else:
             assert [a["ended"] for a in attempts] == ["failed", "failed"], dump(record)

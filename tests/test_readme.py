@@ -21,9 +21,10 @@ def blocks(section: str) -> list[list[str]]:
     return [[line[4:].split("  #")[0].strip() for line in block.splitlines()] for block in found]
 
 
-def fresh_shell(script: str) -> subprocess.CompletedProcess:
-    """bash as a new login would start it here: no rc files, a PATH without this venv."""
-    return subprocess.run(["env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", f"HOME={ROOT}", "bash", "--norc",
+def fresh_shell(script: str, home: Path) -> subprocess.CompletedProcess:
+    """bash as a new login would start it here: no rc files, a PATH without this venv, a home of its own (what the
+    commands write there, SkyPilot's `~/.sky/user_hash` among it, stays out of the checkout)."""
+    return subprocess.run(["env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", f"HOME={home}", "bash", "--norc",
                            "--noprofile", "-e", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -31,15 +32,15 @@ def test_a_fresh_machine_has_exactly_two_commands():
     assert blocks("On a fresh machine")[0] == ["make demo", "make test"]
 
 
-def test_the_commands_after_make_work_in_a_fresh_shell():
+def test_the_commands_after_make_work_in_a_fresh_shell(tmp_path):
     venv = ROOT / ".venv"
     need(Path(sys.prefix).resolve() == venv.resolve(), f"the tests run from {venv} (make test), as README's user has it")
     after = blocks("On a fresh machine")[1]
     assert after[0].startswith("source .venv/bin/activate"), after
     assert any(line.startswith("rlhf-tasks ") for line in after[1:])
-    bare = fresh_shell("\n".join(after[1:]))  # without the line that says how: not found, as the issue saw
+    bare = fresh_shell("\n".join(after[1:]), tmp_path)  # without the line that says how: not found, as the issue saw
     assert bare.returncode == 127 and "rlhf-tasks: command not found" in bare.stderr, bare.stderr
-    out = fresh_shell("\n".join(after))
+    out = fresh_shell("\n".join(after), tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tiny-grpo" in out.stdout and "tasks/tiny-grpo.yaml: ok" in out.stdout
 
