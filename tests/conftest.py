@@ -196,23 +196,37 @@ def pytest_runtest_makereport(item, call):
 
 
 #: Where each test's start and end go, one line each (`RLHF_TASKS_TIMELINE=FILE make test`): which
-#: worker ran what when, for fitting the suite in its time (docs/development.md).
+#: worker ran what when, and the CPU it cost with all it started (tests/cpuacct.py), for fitting the suite
+#: in its time (docs/development.md, tests/timeline.py).
 TIMELINE = os.environ.get("RLHF_TASKS_TIMELINE")
+_account = None
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
+    global _account
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if TIMELINE and _account is None:
+        import cpuacct
+
+        _account = cpuacct.Account(f"rlhf-tasks-tests-{os.getpid()}-{worker}")
     _running.append(item)
-    began = time.time()
+    began, cpu = time.time(), _account.seconds() if _account else None
     try:
         return (yield)
     finally:
         _running.pop()
         _stand_ins.clear()
         if TIMELINE:
-            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            used = "" if cpu is None else f"{_account.seconds() - cpu:.1f}"
+            left = "" if cpu is None else str(_account.processes())
             with open(TIMELINE, "a") as out:
-                out.write(f"{worker}\t{began:.1f}\t{time.time():.1f}\t{item.nodeid}\n")
+                out.write(f"{worker}\t{began:.1f}\t{time.time():.1f}\t{item.nodeid}\t{used}\t{left}\n")
+
+
+def pytest_unconfigure(config):
+    if _account is not None:
+        _account.close()
 
 
 #: Cluster tests that run at once, however many workers `make test` has: what they do at once (Ray on every host,
