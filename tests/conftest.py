@@ -159,7 +159,7 @@ def run_order(item) -> int:
     group = xdist_group(item) or ""
     if group == "kube":
         return 0
-    if group.startswith("session-"):
+    if group.startswith("session-") or (group and item.get_closest_marker("waits") is not None):
         return 1
     if item.get_closest_marker("alone") is not None and not group:
         return 4
@@ -320,11 +320,12 @@ def ns(kube_cluster, request):
     kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 @starts_cluster
 def dstack_bed(tmp_path_factory):
-    """The session's real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be
-    an SSH fleet (tests/dstack/README.md). dstack[server] is installed into a cached virtualenv first."""
+    """A real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be an SSH fleet
+    (tests/dstack/README.md), one per test file: `make test` runs the dstack files side by side, each on its
+    own bed. dstack[server] is installed into a cached virtualenv first."""
     reason = tbmod.require_root()
     need(reason is None, reason or "")
     import importlib.util

@@ -337,6 +337,38 @@ def test_a_test_marked_alone_runs_last_after_the_fast_tier(inner, tmp_path, monk
     assert record.read_text().split() == ["cluster", "fast", "alone"]
 
 
+def test_a_module_group_that_waits_goes_before_the_other_cluster_tests(inner, tmp_path, monkeypatch):
+    """The dstack files, each a module's bed whose tests mostly wait on dstack's own pace: dispatched right after
+    the Kubernetes group, each to a worker of its own, not after the other cluster tests, where the longest chain
+    of the run would start last. (One worker here, so the order is known.)"""
+    flags, record = one_worker(tmp_path, monkeypatch)
+    inner.makepyfile(test_a="""
+        import os
+        import pytest
+
+        @pytest.mark.cluster
+        def test_cluster():
+            with open(os.environ["RAN"], "a") as f:
+                f.write("cluster\\n")
+    """, test_b="""
+        import os
+        import pytest
+
+        pytestmark = [pytest.mark.cluster, pytest.mark.waits]
+
+        @pytest.fixture(scope="module")
+        def bed():
+            return 1
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_waits(bed, i):
+            with open(os.environ["RAN"], "a") as f:
+                f.write("waits\\n")
+    """)
+    inner.runpytest_subprocess("-p", "xdist", *flags, "-q").assert_outcomes(passed=3)
+    assert record.read_text().split() == ["waits", "waits", "cluster"]
+
+
 def test_a_session_wide_cluster_ends_after_its_groups_last_test_not_at_the_sessions_end(inner, tmp_path, monkeypatch):
     """In `make test`'s workers the Kubernetes control plane and the dstack server (session-wide fixtures that
     start a cluster) end once their group's tests are done, what depends on them first, so that their polling
