@@ -241,3 +241,18 @@ def test_following_through_the_dashboard_reads_the_steps(tmp_path, rlhf_home):
     view.close()
     assert (status, sid) == ("SUCCEEDED", "j1")
     assert out.getvalue() == dashboard.logs["j1"] and sorted(view.steps) == [1, 10, 20]
+
+
+def test_the_demos_own_install_draws_the_picture():
+    """`make demo` installs `.[demo]` (Makefile's install-demo): what draws metrics.png comes with it,
+    and the README's demo output shows where the picture went."""
+    import re
+    import tomllib
+
+    from conftest import ROOT
+
+    assert "pip install -q -e '.[demo]'" in (ROOT / "Makefile").read_text()
+    demo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["demo"]
+    assert "matplotlib" in {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0] for req in demo}
+    readme = (ROOT / "README.md").read_text()
+    assert "      curves: ~/.rlhf-tasks/runs/tiny-grpo/metrics.png\n" in readme
