@@ -262,8 +262,11 @@ def _warn_wandb(task) -> None:
     told = wandb_options(task)
     named = [f"{where}.wandb.project" for where, options in (("placement", task.placement.wandb),
                                                               ("job", task.job.wandb)) if options and options.project]
-    own = getattr(getattr(task.job, "args", None), "wandb_project", None)
-    named += ["job.args.wandb_project"] if own else []
+    args = getattr(task.job, "args", None)
+    if getattr(args, "wandb_project", None):  # OpenRLHF's
+        named.append("job.args.wandb_project")
+    if "project_name" in getattr(args, "model_fields_set", ()):  # verl's and Search-R1's trainer.project_name
+        named.append("job.args.project_name")
     if (named or (told and told.entity)) and "WANDB_API_KEY" not in task.secrets:
         what = named[0] if named else "placement.wandb" if task.placement.wandb else "job.wandb"
         print(f"warning: {what} names a W&B {'project' if named else 'entity'} but WANDB_API_KEY is not among the "

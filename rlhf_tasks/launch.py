@@ -59,7 +59,8 @@ def collect_secrets(task: Task, provider: Provider, plan: Plan) -> dict[str, str
 
 
 class LogTail:
-    """Echo the complete lines that the node agents' logs gain, each line once. A result line
+    """Echo the complete lines that the node agents' logs gain, each line once, and of a line
+    not ended yet the redraws of a bar that are done (metrics.redrawn). A result line
     is never shown (the summary says it), and a log ends at its result line: what its agent
     prints after it (keeping the cluster up) is not this launch's business. What the head's
     log (the first) says on the way, the job's start and the head's result, is kept here, so
@@ -91,9 +92,9 @@ class LogTail:
             self._show("text", data[self.offsets.get("text", 0):])
 
     def _show(self, key: object, chunk: bytes) -> None:
+        from .recipes.metrics import redrawn
+
         complete = chunk[: chunk.rfind(b"\n") + 1]
-        if not complete:
-            return
         self.offsets[key] = self.offsets.get(key, 0) + len(complete)
         shown = []
         for line in complete.decode("utf-8", "replace").splitlines(keepends=True):
@@ -105,6 +106,12 @@ class LogTail:
                 self.ended.add(key)
                 break
             shown.append(line)
+        else:  # of the line not ended yet, a bar's redraws that are done (a nested bar's newest ends no line)
+            rest = chunk[len(complete):].decode("utf-8", "surrogateescape")
+            drawn = rest[:redrawn(rest)].encode("utf-8", "surrogateescape")
+            if drawn:
+                self.offsets[key] += len(drawn)
+                shown.append(drawn.decode("utf-8", "replace"))
         if shown:
             self.out.write("".join(shown))
             self.out.flush()

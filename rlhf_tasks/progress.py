@@ -97,7 +97,8 @@ class Training:
         self.steps: dict[int, dict] = {}
         self.order: list[int] = []           # steps in the order read (a restart reads some again)
         self.seen_at: list[tuple[float, int]] = []  # (clock, step) of each step read, for the pace
-        self.pending = ""
+        self.pending = ""                  # the log's text after its last newline
+        self.pending_read = 0              # how much of it was read (a bar's redraws)
         self.drawn = False
         self.last_plain = self.started
         self.plain_step: int | None = None
@@ -114,17 +115,30 @@ class Training:
     # ---------------------------------------------------------------- the log passing through
 
     def write(self, text: str) -> None:
+        """The log's next text: shown, and its lines read once each as they end. Of a line not
+        ended yet, the redraws of a bar that are done are read at once (a nested tqdm bar's newest
+        redraw ends in no newline, and may stand for minutes); the rest waits for its newline."""
         if not text:
             return
         self._clear()
         self.out.write(text)
-        self.pending += text
-        cut = self.pending.rfind("\n") + 1
-        complete, self.pending = self.pending[:cut], self.pending[cut:]
-        if len(self.pending) > 1 << 20:  # a line without end (a tqdm bar redrawing itself): read what is there
-            complete, self.pending = complete + self.pending, ""
+        data = self.pending + text
+        cut = data.rfind("\n") + 1
+        if len(data) - cut > 1 << 20:  # a line without end (a tqdm bar redrawing itself): read what is there
+            cut = len(data)
+        complete, self.pending = data[self.pending_read:cut] if cut else "", data[cut:]
+        if cut:
+            self.pending_read = 0
         for line in complete.splitlines():
             self._read(line)
+        if self.reader is not None and not self.failed:
+            from .recipes.metrics import redrawn
+
+            newest = self.pending[self.pending_read:]
+            done = redrawn(newest)
+            if done:
+                self._read(newest[:done])
+                self.pending_read += done
         if text.endswith("\n"):
             self._show()
 
@@ -154,13 +168,13 @@ class Training:
         if self.reader is None or self.failed:
             return
         try:
-            record = self.reader.read(line)
+            records = self.reader.records(line) if hasattr(self.reader, "records") else [self.reader.read(line)]
         except Exception:  # noqa: BLE001 - a reader's bug loses the progress line, never the run
             self.failed = True
             return
-        if not record or not isinstance(record.get("step"), int):
-            return
-        self._record(record)
+        for record in records:
+            if record and isinstance(record.get("step"), int):
+                self._record(record)
 
     def _record(self, record: dict) -> None:
         step = record["step"]
@@ -208,6 +222,8 @@ class Training:
             parts.append(per_step(pace))
             if total and total >= last["step"]:
                 parts.append(f"{duration((total - last['step']) * pace)} left")
+        if not total and getattr(self.reader, "no_total", None):
+            parts.append(self.reader.no_total)
         if self.price:
             parts.append(f"{money(self.price * (self.clock() - self.started) / 3600)} so far")
         return " · ".join(parts)
@@ -220,8 +236,8 @@ class Training:
         if text is None:
             return
         if self.terminal:
-            if self.drawn and text == self._last_drawn:
-                return
+            if self.pending or (self.drawn and text == self._last_drawn):
+                return  # the log's line is not ended (a bar stands on it): the line waits for its end
             width = shutil.get_terminal_size((120, 24)).columns
             self.out.write("\r\x1b[K" + text[: max(20, width - 1)])
             self.out.flush()
@@ -230,7 +246,7 @@ class Training:
         now = self.clock()
         if now - self.last_plain >= self.plain_every_s and self.order[-1] != self.plain_step:
             self.last_plain, self.plain_step = now, self.order[-1]
-            self.out.write(f"[{time.strftime('%H:%M:%S')}] rlhf-tasks: {text}\n")
+            self.out.write(("\n" if self.pending else "") + f"[{time.strftime('%H:%M:%S')}] rlhf-tasks: {text}\n")
             self.out.flush()
 
     def _clear(self) -> None:
@@ -241,9 +257,9 @@ class Training:
     def close(self) -> None:
         """The end of following: the last partial line is read, the in-place line goes, and
         metrics.jsonl is rewritten with one line per step (the last reading of a step wins)."""
-        if self.pending:
-            self._read(self.pending)
-            self.pending = ""
+        if self.pending[self.pending_read:]:
+            self._read(self.pending[self.pending_read:])
+        self.pending, self.pending_read = "", 0
         self._clear()
         self.out.flush()
         from . import console

@@ -46,17 +46,21 @@ def read_all(reader, text: str) -> list[dict]:
 # --- verl and Search-R1 ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def verl_logger():
-    module, why = frameworks.wheel_module("verl", VERL_VERSION, "verl/utils/logger/aggregate_logger.py")
-    need(module is not None, f"verl {VERL_VERSION}: {why}")
+@pytest.fixture(scope="module", params=[VERL_VERSION, "0.8.0"])
+def verl_logger(request):
+    """verl's console logger of the release the recipe pins, and of 0.8.0, which it supports."""
+    module, why = frameworks.wheel_module("verl", request.param, "verl/utils/logger/aggregate_logger.py")
+    need(module is not None, f"verl {request.param}: {why}")
+    module.VERSION = request.param
     return module
 
 
 def test_verl_reads_its_console_logger(verl_logger):
     numpy = pytest.importorskip("numpy")
-    trainer, why = frameworks.wheel_source("verl", VERL_VERSION, "verl/trainer/ppo/ray_trainer.py")
-    assert 'print(f"Total training steps: {self.total_training_steps}")' in trainer  # line 441
+    trainer, why = frameworks.wheel_source("verl", verl_logger.VERSION, "verl/trainer/ppo/ray_trainer.py")
+    line = {VERL_VERSION: 441, "0.8.0": 444}[verl_logger.VERSION]
+    assert trainer.splitlines()[line - 1].strip() == 'print(f"Total training steps: {self.total_training_steps}")'
+
     total = 1005
     log = f"Total training steps: {total}\n"
     logger = verl_logger.LocalLogger(print_to_console=True)
@@ -120,6 +124,62 @@ def test_openrlhf_reads_its_global_step_line():
     assert "total" not in steps[-1]  # 0.11.2 prints no total
 
 
+def openrlhf_0_9_10_log(prompts: int, rollout_batch_size: int, episodes: int) -> str:
+    """OpenRLHF 0.9.10's PPO trainer as its ppo_trainer.py drives its log: the `Global step` line
+    of each step (line 541) through its own logger, and the `Episode` bar over the episode's
+    prompts (lines 514-518: `range(dataset_length)` of a loader of one prompt a batch, lines 45-47),
+    advanced by the prompts each step consumed (line 560), no postfix; Ray relays each as a line."""
+    from tqdm import tqdm
+
+    module, why = frameworks.wheel_module("openrlhf", "0.9.10", "openrlhf/utils/logging_utils.py")
+    need(module is not None, f"openrlhf 0.9.10: {why}")
+    trainer, _ = frameworks.wheel_source("openrlhf", "0.9.10", "openrlhf/trainer/ppo_trainer.py")
+    lines = trainer.splitlines()
+    assert [lines[44].strip(), lines[45].strip(), lines[46].strip()] == [
+        "prompts_dataloader = strategy.setup_dataloader(", "prompts_dataset,", "1,"]
+    assert [line.strip() for line in lines[513:516]] == [
+        "pbar = tqdm(", "range(dataset_length),", 'desc=f"Episode [{episode + 1}/{self.args.num_episodes}]",']
+    assert lines[540].strip() == 'logger.info(f"✨ Global step {global_step}: {log_status}")'
+    assert lines[559].strip() == "pbar.update(prompts_consumed)"
+    out = io.StringIO()
+    module._default_handler.setStream(out)
+    logger = module.init_logger("openrlhf.trainer.ppo_trainer")
+    global_step = 0
+    for episode in range(episodes):
+        pbar = tqdm(range(prompts), desc=f"Episode [{episode + 1}/{episodes}]", initial=0, file=out, mininterval=0)
+        for _ in range(prompts // rollout_batch_size):
+            global_step += 1
+            log_status = {"policy_loss": 0.1, "kl": 0.001, "reward": 0.01 * global_step, "timing/step_total": 30.0}
+            logger.info(f"✨ Global step {global_step}: {log_status}")
+            pbar.update(rollout_batch_size)
+    return "".join(f"(PPOTrainer pid=9) {part}\n" for part in out.getvalue().replace("\r", "\n").splitlines()
+                   if part.strip())
+
+
+def test_openrlhf_global_step_releases_total_from_the_recipe_and_the_episode_bar(tmp_path):
+    """The `Global step` releases print no total: the recipe's rollout_batch_size and the Episode bar's prompts and
+    episodes give it from the first step (0.9.10's bar counts prompts); a reader the recipe told
+    nothing takes the bar's advance per step from the second step on, and until then the progress
+    line says why it shows no time left."""
+    from rlhf_tasks.progress import Training
+
+    log = openrlhf_0_9_10_log(prompts=40, rollout_batch_size=8, episodes=2)
+    job = OpenRLHFPPOJob.model_validate({"recipe": "openrlhf-ppo", "args": {
+        "version": "0.9.10", "pretrain": "m", "prompt_data": "d", "reward_url": "http://h/r", "rollout_batch_size": 8,
+        "num_episodes": 2}})
+    steps = read_all(job.metrics_reader(), log)
+    assert [s["step"] for s in steps] == list(range(1, 11))
+    assert {s.get("total") for s in steps} == {10}
+    told_nothing = read_all(OpenRLHFReader(), log)
+    assert "total" not in told_nothing[0] and {s.get("total") for s in told_nothing[1:]} == {10}
+    view = Training(OpenRLHFReader(), io.StringIO(), None, terminal=False, clock=lambda: 0.0)
+    first = log[:log.index("Global step 2")]
+    view.write(first[:first.rindex("\n") + 1])
+    assert view.line().startswith("step 1 · reward 0.01") and "no time left: OpenRLHF prints no total" in view.line()
+    view.write(log[len(first[:first.rindex("\n") + 1]):])
+    assert view.line().startswith("step 10/10 · ") and "0 s left" in view.line()
+
+
 def tqdm_log(desc: str, total: int, postfixes: list[dict], postfix_first: bool, **kwargs) -> str:
     """A tqdm bar as a trainer drives it, into a file that is not a terminal (a job's log)."""
     from tqdm import tqdm
@@ -137,11 +197,14 @@ def tqdm_log(desc: str, total: int, postfixes: list[dict], postfix_first: bool, 
     return out.getvalue()
 
 
-def test_openrlhf_m_reads_its_episode_bar():
+@pytest.mark.parametrize("version,trainer_file", [(OPENRLHF_M_BASE, "openrlhf/trainer/ppo_trainer.py"),
+                                                  ("0.6.4", "openrlhf/trainer/ray/ppo_actor.py")])
+def test_openrlhf_m_reads_its_episode_bar(version, trainer_file):
     """OpenRLHF 0.6.1 (OpenRLHF-M's base): ppo_trainer.py sets the Episode bar's postfix to the
-    step's status, then updates it (lines 225-254)."""
-    trainer, why = frameworks.wheel_source("openrlhf", OPENRLHF_M_BASE, "openrlhf/trainer/ppo_trainer.py")
-    need(trainer is not None, f"openrlhf {OPENRLHF_M_BASE}: {why}")
+    step's status, then updates it (lines 225-254); 0.6.4 the same in trainer/ray/ppo_actor.py
+    (lines 195-231)."""
+    trainer, why = frameworks.wheel_source("openrlhf", version, trainer_file)
+    need(trainer is not None, f"openrlhf {version}: {why}")
     assert 'desc=f"Episode [{episode + 1}/{args.num_episodes}]"' in trainer
     assert trainer.index("pbar.set_postfix(status)") < trainer.index("pbar.update()")
     statuses = [{"policy_loss": 0.3 - 0.01 * i, "kl": 0.0004, "reward": 0.1 * i, "return": 0.2,

@@ -100,6 +100,34 @@ def test_in_place_on_a_terminal(tmp_path):
     assert text.endswith("\r\x1b[K")  # the in-place line is gone at the end
 
 
+def test_a_bar_standing_on_its_line_is_not_drawn_over(tmp_path):
+    """A bar's newest redraw ends no line: it is read, and the in-place line waits for the log's line
+    to end rather than wipe the bar (a plain line starts a line of its own)."""
+    from rlhf_tasks.recipes.torchrun import TorchrunJob
+
+    def reader():
+        return TorchrunJob.model_validate({"recipe": "torchrun", "args": {"module": "openrlhf.cli.train_dpo"}}).metrics_reader()
+
+    bar = "\rTrain step of epoch 0:  50%|#####     | 2/4 [00:02<00:02, 1.00s/it, loss=0.5, acc=0.6]"
+    out = io.StringIO()
+    view = Training(reader(), out, tmp_path, terminal=True)
+    view.write("\rTrain step of epoch 0:   0%|          | 0/4 [00:00<?, ?it/s]\n")
+    view.write(bar)
+    view.tick()
+    assert out.getvalue().endswith(bar) and view.last()["step"] == 3  # DPO sets the postfix first: the step after the count
+    view.write(" and the line ends\n")
+    assert out.getvalue().endswith(" and the line ends\n\r\x1b[Kstep 3 · loss 0.5 · 1 s/step")
+    view.close()
+    plain = io.StringIO()
+    clock = Clock()
+    view = Training(reader(), plain, tmp_path, terminal=False, clock=clock, plain_every_s=60)
+    view.write(bar)
+    clock.now += 61
+    view.tick()
+    assert plain.getvalue().startswith(bar + "\n[") and plain.getvalue().endswith("rlhf-tasks: step 3 · loss 0.5 · 1 s/step\n")
+    view.close()
+
+
 def test_a_failing_reader_loses_the_progress_line_not_the_log(tmp_path):
     class Broken:
         def read(self, line):
@@ -241,3 +269,18 @@ def test_following_through_the_dashboard_reads_the_steps(tmp_path, rlhf_home):
     view.close()
     assert (status, sid) == ("SUCCEEDED", "j1")
     assert out.getvalue() == dashboard.logs["j1"] and sorted(view.steps) == [1, 10, 20]
+
+
+def test_the_demos_own_install_draws_the_picture():
+    """`make demo` installs `.[demo]` (Makefile's install-demo): what draws metrics.png comes with it,
+    and the README's demo output shows where the picture went."""
+    import re
+    import tomllib
+
+    from conftest import ROOT
+
+    assert "pip install -q -e '.[demo]'" in (ROOT / "Makefile").read_text()
+    demo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["demo"]
+    assert "matplotlib" in {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0] for req in demo}
+    readme = (ROOT / "README.md").read_text()
+    assert "      curves: ~/.rlhf-tasks/runs/tiny-grpo/metrics.png\n" in readme

@@ -315,10 +315,10 @@ def test_skypilot_gives_shm_size_to_the_container_or_says_why_not(tmp_path, monk
 def test_the_demo_requirements_are_pyprojects_demo_extra():
     import tomllib
 
-    from rlhf_tasks.recipes.tiny_grpo import REQUIREMENTS
+    from rlhf_tasks.recipes.tiny_grpo import LAUNCHER_ONLY, REQUIREMENTS
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert REQUIREMENTS == extras["demo"]
+    assert REQUIREMENTS + LAUNCHER_ONLY == extras["demo"]
 
 
 @pytest.mark.parametrize("provider_name", ["dstack", "sky"])

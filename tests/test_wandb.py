@@ -134,3 +134,30 @@ def test_two_attempts_of_a_job_write_into_one_wandb_run(rlhf_home, tmp_path):
     other = wandb_run(task_with(VERL).model_copy(update={"name": "other"}))
     assert other["WANDB_RUN_ID"].startswith("other-") and other["WANDB_RUN_ID"] != fresh["WANDB_RUN_ID"]
     assert wandb_run(task_with(VERL, secrets=())) == {}  # no key: W&B is off, nothing to continue
+
+
+@pytest.mark.parametrize("path,field", [(VERL, "job.args.project_name"),
+                                        (str(ROOT / "tasks" / "search-r1-ppo-qwen2.5-7b.yaml"), "job.args.project_name")])
+def test_check_warns_of_a_verl_project_name_without_the_key(tmp_path, path, field):
+    """verl's trainer.project_name (Search-R1's too) is the W&B project, as OpenRLHF's wandb_project is:
+    named by the task without WANDB_API_KEY, `check` says nothing is logged; the recipe's default is no naming."""
+    import yaml
+
+    task = tmp_path / "t.yaml"
+    data = yaml.safe_load(open(path))
+    data["secrets"] = [s for s in data.get("secrets", []) if s != "WANDB_API_KEY"]
+    assert "project_name" in data["job"]["args"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB_API_KEY", None)
+    words = f"warning: {field} names a W&B project but WANDB_API_KEY is not among the task's secrets"
+
+    def check(data):
+        task.write_text(yaml.safe_dump(data))
+        done = subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "check", str(task), "--provider", "dstack"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert words in check(data)
+    data["job"]["args"].pop("project_name")
+    assert "W&B" not in check(data)  # the recipe's own default names nothing

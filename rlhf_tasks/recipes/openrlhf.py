@@ -493,7 +493,11 @@ class OpenRLHFPPOJob(JobBase):
     args: OpenRLHFArgs
 
     def metrics_reader(self):
-        return OpenRLHFReader()
+        version = parse_version(self.args.version)
+        # what its Episode bar counts, which gives the total its Global step lines lack (metrics.OpenRLHFReader);
+        # releases between those read: the bar's own advance tells
+        counts = "prompts" if version >= (0, 9, 10) else "batches" if (0, 8, 11) <= version <= (0, 9, 0) else None
+        return OpenRLHFReader(rollout_batch_size=self.args.rollout_batch_size, bar_counts=counts)
 
     def ask_framework(self, argv: list[str]) -> list[str]:
         return ask_openrlhf(argv[3:], self.args.version, self.args.extra_args)

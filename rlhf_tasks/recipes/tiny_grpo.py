@@ -12,8 +12,10 @@ from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
 from .metrics import TinyGrpoReader
 
 
-#: pyproject.toml's `demo` extra (a test keeps them equal): installed on a node only when missing.
+#: pyproject.toml's `demo` extra (a test keeps them equal) but LAUNCHER_ONLY: installed on a node only when missing.
 REQUIREMENTS = ["ray[default]==2.60.0", "torch>=2.3,<=2.13.0", "numpy"]
+#: What of the `demo` extra only the launcher uses: the summary's picture (progress.picture), never a node.
+LAUNCHER_ONLY = ["matplotlib>=3.7"]
 #: Their import names, looked up without importing them (importing torch takes seconds).
 IMPORTS = ["ray", "torch", "numpy"]
 #: The least collective timeout: a rank may wait that long for another's reward-server retries

@@ -43,7 +43,8 @@ class TorchrunJob(JobBase):
     args: TorchrunArgs
 
     def metrics_reader(self):
-        # OpenRLHF's SFT trainer updates its bar before it sets the postfix; RM and DPO after
+        # OpenRLHF 0.11's SFT trainer updates its bar before it sets the postfix, its RM and DPO trainers and
+        # every trainer of 0.10.2 and before after; the bar's first redraws tell which (metrics.TqdmBar)
         return TorchrunTrainerReader(postfix_first="train_sft" not in (self.args.module or self.args.script or ""))
 
     def build(self, shape: Shape) -> RecipeOutput:
