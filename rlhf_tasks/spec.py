@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import types
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -19,13 +20,15 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
-from .models import (NAME_PATTERN, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits,
+from .models import (NAME_PATTERN, _exact_decimal, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits,
                      did_you_mean, require_absolute, size_bytes)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_GPU = re.compile(r"^(?:(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>\d+))?|(?P<only>\d+))$")
+_GPU_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*$")
+_GPU_FORMS = ("use NAME:COUNT such as H100:8, MEMORY:COUNT such as 80GB:8, NAME:MEMORY:COUNT such as A100:80GB:8, "
+              "a memory range such as 24GB..:1 or 24GB..48GB:1, or a count >= 1")
 
 #: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode
 #: that goes with ray.auth): never the task's. The provider's contract variables are refused by
@@ -188,7 +191,9 @@ AmountSize = Annotated[Size, BeforeValidator(_at_least), WithJsonSchema(
 
 
 class Resources(StrictModel):
-    gpus: str | None = Field(None, description="per node: NAME:COUNT (H100:8), NAME (one GPU) or COUNT")
+    gpus: str | None = Field(None, description=(
+        "per node: NAME:COUNT (H100:8), NAME (one GPU), COUNT, or by each GPU's memory as dstack writes it: "
+        "MEMORY:COUNT (80GB:8), NAME:MEMORY:COUNT (A100:80GB:8), a range (24GB..:1, 24GB..48GB:1)"))
     cpus: CpuCount | None = Field(None, ge=1, description=(
         "CPUs per node to register with Ray; at least this many (28, 28.. or 28+) unless listed under exact"))
     memory: AmountSize | None = Field(None, description="memory per node, at least this much (200GB, 200GB..) "
@@ -226,22 +231,76 @@ class Resources(StrictModel):
     def _gpu_spec(cls, value):
         if value is None:
             return value
-        match = _GPU.match(str(value))
-        count = match and (match.group("count") or match.group("only"))
-        if not match or (count is not None and int(count) < 1):
-            raise ValueError(f"{value!r} is not a GPU spec (use NAME:COUNT such as H100:8, or a count >= 1)")
+        gpu_parts(str(value))  # ValueError in the task's words
         return str(value)
 
     @property
     def gpu_name(self) -> str | None:
-        return _GPU.match(self.gpus).group("name") if self.gpus else None
+        return gpu_parts(self.gpus)[0] if self.gpus else None
+
+    @property
+    def gpu_memory(self) -> tuple[int | None, int | None] | None:
+        """The memory of each GPU in bytes, (at least, at most: None where open), as `80GB` (both 80GB)
+        or `24GB..` says; None where the task names no memory."""
+        return gpu_parts(self.gpus)[1] if self.gpus else None
 
     @property
     def gpus_per_node(self) -> int:
-        if not self.gpus:
-            return 0
-        match = _GPU.match(self.gpus)
-        return int(match.group("count") or match.group("only") or 1)
+        return gpu_parts(self.gpus)[2] if self.gpus else 0
+
+
+def gpu_parts(spec: str) -> tuple[str | None, tuple[int | None, int | None] | None, int]:
+    """`resources.gpus` read as dstack reads its GPU spec (core/models/resources.py, GPUSpec.parse: tokens
+    split at `:`, a token starting with a letter is the name, one with a letter elsewhere the memory, else
+    the count), so `80GB:8`, `A100:80GB:8` and `24GB..:1` mean what they mean there: (name, memory in
+    bytes as (min, max), GPUs per node: 1 where not given). Unlike dstack's, the memory is a size of the
+    task file (its unit needed: `80GB`; issue 48) and the count exact (the recipe places that many)."""
+    name = memory = count = None
+    for token in spec.replace(" ", "").split(":"):
+        if not token:
+            raise ValueError(f"{spec!r} is not a GPU spec: an empty part ({_GPU_FORMS})")
+        if token[0].isalpha():
+            if name is not None or not _GPU_NAME.match(token):
+                raise ValueError(f"{spec!r} is not a GPU spec: " + (
+                    "two names" if name is not None else f"{token!r} is not a GPU name") + f" ({_GPU_FORMS})")
+            name = token
+        elif any(c.isalpha() for c in token):
+            if memory is not None:
+                raise ValueError(f"{spec!r} is not a GPU spec: the memory given twice ({_GPU_FORMS})")
+            memory = _gpu_memory(spec, token)
+        else:
+            if count is not None:
+                raise ValueError(f"{spec!r} is not a GPU spec: two counts; a GPU's memory needs its unit, as "
+                                 f"80GB:8 ({_GPU_FORMS})")
+            if not token.isdigit() or int(token) < 1:
+                words = "a range of counts: Ray and the recipe need the GPUs per node exactly" \
+                    if ".." in token else f"{token!r} is not a count >= 1"
+                raise ValueError(f"{spec!r} is not a GPU spec: {words} ({_GPU_FORMS})")
+            count = int(token)
+    return name, memory, 1 if count is None else count
+
+
+def gpu_gb(nbytes: int) -> str:
+    """A GPU's memory as the catalogs write it, in GB (10^9 bytes) exactly: `80GB`, `25.769803776GB`."""
+    return f"{_exact_decimal(Fraction(nbytes, 10**9))}GB"
+
+
+def gpu_memory_words(memory: tuple[int | None, int | None]) -> str:
+    """A GPU spec's memory as dstack writes it, in GB: `80GB`, `24GB..`, `..48GB`, `24GB..48GB`."""
+    low, high = memory
+    return gpu_gb(low) if low == high else f"{gpu_gb(low) if low else ''}..{gpu_gb(high) if high else ''}"
+
+
+def _gpu_memory(spec: str, token: str) -> tuple[int | None, int | None]:
+    """A GPU spec's memory: `80GB` (exactly), `24GB..` (at least), `..48GB`, `24GB..48GB`, in bytes."""
+    low, dots, high = token.partition("..")
+    try:
+        bounds = tuple(size_bytes(part) if part else None for part in (low, high if dots else low))
+    except ValueError as exc:
+        raise ValueError(f"{spec!r}: the GPU memory {exc}") from None
+    if bounds == (None, None) or (None not in bounds and bounds[0] > bounds[1]):
+        raise ValueError(f"{spec!r}: the GPU memory {token!r} is no range (write 24GB.., ..48GB or 24GB..48GB)")
+    return bounds
 
 
 def _off_on_words(value: Any) -> Any:

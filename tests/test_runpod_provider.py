@@ -419,6 +419,18 @@ def test_the_key_missing_wrong_or_unconfirmed_price_creates_nothing(standin, tmp
     assert standin.pods == {} and not (tmp_path / "home" / "clusters").exists()
 
 
+def test_a_gpu_given_by_memory_is_created_as_the_type_launch_chose(standin, tmp_path):
+    """`resources.gpus: 48GB..:1` (issue 47, item 3): launch says which of the catalog's GPU types of that memory it
+    chose (the cheapest that fits: A40; the AMD one has no Global Networking) and creates the pods with it."""
+    standin.fail_create(1, 400, "Bad Request", "no capacity")  # the head's request is all this test needs
+    out = run_cli(["launch", write_task(tmp_path, command_task(resources={"cpus": 1, "gpus": "48GB..:1"})),
+                   "--provider", "runpod", "-y"], cli_env(tmp_path, standin.url))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"chosen: {A40}, the cheapest that fits" in out.stdout, out.stdout
+    created = [r.body for r in standin.requests if r.method == "POST" and r.path == "/v2/pods"]
+    assert [body["gpu"] for body in created] == [{"id": A40, "count": 1}]
+
+
 def test_a_failed_third_pod_leaves_no_pod_and_names_runpods_message(standin, tmp_path):
     standin.fail_create(3, 400, "Bad Request", "no capacity: no 1x NVIDIA A40 available with global networking "
                                                "in EU-RO-1")

@@ -50,7 +50,7 @@ from ..agent.protocol import RESULT_PREFIX
 from ..errors import BadInput, StepFailed
 from ..models import StrictModel, require_absolute, size_bytes, size_text
 from ..plan import Contract, Plan, env
-from ..spec import Task, provider_part
+from ..spec import Task, gpu_memory_words, gpu_parts, provider_part
 from .base import (Cluster, Provider, Retries, Sharing, end_process, hold_forward, require_cli, start_tunnel,
                    stop_with_cli, write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
@@ -106,14 +106,18 @@ def plan_price(answer: dict, task_price: float | None) -> float | None:
 
 def dstack_gpu(gpus: str) -> str:
     """`resources.gpus` in dstack's words: `A100-80GB:8` -> `A100:80GB:8`; `H100:8` and `8` as given; a bare
-    name is one GPU (`MI300X` -> `MI300X:1`: dstack reads a bare name as one GPU or more)."""
+    name is one GPU (`MI300X` -> `MI300X:1`: dstack reads a bare name as one GPU or more); a memory in GB
+    (`80GB:8`, `24GB..:1`): dstack compares a GPU spec's memory with gpuhunt's figure for each GPU
+    (KNOWN_ACCELERATORS' memory, the GB it is sold by: 80 for an A100 80GB), so the task's GB are that figure."""
     if gpus.isdigit():
         return gpus
-    name, _, count = gpus.partition(":")
-    match = _GPU_MEMORY_SUFFIX.match(name)
+    name, memory, count = gpu_parts(gpus)
+    match = _GPU_MEMORY_SUFFIX.match(name or "")
     if match:
         name = f"{match.group('name')}:{match.group('memory')}GB"
-    return f"{name}:{count or 1}"
+    if memory:
+        name = f"{name}:{gpu_memory_words(memory)}" if name else gpu_memory_words(memory)
+    return f"{name}:{count}"
 
 
 def _field_of(error: str) -> str:
@@ -571,12 +575,24 @@ class DstackProvider(Provider):
                     raise BadInput(f"{field}: dstack {version} refuses {name}: "
                                    + str(exc).strip().replace("\n", "\n  ") + hint) from None
         gpu = plan.resources.gpus
+        notes: list[str] = []
         if gpu and not gpu.isdigit():
             table: dict[str, set[int]] = {}
             for accelerator in gpuhunt.KNOWN_ACCELERATORS:
                 table.setdefault(accelerator.name, set()).add(int(accelerator.memory))
             lower = {name.lower(): name for name in table}
             spec = next(iter(parsed.values())).resources.gpu
+            memory = spec.memory
+            if not spec.name and memory is not None:  # by memory alone: the GPUs gpuhunt has of that memory
+                fits = sorted(n for n, sizes in table.items() if any(
+                    (memory.min is None or memory.min <= size) and (memory.max is None or size <= memory.max)
+                    for size in sizes))
+                if not fits:
+                    raise BadInput(f"resources.gpus: {gpu}: gpuhunt's GPU table has no GPU of {memory}, so no "
+                                   f"dstack offer matches {dstack_gpu(gpu)} (its GPUs' memory: "
+                                   f"{', '.join(f'{size}GB' for size in sorted({s for v in table.values() for s in v} - {0}))})")
+                notes.append(f"resources.gpus {gpu}: dstack takes any GPU of gpuhunt's table with that memory: "
+                             f"{', '.join(fits)}")
             for name in spec.name or []:
                 if name.lower() not in lower:
                     raise BadInput(f"resources.gpus: {gpu}: dstack {version} renders GPU name {name!r}, which no "
@@ -590,7 +606,7 @@ class DstackProvider(Provider):
                                    f"{', '.join(f'{size}GB' for size in sorted(sizes))} only, so no dstack offer "
                                    f"matches {dstack_gpu(gpu)}")
         return [f"dstack {version}'s configuration models (parse_apply_configuration) take "
-                f"{' and '.join(parsed)}; backends and GPU names are dstack's and gpuhunt's"]
+                f"{' and '.join(parsed)}; backends and GPU names are dstack's and gpuhunt's", *notes]
 
     # ------------------------------------------------------------------ the rendered files
 

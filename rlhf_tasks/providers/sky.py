@@ -45,7 +45,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes, size_text
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
-from ..spec import Task
+from ..spec import Task, gpu_gb, gpu_parts
 from .base import (Cluster, Option, Provider, Retries, Sharing, docker_size, end_process, hold_forward, require_cli,
                    stop_with_cli)
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
@@ -81,12 +81,80 @@ OWN_NAMES = {"kubernetes", "ssh", "slurm"}
 
 
 def sky_gpu(gpus: str) -> str:
-    """`resources.gpus` in SkyPilot's words: `A100-80G:8` -> `A100-80GB:8`; other names as given."""
-    name, colon, count = gpus.partition(":")
+    """`resources.gpus` in SkyPilot's words: `A100-80G:8` -> `A100-80GB:8`; other names as given. By memory, as
+    SkyPilot takes it (Resources._parse_accelerators_from_str: `80GB:8` any GPU of exactly 80GB, `24GB+:1` of at
+    least 24GB, resolved to the names of its catalog's common/metadata.csv by
+    accelerator_registry.get_devices_by_memory); `A100:80GB:8` -> `A100-80GB:8`, the catalog's spelling of a
+    memory variant. sky_gpu_refusal says what SkyPilot has no words for."""
+    if gpus.isdigit():
+        return gpus
+    name, memory, count = gpu_parts(gpus)
+    if memory:
+        low, high = memory
+        size = f"{math.ceil((low or 0) / 10**9)}GB"  # whole GB: sky_gpu_refusal refuses others
+        return f"{name}-{size}:{count}" if name else f"{size}{'' if low == high else '+'}:{count}"
     match = _GPU_MEMORY_SUFFIX.match(name)
     if match:
         name = f"{match.group('name')}-{match.group('memory')}GB"
-    return f"{name}{colon}{count}"
+    return f"{name}:{count}" if ":" in gpus else name
+
+
+def sky_gpu_refusal(gpus: str | None) -> str | None:
+    """Why SkyPilot cannot be asked for `resources.gpus` as the task gives it, or None: its accelerators
+    take a memory in whole GB (its pattern `^[0-9]+[GgMmTt][Bb]\\+?$`; its catalog's figures are whole, so
+    at least 25.8GB is at least 26GB), exactly or at least, never at most (Resources._parse_accelerators_from_str),
+    and with a GPU's name only as the catalog's NAME-<N>GB."""
+    if not gpus or gpus.isdigit():
+        return None
+    name, memory, _ = gpu_parts(gpus)
+    if not memory:
+        return None
+    low, high = memory
+    if high is not None and low != high:
+        return (f"SkyPilot takes a GPU memory exactly (80GB:8) or at least (24GB..:1 -> 24GB+:1), not at most "
+                f"(Resources._parse_accelerators_from_str): write {gpu_gb(low) + '..' if low else 'a lower bound'}, "
+                f"or name the GPU")
+    if low % 10**9 and low == high:
+        return (f"SkyPilot takes a GPU memory in whole GB (its catalog lists each GPU's, 80 for an A100 80GB): "
+                f"{gpu_gb(low)} is not; write {math.ceil(low / 10**9)}GB")
+    if name and low != high:
+        return f"SkyPilot names a GPU's memory variant exactly (A100-80GB), not by a range: write {name}:{gpu_gb(low)}"
+    if name and _GPU_MEMORY_SUFFIX.match(name):
+        return f"the memory given twice, in the name {name} and as {gpu_gb(low)}: give one"
+    return None
+
+
+def _catalog_path(name: str) -> Path:
+    """Where SkyPilot keeps its catalog's `name` (sky/catalog/common.py get_catalog_path), read at call time
+    (SkyPilot reads SKY_RUNTIME_DIR at import)."""
+    from sky.skylet import constants, runtime_utils
+
+    return Path(runtime_utils.get_runtime_dir_path(
+        os.path.join(".sky/catalogs", constants.CATALOG_SCHEMA_VERSION, name)))
+
+
+def _catalog_memory() -> dict[str, float]:
+    """SkyPilot's common/metadata.csv as GPU -> MemoryGB, where it is on this machine (else empty)."""
+    import csv
+
+    path = _catalog_path("common/metadata.csv")
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as handle:
+        return {row["GPU"]: float(row["MemoryGB"]) for row in csv.DictReader(handle)}
+
+
+def devices_by_memory(gpus: str) -> list[str] | None:
+    """The GPUs SkyPilot takes for a memory-only `resources.gpus` (`80GB:8`, `24GB..:1`), in the order of its
+    catalog: what accelerator_registry.get_devices_by_memory selects from common/metadata.csv (MemoryGB equal,
+    or at least with `+`), read here as a file where SkyPilot has put it (None where not: its reader would
+    fetch it)."""
+    table = _catalog_memory()
+    if not table:
+        return None
+    memory = sky_gpu(gpus).partition(":")[0]
+    plus, size = memory.endswith("+"), int(memory.rstrip("+").removesuffix("GB"))
+    return [gpu for gpu, listed in table.items() if (listed >= size if plus else listed == size)]
 
 
 def _catalog_accelerators() -> dict[str, list[str]] | None:
@@ -97,11 +165,7 @@ def _catalog_accelerators() -> dict[str, list[str]] | None:
     import ast
     import csv
 
-    from sky.skylet import constants, runtime_utils
-
-    # sky/catalog/common.py get_catalog_path, read at call time (SkyPilot reads SKY_RUNTIME_DIR at import)
-    path = Path(runtime_utils.get_runtime_dir_path(
-        os.path.join(".sky/catalogs", constants.CATALOG_SCHEMA_VERSION, "common/accelerators.csv")))
+    path = _catalog_path("common/accelerators.csv")
     if not path.is_file():
         return None
     with path.open(newline="") as handle:
@@ -229,6 +293,9 @@ class SkyProvider(Provider):
                            f"placement.backends lists {', '.join(outside)} (`sky launch` would refuse the task: "
                            f"VolumeTopologyConflictError); use checkpoints.shared.sky: {{bucket: s3://BUCKET/PATH}}, "
                            f"which every cloud's nodes mount, or leave {', '.join(outside)} out")
+        refusal = sky_gpu_refusal(task.resources.gpus)
+        if refusal:
+            raise BadInput(f"resources.gpus: {task.resources.gpus}: {refusal}")
         if self.chosen["managed"] and task.job.submit != "head":
             raise BadInput("--managed: a managed job must submit from the head (job.submit: head), "
                            "since SkyPilot relaunches the whole task on recovery")
@@ -440,6 +507,20 @@ class SkyProvider(Provider):
 
         name = f"{plan.name}.sky.yaml"
         config = yaml.safe_load(self.render(plan)[name])
+        gpus = plan.resources.gpus
+        by_memory = None
+        if gpus and plan.resources.gpu_memory and not plan.resources.gpu_name:
+            # SkyPilot's own parse of `80GB:8` reads common/metadata.csv, fetching it where it is not here:
+            # it parses the names that file gives instead, or none where it is not on this machine
+            by_memory = devices_by_memory(gpus)
+            if by_memory == []:
+                raise BadInput(f"resources.gpus: {gpus}: no GPU of SkyPilot's catalog (common/metadata.csv) has "
+                               f"{sky_gpu(gpus).partition(':')[0]} of memory, so SkyPilot would launch no GPU "
+                               f"(Resources._parse_accelerators_from_str, get_devices_by_memory)")
+            accelerators = {device: plan.gpus_per_node for device in by_memory or []}
+            config["resources"]["accelerators"] = accelerators
+            if not accelerators:
+                del config["resources"]["accelerators"]
         try:
             common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
             sky.Task.from_yaml_config(copy.deepcopy(config))  # it consumes the dict
@@ -456,7 +537,14 @@ class SkyProvider(Provider):
                 hint = "\n  " + did_you_mean(wrong, sorted(registry.CLOUD_REGISTRY), "its clouds")
             raise BadInput(f"{field}: SkyPilot {sky.__version__} refuses {name}: {words}{hint}") from None
         asked = f"SkyPilot {sky.__version__}'s task schema and Task.from_yaml_config take {name}"
-        gpus = plan.resources.gpus
+        if by_memory is not None:
+            return [asked, f"resources.gpus {gpus}: SkyPilot takes any of {', '.join(by_memory)} (its "
+                           f"common/metadata.csv; Task.from_yaml_config reads {sky_gpu(gpus)} as that set)"]
+        if gpus and plan.resources.gpu_memory and not plan.resources.gpu_name:
+            return [asked, f"resources.gpus {gpus}: not checked against SkyPilot's catalog: its common/metadata.csv "
+                           f"(each GPU's memory) is not on this machine (SkyPilot fetches it the first time it reads "
+                           f"a GPU given by memory, as `sky launch` of this task does); at launch SkyPilot takes any GPU it lists with "
+                           f"{sky_gpu(gpus).partition(':')[0]}"]
         if not gpus or gpus.isdigit():
             return [asked]
         accelerator = sky_gpu(gpus).partition(":")[0]
@@ -472,6 +560,14 @@ class SkyProvider(Provider):
                            "machine (SkyPilot fetches it on first use into ~/.sky/catalogs; any `sky` command that "
                            "reads it, e.g. `sky show-gpus`, puts it here)"]
         known = {n.lower(): n for n in catalog}
+        name = plan.resources.gpu_name
+        if plan.resources.gpu_memory and accelerator.lower() not in known and name and name.lower() in known:
+            listed = _catalog_memory().get(known[name.lower()])
+            size = f" (its common/metadata.csv gives {known[name.lower()]} {listed:g}GB)" if listed else ""
+            raise BadInput(f"resources.gpus: {gpus}: SkyPilot's accelerator catalog (common/accelerators.csv) has "
+                           f"{known[name.lower()]} but no {accelerator}, the name it gives a GPU's memory variant "
+                           f"(A100-80GB){size}: write {known[name.lower()]}:{plan.gpus_per_node}, or the memory "
+                           f"alone ({sky_gpu(gpus).rpartition('-')[2]})")
         if accelerator.lower() not in known:
             raise BadInput(f"resources.gpus: {gpus}: SkyPilot's accelerator catalog (common/accelerators.csv) has "
                            f"no {accelerator!r}, so no cloud offers it "

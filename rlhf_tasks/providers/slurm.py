@@ -308,6 +308,11 @@ class SlurmProvider(Provider):
         if slurm.gpu_type and ":" in slurm.gpu_type:
             raise BadInput(f"placement.slurm.gpu_type: {slurm.gpu_type!r}: the type's name alone (h100 of "
                            f"gpu:h100:8); the count comes from resources.gpus")
+        if task.resources.gpu_memory and not slurm.gpu_type and not slurm.gres:
+            raise BadInput(f"resources.gpus: {task.resources.gpus}: Slurm asks for GPUs by the type names each "
+                           f"cluster gives them (its gres.conf), not by memory; give placement.slurm.gpu_type with "
+                           f"your cluster's name for such a GPU (`sinfo -o %G` lists them: gpu:a100_80g:8 -> "
+                           f"a100_80g), or placement.slurm.gres")
         if slurm.gpu_type and not task.resources.gpus_per_node:
             raise BadInput("placement.slurm.gpu_type: the task asks for no GPUs (resources.gpus); give "
                            "resources.gpus, or remove gpu_type")

@@ -554,6 +554,13 @@ class KubeRayRender(Provider):
                 if clash:
                     raise BadInput(f"placement.kuberay.volumes[{i}].path: {volume.path} {clash} {path}, "
                                    f"{what}, which the pods mount themselves")
+        labels = ("/gpu.product", "/gpu.memory", "/gpu.vram")
+        if task.resources.gpu_memory and not any(key.endswith(labels) for key in options.node_selector):
+            raise BadInput(f"resources.gpus: {task.resources.gpus}: a pod requests GPUs by count only "
+                           f"(nvidia.com/gpu), and Kubernetes selects their nodes by the labels the cluster gives "
+                           f"them; give placement.kuberay.node_selector with your nodes' GPU label: GPU feature "
+                           f"discovery's nvidia.com/gpu.product (e.g. NVIDIA-A100-SXM4-80GB) or nvidia.com/gpu.memory "
+                           f"(MiB, e.g. \"81920\"), AMD's labeller's amd.com/gpu.vram")
         if task.resources.memory and size_bytes(task.resources.memory) <= SUBMITTER_MEMORY:
             raise BadInput(f"resources.memory: {task.resources.memory} is not more than the "
                            f"{SUBMITTER_MEMORY // 2**20}MiB KubeRay's submitter requests in the head's pod, which the "

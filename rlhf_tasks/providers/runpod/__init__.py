@@ -172,7 +172,7 @@ class RunPodProvider(Provider):
         elif plan.budget.max_cost is not None:
             raise BadInput(f"placement.max_cost: RunPod's catalog gives no price for {fit['gpu']}, so the head agent "
                            f"could not count the cost; use placement.max_duration")
-        files = self.render(plan)
+        files = render_files(plan, self._archives.get(plan.name), fit["gpu"])
         requests = json.loads(files[f"{plan.name}.runpod.json"])
         if found_pods or found_clusters:
             found = ", ".join(f"{p['name']} ({p['id']}, {p['status']})" for p in found_pods) or \

@@ -18,10 +18,40 @@ from .render import DEFAULT_GPU, GLOBAL_LINK, NAME, RunPodShared, cross_node_tra
 
 def fit(client: RunPodClient, plan: Plan) -> dict:
     """The GPU type and the data centers that fit, from RunPod's catalog; BadInput naming the
-    field that does not fit. Nothing is created here."""
+    field that does not fit. Nothing is created here. A task that gives the GPUs' memory (`80GB:8`)
+    gets the cheapest of the catalog's GPU types of that memory (each type's `memory`, "VRAM in GB")
+    that fits; `matched` lists them all."""
     gpu_id, count = gpu_request(plan.resources)
-    field = "resources.gpus"
     gpus = client.gpu_types()
+    memory = plan.resources.gpu_memory
+    if not memory:
+        return _fit_type(client, plan, gpu_id, count, gpus)
+    low, high = memory
+    words = plan.resources.gpus
+    matched = sorted((g for g in gpus if (low is None or g.get("memory", 0) * 10**9 >= low)
+                      and (high is None or g.get("memory", 0) * 10**9 <= high)
+                      and (plan.resources.gpu_name is None or g["id"] == gpu_id)),
+                     key=lambda g: ((g.get("price") or {}).get("secure") or float("inf"), g["id"]))
+    if not matched:
+        sizes = ", ".join(f"{size}GB" for size in sorted({g.get("memory") for g in gpus if g.get("memory")}))
+        whose = f"{gpu_id} has {next((g.get('memory') for g in gpus if g['id'] == gpu_id), '?')}GB" \
+            if plan.resources.gpu_name else f"its GPU types have {sizes}"
+        raise BadInput(f"resources.gpus: {words}: RunPod's catalog has no GPU type of that memory ({whose})")
+    refusals = []
+    for gpu in matched:
+        try:
+            chosen = _fit_type(client, plan, gpu["id"], count, gpus)
+        except BadInput as exc:
+            refusals.append(str(exc))
+            continue
+        return {**chosen, "matched": [g["id"] for g in matched]}
+    raise BadInput(f"resources.gpus: {words}: none of RunPod's GPU types of that memory fits:\n  "
+                   + "\n  ".join(refusals))
+
+
+def _fit_type(client: RunPodClient, plan: Plan, gpu_id: str, count: int, gpus: list[dict]) -> dict:
+    """fit, for one GPU type."""
+    field = "resources.gpus"
     gpu = next((g for g in gpus if g["id"] == gpu_id), None)
     if gpu is None:
         raise BadInput(f"{field}: RunPod has no GPU type {gpu_id!r} "
@@ -101,6 +131,9 @@ def announce(plan: Plan, fit: dict, warning: str | None) -> None:
     if not plan.resources.gpus:
         why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else "Global Networking needs an NVIDIA GPU"
         say(f"resources.gpus is not set: each pod gets 1x {DEFAULT_GPU} ({why})")
+    if len(fit.get("matched") or []) > 1:
+        say(f"resources.gpus {plan.resources.gpus}: RunPod's GPU types of that memory: {', '.join(fit['matched'])}; "
+            f"chosen: {fit['gpu']}, the cheapest that fits")
     if not is_cluster(plan) and nodes > 1:
         say(f"Global Networking links the pods at {GLOBAL_LINK}: {cross_node_traffic(plan)}")
     if warning:

@@ -21,7 +21,7 @@ from ...errors import BadInput
 from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, Plan, SelfEnd, env, template
-from ...spec import Task
+from ...spec import Task, gpu_memory_words
 from ..base import Sharing
 from ..shipping import NODE_DIR, WRITTEN_BY, plan_file, agent_command, heredoc, node_path, shared_entry, shipped_files
 from . import vault
@@ -32,7 +32,7 @@ NAME = "runpod"
 GPU_TYPES = {
     "h100": "NVIDIA H100 80GB HBM3", "h100sxm": "NVIDIA H100 80GB HBM3", "h100pcie": "NVIDIA H100 PCIe",
     "h100nvl": "NVIDIA H100 NVL", "h200": "NVIDIA H200", "b200": "NVIDIA B200",
-    "a100": "NVIDIA A100-SXM4-80GB", "a10080gb": "NVIDIA A100-SXM4-80GB", "a100sxm": "NVIDIA A100-SXM4-80GB",
+    "a100": "NVIDIA A100-SXM4-80GB", "a10080gb": "NVIDIA A100-SXM4-80GB", "a10080g": "NVIDIA A100-SXM4-80GB", "a100sxm": "NVIDIA A100-SXM4-80GB",
     "a100pcie": "NVIDIA A100 80GB PCIe", "l40s": "NVIDIA L40S", "l40": "NVIDIA L40", "a40": "NVIDIA A40",
     "rtx4090": "NVIDIA GeForce RTX 4090", "rtxa6000": "NVIDIA RTX A6000", "a6000": "NVIDIA RTX A6000",
     "mi300x": "AMD Instinct MI300X OAM",
@@ -99,11 +99,14 @@ def is_cluster(plan_or_task) -> bool:
     return plan_or_task.network == "runpod-cluster"
 
 
-def gpu_request(resources) -> tuple[str, int]:
-    """(RunPod GPU type id, GPUs per pod) for the task's `resources.gpus`."""
+def gpu_request(resources, chosen: str | None = None) -> tuple[str, int]:
+    """(RunPod GPU type id, GPUs per pod) for the task's `resources.gpus`: the type `launch` chose from RunPod's
+    catalog where given; for GPUs given by memory alone, before that, words saying so (see memory_note)."""
     if not resources.gpus:
         return DEFAULT_GPU, 1
     name = resources.gpu_name
+    if chosen or (resources.gpu_memory and not name):
+        return chosen or f"a GPU type of {gpu_memory_words(resources.gpu_memory)}", resources.gpus_per_node
     key = re.sub(r"[^a-z0-9]", "", (name or "").lower())
     return GPU_TYPES.get(key, name), resources.gpus_per_node
 
@@ -378,9 +381,20 @@ def secret_names(plan: Plan) -> list[str]:
     return plan.secrets + ([plan.token_env] if plan.token_env else [])
 
 
-def bodies(plan: Plan, args: str) -> dict:
-    """The create requests, each secret a reference to its account secret (vault.py)."""
-    gpu_id, count = gpu_request(plan.resources)
+def memory_note(plan: Plan) -> str | None:
+    """What the requests say for GPUs given by memory alone, where RunPod takes one GPU type per pod."""
+    res = plan.resources
+    if not res.gpu_memory or res.gpu_name:
+        return None
+    return (f"resources.gpus {res.gpus} names no GPU type, and a pod has one (CreateGpuConfig.id): `launch` picks "
+            f"the cheapest of RunPod's GPU types of that memory (GET /v2/catalog/gpus, each type's `memory`) that "
+            f"fits, and says which; by hand, put its id in gpu.id.")
+
+
+def bodies(plan: Plan, args: str, gpu: str | None = None) -> dict:
+    """The create requests, each secret a reference to its account secret (vault.py); `gpu`: the GPU type
+    `launch` chose from the catalog."""
+    gpu_id, count = gpu_request(plan.resources, gpu)
     client = plan.job.submit == "client"
     secrets = {name: vault.reference(plan.name, name) for name in secret_names(plan)}
     container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
@@ -450,9 +464,9 @@ def too_big_to_ship(working_dir: str, archive: bytes, args: int) -> str:
             f"(checkpoints.shared.runpod) and leave job.working_dir out")
 
 
-def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
+def render(plan: Plan, archive: bytes | None = None, gpu: str | None = None) -> dict[str, str]:
     """File name -> content: the create requests and the start script they carry (with
-    job.working_dir's `archive`, when the task ships one)."""
+    job.working_dir's `archive`, when the task ships one; with the GPU type `launch` chose, `gpu`)."""
     script = start_script(plan, archive)
     args = start_args(script)
     if len(args) > MAX_ARGS:
@@ -492,5 +506,7 @@ def render(plan: Plan, archive: bytes | None = None) -> dict[str, str]:
                      f"GPU type.")
     if disk_note(plan):
         notes.append(disk_note(plan) + ".")
-    document = {"note": " ".join(notes), **bodies(plan, args)}
+    if memory_note(plan) and not gpu:
+        notes.append(memory_note(plan))
+    document = {"note": " ".join(notes), **bodies(plan, args, gpu)}
     return {f"{plan.name}.runpod.json": json.dumps(document, indent=2) + "\n", f"{plan.name}.start.sh": script}
