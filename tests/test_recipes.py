@@ -254,6 +254,36 @@ def test_openrlhf_args_are_consistent():
         build("openrlhf-ppo", {**OPENRLHF, "estimator": "dr_grpo", "version": "0.6.1"})
 
 
+@pytest.mark.parametrize("version,value_network,universal", [
+    ("0.11.2", "--critic.save_value_network", "--ds.use_universal_ckpt"),
+    ("0.10.1", "--save_value_network", "--use_ds_universal_ckpt"),
+    ("0.6.3", "--save_value_network", "--universal_ckpt"),  # renamed --use_ds_universal_ckpt in 0.6.4
+])
+def test_openrlhf_checkpoint_options_in_each_dialect(version, value_network, universal):
+    args = {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "version": version}
+    argv = build("openrlhf-ppo", args).entrypoint
+    assert value_network not in argv and universal not in argv
+    argv = build("openrlhf-ppo", {**args, "save_value_network": True, "use_ds_universal_ckpt": True}).entrypoint
+    assert flag(argv, value_network) is True and flag(argv, universal) is True
+
+
+def test_openrlhf_checkpoint_options_the_task_cannot_use_are_refused_with_why():
+    with pytest.raises(ValueError, match=r"use_ds_universal_ckpt: OpenRLHF's universal checkpoint loading came in "
+                                         r"0.6.3 \(--universal_ckpt\); version is 0.6.1"):
+        build("openrlhf-ppo", {**OPENRLHF, "colocate": "all", "version": "0.6.1", "use_ds_universal_ckpt": True})
+    with pytest.raises(BadInput, match=r"job.args.save_value_network, job.args.estimator: .*saves the critic, and "
+                                       r"estimator group_norm trains none"):
+        build("openrlhf-ppo", {**OPENRLHF, "colocate": "all", "estimator": "group_norm", "n_samples_per_prompt": 4,
+                               "save_value_network": True})
+    with pytest.raises(BadInput, match=r"extra_args set \['--critic.save_value_network'\]"):
+        build("openrlhf-ppo", {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "save_value_network": True,
+                               "extra_args": ["--critic.save_value_network"]})
+    # given as a flag the way a task could before (extra_args), it still is
+    argv = build("openrlhf-ppo", {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4,
+                                  "extra_args": ["--critic.save_value_network"]}).entrypoint
+    assert argv.count("--critic.save_value_network") == 1
+
+
 @pytest.mark.parametrize("version,key,load,ckpt", [("0.11.2", "--logger.wandb.key", "--ckpt.load_enable", "--ckpt.path"),
                                                    ("0.8.11", "--use_wandb", "--load_checkpoint", "--ckpt_path")])
 def test_openrlhf_wandb_and_resume(version, key, load, ckpt):
