@@ -169,6 +169,10 @@ def _plan_lines(provider, plan, task) -> list[str]:
     for command in plan.prepare:
         lines.append(f"  prepare   {command}  (rank 0)")
     lines.append(f"  job       {plan.job.recipe}, submitted from {plan.job.submit}")
+    if plan.open_files:
+        whose = "job.open_files" if task.job.open_files is not None else f"the {plan.job.recipe} recipe's"
+        lines.append(f"  open_files {plan.open_files} ({whose}): every node's agent raises its soft limit to it "
+                     "before Ray starts, and stops where the node's hard limit is lower")
     lines.append(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
     if plan.checkpoint_dir:
         lines.append(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")

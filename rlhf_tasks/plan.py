@@ -308,6 +308,9 @@ class Plan(StrictModel):
     #: After a failed job, the head keeps its forensics bundle this long (until it was read) before it
     #: exits: where the provider deletes the cluster as soon as the job ends, the launcher fetches it first.
     bundle_hold_s: float = 0.0
+    #: The open-files soft limit every node's agent raises before it starts anything (job.open_files, else the
+    #: recipe's); None: the node's stands.
+    open_files: int | None = None
     #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
     #: (Provider.check_node_inputs); the nodes need not know them.
     node_inputs: list[str] = Field([], exclude=True)
@@ -445,6 +448,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         checkpoint_files=out.checkpoint_files if checkpoint_dir else [],
         checkpoint_shared=task.checkpoints.shared.get(provider),
         modules=out.modules,
+        open_files=job.open_files if job.open_files is not None else out.open_files,
         node_inputs=out.node_inputs,
         budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
                           max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,

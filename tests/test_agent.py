@@ -406,6 +406,53 @@ def test_every_node_mode_runs_the_command_itself_and_exits_with_its_code(tmp_pat
     assert result["exit_code"] == 7 and result["job"] == {"status": "FAILED", "exit_code": 7}
 
 
+def _lowered_open_files(soft: int, hard: int):
+    """preexec_fn: the agent starts where the open-files limit is (soft, hard), as a container's may be."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+SHOW_OPEN_FILES = [sys.executable, "-c", "import resource; print('job open files %d/%d' % "
+                   "resource.getrlimit(resource.RLIMIT_NOFILE))"]
+
+
+def test_the_agent_raises_the_open_files_soft_limit_for_all_it_starts(tmp_path):
+    """The plan's open_files (the recipe's: Search-R1's `ulimit -n 65535`) raises the agent's soft
+    RLIMIT_NOFILE before it starts anything, so the job (here its command; Ray's processes alike) inherits it."""
+    argv, env = every_node_run(tmp_path, SHOW_OPEN_FILES)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["open_files"] = 3000
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         preexec_fn=_lowered_open_files(1024, 4096))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "open files: soft limit raised from 1024 to 3000 (hard limit 4096)" in out.stdout
+    assert "job open files 3000/4096" in out.stdout
+    plan["open_files"] = 512  # already allowed: left as it is (never lowered)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         preexec_fn=_lowered_open_files(1024, 4096))
+    assert "open files: soft limit 1024, at least the 512 the job needs" in out.stdout
+    assert "job open files 1024/4096" in out.stdout
+
+
+def test_an_open_files_limit_above_the_hard_limit_is_refused_naming_both(tmp_path):
+    argv, env = every_node_run(tmp_path, SHOW_OPEN_FILES)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["open_files"] = 65535
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         preexec_fn=_lowered_open_files(1024, 4096))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "job open files" not in out.stdout  # nothing started
+    result = protocol.parse_result(out.stdout)
+    assert result["failed_step"] == "raising the open-files limit"
+    assert ("the job needs a soft limit of 65535 open files (RLIMIT_NOFILE, `ulimit -n`) and this node's hard limit "
+            "is 4096 (soft 1024)") in result["error"]
+    assert "--ulimit nofile=65535:65535" in result["error"] and "job.open_files" in result["error"]
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:

@@ -144,6 +144,21 @@ def test_openrlhf_parses_a_good_task_and_names_another_release(tmp_path, capsys,
     assert "not checked: openrlhf 0.11.2 is installed here, the task pins 0.8.11 (job.args.version)" in out
 
 
+def test_openrlhf_checkpoint_options_are_asked_of_the_pinned_release(tmp_path, capsys, monkeypatch, openrlhf_site):
+    """save_value_network and use_ds_universal_ckpt: recipe arguments that OpenRLHF 0.11.2's parser takes under
+    its names; a release without the flag is refused with why, before anything is asked."""
+    monkeypatch.syspath_prepend(str(openrlhf_site))
+    args = dict(OPENRLHF_TASK["job"]["args"], colocate="pairs", actor_gpus=4, critic_gpus=4, save_value_network=True,
+                use_ds_universal_ckpt=True)
+    code, out, err = check(capsys, task_file(tmp_path, OPENRLHF_TASK, job__args=args))
+    assert code == 0, err
+    assert "of openrlhf 0.11.2, installed here: the command parses and passes its start-up checks" in out
+    assert "--critic.save_value_network --ds.use_universal_ckpt" in out
+    code, _, err = check(capsys, task_file(tmp_path, OPENRLHF_TASK, job__args=dict(args, version="0.6.1")))
+    assert code == 2
+    assert "job.args: use_ds_universal_ckpt: OpenRLHF's universal checkpoint loading came in 0.6.3" in err
+
+
 def test_deepspeed_batch_arithmetic(tmp_path, capsys):
     """train_batch_size 100 with micro 8 on the actor's 16 GPUs: DeepSpeed's _batch_assertion refuses it."""
     args = dict(OPENRLHF_TASK["job"]["args"], train_batch_size=100, micro_train_batch_size=8)

@@ -165,3 +165,31 @@ def test_openrlhf_start_up_assertions_run(openrlhf):
     argv[argv.index("--vllm.num_engines") + 1] = "3"
     with pytest.raises(frameworks.Rejected, match="must be equal to vllm_num_engines"):
         frameworks.openrlhf_parse(openrlhf(OPENRLHF["current"]), argv)
+
+
+@pytest.mark.parametrize("release", ["current", "last flat", "legacy"])
+def test_openrlhf_checkpoint_options_parse_as_each_release_takes_them(openrlhf, release):
+    """save_value_network and use_ds_universal_ckpt reach train_ppo_ray's own args under its own names."""
+    version = OPENRLHF[release]
+    argv = rendered("openrlhf-ppo", {"pretrain": "a", "reward_pretrain": "rm", "prompt_data": "p", "version": version,
+                                     "actor_gpus": 4, "critic_gpus": 4, "save_value_network": True,
+                                     "use_ds_universal_ckpt": True})
+    args = frameworks.openrlhf_parse(openrlhf(version), argv)
+    saved, universal = ((args.critic.save_value_network, args.ds.use_universal_ckpt) if hasattr(args, "critic") else
+                        (args.save_value_network, args.use_ds_universal_ckpt))
+    assert saved is True and universal is True
+
+
+def test_openrlhf_m_base_has_save_value_network_and_no_universal_checkpoints(openrlhf):
+    """The 0.6.1 OpenRLHF-M forked parses --save_value_network; the recipe refuses use_ds_universal_ckpt there
+    before its parser would (it has no such flag)."""
+    version = OPENRLHF["OpenRLHF-M base"]
+    base = {"pretrain": "a", "reward_pretrain": "rm", "prompt_data": "p", "version": version, "actor_gpus": 4,
+            "critic_gpus": 4}
+    args = frameworks.openrlhf_parse(openrlhf(version), rendered("openrlhf-ppo", {**base, "save_value_network": True}))
+    assert args.save_value_network is True
+    with pytest.raises(ValueError, match="universal checkpoint loading came in 0.6.3"):
+        rendered("openrlhf-ppo", {**base, "use_ds_universal_ckpt": True})
+    argv = rendered("openrlhf-ppo", {**base, "version": "0.8.11", "use_ds_universal_ckpt": True})
+    with pytest.raises(frameworks.Rejected, match="unrecognized arguments: --use_ds_universal_ckpt"):
+        frameworks.openrlhf_parse(openrlhf(version), argv[:argv.index("--use_ds_universal_ckpt") + 1])

@@ -73,14 +73,14 @@ CASES = [
     ("sleep-needs-colocate-all", "openrlhf-ppo", {**OPENRLHF, "colocate": "all", "sleep": True},
      {"colocate": "pairs", "actor_gpus": 4}, "sleep modes"),
     ("packing-needs-vllm", "openrlhf-ppo", {**OPENRLHF, "colocate": "all", "packing_samples": True},
-     {"colocate": "pairs", "actor_gpus": 8, "critic_gpus": 8, "vllm_engines": 0}, "packing_samples needs vLLM"),
+     {"colocate": "pairs", "actor_gpus": 4, "critic_gpus": 4, "vllm_engines": 0}, "packing_samples needs vLLM"),
     ("micro-batches-per-actor", "openrlhf-ppo", {**OPENRLHF, "colocate": "all", "micro_rollout_batch_size": 16},
      {"rollout_batch_size": 64}, "64 / 16 = 4 micro-batches for 16 actor GPUs"),
     ("legacy-rollout-divisible", "openrlhf-ppo",
      {**OPENRLHF, "colocate": "all", "rollout_batch_size": 1000, "version": "0.8.11"}, {"version": "0.6.1"},
      "rollout_batch_size 1000 is not divisible by the actor's 16 GPUs"),
     ("legacy-zero3-needs-vllm", "openrlhf-ppo",
-     {**OPENRLHF, "actor_gpus": 8, "critic_gpus": 8, "vllm_engines": 0, "version": "0.6.1", "zero_stage": 2},
+     {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "vllm_engines": 0, "version": "0.6.1", "zero_stage": 2},
      {"zero_stage": 3}, "ZeRO-3 needs vLLM"),
     ("legacy-actor-engines-divide", "openrlhf-ppo",
      {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "vllm_engines": 4, "version": "0.6.1"}, {"vllm_engines": 3},
@@ -254,6 +254,36 @@ def test_openrlhf_args_are_consistent():
         build("openrlhf-ppo", {**OPENRLHF, "estimator": "dr_grpo", "version": "0.6.1"})
 
 
+@pytest.mark.parametrize("version,value_network,universal", [
+    ("0.11.2", "--critic.save_value_network", "--ds.use_universal_ckpt"),
+    ("0.10.1", "--save_value_network", "--use_ds_universal_ckpt"),
+    ("0.6.3", "--save_value_network", "--universal_ckpt"),  # renamed --use_ds_universal_ckpt in 0.6.4
+])
+def test_openrlhf_checkpoint_options_in_each_dialect(version, value_network, universal):
+    args = {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "version": version}
+    argv = build("openrlhf-ppo", args).entrypoint
+    assert value_network not in argv and universal not in argv
+    argv = build("openrlhf-ppo", {**args, "save_value_network": True, "use_ds_universal_ckpt": True}).entrypoint
+    assert flag(argv, value_network) is True and flag(argv, universal) is True
+
+
+def test_openrlhf_checkpoint_options_the_task_cannot_use_are_refused_with_why():
+    with pytest.raises(ValueError, match=r"use_ds_universal_ckpt: OpenRLHF's universal checkpoint loading came in "
+                                         r"0.6.3 \(--universal_ckpt\); version is 0.6.1"):
+        build("openrlhf-ppo", {**OPENRLHF, "colocate": "all", "version": "0.6.1", "use_ds_universal_ckpt": True})
+    with pytest.raises(BadInput, match=r"job.args.save_value_network, job.args.estimator: .*saves the critic, and "
+                                       r"estimator group_norm trains none"):
+        build("openrlhf-ppo", {**OPENRLHF, "colocate": "all", "estimator": "group_norm", "n_samples_per_prompt": 4,
+                               "save_value_network": True})
+    with pytest.raises(BadInput, match=r"extra_args set \['--critic.save_value_network'\]"):
+        build("openrlhf-ppo", {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4, "save_value_network": True,
+                               "extra_args": ["--critic.save_value_network"]})
+    # given as a flag the way a task could before (extra_args), it still is
+    argv = build("openrlhf-ppo", {**OPENRLHF, "actor_gpus": 4, "critic_gpus": 4,
+                                  "extra_args": ["--critic.save_value_network"]}).entrypoint
+    assert argv.count("--critic.save_value_network") == 1
+
+
 @pytest.mark.parametrize("version,key,load,ckpt", [("0.11.2", "--logger.wandb.key", "--ckpt.load_enable", "--ckpt.path"),
                                                    ("0.8.11", "--use_wandb", "--load_checkpoint", "--ckpt_path")])
 def test_openrlhf_wandb_and_resume(version, key, load, ckpt):
@@ -325,6 +355,32 @@ def test_search_r1_retriever_on_every_node_checked_by_a_query():
     assert values["trainer.default_local_dir"] == "/ckpt" and values["trainer.nnodes"] == "2"
     assert out.env["VLLM_ATTENTION_BACKEND"] == "XFORMERS"
     assert all(step.startswith("test -f /ckpt/") for step in out.prepare)  # idempotent on a restart
+
+
+@pytest.mark.parametrize("name,limit", [("search-r1-ppo-qwen2.5-7b", 65535), ("openrlhf-m-grpo-qwen2.5-vl-3b", 65536),
+                                        ("verl-ppo-gsm8k", None), ("openrlhf-ppo-llama3-8b", None)])
+def test_a_recipe_declares_the_open_files_limit_its_framework_needs(name, limit, capsys):
+    """Search-R1's multi-node guide runs `ulimit -n 65535`, OpenRLHF-M's RunPod guides `ulimit -n 65536`; verl's
+    PPO and OpenRLHF's guides set none. The plan carries it to every node's agent, and `check` says it."""
+    task = load_task(TASKS[name])
+    assert providers.get("dstack").plan(task).open_files == limit
+    assert main(["check", str(TASKS[name]), "--provider", "dstack"]) == 0
+    out = capsys.readouterr().out
+    if limit:
+        assert (f"  open_files {limit} (the {task.job.recipe} recipe's): every node's agent raises its soft limit "
+                "to it before Ray starts, and stops where the node's hard limit is lower") in out
+    else:
+        assert "open_files" not in out
+
+
+def test_job_open_files_overrides_the_recipes():
+    data = load_task(TASKS["search-r1-ppo-qwen2.5-7b"]).model_dump(mode="json", exclude_unset=True, by_alias=True)
+    data["job"]["open_files"] = 32768
+    assert providers.get("dstack").plan(parse_task(data)).open_files == 32768
+    data["job"].update(recipe="command", args={"entrypoint": "true"}, open_files=100000)
+    assert providers.get("dstack").plan(parse_task(data)).open_files == 100000  # any recipe's job can ask
+    with pytest.raises(BadInput, match="job.open_files"):
+        parse_task({**data, "job": {**data["job"], "open_files": 0}})
 
 
 # --- the catalogue -------------------------------------------------------------------------

@@ -222,11 +222,21 @@ def test_gpu_names_and_the_catalogue_task():
 def test_global_networking_preset_and_the_task_overrides_it():
     _, plan, _ = rendered(command_task(env={"NCCL_SOCKET_NTHREADS": "4"}))
     assert plan.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}",
-                                "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_FAMILY": "IPv4", "NCCL_LAUNCH_MODE": "GROUP",
-                                "NCCL_SOCKET_NTHREADS": "1", "NCCL_NSOCKS_PERTHREAD": "1"}
+                                "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_FAMILY": "AF_INET", "NCCL_LAUNCH_MODE": "GROUP",
+                                "NCCL_SOCKET_NTHREADS": "1", "NCCL_NSOCKS_PERTHREAD": "1",
+                                "FORCE_MODEL_INIT_TO_CUDA": "1"}
     assert plan.env["NCCL_SOCKET_NTHREADS"] == "4"  # the agent applies the task's env after the preset
     _, cluster, _ = rendered(command_task(network="runpod-cluster"))
     assert cluster.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"}
+
+
+def test_the_socket_family_is_one_nccl_reads():
+    """The guide's `NCCL_NET_SOCKET_FAMILY=IPv4` is no variable of NCCL's: NCCL reads NCCL_SOCKET_FAMILY and
+    takes only AF_INET or AF_INET6 (src/misc/socket.cc, ncclEnvSocketFamily, v2.10 to v2.30: any other value,
+    `IPv4` too, leaves the family free), so the preset forces IPv4 as NCCL spells it."""
+    _, plan, _ = rendered(command_task())
+    assert "NCCL_NET_SOCKET_FAMILY" not in plan.network_env
+    assert plan.network_env["NCCL_SOCKET_FAMILY"] in ("AF_INET", "AF_INET6")
 
 
 def test_the_agent_reads_the_guides_variables_and_the_instant_cluster_ones():
@@ -934,7 +944,8 @@ def test_the_hand_made_start_script_with_only_the_guides_variables(testbed3, tmp
         assert result["exit_code"] == 0 and (result["job"] or {})["status"] == "SUCCEEDED", head[-5000:]
         assert "CONTRACT alive nodes 3" in head and "--ray-debugger-external" in head
         assert "shipped in the start script" in head  # job.working_dir reached the job's working directory
-        assert "network preset runpod-global: GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_LAUNCH_MODE=GROUP" in head
+        assert ("network preset runpod-global: FORCE_MODEL_INIT_TO_CUDA=1 GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 "
+                "NCCL_LAUNCH_MODE=GROUP") in head and " NCCL_SOCKET_FAMILY=AF_INET " in head
         assert f"runpod node 0 of 3, address {tb.hosts[0].ip}, head {tb.hosts[0].ip}" in head
         for host in (1, 2):
             output = procs[host].output

@@ -28,7 +28,8 @@ failure's logs of every node gathered into one .tar.gz, which the head and the l
 make; the only part code outside this package imports), forensics (a node keeping its
 evidence where Ray's log API reads it, the head's gathering when the run fails), contract
 (the provider's contract, addresses), processes (children and process groups), raynode
-(Ray's start command and environment, the Node), beacon (the head's ready beacon), head (the
+(Ray's start command and environment, the Node), limits (the open-files limit the job needs,
+raised before anything starts), beacon (the head's ready beacon), head (the
 head's bring-up), jobrunner (submitting, following and restarting the job), worker (workers
 and every_node mode), probe and preflight (preflight's driver: in the job's gate, or a Ray
 job of its own), attached (the roles where someone else starts Ray, as KubeRay does: prepare

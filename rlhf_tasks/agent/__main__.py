@@ -39,6 +39,7 @@ from .ending import end_machine
 from .forensics import tee_stdout
 from .head import HeadFlow
 from .jobrunner import gate_main
+from .limits import raise_open_files
 from .protocol import PLAN_VERSION, PREFLIGHT_COMMAND, AgentError, log, result_line
 from .raynode import Node, node_env
 from .worker import EveryNodeFlow, WorkerFlow
@@ -121,6 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.makedirs(directory, exist_ok=True)
         tee_stdout(log_dir, info.rank)  # the agent's log, for a failure's bundle
         node = Node(plan, info, env, state_dir, log_dir)
+        raise_open_files(plan.get("open_files"))  # before anything starts: all of it inherits the limit
         if plan["setup"] and not args.skip_setup:
             node.run_commands("setup", plan["setup"])
         if attached and plan["job"].get("mode") == "every_node":

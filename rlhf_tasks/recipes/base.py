@@ -58,6 +58,9 @@ class RecipeOutput:
     #: Whether the job's processes use torch: preflight then imports it on every node and
     #: runs a Gloo (and NCCL) all_reduce; otherwise it checks the network with TCP only.
     uses_torch: bool = True
+    #: The open-files soft limit (RLIMIT_NOFILE) the framework's guide sets (`ulimit -n`): every node's
+    #: agent raises its own to it before it starts Ray or the job (agent/limits.py). None: the node's stands.
+    open_files: int | None = None
 
 
 class JobBase(StrictModel):
@@ -78,6 +81,9 @@ class JobBase(StrictModel):
                                            "long (e.g. 20m); off by default")
     wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of this job (over "
                                        "placement.wandb); logging is on when WANDB_API_KEY is a secret")
+    open_files: int | None = Field(None, ge=1, description="the open-files soft limit (`ulimit -n`) every node's agent "
+                                   "raises before Ray and the job start; default: the recipe's (search-r1 65535, "
+                                   "openrlhf-m-grpo 65536, the others none)")
 
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -21,6 +21,9 @@ from .metrics import OpenRLHFReader
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
 
 DOTTED_SINCE = (0, 10, 2)  # train_ppo_ray.py of 0.10.1 still has --actor_num_nodes, 0.10.2 --actor.num_nodes
+#: train_ppo_ray.py's DeepSpeed universal checkpoint flag (DeepSpeed's checkpoint.load_universal): none in 0.6.2,
+#: --universal_ckpt in 0.6.3, renamed --use_ds_universal_ckpt in 0.6.4 (OpenRLHF commit 8ff7397), dotted in 0.10.2.
+UNIVERSAL_SINCE, UNIVERSAL_RENAMED = (0, 6, 3), (0, 6, 4)
 
 #: dotted flag (>= 0.10.2) -> flat flag (<= 0.10.1 and OpenRLHF-M), for every flag a recipe sets.
 FLAT = {
@@ -78,6 +81,8 @@ FLAT = {
     "--ckpt.save_steps": "--save_steps",
     "--ckpt.load_enable": "--load_checkpoint",
     "--ckpt.save_hf": "--save_hf_ckpt",
+    "--critic.save_value_network": "--save_value_network",
+    "--ds.use_universal_ckpt": "--use_ds_universal_ckpt",  # --universal_ckpt in 0.6.3 (_Argv.name)
     "--logger.wandb.key": "--use_wandb",
     "--logger.wandb.project": "--wandb_project",
     "--logger.wandb.org": "--wandb_org",
@@ -160,6 +165,13 @@ class OpenRLHFArgs(StrictModel):
     save_steps: int = Field(20, description="checkpoint every this many steps (-1: only at the end; "
                             "a resumed run restarts from the last checkpoint)")
     save_hf: bool = Field(False, description="also save Hugging Face weights with each checkpoint")
+    save_value_network: bool = Field(False, description="also save the trained critic (gae only), as Hugging Face "
+                                     "weights beside the final model (<checkpoints>/final_critic): "
+                                     "--critic.save_value_network, --save_value_network before 0.10.2")
+    use_ds_universal_ckpt: bool = Field(False, description="load DeepSpeed universal checkpoints (DeepSpeed's "
+                                        "checkpoint.load_universal: a checkpoint converted with ds_to_universal, "
+                                        "e.g. to resume on another number of GPUs): --ds.use_universal_ckpt, "
+                                        "--use_ds_universal_ckpt before 0.10.2; OpenRLHF 0.6.3 and later")
     wandb_project: str | None = Field(None, description="W&B project (logging is on when WANDB_API_KEY is given)")
     extra_args: list[str] = Field([], description="more train_ppo_ray flags in the dialect of `version`; flags "
                                   "that carry the cluster's shape or checkpoints are refused")
@@ -177,6 +189,10 @@ class OpenRLHFArgs(StrictModel):
             raise ValueError("set exactly one of reward_pretrain (a reward model) and reward_url (a remote reward)")
         if self.estimator == "dr_grpo" and parse_version(self.version) < (0, 7, 0):
             raise ValueError(f"dr_grpo needs OpenRLHF 0.7.0 or later (version is {self.version})")
+        if self.use_ds_universal_ckpt and parse_version(self.version) < UNIVERSAL_SINCE:
+            raise ValueError(f"use_ds_universal_ckpt: OpenRLHF's universal checkpoint loading came in 0.6.3 "
+                             f"(--universal_ckpt); version is {self.version}, whose train_ppo_ray has no such flag: "
+                             f"pin 0.6.3 or later, or leave use_ds_universal_ckpt out")
         return self
 
 
@@ -185,9 +201,12 @@ class _Argv:
 
     def __init__(self, version: tuple[int, int, int]):
         self.dotted = version >= DOTTED_SINCE
+        self.version = version
         self.argv: list[str] = []
 
     def name(self, flag: str) -> str:
+        if flag == "--ds.use_universal_ckpt" and self.version < UNIVERSAL_RENAMED:
+            return "--universal_ckpt"
         return flag if self.dotted else FLAT[flag]
 
     def set(self, flag: str, value=True) -> None:
@@ -289,6 +308,11 @@ def _check_training(a: OpenRLHFArgs, version: tuple[int, int, int], roles: dict[
         # __main__: "Set args.vllm_enable_sleep to False when args.colocate_all_models is disabled."
         raise infeasible("sleep modes only work when every model shares the GPUs", "set colocate: all, or sleep: false",
                          args=("sleep", "colocate"))
+    if a.save_value_network and "critic" not in roles:
+        # train(): the critic is saved only `if args.critic_pretrain and args.save_value_network` (0.6.1 to 0.11.2).
+        raise infeasible(f"save_value_network saves the critic, and estimator {a.estimator} trains none (only gae "
+                         "has a critic)", "leave save_value_network out, or use estimator: gae",
+                         args=("save_value_network", "estimator"))
     if a.packing_samples and engines == 0:
         raise infeasible("packing_samples needs vLLM engines (\"Only support `--packing_samples` with vLLM.\")",
                          "set vllm_engines above 0, or packing_samples: false",
@@ -429,6 +453,8 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     cmd.set("--ckpt.path", f"{ckpt}/ckpt")
     cmd.set("--ckpt.save_steps", a.save_steps)
     cmd.set("--ckpt.save_hf", a.save_hf)
+    cmd.set("--critic.save_value_network", a.save_value_network)
+    cmd.set("--ds.use_universal_ckpt", a.use_ds_universal_ckpt)
     cmd.set("--ckpt.load_enable", shape.resume)  # loads only when a checkpoint exists
 
     owned = {cmd.name(flag) for flag in OWNED} | {arg for arg in cmd.argv if arg.startswith("--")}

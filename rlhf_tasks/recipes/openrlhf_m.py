@@ -103,6 +103,10 @@ class OpenRLHFMGrpoJob(JobBase):
         probe = {"query": ["<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
                            "<think>1+1=2</think><answer>$2$</answer><|im_end|>"],
                  "prompts": ["What is 1+1?"]}
+        # OpenRLHF-M's RunPod guides (github.com/the-laughing-monkey/OpenRLHF-M): "Set the file descriptor limit
+        # to 65536 to avoid "Too many open files" error", before Ray starts (docs/RunPodding_InstaCluster_setup.md
+        # step 7 and its troubleshooting; examples/scripts/setup/setup.sh).
+        out.open_files = 65536
         out.services = [Service.model_validate({
             "name": "math-verifier",
             "where": "head",

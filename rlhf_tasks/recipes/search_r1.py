@@ -222,4 +222,7 @@ class SearchR1Job(JobBase):
                 [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
             checkpoint_files=["global_step_*"],  # verl's trainer: <default_local_dir>/global_step_N
+            # `ulimit -n 65535` before the job: Search-R1's docs/multinode.md and example/multinode/*.sh
+            # (github.com/PeterGriffinJin/Search-R1 at a14dc3a)
+            open_files=65535,
         )

@@ -73,9 +73,14 @@ CLUSTER_CONTRACT = Contract(
 )
 #: `{iface}` is the interface that holds the node's address, found on the node: the pod's
 #: Global Networking interface, or an Instant Cluster's overlay (ens1 today, eth1 on older ones).
+#: The rest is the OpenRLHF-M guide's list (github.com/the-laughing-monkey/OpenRLHF-M,
+#: docs/RunPodding_Multinode.md at 75e1d42, "Set these on both the head and worker nodes"), with one
+#: change: its `NCCL_NET_SOCKET_FAMILY=IPv4` is no variable of NCCL's, which reads NCCL_SOCKET_FAMILY and
+#: takes only AF_INET or AF_INET6 (src/misc/socket.cc, ncclEnvSocketFamily; `IPv4` leaves the family
+#: free), so it is NCCL_SOCKET_FAMILY=AF_INET here. FORCE_MODEL_INIT_TO_CUDA is the guide's as it stands.
 GLOBAL_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}", "NCCL_IB_DISABLE": "1",
-                 "NCCL_SOCKET_FAMILY": "IPv4", "NCCL_LAUNCH_MODE": "GROUP", "NCCL_SOCKET_NTHREADS": "1",
-                 "NCCL_NSOCKS_PERTHREAD": "1"}
+                 "NCCL_SOCKET_FAMILY": "AF_INET", "NCCL_LAUNCH_MODE": "GROUP", "NCCL_SOCKET_NTHREADS": "1",
+                 "NCCL_NSOCKS_PERTHREAD": "1", "FORCE_MODEL_INIT_TO_CUDA": "1"}
 CLUSTER_PRESET = {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}"}
 
 
