@@ -176,6 +176,9 @@ def _plan_lines(provider, plan, task) -> list[str]:
     lines.append(f"  entrypoint {shlex.join(plan.job.entrypoint)}")
     if plan.checkpoint_dir:
         lines.append(f"  checkpoints {plan.checkpoint_dir} (resume: {task.checkpoints.resume})")
+    hub = provider.hub_words(plan)
+    if hub and not hub[1]:  # a warning is said with the others
+        lines.append(f"  models    {hub[0]}")
     if provider.upload is not None:
         from .workdir import human
 

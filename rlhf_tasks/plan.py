@@ -205,15 +205,73 @@ MODEL_ARGS = ("pretrain", "model")
 _PARAMS = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
 
 
+def name_bytes(name: str) -> int | None:
+    """Bytes of one bf16 copy of a model whose name says its size (`Qwen2.5-7B-Instruct`: 7e9
+    parameters, 14 GB), else None; a heuristic for messages."""
+    sizes = _PARAMS.findall(name.rsplit("/", 1)[-1])
+    return int(float(sizes[-1]) * 1e9 * 2) if sizes else None
+
+
 def model_weights(job_args: Any) -> tuple[str | None, int | None]:
-    """(model name, bytes of one bf16 copy) from the job's model argument, when its name
-    says its size (`Qwen2.5-7B-Instruct`: 7e9 parameters, 14 GB); a heuristic for messages."""
+    """(model name, bytes of one bf16 copy) from the job's model argument (name_bytes)."""
     for key in MODEL_ARGS:
         name = getattr(job_args, key, None)
         if isinstance(name, str) and name:
-            sizes = _PARAMS.findall(name.rsplit("/", 1)[-1])
-            return name, int(float(sizes[-1]) * 1e9 * 2) if sizes else None
+            return name, name_bytes(name)
     return None, None
+
+
+#: The caches below a provider's cache directory (Provider.cache_dir), as each library reads its variable:
+#: huggingface_hub (constants.py: HF_HOME, the models in its hub/), torch (torch/hub.py, _get_torch_home:
+#: TORCH_HOME), vLLM (vllm/envs.py: VLLM_CACHE_ROOT, its compiled graphs). The task's env wins.
+CACHE_ENV = {"HF_HOME": "huggingface", "TORCH_HOME": "torch", "VLLM_CACHE_ROOT": "vllm"}
+#: The secrets huggingface_hub reads a token from (constants.py: HF_TOKEN; the older name after it).
+HUB_TOKENS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+
+
+class HubPlan(StrictModel):
+    """The Hugging Face Hub models the job loads, fetched before the head starts (agent/hub.py)."""
+
+    models: list[str]
+    #: Every node sees one cache: rank 0 fetches, once; else each node fetches into its own.
+    shared: bool = False
+    #: HF_HOME (or HF_HUB_CACHE) the nodes get; None: each node's default (~/.cache/huggingface).
+    cache: str | None = None
+    #: The secret holding the hub's token, by name (the fetch reads it from the node's environment).
+    token_env: str | None = None
+    #: The plan sets HF_HUB_OFFLINE=1 for Ray, its job and the services (not setup, prepare, the fetch).
+    offline: bool = True
+    #: What the job reads from the hub by name at run time, which keeps it online.
+    online_for: list[str] = []
+
+
+def hub_plan(task: Task, models: list[str], reads: list[str]) -> HubPlan | None:
+    """The hub part of the plan (None: the task names no model, and nothing is fetched)."""
+    if not models:
+        return None
+    return HubPlan(models=models, token_env=next((n for n in HUB_TOKENS if n in task.secrets), None),
+                   offline=not reads and OFFLINE_ENV not in task.env, online_for=reads)
+
+
+def inside(path: str, directory: str | None) -> bool:
+    return bool(directory) and (path.rstrip("/") + "/").startswith(directory.rstrip("/") + "/")
+
+
+def with_caches(plan: "Plan", cache_dir: str | None, shares_filesystem: bool) -> "Plan":
+    """The plan with the provider's cache directory in its env (CACHE_ENV below it, where the task's env sets
+    none), and whether the nodes fetch the models once into one cache every node sees: on one filesystem, or
+    a cache on the checkpoint storage every node mounts."""
+    env = dict(plan.env)
+    if cache_dir:
+        for name, below in CACHE_ENV.items():
+            env.setdefault(name, f"{cache_dir.rstrip('/')}/{below}")
+    hub = plan.hub
+    if hub is not None:
+        home = env.get("HF_HUB_CACHE") or env.get("HF_HOME")
+        shared = shares_filesystem or bool(plan.checkpoint_shared and home and inside(home, plan.checkpoint_dir))
+        hub = hub.model_copy(update={"shared": shared, "cache": home})
+    return plan.replace(env=env, hub=hub)
 
 
 class JobPlan(StrictModel):
@@ -311,6 +369,8 @@ class Plan(StrictModel):
     #: The open-files soft limit every node's agent raises before it starts anything (job.open_files, else the
     #: recipe's); None: the node's stands.
     open_files: int | None = None
+    #: The Hugging Face Hub models the job loads, fetched before the head starts; None: the task names none.
+    hub: HubPlan | None = None
     #: Paths `prepare` makes on the head that every node reads (the recipe's): the provider's to check
     #: (Provider.check_node_inputs); the nodes need not know them.
     node_inputs: list[str] = Field([], exclude=True)
@@ -400,6 +460,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     ).model_copy(update=ray_overrides or {})
     job = task.job
     model, weight_bytes = model_weights(getattr(job, "args", None))
+    hub = hub_plan(task, list(dict.fromkeys(out.models + list(task.models))), out.hub_reads)
     working_dir = None
     if out.mode == "ray" and job.working_dir:
         working_dir = workdir.resolve(job.working_dir, task.base_dir)
@@ -413,7 +474,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         network=task.network,
         network_env=presets[task.network],
         env={**accelerator_env(task.resources.gpu_name, task.resources.gpus_per_node), **out.env,
-             **(wandb.env() if wandb else {}), **task.env},
+             **(wandb.env() if wandb else {}), **({OFFLINE_ENV: "1"} if hub and hub.offline else {}), **task.env},
         secrets=list(task.secrets),
         token_env=TOKEN_ENV if task.ray.auth == "token" and out.mode == "ray" else None,
         setup=list(task.setup) + out.setup,
@@ -450,6 +511,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         modules=out.modules,
         open_files=job.open_files if job.open_files is not None else out.open_files,
         node_inputs=out.node_inputs,
+        hub=hub,
         budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
                           max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,
                           idle_s=task.placement.idle, training=task.name),

@@ -29,6 +29,9 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*$")
 _GPU_FORMS = ("use NAME:COUNT such as H100:8, MEMORY:COUNT such as 80GB:8, NAME:MEMORY:COUNT such as A100:80GB:8, "
               "a memory range such as 24GB..:1 or 24GB..48GB:1, or a count >= 1")
+#: A Hugging Face Hub repository id (huggingface_hub/utils/_validators.py, validate_repo_id: at most one '/',
+#: 96 characters, no '--' or '..').
+_HUB_NAME = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
 #: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode
 #: that goes with ray.auth): never the task's. The provider's contract variables are refused by
@@ -520,6 +523,10 @@ class Task(StrictModel):
     secrets: list[str] = Field([], description="names of environment variables taken from the launcher's environment")
     setup: list[str] = []
     prepare: list[str] = []
+    models: list[str] = Field([], description=(
+        "Hugging Face Hub models (org/name) the job loads besides those its recipe names (policy, reward, "
+        "reference, a retriever's encoder): all fetched once before the head starts, into the cache on the "
+        "task's shared storage (HF_HOME), then the job runs with HF_HUB_OFFLINE=1"))
     services: list[Service] = []
     network: str = Field("auto", pattern=NAME_PATTERN,
                          description="network preset: auto, ethernet, infiniband, or one the provider offers")
@@ -579,6 +586,18 @@ class Task(StrictModel):
                 raise ValueError(f"{key}: the launcher passes it to every node itself; remove it")
         if len(set(value)) != len(value):
             raise ValueError("secrets are listed twice")
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _hub_names(cls, value):
+        for index, name in enumerate(value):
+            if not _HUB_NAME.match(name) or "--" in name or ".." in name:
+                raise PydanticCustomError("task_entry", f"{name!r} is not a Hugging Face Hub model's name (org/name "
+                                          f"or name: letters, digits, '-', '_', '.'; no '--' or '..'); a model on "
+                                          f"disk needs no fetching: leave it out", {"field": f"models[{index}]"})
+        if len(set(value)) != len(value):
+            raise ValueError("a model is listed twice")
         return value
 
     @field_validator("services")

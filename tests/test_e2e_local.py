@@ -51,10 +51,39 @@ def sleeping_task(path: Path, name: str) -> None:
 
 
 def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_home):
-    task = ROOT / "tasks" / "tiny-grpo.yaml"
-    first = launch([str(task)], tmp_path, cli_env)
+    """Also (issue 47): a model the task lists is fetched once for the three nodes, from a played hub
+    (tests/hub/) by huggingface_hub's own download, each file asked for once, the token by its secret's
+    name and never written down; the relaunch asks the hub nothing."""
+    from hub.played_hub import PlayedHub, tiny_model
+
+    shipped = ROOT / "tasks" / "tiny-grpo.yaml"
+    task = tmp_path / "tiny-grpo.yaml"
+    data = yaml.safe_load(shipped.read_text())
+    data.update(models=["rlhf-tests/tiny-model"], secrets=["HF_TOKEN"])
+    task.write_text(yaml.safe_dump(data))
+    token = "hf_" + "Q7wT2" * 7  # no real one: the played hub accepts this one only
+    files = tiny_model()
+    with PlayedHub({"rlhf-tests/tiny-model": files}, tmp_path / "hub.log", token=token) as hub:
+        cli_env = dict(cli_env, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=token, RLHF_TASKS_FETCH_EVERY="0")
+        first = launch([str(task)], tmp_path, dict(cli_env, HF_ENDPOINT=hub.url))
+        asked = hub.total()
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-6000:]
+    # one download for three nodes: the hub's API once, each file's metadata and content once
+    assert hub.count("GET", "rlhf-tests/tiny-model", "api") == 1, hub.requests
+    for name in files:
+        assert hub.count("HEAD", "rlhf-tests/tiny-model", name) == 1, hub.requests
+        got = name + " (cdn)" if name.endswith(".safetensors") else name
+        assert hub.count("GET", "rlhf-tests/tiny-model", got) == 1, hub.requests
+    assert asked == 1 + 2 * len(files), hub.requests
+    assert "token=yes" in (tmp_path / "hub.log").read_text()  # it reached the hub, by its secret's name
+    assert "models: fetching rlhf-tests/tiny-model from" in out and "fetching rlhf-tests/tiny-model: " in out
+    assert "models: fetched rlhf-tests/tiny-model: 3 files" in out
+    assert "the head fetches rlhf-tests/tiny-model" in out  # the other two nodes fetch nothing
+    for text in [out, (tmp_path / "hub.log").read_text(),
+                 *(p.read_text(errors="replace") for p in (rlhf_home / "runs" / "tiny-grpo").rglob("*") if p.is_file()
+                   and p.suffix in (".log", ".json", ".sh", ".txt", ".yaml", ""))]:
+        assert token not in text
     assert "== summary ==" in out and "SUCCEEDED" in out
     assert f"its files go to {rlhf_home / 'runs' / 'tiny-grpo'}" in out  # printed, and not under the cwd
     # the cluster ends with its run: its agents end themselves after the job (issue 30), and the launcher
@@ -82,9 +111,11 @@ def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_hom
     (tmp_path / "tiny-grpo-more.yaml").write_text(yaml.safe_dump(more))
     elsewhere = tmp_path / "elsewhere"  # the run's files do not depend on the current directory
     elsewhere.mkdir()
-    second = launch([str(tmp_path / "tiny-grpo-more.yaml")], elsewhere, cli_env)
+    with PlayedHub({"rlhf-tests/tiny-model": files}, tmp_path / "hub.log", token=token) as hub:
+        second = launch([str(tmp_path / "tiny-grpo-more.yaml")], elsewhere, dict(cli_env, HF_ENDPOINT=hub.url))
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-6000:]
+    assert hub.total() == 0 and "models: rlhf-tests/tiny-model already fetched in" in out  # the hub is not asked
     rows = metrics(ckpt / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 6))  # continued, not restarted
     assert rows[-1]["mean_reward"] >= 0.7

@@ -134,7 +134,12 @@ def test_the_dstack_and_skypilot_pages_example_tasks_check_and_render_as_they_sa
         task = tmp_path / f"{provider}.yaml"
         task.write_text(example(page))
         assert main(["check", str(task), "--provider", provider]) == 0, page
-        assert "warning" not in capsys.readouterr().err, page
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        if provider == "sky":  # a bucket holds no cache (docs/skypilot.md): each node fetches the model, as said
+            assert len(warnings) == 1 and warnings[0].startswith("warning: models: Qwen/Qwen2.5-7B-Instruct: each of "
+                                                                 "the 2 nodes fetches them"), warnings
+            warnings = []
+        assert not warnings, page
         assert main(["render", str(task), "--provider", provider, "-o", str(tmp_path / provider / out)]) == 0
         rendered = yaml.safe_load((tmp_path / provider / out).read_text())
         if provider == "dstack":

@@ -38,6 +38,7 @@ from .contract import locate, read_contract
 from .ending import end_machine
 from .forensics import tee_stdout
 from .head import HeadFlow
+from .hub import online
 from .jobrunner import gate_main
 from .limits import raise_open_files
 from .protocol import PLAN_VERSION, PREFLIGHT_COMMAND, AgentError, log, result_line
@@ -124,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         node = Node(plan, info, env, state_dir, log_dir)
         raise_open_files(plan.get("open_files"))  # before anything starts: all of it inherits the limit
         if plan["setup"] and not args.skip_setup:
-            node.run_commands("setup", plan["setup"])
+            node.run_commands("setup", plan["setup"], online(env, plan))
         if attached and plan["job"].get("mode") == "every_node":
             raise AgentError("choosing the node's flow", "job mode every_node runs no Ray, and here Ray is started "
                              "by someone else", code=2)

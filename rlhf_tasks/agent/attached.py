@@ -22,6 +22,7 @@ from typing import Dict
 
 from .forensics import Keeper
 from .head import HeadFlow
+from .hub import fetch_models, online
 from .protocol import http_check, log, probe_tcp, wait_for
 from .raynode import Node
 
@@ -76,8 +77,9 @@ class BeforeRayFlow(object):
 
     def run(self) -> int:
         node = self.node
+        fetch_models(node)  # before Ray starts: the head's, or each node's where no cache is shared
         if node.info.rank == 0 and node.plan["prepare"]:
-            node.run_commands("prepare", node.plan["prepare"])
+            node.run_commands("prepare", node.plan["prepare"], online(node.env, node.plan))
         if node.info.rank != 0:  # the head's services are the job runner's (--ray-started)
             node.detach_services = True
             node.start_services(("every_node",))

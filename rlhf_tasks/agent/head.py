@@ -16,10 +16,11 @@ from .beacon import ReadyBeacon, reachable
 from .budget import SPEND_FILE, Watch
 from .early import head_checks, node_probe
 from .forensics import keeper, on_failure
+from .hub import fetch_models, online
 from .jobrunner import JobRunner
-from .protocol import (TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check, follow_preflight,
-                       http_check, log, preflight_argv, preflight_report, preflight_submission_id, probe_tcp,
-                       result_line, wait_for)
+from .protocol import (CACHE_DIR, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check,
+                       follow_preflight, http_check, log, preflight_argv, preflight_report, preflight_submission_id,
+                       probe_tcp, result_line, wait_for)
 from .raynode import Node, package_root
 
 #: How long a head that ends on its own waits for the workers to leave (they look at its
@@ -41,17 +42,22 @@ def move_aside(directory, stamp):
         log("fresh start: this launch moved the old checkpoints aside already (%s): %s is the fresh run's"
             % (beside if os.path.lexists(beside) else inside, directory))
         return None
-    try:  # the training's spend record is no checkpoint: the fresh training's own may be there already
-        entries = [entry for entry in os.listdir(directory) if entry != SPEND_FILE]
+    try:  # the training's spend record is no checkpoint (the fresh training's own may be there already), nor
+        # are the fetched models and compiled kernels (.cache: Provider.cache_dir)
+        entries = [entry for entry in os.listdir(directory) if entry not in (SPEND_FILE, CACHE_DIR)]
     except OSError:
         entries = []
     if not entries:
         log("fresh start: no old checkpoints in %s" % directory)
         return None
-    try:
-        os.rename(directory, beside)
-        moved = beside
-    except OSError:  # a mount point (EBUSY, EXDEV): its contents go aside inside it
+    moved = None
+    if not os.path.lexists(os.path.join(directory, CACHE_DIR)):  # the caches stay where the nodes read them
+        try:
+            os.rename(directory, beside)
+            moved = beside
+        except OSError:  # a mount point (EBUSY, EXDEV): its contents go aside inside it
+            pass
+    if moved is None:
         os.mkdir(inside)
         for entry in entries:
             os.rename(os.path.join(directory, entry), os.path.join(inside, entry))
@@ -81,6 +87,7 @@ class HeadFlow(object):
 
     def run(self) -> int:
         node, plan = self.node, self.plan
+        fetch_models(node)  # before anything of Ray: a model the hub does not know ends the head here
         node.prestart_ray()
         self.probe = node_probe(node)
         if self.probe is not None:
@@ -88,7 +95,7 @@ class HeadFlow(object):
         if plan.get("fresh") and plan.get("checkpoint_dir"):
             move_aside(plan["checkpoint_dir"], plan["fresh"])
         if plan["prepare"]:
-            node.run_commands("prepare", plan["prepare"])
+            node.run_commands("prepare", plan["prepare"], online(node.env, plan))
         started = time.monotonic()
         with node.step("ray head"):
             node.start_ray(head=True)

@@ -215,12 +215,13 @@ class Node(object):
     def _pgid_file(self, what: str) -> str:
         return os.path.join(self.state_dir, "%s-node%d-%s.pgid" % (self.plan["name"], self.info.rank, what))
 
-    def run_commands(self, step: str, commands: List[str]) -> None:
+    def run_commands(self, step: str, commands: List[str], env: Optional[Dict[str, str]] = None) -> None:
+        """`env`: another environment than the node's (hub.online: setup and prepare reach the hub)."""
         with self.step(step):
             for index, command in enumerate(commands):
                 log("%s %d/%d: %s" % (step, index + 1, len(commands), command))
                 started = time.monotonic()
-                code = subprocess.call(fill(command, self.info), shell=True, env=self.env,
+                code = subprocess.call(fill(command, self.info), shell=True, env=self.env if env is None else env,
                                        executable="/bin/bash" if os.path.exists("/bin/bash") else None)
                 if code != 0:
                     raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)

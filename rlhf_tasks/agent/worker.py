@@ -17,6 +17,7 @@ from .beacon import RUN_OVER, ReadyBeacon, probe_ready, reachable, say_hello
 from .contract import NodeInfo
 from .early import node_probe
 from .forensics import keeper
+from .hub import fetch_models, online
 from .processes import Child
 from .protocol import JOB_STARTS, AgentError, log, submission_id, wait_for
 from .raynode import Node
@@ -33,6 +34,7 @@ class WorkerFlow(object):
 
     def run(self) -> int:
         node = self.node
+        fetch_models(node)  # without a cache every node sees, each node fetches its own
         node.prestart_ray()
         self.probe = node_probe(node)  # preflight's checks of this node, as soon as the head hears of it
         with node.step("head"):
@@ -102,9 +104,10 @@ class EveryNodeFlow(object):
 
     def run(self) -> int:
         node, plan, info = self.node, self.plan, self.info
+        fetch_models(node)
         if info.rank == 0:
             if plan["prepare"]:
-                node.run_commands("prepare", plan["prepare"])
+                node.run_commands("prepare", plan["prepare"], online(node.env, plan))
             node.start_services(("head", "every_node"))
             self.beacon = ReadyBeacon(info.node_addr, plan["ray"]["ready_port"])
         else:

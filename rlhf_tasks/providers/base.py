@@ -17,10 +17,15 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from .. import state, workdir
+from ..agent.protocol import CACHE_DIR
 from ..errors import BadInput, StepFailed
 from ..models import size_bytes, size_text
-from ..plan import Contract, Plan, build_plan
+from ..plan import Contract, Plan, build_plan, name_bytes, with_caches
 from ..spec import Task
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.0f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
 
 
 @dataclass
@@ -237,6 +242,40 @@ class Provider:
         """Where checkpoints go when the task names no path."""
         return f"/checkpoints/{task.name}"
 
+    def cache_dir(self, plan: Plan) -> str | None:
+        """Where the caches go (plan.CACHE_ENV below it: HF_HOME, TORCH_HOME, VLLM_CACHE_ROOT): on the storage
+        every node and a later run see, `.cache` in the checkpoint directory (kept by `launch --fresh`); None:
+        each node's own default (~/.cache)."""
+        if plan.checkpoint_dir and (plan.checkpoint_shared or self.shares_filesystem):
+            return f"{plan.checkpoint_dir.rstrip('/')}/{CACHE_DIR}"
+        return None
+
+    def hub_words(self, plan: Plan) -> tuple[str, bool] | None:
+        """What `check` says of the models the nodes fetch from the hub, and whether it is a warning: fetched
+        once where one cache is shared; else what fetching them on every node costs (by the sizes in their
+        names), a warning. None: the task names no model."""
+        hub = plan.hub
+        if hub is None:
+            return None
+        names = ", ".join(hub.models)
+        where = hub.cache or "the default cache of this machine (~/.cache/huggingface)" if hub.shared else \
+            hub.cache or "the node's default cache (~/.cache/huggingface)"
+        offline = ("then Ray, the job and the services run with HF_HUB_OFFLINE=1" if hub.offline else
+                   f"the job keeps the hub online: it reads {', '.join(hub.online_for)} from the hub at run time"
+                   if hub.online_for else "HF_HUB_OFFLINE stays as the task's env sets it")
+        if hub.shared or plan.nodes == 1:
+            return f"{names}: fetched once, on the head before Ray starts, into {where}; {offline}", False
+        sizes = {model: name_bytes(model) for model in hub.models}
+        known = sum(size for size in sizes.values() if size)
+        unknown = [model for model, size in sizes.items() if not size]
+        cost = (f"about {_gb(known)} per node by the sizes in their names, {_gb(known * plan.nodes)} "
+                f"from the hub in all" if known else "their size is not known from their names")
+        if known and unknown:
+            cost += f" (and {', '.join(unknown)}, whose size is not known from its name)"
+        return (f"{names}: each of the {plan.nodes} nodes fetches them into its own cache ({where}) before Ray "
+                f"starts, {plan.nodes} times: {cost}; to fetch them once, give "
+                f"{self.shared_option or 'shared checkpoint storage'}; {offline}"), True
+
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
@@ -251,7 +290,9 @@ class Provider:
         """What `check` and `render` say the plan leaves to the user on this provider (warnings,
         not refusals): the shared-storage warning, and the provider's own."""
         warning = self.shared_storage_warning(plan)
-        return ([warning] if warning else []) + self.ignored_words(plan)
+        hub = self.hub_words(plan)
+        return ([warning] if warning else []) + ([f"models: {hub[0]}"] if hub and hub[1] else []) + \
+            self.ignored_words(plan)
 
     def ignored_words(self, plan: Plan) -> list[str]:
         """`placement.F: ignored on NAME: why` for each field of `ignores` the task sets."""
@@ -269,6 +310,7 @@ class Provider:
         try:
             self.check(task)
             plan = self.retry_rules(self.build(task))
+            plan = with_caches(plan, self.cache_dir(plan), self.shares_filesystem)
             self.check_node_inputs(plan)
             return self.measure_upload(plan)
         except BadInput as exc:

@@ -119,6 +119,11 @@ class LocalProvider(Provider):
     def default_checkpoint_dir(self, task: Task) -> str:
         return str(self.run_dir(task.name) / "checkpoints")
 
+    def cache_dir(self, plan: Plan) -> str | None:
+        """This machine's own caches (~/.cache, or the HF_HOME it sets): every node is a process here, and what
+        was fetched here before is there already."""
+        return None
+
     def check(self, task: Task) -> None:
         if task.resources.gpus_per_node:
             raise BadInput("resources.gpus: the local provider runs CPU-only nodes on this machine; "

@@ -306,6 +306,14 @@ class SkyProvider(Provider):
             plan = plan.replace(ray=plan.ray.model_copy(update={"client_server_port": CLIENT_SERVER_PORT}))
         return plan
 
+    def cache_dir(self, plan: Plan) -> str | None:
+        """On a SkyPilot volume, as elsewhere; not on a bucket: MOUNT_CACHED is rclone's `--vfs-cache-mode full`
+        (sky/data/mounting_utils.py, get_mount_cached_cmd), which uploads from each node's own cache in the
+        background, so a model the head fetched is not yet there for the others, and MOUNT (goofys) makes no
+        symlinks, which the hub's cache is made of: each node keeps its own cache."""
+        shared = shared_entry(SkyShared, plan.checkpoint_shared, self.name)
+        return None if shared and shared.bucket else super().cache_dir(plan)
+
     def retries(self, plan: Plan) -> Retries | None:
         """A managed job (`--managed`) is recovered by SkyPilot's jobs controller (sky/jobs/controller.py,
         _run_one_task): a cluster found not UP (preempted, failed) is relaunched with no count, whatever

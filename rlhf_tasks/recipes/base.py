@@ -3,6 +3,7 @@ a recipe is built against, and what a recipe hands to the cluster plan."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -61,6 +62,23 @@ class RecipeOutput:
     #: The open-files soft limit (RLIMIT_NOFILE) the framework's guide sets (`ulimit -n`): every node's
     #: agent raises its own to it before it starts Ray or the job (agent/limits.py). None: the node's stands.
     open_files: int | None = None
+    #: Hugging Face Hub models the job loads (policy, reward, reference, a retriever's encoder): fetched
+    #: once before the head starts (agent/hub.py), the job then runs with the hub offline.
+    models: list[str] = field(default_factory=list)
+    #: What else the job reads from the hub by name at run time (a dataset): not fetched ahead, so the
+    #: job keeps the hub online.
+    hub_reads: list[str] = field(default_factory=list)
+
+
+#: A Hugging Face Hub repository id as a recipe's argument names one (`Qwen/Qwen2.5-7B`); a path
+#: (`/models/x`, `./x`, `~/x`) or a templated one is the user's own copy, never fetched.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def hub_models(*names: str | None) -> list[str]:
+    """The names among `names` that are Hugging Face Hub repositories (org/name), each once."""
+    found = [n for n in names if n and _HUB_ID.match(n) and "--" not in n and ".." not in n]
+    return list(dict.fromkeys(found))
 
 
 class JobBase(StrictModel):

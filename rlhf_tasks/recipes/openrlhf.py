@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Shape, StrictModel, hub_models, infeasible
 from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
@@ -477,6 +477,8 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
         summary={"roles": roles, "vllm_engines": engines, "flags": "dotted" if cmd.dotted else "flat",
                  "checkpoints": f"{ckpt}/ckpt"},
         checkpoint_files=["ckpt/_actor/global_step*"],  # strategy.save_ckpt(<ckpt_path>/_actor, tag=global_stepN)
+        models=hub_models(a.pretrain, a.reward_pretrain, a.critic_pretrain if "critic" in roles else None),
+        hub_reads=hub_models(a.prompt_data),  # blending_datasets loads a hub dataset by name at run time
     )
 
 

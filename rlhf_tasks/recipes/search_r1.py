@@ -16,12 +16,14 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ..models import require_absolute
-from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible
 from .metrics import VerlReader
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
 RETRIEVER_URL = "http://127.0.0.1:8000/retrieve"
+#: The retriever's encoder (the guide's retrieval_launch.sh): every node's retriever loads it from the hub.
+RETRIEVER_ENCODER = "intfloat/e5-base-v2"
 
 #: Search-R1's verl/trainer/config/ppo_trainer.yaml keys the recipe fills from the task.
 OWNED = {"trainer.nnodes", "trainer.n_gpus_per_node", "trainer.default_local_dir", "trainer.logger",
@@ -142,7 +144,7 @@ class SearchR1Job(JobBase):
             "where": "every_node",
             "command": (f"cd {repo} && {a.retriever_python} search_r1/search/retrieval_server.py "
                         f"--index_path {index}/e5_Flat.index --corpus_path {index}/wiki-18.jsonl --topk {a.topk} "
-                        f"--retriever_name e5 --retriever_model intfloat/e5-base-v2"
+                        f"--retriever_name e5 --retriever_model {RETRIEVER_ENCODER}"
                         + (" --faiss_gpu" if a.faiss_gpu else "")),
             "ready": {"http": RETRIEVER_URL, "method": "POST",
                       "json": {"queries": ["Who wrote Hamlet?"], "topk": a.topk, "return_scores": True}},
@@ -225,4 +227,5 @@ class SearchR1Job(JobBase):
             # `ulimit -n 65535` before the job: Search-R1's docs/multinode.md and example/multinode/*.sh
             # (github.com/PeterGriffinJin/Search-R1 at a14dc3a)
             open_files=65535,
+            models=hub_models(a.model, RETRIEVER_ENCODER),  # the policy (actor, critic, reference); the retriever's
         )

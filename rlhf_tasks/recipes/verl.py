@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ..models import require_absolute
-from .base import JobBase, RecipeOutput, Shape, StrictModel, infeasible
+from .base import JobBase, RecipeOutput, Shape, StrictModel, hub_models, infeasible
 from .metrics import VerlReader
 
 VERL_VERSION = "0.9.1"
@@ -262,4 +262,5 @@ class VerlPPOJob(JobBase):
                 [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
             summary={"checkpoints": ckpt, "train_files": train, "gpus": gpus},
             checkpoint_files=["global_step_*"],  # verl's trainer: <default_local_dir>/global_step_N
+            models=hub_models(a.model, a.critic_model if a.estimator == "gae" else None),  # actor and reference; critic
         )

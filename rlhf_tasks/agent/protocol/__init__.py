@@ -38,6 +38,9 @@ PREFLIGHT_COMMAND = "preflight"
 #: The head agent's log line when the job's command is let run (its gate opens; with job.mode
 #: every_node, when the head runs it): before this line a launch can still cancel the job.
 JOB_STARTS = "starting job %s: its command runs now"
+#: The caches' directory in a checkpoint directory on shared storage (HF_HOME's parent: Provider.cache_dir),
+#: which `launch --fresh` leaves in place.
+CACHE_DIR = ".cache"
 
 
 def started_job(text: str) -> Optional[str]:
