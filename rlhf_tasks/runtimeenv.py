@@ -140,7 +140,8 @@ def check_paths(env: dict, working_dir: str | None, provider: str, submit: str, 
         kind = where(module, working_dir)
         if kind == "working_dir" and not working_dir:
             raise BadInput(f"{field}: {module} is in job.working_dir, which does not reach the job on {provider} "
-                           f"with job.submit: {submit}: give a URI Ray fetches (s3://..., gs://..., https://....zip) "
+                           f"with job.submit: {submit} (`check --provider {provider}` says how a working_dir reaches "
+                           f"the job there): give a URI Ray fetches (s3://..., gs://..., https://....zip) "
                            f"or an absolute path in the image, or set job.submit: client (launch then uploads it "
                            f"from this machine)")
         if kind == "here" and not uploads_here:

@@ -207,6 +207,10 @@ def test_a_py_module_outside_the_working_dir_reaches_the_job_only_where_ray_uplo
     code, said = check(path, capsys, "--provider", "kuberay")
     assert code == 2 and "job.runtime_env.py_modules[0]: lib is in job.working_dir, which does not reach the " \
                          "job on kuberay with job.submit: head" in said, said
+    # RunPod ships only a working_dir the task names (the default "." is none on the pods)
+    code, said = check(path, capsys, "--provider", "runpod")
+    assert code == 2 and "job.runtime_env.py_modules[0]: lib is in job.working_dir, which does not reach the " \
+                         "job on runpod" in said, said
     code, said = check(task_file(tmp_path, {"py_modules": ["nowhere"]}), capsys)
     assert code == 2 and "job.runtime_env.py_modules[0]: nowhere" in said and "does not exist" in said
 
