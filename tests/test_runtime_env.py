@@ -107,7 +107,8 @@ def test_a_command_run_on_every_node_without_ray_refuses_a_runtime_env(tmp_path)
     ({"pip": ["torch"], "uv": ["torch"]}, "job.runtime_env.pip, job.runtime_env.uv",
      "The 'pip' field, 'uv' field, and 'conda' field of runtime_env cannot be specified at the same time"),
     ({"pip": [1]}, "job.runtime_env.pip", "runtime_env['pip'] must be of type str or List[str]"),
-    ({"py_modules": ["s3://bucket/lib"]}, "job.runtime_env.py_modules", "s3://bucket/lib"),
+    ({"py_modules": ["s3://bucket/lib"]}, "job.runtime_env.py_modules",
+     "Only .zip, .whl, .tar.gz, .tgz, .tar.xz files are supported for py_modules URIs; got s3://bucket/lib"),
 ])
 def test_check_refuses_what_rays_parsing_refuses_with_rays_words(tmp_path, capsys, rlhf_home, runtime_env, field,
                                                                   ray_words):
