@@ -72,7 +72,8 @@ def cmd_check(args) -> int:
         _warn_shared_storage(provider, plan)
     _warn_wandb(task)
     _warn_working_dir_moved(task, plan)
-    framework = _asked(task, lambda: task.job.ask_framework(plan.job.entrypoint + plan.job.wandb_args))
+    framework = _asked(task, lambda: task.job.ask_framework(plan.job.entrypoint + plan.job.wandb_args)
+                       + _ask_ray_runtime_env(plan))
     if args.provider:
         asked = framework + _asked(task, lambda: provider.ask_own_code(plan))
         if args.json:
@@ -124,6 +125,13 @@ def cmd_check(args) -> int:
     if cost:
         print(cost)
     return 0
+
+
+def _ask_ray_runtime_env(plan) -> list[str]:
+    """Ray's own parsing of job.runtime_env (runtimeenv.ask_ray; Ray imported only for a task that has one)."""
+    from .runtimeenv import ask_ray
+
+    return ask_ray(plan.job.runtime_env, plan.job.working_dir, plan.job.excludes)
 
 
 def _asked(task, ask) -> list[str]:

@@ -1,7 +1,8 @@
 """The Jobs client of the CLI and the launcher: submit, status, logs, stop, list and follow
 a Ray job through the dashboard's REST API, with the cluster's token. It is the agent's own
-REST client (no Ray needed on this machine); Ray's SDK is imported only to pack and upload
-a working_dir, which is Ray's own code (workdir.py measures it first)."""
+REST client (no Ray needed on this machine); Ray's SDK is imported only to submit a job with a
+working_dir or a runtime_env, whose packing, upload and parsing are Ray's own code (workdir.py
+and runtimeenv.py measure them first)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Callable
 
 from . import workdir
 from .agent.protocol import (PREFLIGHT_PREFIX, TERMINAL_JOB_STATES, DashboardJobs, JobFollower, auth_headers,
-                             http_request, is_submission_of, job_argv, next_submission_id, preflight_parts)
+                             http_request, is_submission_of, job_argv, job_runtime_env, next_submission_id,
+                             preflight_parts)
 from .errors import BadInput, StepFailed
 from .plan import Plan
 
@@ -81,9 +83,12 @@ class Jobs:
         argv, wandb = job_argv(plan.job.model_dump(), head_addr, head_addr, env)
         if wandb:
             print(wandb, flush=True)
-        if plan.job.working_dir:
-            check_working_dir(plan.job.working_dir, plan.job.excludes)
-            self.submit_with_working_dir(submission_id, argv, plan.job.working_dir, plan.job.excludes)
+        runtime_env = job_runtime_env(plan.job.model_dump())
+        if plan.job.working_dir or runtime_env:
+            if plan.job.working_dir:
+                check_working_dir(plan.job.working_dir, plan.job.excludes)
+            self.submit_with_runtime_env(submission_id, argv, {**runtime_env, **(
+                {"working_dir": plan.job.working_dir} if plan.job.working_dir else {})})
         else:
             self._ask(f"submitting job {submission_id}", self.api.submit, submission_id, argv)
         return True
@@ -100,14 +105,21 @@ class Jobs:
     def submit_with_working_dir(self, submission_id: str, argv: list[str], working_dir: str,
                                 excludes: list[str] = ()) -> None:
         """Pack and upload `working_dir` with the job: Ray's own SDK does that."""
+        self.submit_with_runtime_env(submission_id, argv, {"working_dir": working_dir, "excludes": list(excludes)})
+
+    def submit_with_runtime_env(self, submission_id: str, argv: list[str], runtime_env: dict) -> None:
+        """Submit with a runtime_env Ray's own SDK packs, uploads (working_dir, py_modules) and parses
+        (requirements files: RuntimeEnv)."""
         from ray.job_submission import JobSubmissionClient
 
+        with_what = " with " + ", ".join(f"{key} {value}" if key == "working_dir" else key
+                                         for key, value in runtime_env.items() if key != "excludes")
         try:
             client = JobSubmissionClient(self.address, headers=auth_headers(self.token))
-            client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id,
-                              runtime_env={"working_dir": working_dir, "excludes": list(excludes)})
-        except (OSError, RuntimeError) as exc:  # Ray's ConnectionError, or its RuntimeError with the HTTP answer
-            raise StepFailed(f"submitting job {submission_id} with working_dir {working_dir}", str(exc)) from None
+            client.submit_job(entrypoint=shlex.join(argv), submission_id=submission_id, runtime_env=runtime_env)
+        except (OSError, RuntimeError, ValueError, TypeError) as exc:
+            # Ray's ConnectionError, its RuntimeError with the HTTP answer, or its parsing's refusal
+            raise StepFailed(f"submitting job {submission_id}{with_what}", str(exc)) from None
 
     def follow(self, submission_id: str, timeout_s: float | None = None, out=sys.stdout,
                final_status: Callable[[int], tuple[str, str] | None] = lambda shown: None,

@@ -794,6 +794,17 @@ def left_running(provider: Provider, name: str) -> str:
     return "; what is left of it:\n  " + "\n  ".join(said.splitlines()) if said else ""
 
 
+def ask_ray_runtime_env(task: Task, plan) -> None:
+    """job.runtime_env as Ray's own parsing judges it, before anything is rented (as `check` asks it):
+    a refusal here costs nothing, the head's `ray job submit` would refuse it once the cluster is up."""
+    from .runtimeenv import ask_ray
+
+    try:
+        ask_ray(plan.job.runtime_env, plan.job.working_dir, plan.job.excludes)
+    except BadInput as exc:
+        raise BadInput(f"{task.source}: {exc}") from None
+
+
 def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = None,
                 training: Training | None = None, wandb_env: dict[str, str] | None = None) -> int:
     from . import state
@@ -812,6 +823,7 @@ def launch_once(task: Task, provider: Provider, keep: bool, fresh: str | None = 
     plan = plan.replace(budget=plan.budget.model_copy(update={"training": trained["training"],
                                                               "spent": trained["attempts"]}))
     refuse_spent(plan)
+    ask_ray_runtime_env(task, plan)
     provider.ready(plan)  # bad input found here (a missing CLI) leaves nothing written or removed
     secrets = collect_secrets(task, provider, plan)
     if wandb_env and secrets.get("WANDB_API_KEY"):

@@ -11,7 +11,8 @@ import re
 from fractions import Fraction
 from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator,
+                      model_validator)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -246,3 +247,55 @@ class Service(StrictModel):
     ] | None = None
     timeout: Duration = 600.0
     env: dict[str, str] = {}
+
+
+#: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode
+#: that goes with ray.auth): never the task's. The provider's contract variables are refused by
+#: the provider, which alone knows them (plan.check_contract_env).
+LAUNCHER_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RuntimeEnvSpec(StrictModel):
+    """A job's runtime_env (runtimeenv.py), in Ray's own terms (ray.runtime_env.RuntimeEnv): what these fields
+    may hold beyond their shape is Ray's to say, and `check` asks it."""
+
+    pip: Union[list, str, dict, None] = Field(None, description=(
+        "pip packages Ray installs for the job on every node: a list, a requirements file (read here when it "
+        "is on this machine, relative to the task file; an absolute path that is not is read on the head), or "
+        "Ray's {packages, pip_check, pip_version, pip_install_options}"))
+    uv: Union[list, str, dict, None] = Field(None, description=(
+        "as pip, installed with uv: a list, a requirements file, or Ray's {packages, uv_check, uv_version, "
+        "uv_pip_install_options}"))
+    env_vars: dict[str, str] = Field({}, description=(
+        "variables the job's processes get (Ray's env_vars), written into the rendered files as env is: no "
+        "secrets here (list those under secrets)"))
+    py_modules: list[str] = Field([], description=(
+        "Python packages or modules Ray uploads for the job: paths (relative to the task file; inside "
+        "job.working_dir on providers that ship it) or URIs Ray fetches"))
+    excludes: list[str] = Field([], description=(
+        "more of Ray's excludes (gitignore rules), after job.excludes: one list for the working_dir and every "
+        "py_module"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_working_dir(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "working_dir" in data:
+            raise ValueError("working_dir is job.working_dir (relative to the task file's directory, or absolute, "
+                             "or null): move it there")
+        return data
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+            if key in LAUNCHER_ENV:
+                raise ValueError(f"{key}: the launcher sets it on every node itself (each cluster gets its own "
+                                 f"token, and the auth mode of ray.auth); remove it")
+        return value
+
+    def given(self) -> list[str]:
+        """The fields the task gives (for `check`'s words)."""
+        return [name for name in ("pip", "uv", "env_vars", "py_modules", "excludes") if getattr(self, name)]

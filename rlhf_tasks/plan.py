@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from . import workdir
+from . import runtimeenv, workdir
 from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
 from .errors import BadInput
 from .models import Service, StrictModel, WandbOptions, size_bytes
@@ -283,6 +283,9 @@ class JobPlan(StrictModel):
     wandb_args: list[str]
     working_dir: str | None
     excludes: list[str]
+    #: job.runtime_env as Ray takes it, besides working_dir and excludes (runtimeenv.plan_env): pip, uv,
+    #: env_vars, py_modules (a relative one is of working_dir, wherever the provider puts it).
+    runtime_env: dict[str, Any] = {}
     timeout_s: float | None
     summary: dict | None
     max_restarts: int = 0
@@ -465,6 +468,11 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     if out.mode == "ray" and job.working_dir:
         working_dir = workdir.resolve(job.working_dir, task.base_dir)
         workdir.require_dir(working_dir, job.working_dir)
+    if job.runtime_env is not None and out.mode != "ray":
+        raise BadInput(f"job.runtime_env: the {job.recipe} recipe runs its command on every node without Ray, so "
+                       f"no Ray runtime environment reaches it: install what it needs in setup, set variables under "
+                       f"env, or remove job.runtime_env")
+    runtime_env = runtimeenv.plan_env(job.runtime_env, task.base_dir, working_dir)
     return Plan(
         name=task.name,
         provider=provider,
@@ -496,7 +504,9 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
             entrypoint=out.entrypoint,
             wandb_args=out.wandb_args,
             working_dir=working_dir,  # absolute: each provider writes it as its own files resolve it
-            excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes),
+            excludes=DEFAULT_EXCLUDES + out.excludes + list(job.excludes)
+            + (list(job.runtime_env.excludes) if job.runtime_env else []),
+            runtime_env=runtime_env,
             timeout_s=job.timeout,
             summary=out.summary,
             max_restarts=job.max_restarts,

@@ -20,8 +20,8 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
-from .models import (NAME_PATTERN, _exact_decimal, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions, bandwidth_bits,
-                     did_you_mean, require_absolute, size_bytes)
+from .models import (LAUNCHER_ENV, NAME_PATTERN, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions,
+                     _exact_decimal, bandwidth_bits, did_you_mean, require_absolute, size_bytes)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 
@@ -33,10 +33,6 @@ _GPU_FORMS = ("use NAME:COUNT such as H100:8, MEMORY:COUNT such as 80GB:8, NAME:
 #: 96 characters, no '--' or '..').
 _HUB_NAME = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
-#: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode
-#: that goes with ray.auth): never the task's. The provider's contract variables are refused by
-#: the provider, which alone knows them (plan.check_contract_env).
-LAUNCHER_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 #: Names that are secrets by convention: *_KEY (WANDB_KEY, OPENAI_KEY, *_API_KEY, *_ACCESS_KEY), *_TOKEN
 #: (HF_TOKEN, GITHUB_TOKEN, AWS_SESSION_TOKEN), and any name holding SECRET, PASS (DB_PASS, *PASSWORD*,
 #: PASSPHRASE), PWD (MY_PWD), CREDENTIAL or PRIVATE.
@@ -127,7 +123,7 @@ def _argv_look(flag: str, value: str) -> str | None:
 
 
 #: Mappings of the task whose entries are environment variables: checked by name and value, as `env` is.
-_ENV_MAPPINGS = re.compile(r"^services\[\d+\]\.env$")
+_ENV_MAPPINGS = re.compile(r"^(?:services\[\d+\]\.env|job\.runtime_env\.env_vars)$")
 
 
 def written_secrets(data: Any, path: str = "") -> dict[str, str]:
@@ -614,11 +610,12 @@ class Task(StrictModel):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise _entry_error("env", clash, "also under secrets: a secret's value must not be in the task file")
-        service_env = {key for service in self.services for key in service.env}
+        service_env = {key for service in self.services for key in service.env} | set(
+            self.job.runtime_env.env_vars if self.job.runtime_env else ())
         stray = [key for key in self.env_not_secret if key not in self.env and key not in service_env]
         if stray:
-            raise _entry_error("env_not_secret", stray, "not under env (env_not_secret only lets a name under env "
-                               "or a service's env that looks like a secret stay there)")
+            raise _entry_error("env_not_secret", stray, "not under env (env_not_secret only lets a name under env, "
+                               "a service's env or job.runtime_env.env_vars that looks like a secret stay there)")
         self._no_written_secrets()
         return self
 

@@ -60,12 +60,12 @@ def moved(working_dir: str, base: str, cwd: str | None = None) -> str | None:
             f"write the path relative to the task file, or absolute")
 
 
-def require_dir(path: str, written: str | None = None) -> None:
-    """Refuse, on every provider, a job.working_dir that is not a directory here."""
+def require_dir(path: str, written: str | None = None, field: str = "job.working_dir") -> None:
+    """Refuse, on every provider, a job.working_dir (or `field`) that is not a directory here."""
     if not Path(path).is_dir():
         what = "does not exist" if not os.path.lexists(path) else "is not a directory"
         said = f"{written} ({path}, of the task file's directory)" if written and written != path else path
-        raise BadInput(f"job.working_dir: {said} {what}: name the directory of the job's code, relative to the "
+        raise BadInput(f"{field}: {said} {what}: name the directory of the job's code, relative to the "
                        f"task file's directory or absolute, or null for none")
 
 
@@ -124,20 +124,21 @@ def measure(path: str, excludes: list[str], files: list[Path] | None = None,
 
 
 def check(path: str, excludes: list[str], also: list[Callable[[Path], bool]] = (),
-          who: str = "") -> Measure:
-    """Refuse, before anything starts, a working_dir Ray would reject as too large: its size,
-    its biggest entries and how to leave them out (`who`: who uploads it, for the message)."""
-    require_dir(path)
+          who: str = "", field: str = "job.working_dir") -> Measure:
+    """Refuse, before anything starts, a working_dir (or a py_module: `field`) Ray would reject as too
+    large: its size, its biggest entries and how to leave them out (`who`: who uploads it, for the message)."""
+    require_dir(path, field=field)
     found, limit = measure(path, excludes, also=also), upload_limit()
     if found.size >= limit:
         top = [(name + ("/" if (Path(path) / name).is_dir() else ""), size) for name, size in found.biggest[:5]
                if size * 100 >= found.size]  # an entry under 1% of the whole is no help
         listed = ", ".join(f"{name} {human(size)}" for name, size in top)
         example = ", ".join(f'"/{name}"' for name, _ in enough(top, found.size - limit + 1))
-        raise BadInput(f"job.working_dir: {path} packs {human(found.size)} (measured with {found.how}), over Ray's "
+        raise BadInput(f"{field}: {path} packs {human(found.size)} (measured with {found.how}), over Ray's "
                        f"upload limit of {human(limit)}{who}; the biggest entries: {listed}. Leave out what the job "
                        f"does not need with job.excludes: [{example}] (or a .rayignore file there), or set "
-                       f"job.working_dir to the directory of the job's code only (null: none)")
+                       f"{field} to the directory of the job's code only"
+                       + (" (null: none)" if field == "job.working_dir" else ""))
     return found
 
 

@@ -129,15 +129,21 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path, cli_env, rlhf_hom
     task.write_text(yaml.safe_dump({
         "name": "auth", "nodes": 2, "resources": {"cpus": 1}, "ray": {"object_store_memory": "80MB"},
         "job": {"recipe": "command", "submit": "head", "working_dir": str(tmp_path / "code"),
-                "args": {"entrypoint": "python3 hello.py"}}}))
+                "args": {"entrypoint": "python3 hello.py"},
+                # job.runtime_env reaches the job through the head's `ray job submit` (issue 47, item 4)
+                "runtime_env": {"env_vars": {"GREETING": "runtime-env-greeting"}, "py_modules": ["mods/greet"]}}}))
     (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "hello.py").write_text("print('hello from the working_dir')\n")
+    (tmp_path / "mods" / "greet").mkdir(parents=True)
+    (tmp_path / "mods" / "greet" / "__init__.py").write_text("WORD = 'module-from-py-modules'\n")
+    (tmp_path / "code" / "hello.py").write_text("import os, greet\nprint('hello from the working_dir')\n"
+                                                "print(os.environ['GREETING'], greet.WORD)\n")
     (tmp_path / "code" / "weights.safetensors").write_bytes(b"0" * 1024)  # excluded from the upload
     try:
         run = launch([str(task), "--keep"], tmp_path, cli_env)
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-6000:]
         assert "hello from the working_dir" in out
+        assert "runtime-env-greeting module-from-py-modules" in out  # Ray's env_vars and py_modules, in the job
         assert "RLHF_TASKS_PREFLIGHT" not in out  # the job's log is shown from after its preflight part
 
         record = json.loads((rlhf_home / "clusters" / "auth" / "cluster.json").read_text())

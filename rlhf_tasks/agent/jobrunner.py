@@ -1,5 +1,5 @@
 """The job runner on the head: submitting the job (the REST API, or `ray job submit
---working-dir` through Ray's CLI when it has a working_dir), the gate a job submitted early
+--working-dir --runtime-env-json` through Ray's CLI when it has a working_dir or a runtime_env), the gate a job submitted early
 waits behind, the attempt loop (follow one attempt; on a failure, a stall or a lost node,
 stop it, wait for every node and resubmit), and the restart policy as a pure function.
 """
@@ -16,8 +16,8 @@ from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
 from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
-                       AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, log, submission_id,
-                       wait_for)
+                       AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, job_runtime_env, log,
+                       submission_id, wait_for)
 from .protocol.spend import SPEND_FILE
 from .raynode import Node, agent_entry
 
@@ -420,14 +420,14 @@ class JobRunner(object):
         gated = " (its command waits until every node is ALIVE%s)" % (
             " and preflight passed" if self.plan["preflight"]["enabled"] else "") if wrap else ""
         argv = wrap(argv, wait_s) if wrap else argv
-        if not job.get("working_dir"):
+        cmd = submit_command(job, self.node.dashboard, sid, argv)
+        if cmd is None:
             log("submitting job %s%s: %s" % (sid, gated, entrypoint))
             return self.jobs.submit(sid, argv)
-        # Packing and uploading a working_dir is Ray's own code: use its CLI.
-        cmd = ["ray", "job", "submit", "--address", self.node.dashboard, "--submission-id", sid, "--no-wait",
-               "--working-dir", job["working_dir"], "--runtime-env-json", json.dumps({"excludes": job["excludes"]}),
-               "--"] + argv
-        log("submitting job %s with working_dir %s%s: %s" % (sid, job["working_dir"], gated, entrypoint))
+        runtime_env = sorted(job.get("runtime_env") or {})
+        log("submitting job %s%s%s%s: %s" % (
+            sid, " with working_dir %s" % job["working_dir"] if job.get("working_dir") else "",
+            " with runtime_env %s" % ", ".join(runtime_env) if runtime_env else "", gated, entrypoint))
 
         def send():
             out = subprocess.run(cmd, env=self.node.env, capture_output=True, text=True)
@@ -438,3 +438,16 @@ class JobRunner(object):
                 return True, why.splitlines()[-1]
             return False, why
         self.jobs.submit_with(sid, send)
+
+
+def submit_command(job: dict, dashboard: str, sid: str, argv: List[str]) -> Optional[List[str]]:
+    """The `ray job submit` the head runs for a job with a working_dir or a runtime_env (packing,
+    uploading and parsing them is Ray's own code: its CLI reads --runtime-env-json as
+    ray/dashboard/modules/dashboard_sdk.py: parse_runtime_env_args, --working-dir over it); None for a
+    job with neither, submitted through the REST API."""
+    runtime_env = job_runtime_env(job)
+    if not job.get("working_dir") and not runtime_env:
+        return None
+    return (["ray", "job", "submit", "--address", dashboard, "--submission-id", sid, "--no-wait"]
+            + (["--working-dir", job["working_dir"]] if job.get("working_dir") else [])
+            + (["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []) + ["--"] + argv)

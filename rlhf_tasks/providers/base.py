@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from .. import state, workdir
+from .. import runtimeenv, state, workdir
 from ..agent.protocol import CACHE_DIR
 from ..errors import BadInput, StepFailed
 from ..models import size_bytes, size_text
@@ -366,12 +366,23 @@ class Provider:
         now, before anything starts (BadInput over Ray's limit), and leave out the virtualenvs and
         runs directory found in it (workdir.py)."""
         self.upload = None
+        plan = self.check_runtime_env(plan)
         if not self.uploads_working_dir(plan):
             return plan
         self.upload = workdir.check(plan.job.working_dir, plan.job.excludes, self.upload_excluded(plan),
                                     "" if plan.job.submit == "client" or self.working_dir_here else
                                     f" (the head uploads it to the job on {self.name})")
         return plan.replace(job=plan.job.model_copy(update={"excludes": plan.job.excludes + self.upload.left_out}))
+
+    def check_runtime_env(self, plan: Plan) -> Plan:
+        """Refuse the paths of job.runtime_env that would not reach the job here (runtimeenv.check_paths:
+        a py_module outside job.working_dir where only the working_dir is shipped, a nodes' path where Ray
+        reads it on this machine), and measure the py_modules Ray uploads from this machine."""
+        if plan.job.runtime_env:
+            here = self.working_dir_here or plan.job.submit == "client"
+            runtimeenv.check_paths(plan.job.runtime_env, plan.job.working_dir, self.name, plan.job.submit, here,
+                                   plan.job.excludes)
+        return plan
 
     def working_dir_words(self, plan: Plan) -> str | None:
         """What `check` says of job.working_dir where nothing is uploaded from this machine and the

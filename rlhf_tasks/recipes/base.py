@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from ..errors import BadInput
-from ..models import Duration, Service, StrictModel, WandbOptions
+from ..models import Duration, RuntimeEnvSpec, Service, StrictModel, WandbOptions
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,9 @@ class JobBase(StrictModel):
         "the directory of the job's code, shipped with it: relative to the task file's directory (as dstack, "
         "SkyPilot and docker compose resolve paths) or absolute; null for none"))
     excludes: list[str] = []
+    runtime_env: RuntimeEnvSpec | None = Field(None, description=(
+        "Ray's runtime environment of the job besides its working_dir: pip, uv, env_vars, py_modules, excludes "
+        "(ray.runtime_env.RuntimeEnv), passed to the job's submission on every provider"))
     timeout: Duration | None = None
     max_restarts: int = Field(2, ge=0, description="how often the head resubmits the job after a lost node, a "
                               "failure or a stall (it resumes from the latest checkpoint)")

@@ -236,6 +236,23 @@ def is_submission_of(name: str, sid: str) -> bool:
     return sid.startswith(name + "-")
 
 
+def job_runtime_env(job: dict) -> Dict:
+    """The Ray runtime environment the job is submitted with, besides its working_dir (given apart: `ray
+    job submit --working-dir`, the SDK's working_dir): the plan's runtime_env (pip, uv, env_vars,
+    py_modules) with its excludes where there is something to pack. A relative py_module is of the
+    job's working_dir (the plan names those inside it so, wherever a provider puts the working_dir);
+    a path with a URL scheme is a URI, as Ray reads it (ray/_private/path_utils.py: is_path)."""
+    from urllib.parse import urlparse
+
+    env = dict(job.get("runtime_env") or {})
+    if env.get("py_modules"):
+        env["py_modules"] = [module if urlparse(module).scheme or os.path.isabs(module) else
+                             os.path.join(job.get("working_dir") or ".", module) for module in env["py_modules"]]
+    if job.get("excludes") and (job.get("working_dir") or env.get("py_modules")):
+        env["excludes"] = list(job["excludes"])
+    return env
+
+
 def job_argv(job: dict, head_addr: str, node_addr: str, env: Dict[str, str]) -> Tuple[List[str], Optional[str]]:
     """The job's command line on this cluster, and what was decided about W&B (None when
     the recipe has no W&B flags): W&B flags are added only when WANDB_API_KEY is given."""

@@ -95,6 +95,8 @@ class RunPodProvider(Provider):
         if plan.job.submit == "head" and plan.job.working_dir and "working_dir" in task.job.model_fields_set:
             self._named_working_dir[task.name] = plan.job.working_dir
             plan = plan.replace(job=plan.job.model_copy(update={"working_dir": "."}))
+        elif plan.job.submit == "head" and plan.job.working_dir:  # the default ".", not shipped: none on the pods
+            plan = plan.replace(job=plan.job.model_copy(update={"working_dir": None}))
         return plan if is_cluster(task) else plan.replace(self_end=SELF_END)
 
     def measure_upload(self, plan: Plan) -> Plan:
