@@ -300,3 +300,25 @@ def test_every_shipped_task_passes_what_it_is_asked(tmp_path, capsys, monkeypatc
         assert "not checked: verl" not in out and "not checked: openrlhf" not in out, out
         if "search-r1" in path.name or "openrlhf-m" in path.name:
             assert "not checked: Search-R1 is not on PyPI" in out or "not checked: OpenRLHF-M is not on PyPI" in out
+
+
+# --- Slurm's sbatch ----------------------------------------------------------------------------
+
+SLURM_TASK = {**COMMAND_TASK, "resources": {"cpus": 1}}
+
+
+def test_sbatch_without_a_slurm_to_ask_is_not_started_and_that_is_said(tmp_path, capsys, monkeypatch):
+    """sbatch --test-only asks the cluster's slurmctld (tests/test_slurm_provider.py, on a real one): where
+    sbatch has no configuration here, or is not installed, `check` starts nothing and says what it did not check
+    (the `cluster` guard of tests/conftest.py fails a test that starts sbatch)."""
+    from rlhf_tasks.providers.slurm import SLURM_CONFS
+
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    need(not any(Path(path).exists() for path in SLURM_CONFS), "this machine has a Slurm configuration")
+    code, out, _ = check(capsys, task_file(tmp_path, SLURM_TASK))
+    assert code == 0
+    assert ("sbatch --test-only of t.sbatch: not checked: no Slurm configuration here for sbatch (SLURM_CONF, "
+            "/etc/slurm/slurm.conf, ") in out
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    code, out, _ = check(capsys, task_file(tmp_path, SLURM_TASK))
+    assert code == 0 and "sbatch --test-only of t.sbatch: not checked: sbatch is not on PATH here" in out

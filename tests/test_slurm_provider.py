@@ -210,6 +210,43 @@ def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_pa
     no_strays(slurm)  # raylets, GCS, dashboard, reward server, trainer, agents: all gone
 
 
+def test_sbatch_test_only_takes_the_guides_options_and_refuses_in_its_own_words(slurm, tmp_path):
+    """`check --provider slurm` and `launch` on a login node ask the real sbatch --test-only (its parser, then
+    slurmctld; nothing submitted): the guides' options are taken with Slurm's estimate; a refusal exits 2 naming
+    the field of the line without which sbatch takes the script, in sbatch's words, and `launch` writes nothing."""
+    home = tmp_path / "home"
+
+    def task(**options) -> str:
+        path = tmp_path / "opts.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": "opts", "nodes": 2, "resources": {"cpus": 1}, "checkpoints": {"path": str(tmp_path / "ckpt")},
+            "placement": {"max_duration": "10m", "slurm": options},
+            "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "true"}}}))
+        return str(path)
+
+    good = task(nodelist="node[1-2]", output="logs/%x-%j.out", mail_type=["END"], mail_user="rlhf@example.org",
+                overcommit=True, sbatch=["--mem=0", "--comment=x"])
+    taken = cli(slurm, ["check", good, "--provider", "slurm"], tmp_path, home)
+    assert taken.returncode == 0, taken.output
+    assert re.search(r"asked +slurm(?:-wlm)? 22\.05\.\d+'s sbatch --test-only takes opts\.sbatch: sbatch: Job \d+ to start at "
+                     r"\S+ using \d+ processors on nodes node\[1-2\] in partition main", taken.output), taken.output
+    for options, fields, words in (
+            ({"nodelist": "node[0-2]"}, "placement.slurm.nodelist, nodes", "sbatch: error: invalid number of nodes "
+                                                                          "(-N 3-2)"),
+            ({"partition": "gpu"}, "placement.slurm.partition", "Invalid partition name specified"),
+            ({"sbatch": ["--comment=ok", "--bogus=1"]}, "placement.slurm.sbatch[1]",
+             "sbatch: unrecognized option '--bogus=1'"),
+            ({"sbatch": ["--mail-type=FAILED"]}, "placement.slurm.sbatch[0]",
+             "sbatch: error: Invalid --mail-type specification")):
+        refused = cli(slurm, ["check", task(**options), "--provider", "slurm"], tmp_path, home)
+        assert refused.returncode == 2, refused.output
+        assert re.search(rf"{re.escape(fields)}: slurm(?:-wlm)? 22\.05\.\d+'s sbatch --test-only refuses opts\.sbatch: .*"
+                         rf"{re.escape(words)}", refused.output), refused.output
+    launch = cli(slurm, ["launch", task(partition="gpu"), "--provider", "slurm"], tmp_path, home)
+    assert launch.returncode == 2 and "placement.slurm.partition: " in launch.output, launch.output
+    assert not (home / "runs").exists() and "submitted Slurm job" not in launch.output
+
+
 GLOO_PROGRAM = """
 import os, socket, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -228,6 +265,10 @@ def test_torchrun_recipe_runs_a_gloo_program_on_two_nodes(slurm, tmp_path):
     task = tmp_path / "gloo.yaml"
     task.write_text(yaml.safe_dump({
         "name": "gloo", "nodes": 2, "resources": {"cpus": 1}, "wait": {"head": "2m"},
+        # Slurm's own options as the guides write them (issue 47 item 2), and two through the pass-through
+        "placement": {"slurm": {"nodelist": "node[0-1]", "output": "logs/%x-%j.out", "error": "logs/%x-%j.err",
+                                "mail_type": "END,fail", "mail_user": "rlhf@example.org", "overcommit": True,
+                                "sbatch": ["--mem=0", "--comment=gloo-run"]}},
         "job": {"recipe": "torchrun", "timeout": "5m",
                 "args": {"script": str(program), "nproc_per_node": 2, "port": 29517}}}))
     home = tmp_path / "home"
@@ -236,7 +277,15 @@ def test_torchrun_recipe_runs_a_gloo_program_on_two_nodes(slurm, tmp_path):
     assert run.returncode == 0, out[-6000:]
     job = job_id_in(out)
     assert slurm.job_state(job) == ("COMPLETED", 0), slurm.job_info(job)
-    run_dir = home / "runs" / "gloo" / "slurm" / f"rlhf-tasks-{job}"
+    # What slurmctld made of the rendered lines; the script's output where the task put it, followed by launch
+    submitted = home / "runs" / "gloo" / "slurm"
+    info = slurm.job_info(job)
+    assert (info["ReqNodeList"], info["MailType"], info["MailUser"], info["MinMemoryNode"], info["Comment"]) == (
+        "node[0-1]", "END,FAIL", "rlhf@example.org", "0", "gloo-run"), info
+    assert (info["StdOut"], info["StdErr"]) == (f"{submitted}/logs/gloo-{job}.out", f"{submitted}/logs/gloo-{job}.err")
+    assert f"rlhf-tasks: the node agents ended with exit code 0" in (submitted / "logs" / f"gloo-{job}.out").read_text()
+    assert f"rlhf-tasks: job {job} on node[0-1]" in out
+    run_dir = submitted / f"rlhf-tasks-{job}"
     lines = "".join((run_dir / f"node{n}.out").read_text() for n in range(2))
     ranks = sorted(re.findall(r"GLOO rank (\d) of 4 on (node\d) node (\d): sum 10", lines))
     assert ranks == [("0", "node0", "0"), ("1", "node0", "0"), ("2", "node1", "1"), ("3", "node1", "1")], lines

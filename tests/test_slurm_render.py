@@ -66,9 +66,16 @@ def srun_step(script: str) -> str:
     return script[script.index("\nsrun "):script.index("|| status=$?")].replace("\\\n", " ")
 
 
+#: FULL with the options of the guides' scripts (OpenRLHF's and verl's Slurm guides) as placement.slurm's fields,
+#: and one more through the checked pass-through.
+GUIDES = {**FULL, "placement": {**FULL["placement"], "slurm": {
+    **FULL["placement"]["slurm"], "nodelist": "gpu[01-04]", "output": "logs/%x-%j.out", "error": "logs/%x-%j.err",
+    "mail_type": "end,FAIL", "mail_user": "me@example.org", "overcommit": True,
+    "sbatch": ["--signal=B:USR1@300", "--comment=rlhf"]}}}
+
 SCRIPTS = [(path.stem, task_data(path)) for path in TASKS] + [
     (f"{IMAGE_TASK.stem}-{container}", task_data(IMAGE_TASK, container=container))
-    for container in ("pyxis", "docker", "podman")] + [("full", FULL)]
+    for container in ("pyxis", "docker", "podman")] + [("full", FULL), ("guides", GUIDES)]
 
 
 @pytest.mark.parametrize("name,data", SCRIPTS, ids=[s[0] for s in SCRIPTS])
@@ -92,6 +99,107 @@ def test_sbatch_lines_come_from_the_task():
     options = sbatch_options(render(gres))
     assert "--gres=gpu:h100:8" in options and not any(o.startswith("--gpus-per-node") for o in options)
     assert "--time=3-00:00:00" in options and "--no-requeue" in options
+
+
+def test_the_guides_slurm_options_are_fields_and_the_rest_passes_through():
+    """issue 47 item 2: --nodelist, --output/--error, --mail-type/--mail-user and --overcommit as the guides write
+    them, after the script's own lines; then placement.slurm.sbatch, as given."""
+    assert sbatch_options(render(GUIDES)) == [
+        "--job-name=full", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64", "--gpus-per-node=8",
+        "--mem=512G", "--exclusive", "--time=0-02:15:00", "--output=logs/%x-%j.out", "--error=logs/%x-%j.err",
+        "--export=ALL", "--requeue", "--partition=gpu", "--account=proj-42", "--qos=high", "--constraint=h100&ib",
+        "--reservation=rlhf", "--nodelist=gpu[01-04]", "--mail-type=END,FAIL", "--mail-user=me@example.org",
+        "--overcommit", "--signal=B:USR1@300", "--comment=rlhf"]
+    assert "# Output: logs/%x-%j.out (its stderr: logs/%x-%j.err) (this script)" in render(GUIDES)
+    listed = {**GUIDES, "placement": {"slurm": {"mail_type": ["begin", "END"]}}}
+    assert "--mail-type=BEGIN,END" in sbatch_options(render(listed))
+    # --mem=0 (all of each node's memory, sbatch(1)) through the pass-through, where the task gives no memory
+    whole = {**FULL, "resources": {"gpus": "H100:8"}, "placement": {"slurm": {"sbatch": ["--mem=0"]}}}
+    assert sbatch_options(render(whole))[-1] == "--mem=0"
+    # A task without them plans and renders as before: its plan names none of them (the goldens hold the rest).
+    plan = json.loads(heredoc(render(FULL), "RLHF_TASKS_PLAN_JSON"))
+    assert set(plan["placement"]["slurm"]) == {"partition", "account", "qos", "constraint", "reservation", "gres",
+                                               "gpu_type", "container", "mounts"}
+    assert json.loads(heredoc(render(GUIDES), "RLHF_TASKS_PLAN_JSON"))["placement"]["slurm"]["overcommit"] is True
+
+
+def test_every_option_the_script_sets_is_refused_through_the_pass_through():
+    """Each of the script's own #SBATCH lines (read from its render, the guides' fields too), given again in
+    placement.slurm.sbatch, is refused naming the item and where the script's line comes from: sbatch would
+    take the later one silently."""
+    provider = providers.get("slurm")
+    rendered = provider.sbatch_lines(provider.plan(parse_task(GUIDES)), passed=False)
+    assert len(rendered) == 21
+    for option, where in rendered:
+        data = {**GUIDES, "placement": {**GUIDES["placement"], "slurm": {**GUIDES["placement"]["slurm"],
+                                                                        "sbatch": ["--comment=ok", option]}}}
+        with pytest.raises(BadInput) as err:
+            provider.plan(parse_task(data))
+        assert f"placement.slurm.sbatch[1]: {option} fights the script's own #SBATCH {option} (" in str(err.value)
+        assert where in str(err.value) and "sbatch takes the later of the two, silently" in str(err.value)
+
+
+@pytest.mark.parametrize("item,slurm,fights", [
+    ("--gpus=16", {}, "#SBATCH --gpus-per-node=8 (from resources.gpus): both set the job's GPUs"),
+    ("--gres=gpu:h100:8", {}, "#SBATCH --gpus-per-node=8 (from resources.gpus): both set the job's GPUs"),
+    ("--mem-per-cpu=4G", {}, "#SBATCH --mem=512G (from resources.memory): both set the job's memory"),
+    ("--cpus-per-gpu=8", {}, "#SBATCH --cpus-per-task=64 (from resources.cpus): both set the CPUs of a task"),
+    ("--ntasks=32", {}, "#SBATCH --ntasks-per-node=1 (the script's own: one agent a node): both set the job's tasks"),
+    ("--oversubscribe", {}, "#SBATCH --exclusive (the script's own: Ray's fixed ports"),
+    ("--no-requeue", {}, "#SBATCH --requeue (from placement.retry): both set whether Slurm requeues the job"),
+    ("--nodefile=/etc/nodes", {"nodelist": "gpu[01-04]"},
+     "#SBATCH --nodelist=gpu[01-04] (from placement.slurm.nodelist): both set the job's hosts"),
+    ("--mail-type=FAIL", {"mail_type": "END"}, "#SBATCH --mail-type=END (from placement.slurm.mail_type)"),
+    ("--partition=big", {"partition": "gpu"}, "#SBATCH --partition=gpu (from placement.slurm.partition)"),
+    ("--output=x.out", {}, "#SBATCH --output=%x-%j.out (the script's own, %x-%j.out beside it, which launch follows; "
+                           "placement.slurm.output sets it)"),
+    ("--ntasks-per=2", {}, "#SBATCH --ntasks-per-node=1 (the script's own: one agent a node): sbatch reads "
+                           "--ntasks-per, which starts --ntasks-per-node, as that option"),
+    ("--exp=NONE", {}, "#SBATCH --export=ALL (the script's own: the secrets and the Ray token come from the "
+                       "submitting environment): sbatch reads --exp"),
+])
+def test_a_passed_option_that_fights_the_scripts_own_is_refused(item, slurm, fights):
+    data = {**FULL, "placement": {"retry": True, "slurm": {**slurm, "sbatch": [item]}}}
+    with pytest.raises(BadInput) as err:
+        render(data)
+    assert f"placement.slurm.sbatch[0]: {item} fights the script's own {fights}" in str(err.value)
+
+
+@pytest.mark.parametrize("item,slurm,why", [
+    ("--array=0-3", {}, "an array would start one cluster per task"),
+    ("--wait", {}, "sbatch would not return until the job ended"),
+    ("--clusters=other", {}, "launch asks this cluster's slurmctld"),
+    ("--chdir=/scratch", {}, "moves the script's --output=%x-%j.out"),
+    ("--chdir=/scratch", {"output": "/shared/logs/%x-%j.out", "error": "err-%j"}, "moves the script's --error=err-%j"),
+])
+def test_a_passed_option_that_breaks_launch_is_refused(item, slurm, why):
+    with pytest.raises(BadInput, match=re.escape(f"placement.slurm.sbatch[0]: {item}")) as err:
+        render({**FULL, "placement": {"slurm": {**slurm, "sbatch": [item]}}})
+    assert why in str(err.value)
+
+
+def test_what_the_script_does_not_set_passes_through():
+    """The pass-through takes what the script leaves: --mem=0 without resources.memory, --partition without
+    placement.slurm.partition (the issue's own --mail-type=FAIL without mail_type), --chdir with absolute outputs."""
+    open_task = {**FULL, "resources": {"gpus": "8"}, "placement": {"slurm": {
+        "output": "/shared/%x-%j.out", "sbatch": ["--mem=0", "--partition=gpu", "--mail-type=FAIL", "--chdir=/scratch",
+                                                  "--mem-bind=local"]}}}
+    assert sbatch_options(render(open_task))[-5:] == ["--mem=0", "--partition=gpu", "--mail-type=FAIL",
+                                                      "--chdir=/scratch", "--mem-bind=local"]
+
+
+def test_sbatch_writes_the_script_output_where_launch_follows_it(tmp_path):
+    """--output/--error patterns as Slurm fills them for a job that is no array, relative to the submission
+    directory; a host's %N only the node knows (left out of what launch follows)."""
+    import getpass
+
+    from rlhf_tasks.providers.slurm import filename
+
+    user = getpass.getuser()
+    assert filename("%x-%j.out", "t", "42", tmp_path) == tmp_path / "t-42.out"
+    assert filename("logs/%x-%A-%u-%5j-%%.out", "t", "42", tmp_path) == tmp_path / f"logs/t-42-{user}-00042-%.out"
+    assert filename("/abs/o-%j", "t", "42", tmp_path) == Path("/abs/o-42")
+    assert filename("o-%N.out", "t", "42", tmp_path) is None
 
 
 def test_one_srun_step_runs_the_agent_on_every_node():
@@ -324,6 +432,18 @@ def test_amd_gpus_get_the_rocm_preset():
     ({"image": "x", "placement": {"slurm": {"mounts": ["data:/data"]}}}, "placement.slurm.mounts"),
     ({"placement": {"slurm": {"partition": "gpu\n#SBATCH --uid=0"}}}, "placement.slurm.partition"),
     ({"placement": {"slurm": {"container": "singularity"}}}, "placement.slurm.container"),
+    ({"placement": {"slurm": {"mail_type": "END,FAILED"}}}, "placement.slurm.mail_type[1]: 'FAILED' is not one of "
+                                                          "sbatch's mail types (did you mean FAIL?)"),
+    ({"placement": {"slurm": {"nodelist": "gpu01 gpu02"}}}, "placement.slurm.nodelist: 'gpu01 gpu02': one word"),
+    ({"placement": {"slurm": {"output": "my logs/%j"}}}, "placement.slurm.output: 'my logs/%j': one word"),
+    ({"placement": {"slurm": {"error": "logs/%j/err"}}}, "placement.slurm.error: 'logs/%j/err': Slurm makes no "
+                                                      "directory for it"),
+    ({"placement": {"slurm": {"overcommit": "yes please"}}}, "placement.slurm.overcommit"),
+    ({"placement": {"slurm": {"sbatch": ["--comment=ok", "-w gpu01"]}}},
+     "placement.slurm.sbatch[1]: '-w gpu01': one option an item, --NAME or --NAME=VALUE in sbatch's long form"),
+    ({"placement": {"slurm": {"sbatch": ["--comment=a b"]}}}, "placement.slurm.sbatch[0]: '--comment=a b'"),
+    ({"placement": {"slurm": {"sbatch": ["--comment=x\n#SBATCH --uid=0"]}}}, "placement.slurm.sbatch[0]"),
+    ({"placement": {"slurm": {"sbatch": "--mem=0"}}}, "placement.slurm.sbatch"),
     ({"job": {"recipe": "torchrun", "submit": "client", "args": {"module": "m"}}}, "job.submit"),
     ({"job": {"recipe": "torchrun", "args": {"module": "m", "script": "/s.py"}}}, "job.args"),
 ])

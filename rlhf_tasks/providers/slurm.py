@@ -33,10 +33,16 @@ the job and, through a second step beside the first (`srun --overlap`), Ray for 
 clean-up step after the agents' removes any a killed task left on every node, and the job
 ends by itself; only if it has not within a deadline is it cancelled. (After scancel's kill
 the wrappers would have only Slurm's KillWait to stop them.)
+
+Slurm's own options (the guides' `--nodelist`, `--output`/`--error`, `--mail-type`/`--mail-user`,
+`--overcommit`) are fields of `placement.slurm`; any other passes through `placement.slurm.sbatch`, refused where
+it sets what a line of the render sets (sbatch takes the later line silently) and, where sbatch is installed and
+configured, by `sbatch --test-only` (`check`, and `launch` before anything is written), in sbatch's words.
 """
 
 from __future__ import annotations
 
+import getpass
 import math
 import os
 import re
@@ -45,15 +51,15 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from .. import state
 from ..agent.protocol import AGENT_ENTRY, AgentError, parse_result, wait_for
 from ..console import say
 from ..errors import BadInput, StepFailed
-from ..models import StrictModel, size_bytes, size_text
+from ..models import StrictModel, did_you_mean, size_bytes, size_text
 from ..plan import Contract, Plan, check_contract_env, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
 from .base import Cluster, Provider, Sharing, docker_size
@@ -119,7 +125,30 @@ def run_dir_of(directory: Path, job_id: str) -> Path:
 
 
 _SBATCH_VALUE = re.compile(r"^[^\s'\"\\#]+$")
+#: An item of placement.slurm.sbatch: one long option (getopt_long's --name or --name=value), its value one word.
+_SBATCH_OPTION = re.compile(r"^--[a-z][a-z0-9-]*(=[^\s'\"\\#]+)?$")
+#: sbatch's --mail-type values (sbatch(1), Slurm 22.05; compared ignoring case, as sbatch does).
+MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
+              "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
 _MOUNT = re.compile(r"^/[^:,\s]*:/[^:,\s]*(?::(?:ro|rw))?$")
+
+
+def _mail_type(kind: str) -> str:
+    if kind.strip().upper() not in MAIL_TYPES:
+        raise ValueError(f"{kind!r} is not one of sbatch's mail types {did_you_mean(kind.strip().upper(), MAIL_TYPES)}")
+    return kind.strip().upper()
+
+
+def _sbatch_option(option: str) -> str:
+    if not _SBATCH_OPTION.match(option):
+        short = " in sbatch's long form (--nodelist=VALUE, not -w VALUE)" if re.match(r"^-[^-]", option) else ""
+        raise ValueError(f"{option!r}: one option an item, --NAME or --NAME=VALUE{short}, the value one word (no "
+                         f"spaces, quotes, backslashes or #)")
+    return option
+
+
+MailType = Annotated[str, AfterValidator(_mail_type)]
+SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
 
 
 # The task's `placement.slurm`: spec.py keeps it as a mapping, this provider reads it with this model.
@@ -139,12 +168,36 @@ class SlurmPlacement(StrictModel):
     container: Literal["pyxis", "docker", "podman"] = Field(
         "pyxis", description="how `image` runs: pyxis (srun --container-image), or docker/podman run on every node")
     mounts: list[str] = Field([], description="extra SRC:DST[:ro] mounts into the container (data, caches)")
+    nodelist: str | None = Field(None, description=(
+        "--nodelist: these hosts (a Slurm host list, e.g. gpu[01-04]), and others as `nodes` needs more"))
+    output: str | None = Field(None, description=(
+        "--output: the batch script's output, in sbatch's filename pattern (default %x-%j.out in the submission "
+        "directory); the agents' own output stays rlhf-tasks-<job id>/node<N>.out"))
+    error: str | None = Field(None, description="--error: the batch script's stderr apart from its output, "
+                                                "in sbatch's filename pattern")
+    mail_type: list[MailType] = Field([], description=(
+        "--mail-type: when Slurm mails (BEGIN, END, FAIL, REQUEUE, ALL, TIME_LIMIT_90, ...; a list or END,FAIL)"))
+    mail_user: str | None = Field(None, description="--mail-user: who Slurm mails (default: the submitting user)")
+    overcommit: bool = Field(False, description="--overcommit: the job's steps may run more tasks than CPUs")
+    sbatch: list[SbatchOption] = Field([], description=(
+        "more #SBATCH options, each one item --NAME[=VALUE] in sbatch's long form (e.g. --mail-type=FAIL, "
+        "--mem=0); refused when it fights an option the script sets, and by sbatch --test-only where sbatch "
+        "is installed"))
 
-    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres", "gpu_type")
+    @field_validator("partition", "account", "qos", "constraint", "reservation", "gres", "gpu_type", "nodelist",
+                     "output", "error", "mail_user")
     @classmethod
     def _one_word(cls, value):
         if value is not None and not _SBATCH_VALUE.match(value):
             raise ValueError(f"{value!r}: one word, no spaces, quotes, backslashes or #")
+        return value
+
+    @field_validator("output", "error")
+    @classmethod
+    def _made_directory(cls, value):
+        if value is not None and "%" in value.rpartition("/")[0]:
+            raise ValueError(f"{value!r}: Slurm makes no directory for it, so a pattern in its directory names one "
+                             f"that does not exist yet; put the pattern in the file's name")
         return value
 
     @field_validator("mounts")
@@ -154,6 +207,53 @@ class SlurmPlacement(StrictModel):
             if not _MOUNT.match(mount):
                 raise ValueError(f"{mount!r} is not SRC:DST[:ro] with absolute paths (no commas)")
         return value
+
+    @field_validator("mail_type", mode="before")
+    @classmethod
+    def _mail_list(cls, value):
+        """Slurm's own comma list (`END,FAIL`) is taken as the list it is."""
+        return value.split(",") if isinstance(value, str) else value
+
+
+#: The batch script's output when the task names none: beside the script, `<name>-<job id>.out`.
+DEFAULT_OUTPUT = "%x-%j.out"
+#: Why the script sets the options no field of the task gives (the words of a conflict with one).
+OWN = {"ntasks-per-node": "the script's own: one agent a node",
+       "exclusive": "the script's own: Ray's fixed ports and the GPUs are the job's alone",
+       "output": f"the script's own, {DEFAULT_OUTPUT} beside it, which launch follows; placement.slurm.output sets it",
+       "export": "the script's own: the secrets and the Ray token come from the submitting environment"}
+#: sbatch's options that set what another of the group sets (sbatch(1), Slurm 22.05): one the script sets
+#: fights any other of its group.
+SAME_THING = (
+    ("the job's GPUs", {"gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket", "gres"}),
+    ("the job's memory (sbatch: --mem, --mem-per-cpu and --mem-per-gpu are mutually exclusive)",
+     {"mem", "mem-per-cpu", "mem-per-gpu"}),
+    ("the CPUs of a task (sbatch: --cpus-per-gpu is not compatible with --cpus-per-task)",
+     {"cpus-per-task", "cpus-per-gpu"}),
+    ("the job's tasks (sbatch: with --ntasks, --ntasks-per-node is only a maximum)",
+     {"ntasks", "ntasks-per-node", "ntasks-per-core", "ntasks-per-socket", "ntasks-per-gpu", "ntasks-per-tres"}),
+    ("whether the job shares its nodes", {"exclusive", "oversubscribe"}),
+    ("whether Slurm requeues the job", {"requeue", "no-requeue"}),
+    ("the job's hosts", {"nodelist", "nodefile"}),
+)
+#: The options of placement.slurm that are sbatch's alone: in the plan only where the task gives them.
+GIVEN_ONLY = ("nodelist", "output", "error", "mail_type", "mail_user", "overcommit", "sbatch")
+#: Options that break what `launch` counts on, whatever the script sets.
+LAUNCH_OWN = {
+    "array": "the script is one job holding one cluster; an array would start one cluster per task",
+    "wait": "launch follows the job itself; with --wait, sbatch would not return until the job ended",
+    "test-only": "the job would never be submitted (check runs sbatch --test-only itself)",
+    "clusters": "launch asks this cluster's slurmctld for the job (scontrol, scancel)",
+}
+
+
+def _option_name(option: str) -> str:
+    """`--mail-type=FAIL` -> `mail-type`."""
+    return option.removeprefix("--").split("=", 1)[0]
+
+
+def _origin(where: str) -> str:
+    return where if where.startswith("the script") else f"from {where}"
 
 
 def slurm_placement(placement: Placement) -> SlurmPlacement:
@@ -182,6 +282,28 @@ def slurm_mem(size: str) -> str:
     """--mem: whole MiB, rounded up (Slurm keeps no less), in the biggest of its units that is exact: `512GiB` ->
     `512G`, `200GB` -> `190735M`. Never 0, which Slurm reads as all of the node's memory."""
     return size_text(-(-size_bytes(size) // 2**20) * 2**20, SLURM_UNITS)
+
+
+_PATTERN = re.compile(r"%(\d*)(.)")
+
+
+def filename(pattern: str, name: str, job_id: str, directory: Path) -> Path | None:
+    """The batch script's --output/--error file: sbatch's filename pattern (sbatch(1)) with what Slurm puts for
+    a job that is no array (%j and %A the job id, %x its name, %u the user, %% a %; a number pads with zeros),
+    relative to the submission directory; None where it holds what only the node knows (%N, the host)."""
+    unknown = False
+
+    def one(match: re.Match) -> str:
+        nonlocal unknown
+        width, letter = match.groups()
+        value = {"j": job_id, "A": job_id, "x": name, "u": getpass.getuser(), "%": "%"}.get(letter)
+        if value is None:
+            unknown = True
+            return ""
+        return value.zfill(int(width)) if width and value.isdigit() else value
+
+    path = _PATTERN.sub(one, pattern)
+    return None if unknown else directory / path
 
 
 def job_info(job_id: str) -> dict[str, str]:
@@ -215,6 +337,47 @@ def exit_text(info: dict[str, str]) -> str:
     """Slurm's ExitCode (code:signal) in words."""
     code, _, signal = info.get("ExitCode", "?").partition(":")
     return f"exit code {code}" + (f" (signal {signal})" if signal not in ("", "0") else "")
+
+
+#: sbatch's words where it reached no Slurm here (no configuration, no controller): nothing was checked.
+UNREACHED = ("Could not establish a configuration source", "Unable to process configuration file",
+             "Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted or received")
+TEST_ONLY_S = 60
+#: Where sbatch finds its configuration without SLURM_CONF: the builds' defaults (Debian's and a source build's
+#: sysconfdir) and the copy slurmd/sackd keep on a configless node.
+SLURM_CONFS = ("/etc/slurm/slurm.conf", "/usr/local/etc/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+               "/run/slurm/conf/slurm.conf")
+
+
+def slurm_config() -> str | None:
+    """The configuration sbatch reads here, or None: without one it reaches no Slurm (its DNS SRV lookup
+    aside), so `check` does not start it."""
+    if os.environ.get("SLURM_CONF"):
+        return os.environ["SLURM_CONF"]
+    return next((path for path in SLURM_CONFS if os.path.exists(path)), None)
+
+
+def sbatch_version(sbatch: str) -> str:
+    """`slurm 22.05.8`: sbatch's own name for its release."""
+    out = subprocess.run([sbatch, "--version"], capture_output=True, text=True, timeout=TEST_ONLY_S)
+    return out.stdout.strip() or "slurm"
+
+
+def sbatch_test_only(sbatch: str, script: str) -> tuple[bool | None, str]:
+    """`sbatch --test-only` of a script (on its stdin): sbatch parses its #SBATCH lines and slurmctld says
+    whether and when the job would start; nothing is submitted. (True, the estimate), (False, sbatch's
+    words), or (None, its words) where it reached no Slurm, so nothing was checked."""
+    try:
+        out = subprocess.run([sbatch, "--test-only"], input=script, capture_output=True, text=True,
+                             timeout=TEST_ONLY_S)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer within {TEST_ONLY_S}s"
+    said = [line.strip() for line in (out.stderr + out.stdout).splitlines()
+            if line.strip() and not line.startswith('Try "sbatch --help"')]
+    words = "; ".join(said) or f"exit code {out.returncode}"
+    if out.returncode == 0:
+        return True, words
+    return (None if any(w in words for w in UNREACHED) else False), words
 
 
 class SlurmJob:
@@ -352,38 +515,93 @@ class SlurmProvider(Provider):
     def plan(self, task: Task) -> Plan:
         plan = super().plan(task)
         self._given_checkpoints[task.name] = bool(task.checkpoints.path)  # for the warning's words
-        slurm = slurm_placement(plan.placement).model_dump()  # every option, defaults too: the plan says them
+        options = slurm_placement(plan.placement)
+        # Every option, defaults too: the plan says them; those of sbatch's alone only where given, so the plan
+        # (and script) of a task without them is what it was.
+        slurm = options.model_dump(exclude={key for key in GIVEN_ONLY if getattr(options, key) in (None, False, [])})
         plan = plan.replace(placement=plan.placement.model_copy(update={"slurm": slurm}))
-        if plan.image:
-            try:
+        try:
+            self.check_passed(plan)
+            if plan.image:
                 check_contract_env(task, self.container_contract, self.name)
-            except BadInput as exc:
-                raise BadInput(f"{task.source}: {exc}") from None
+        except BadInput as exc:
+            raise BadInput(f"{task.source}: {exc}") from None
         return plan.replace(contract=self.container_contract) if plan.image else plan
 
     # ------------------------------------------------------------------ render
 
     def sbatch_options(self, plan: Plan) -> list[str]:
+        return [option for option, _ in self.sbatch_lines(plan)]
+
+    def sbatch_lines(self, plan: Plan, passed: bool = True) -> list[tuple[str, str]]:
+        """The script's #SBATCH options, each with where it comes from (the task's field, or why the script
+        sets it): the words of a conflict and of sbatch's refusal name it. `passed`: with placement.slurm.sbatch."""
         res, slurm = plan.resources, slurm_placement(plan.placement)
-        options = [f"--job-name={plan.name}", f"--nodes={plan.nodes}", "--ntasks-per-node=1"]
+        lines = [(f"--job-name={plan.name}", "name"), (f"--nodes={plan.nodes}", "nodes"),
+                 ("--ntasks-per-node=1", OWN["ntasks-per-node"])]
         if res.cpus:
-            options.append(f"--cpus-per-task={res.cpus}")
+            lines.append((f"--cpus-per-task={res.cpus}", "resources.cpus"))
         if slurm.gres:
-            options.append(f"--gres={slurm.gres}")
+            lines.append((f"--gres={slurm.gres}", "placement.slurm.gres"))
         elif plan.gpus_per_node:
             typed = f"{slurm.gpu_type}:" if slurm.gpu_type else ""
-            options.append(f"--gpus-per-node={typed}{plan.gpus_per_node}")
+            lines.append((f"--gpus-per-node={typed}{plan.gpus_per_node}", "resources.gpus"))
         if res.memory:
-            options.append(f"--mem={slurm_mem(res.memory)}")
-        options.append("--exclusive")  # Ray's fixed ports and the GPUs are the job's alone
+            lines.append((f"--mem={slurm_mem(res.memory)}", "resources.memory"))
+        lines.append(("--exclusive", OWN["exclusive"]))
         limit = self.time_limit(plan)
         if limit:
-            options.append(f"--time={_slurm_time(limit)}")
-        options += ["--output=%x-%j.out", "--export=ALL", "--requeue" if plan.placement.retry else "--no-requeue"]
-        for key in ("partition", "account", "qos", "constraint", "reservation"):
+            lines.append((f"--time={_slurm_time(limit)}",
+                          "placement.max_duration" if plan.placement.max_duration else "job.timeout, with the waits"))
+        lines.append((f"--output={slurm.output or DEFAULT_OUTPUT}",
+                      "placement.slurm.output" if slurm.output else OWN["output"]))
+        if slurm.error:
+            lines.append((f"--error={slurm.error}", "placement.slurm.error"))
+        lines += [("--export=ALL", OWN["export"]),
+                  ("--requeue" if plan.placement.retry else "--no-requeue", "placement.retry")]
+        for key in ("partition", "account", "qos", "constraint", "reservation", "nodelist"):
             if getattr(slurm, key):
-                options.append(f"--{key}={getattr(slurm, key)}")
-        return options
+                lines.append((f"--{key}={getattr(slurm, key)}", f"placement.slurm.{key}"))
+        if slurm.mail_type:
+            lines.append((f"--mail-type={','.join(slurm.mail_type)}", "placement.slurm.mail_type"))
+        if slurm.mail_user:
+            lines.append((f"--mail-user={slurm.mail_user}", "placement.slurm.mail_user"))
+        if slurm.overcommit:
+            lines.append(("--overcommit", "placement.slurm.overcommit"))
+        if passed:
+            lines += [(option, f"placement.slurm.sbatch[{i}]") for i, option in enumerate(slurm.sbatch)]
+        return lines
+
+    def check_passed(self, plan: Plan) -> None:
+        """placement.slurm.sbatch against the options the script sets itself (its render, not a list of
+        names): BadInput for one that sets what a rendered option sets, since sbatch takes the last
+        silently; for a prefix of a rendered option's name, which sbatch reads as that option
+        (getopt_long) or refuses as ambiguous; and for those that break what `launch` counts on."""
+        rendered = {_option_name(option): (option, where) for option, where in self.sbatch_lines(plan, passed=False)}
+        for i, item in enumerate(slurm_placement(plan.placement).sbatch):
+            name, field = _option_name(item), f"placement.slurm.sbatch[{i}]"
+            if name in LAUNCH_OWN:
+                raise BadInput(f"{field}: {item}: {LAUNCH_OWN[name]}")
+            if name == "chdir":
+                relative = [option for option, _ in rendered.values()
+                            if option.startswith(("--output=", "--error=")) and not option.split("=", 1)[1].startswith("/")]
+                if relative:
+                    raise BadInput(f"{field}: {item} moves the script's {relative[0]} (relative to the job's working "
+                                   f"directory), which launch follows in the submission directory; give "
+                                   f"placement.slurm.output and error absolute paths")
+            for own, (option, where) in rendered.items():
+                same = next((what for what, group in SAME_THING if name in group and own in group and name != own),
+                            None)
+                if name == own:
+                    why = "sbatch takes the later of the two, silently"
+                elif same:
+                    why = f"both set {same}"
+                elif own.startswith(name):
+                    why = (f"sbatch reads --{name}, which starts --{own}, as that option where no other one starts "
+                           f"so (getopt_long), and refuses it as ambiguous where one does")
+                else:
+                    continue
+                raise BadInput(f"{field}: {item} fights the script's own #SBATCH {option} ({_origin(where)}): {why}")
 
     @staticmethod
     def time_limit(plan: Plan) -> float | None:
@@ -424,8 +642,10 @@ class SlurmProvider(Provider):
 
     def script(self, plan: Plan) -> str:
         q = shlex.quote
-        container = slurm_placement(plan.placement).container
+        slurm = slurm_placement(plan.placement)
+        container = slurm.container
         engine = container if plan.image and container in ENGINES else None
+        output = (slurm.output or "<name>-<job id>.out") + (f" (its stderr: {slurm.error})" if slurm.error else "")
         names = plan.secrets + ([plan.token_env] if plan.token_env else [])
         token_hint = f"export {plan.token_env}=$(rlhf-tasks token {plan.name}); " if plan.token_env else ""
         lines = [
@@ -434,7 +654,7 @@ class SlurmProvider(Provider):
             f"#   {token_hint}sbatch {plan.name}.sbatch",
             "# or submit and follow it: rlhf-tasks launch TASK --provider slurm",
             f"# From the submitting environment (--export=ALL), never written here: {', '.join(names) or 'nothing'}",
-            "# Output: <name>-<job id>.out (this script), rlhf-tasks-<job id>/node<N>.out (the node agents)",
+            f"# Output: {output} (this script), rlhf-tasks-<job id>/node<N>.out (the node agents)",
             *(f"#SBATCH {option}" for option in self.sbatch_options(plan)),
             "set -euo pipefail",
             "",
@@ -523,18 +743,64 @@ class SlurmProvider(Provider):
     # ------------------------------------------------------------------ apply, status, down
 
     def ready(self, plan: Plan) -> None:
+        """The commands launch needs, and Slurm's own word on the script (sbatch --test-only), before anything
+        is written."""
+        self.can_submit(plan)
+        self.sbatch_test(plan)
+
+    def can_submit(self, plan: Plan) -> None:
         if plan.job.mode == "ray" and plan.job.submit == "client":
             raise BadInput("job.submit: `launch --provider slurm` follows the job the head submits; for a client "
                            "submission render the script, sbatch it, and forward the head's dashboard port (ssh -L)")
         for name in ("sbatch", "scontrol", "scancel"):
             _cli(name)
 
+    def ask_own_code(self, plan: Plan) -> list[str]:
+        return [self.sbatch_test(plan)]
+
+    def sbatch_test(self, plan: Plan) -> str:
+        """The script as Slurm's own sbatch takes it, where sbatch is installed here: `sbatch --test-only`
+        (its option parser over the #SBATCH lines, then slurmctld's answer: the partition, nodes, features and
+        GPUs exist, the limits hold). A refusal is BadInput with sbatch's words, naming the field of each line
+        without which sbatch does not refuse it; else the line `check` prints (what sbatch said, or why nothing
+        was checked: no sbatch, or no Slurm it reaches)."""
+        sbatch = shutil.which("sbatch")
+        name = f"{plan.name}.sbatch"
+        if sbatch is None:
+            return f"sbatch --test-only of {name}: not checked: sbatch is not on PATH here (it is on a login node)"
+        if slurm_config() is None:
+            return (f"sbatch --test-only of {name}: not checked: no Slurm configuration here for sbatch (SLURM_CONF, "
+                    f"{', '.join(SLURM_CONFS)})")
+        version, script = sbatch_version(sbatch), self.script(plan)
+        taken, words = sbatch_test_only(sbatch, script)
+        if taken:
+            return f"{version}'s sbatch --test-only takes {name}: {words}"
+        if taken is None:
+            return f"{version}'s sbatch --test-only of {name}: not checked: it reached no Slurm here ({words})"
+        blamed = []  # the lines without which sbatch does not refuse it: the passed ones first, then the fields'
+        for option, where in sorted(self.sbatch_lines(plan), key=lambda line: (
+                not line[1].startswith("placement.slurm.sbatch"), not line[1].startswith("placement.slurm"))):
+            without, _ = sbatch_test_only(sbatch, script.replace(f"\n#SBATCH {option}\n", "\n", 1))
+            if without is not False:
+                blamed.append((option, where))
+            if without is None:  # its parser took the rest, and no Slurm answers (each try waits MessageTimeout)
+                break
+        fields = [where for _, where in blamed if not where.startswith("the script")] or ["placement.slurm"]
+        without = (" (it does not refuse it without #SBATCH " + ", nor without ".join(option for option, _ in blamed)
+                   + ")" if blamed else f" (its #SBATCH lines: {' '.join(self.sbatch_options(plan))})")
+        raise BadInput(f"{', '.join(dict.fromkeys(fields))}: {version}'s sbatch --test-only refuses {name}: "
+                       f"{words}{without}")
+
     def apply(self, plan: Plan, secrets: dict[str, str]) -> Cluster:
         """sbatch; the handle reads the agents' output on the shared filesystem and Slurm's
         record of the job (its state while it waits, its exit code at the end)."""
-        self.ready(plan)
+        self.can_submit(plan)  # the launcher asked sbatch --test-only before (ready)
         sbatch = _cli("sbatch")
         directory, token, env = self.stage(plan, secrets)
+        slurm = slurm_placement(plan.placement)
+        for pattern in (slurm.output, slurm.error):  # Slurm opens them in a directory that must be there
+            if pattern and "/" in pattern:
+                (directory / pattern.rpartition("/")[0]).mkdir(parents=True, exist_ok=True)
         out = subprocess.run([sbatch, "--parsable", f"{plan.name}.sbatch"], cwd=directory, env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:
@@ -547,9 +813,11 @@ class SlurmProvider(Provider):
         say(f"submitted Slurm job {job_id} ({directory / (plan.name + '.sbatch')})")
         job = SlurmJob(job_id)
         run_dir = run_dir_of(directory, job_id)
+        script_logs = [filename(pattern, plan.name, job_id, directory)
+                       for pattern in (slurm.output or DEFAULT_OUTPUT, slurm.error) if pattern]
         return Cluster(name=plan.name, cluster_id=job_id, token=token, head_alive=job.running,
                        node_logs=[str(run_dir / f"node{rank}.out") for rank in range(plan.nodes)]
-                       + [str(directory / f"{plan.name}-{job_id}.out")],
+                       + [str(path) for path in script_logs if path],
                        tend=job.changes, describe=job.describe)
 
     def status(self, name: str) -> str | None:
