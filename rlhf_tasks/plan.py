@@ -153,14 +153,12 @@ def gpu_vendor(gpu_name: str | None) -> Literal["amd", "nvidia"] | None:
 
 
 def accelerator_env(gpu_name: str | None, gpus_per_node: int) -> dict[str, str]:
-    """The ROCm preset for AMD GPUs: HIP_VISIBLE_DEVICES for the node's GPUs (Ray 2.60
-    refuses a node where only ROCR_VISIBLE_DEVICES is set, as Slurm sets it for AMD
-    GPUs; HIP's indices count within ROCR's selection, which is left to the scheduler)
-    and the RCCL settings above. Nothing for NVIDIA: the scheduler's
-    CUDA_VISIBLE_DEVICES stands."""
+    """The ROCm preset for AMD GPUs: the RCCL settings above. Nothing for NVIDIA. The variables
+    that choose the node's GPUs are the node agent's to set (raynode.visible_devices_env): only the
+    node knows what its scheduler chose."""
     if gpu_vendor(gpu_name) != "amd" or gpus_per_node < 1:
         return {}
-    return {"HIP_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus_per_node)), **ROCM_ENV}
+    return dict(ROCM_ENV)
 
 
 # ------------------------------------------------------------------ the plan
@@ -337,6 +335,8 @@ class Plan(StrictModel):
     keep_cluster: bool = False           # the head stays up after the job, until `rlhf-tasks down`
     nodes: int
     gpus_per_node: int
+    #: Whose GPUs the nodes have: on AMD's the agent sets the visible-device variables ROCm's readers need.
+    gpu_vendor: Literal["amd", "nvidia"] | None = None
     contract: Contract
     network: str
     network_env: dict[str, str]
@@ -478,6 +478,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         provider=provider,
         nodes=task.nodes,
         gpus_per_node=task.resources.gpus_per_node,
+        gpu_vendor=gpu_vendor(task.resources.gpu_name) if task.resources.gpus_per_node else None,
         contract=contract,
         network=task.network,
         network_env=presets[task.network],

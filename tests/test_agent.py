@@ -766,3 +766,48 @@ def test_a_ray_the_agent_did_not_start_is_left_running_at_its_end():
         ray = StartedRay("127.0.0.1", gcs.getsockname()[1])
         raynode.stop_ray(ray)
         assert ray.alive()
+
+
+def test_amd_nodes_name_their_gpus_in_the_one_variable_ray_torch_and_verl_read(monkeypatch):
+    """Ray's own AMD detection (AMDGPUAcceleratorManager, Ray 2.60) and torch's ROCm parsing
+    (torch.cuda._parse_visible_devices, as a ROCm build runs it) on the environment the agent gives
+    Ray: Slurm's ROCR_VISIBLE_DEVICES alone makes Ray refuse the node; the agent's HIP_VISIBLE_DEVICES
+    names the same GPUs, and neither ROCR's nor CUDA's is left for verl to refuse in a worker."""
+    import torch
+    from ray._private.accelerators.amd_gpu import AMDGPUAcceleratorManager as AMD
+
+    def ray_sees(env: dict) -> list[str] | None:
+        for key in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        return AMD.get_current_process_visible_accelerator_ids()
+
+    plan = plan_for("slurm", resources={"gpus": "MI300X:4"}, env={"NCCL_PROTO": "LL"})
+    info = NodeInfo(0, 3, "10.0.0.1", "10.0.0.1")
+    slurm = {"RAY_AUTH_TOKEN": "t", "ROCR_VISIBLE_DEVICES": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    with pytest.raises(RuntimeError, match="Please use HIP_VISIBLE_DEVICES instead of ROCR_VISIBLE_DEVICES"):
+        ray_sees({"ROCR_VISIBLE_DEVICES": "4,5,6,7"})  # what Slurm alone gives a node
+    env = node_env(plan, info, slurm)
+    assert env["HIP_VISIBLE_DEVICES"] == "4,5,6,7" and env["NCCL_PROTO"] == "LL"
+    assert "ROCR_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env  # verl refuses either beside HIP's
+    assert ray_sees(env) == ["4", "5", "6", "7"]
+    AMD.set_current_process_visible_accelerator_ids(["6"])  # what Ray does for a worker given one GPU
+    assert os.environ["HIP_VISIBLE_DEVICES"] == "6" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    monkeypatch.setattr(torch.version, "hip", "6.3.42131")  # torch's code as a ROCm build takes this path
+    assert torch.cuda._parse_visible_devices() == [6]
+    ray_sees(env)
+    assert torch.cuda._parse_visible_devices() == [4, 5, 6, 7]
+
+    # HIP's counts within ROCR's where a node sets both: the host's GPUs, in one variable
+    assert node_env(plan, info, {**slurm, "HIP_VISIBLE_DEVICES": "1,3"})["HIP_VISIBLE_DEVICES"] == "5,7"
+    with pytest.raises(AgentError, match="HIP_VISIBLE_DEVICES=0,4 does not pick from ROCR_VISIBLE_DEVICES=4,5"):
+        node_env(plan, info, {"RAY_AUTH_TOKEN": "t", "ROCR_VISIBLE_DEVICES": "4,5", "HIP_VISIBLE_DEVICES": "0,4"})
+    # CUDA's alone (HIP reads it where its own is unset), or nothing: the node's first GPUs
+    assert node_env(plan, info, {"RAY_AUTH_TOKEN": "t", "CUDA_VISIBLE_DEVICES": "2,3"})["HIP_VISIBLE_DEVICES"] == "2,3"
+    assert ray_sees(node_env(plan, info, {"RAY_AUTH_TOKEN": "t"})) == ["0", "1", "2", "3"]
+    # the task's own env wins; NVIDIA nodes keep their scheduler's CUDA_VISIBLE_DEVICES untouched
+    own = plan_for("slurm", resources={"gpus": "MI300X:4"}, env={"HIP_VISIBLE_DEVICES": "0"})
+    assert node_env(own, info, slurm)["HIP_VISIBLE_DEVICES"] == "0"
+    nvidia = node_env(plan_for("slurm", resources={"gpus": "H100:4"}), info, {"RAY_AUTH_TOKEN": "t", "CUDA_VISIBLE_DEVICES": "1"})
+    assert nvidia["CUDA_VISIBLE_DEVICES"] == "1" and "HIP_VISIBLE_DEVICES" not in nvidia

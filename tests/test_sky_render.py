@@ -243,3 +243,18 @@ def test_placement_backends_slurm_selects_skypilots_slurm_infra(tmp_path, monkey
         **{k: v for k, v in config["resources"].items() if k != "any_of"}, "infra": "slurm"}}).resources
     assert parsed.infra.to_str() == "slurm" and str(parsed.cloud) == "Slurm", parsed
     assert parsed.to_yaml_config() == by_flag.to_yaml_config()
+
+
+def test_an_amd_image_gets_its_gpus_in_skypilots_container(tmp_path, monkeypatch):
+    """SkyPilot's docker run gives a container NVIDIA's GPUs only (sky/provision/docker_utils.py,
+    DockerInitializer._configure_runtime): an AMD task's image gets the devices and options of verl's AMD
+    script through docker.run_options, as SkyPilot's own Task.from_yaml_config reads them."""
+    from test_sizes import _sky_resources, render, task
+
+    _, _, files = render("sky", task({"gpus": "MI300X:8", "shm_size": "64GiB"}, image="rocm/verl:1"))
+    parsed = _sky_resources(files, tmp_path, monkeypatch)
+    assert parsed.cluster_config_overrides["docker"]["run_options"] == [
+        "--shm-size=64g", "--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--cap-add=SYS_PTRACE",
+        "--security-opt=seccomp=unconfined"]
+    for other in (task({"gpus": "H100:8"}, image="verlai/verl:1"), task({"gpus": "MI300X:8"})):  # NVIDIA; no image
+        assert "config" not in yaml.safe_load(render("sky", other)[2]["t.sky.yaml"])

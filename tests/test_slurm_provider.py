@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -416,6 +417,68 @@ def test_down_stops_the_podman_containers(slurm, tmp_path, podman_image):
     no_containers(slurm, podman_image)  # already: down returns once the job (and its clean-up step) ended
     assert launch.wait(120) == 1
     no_strays(slurm)
+
+
+#: A mount namespace of the test's own where the AMD GPU's devices exist (this machine has none): the
+#: host's /dev under a tmpfs that adds /dev/kfd, /dev/dri and /dev/infiniband as device nodes.
+AMD_DEVICES = """set -e
+mount --make-rprivate /
+mount --rbind /dev "$host_dev"
+mount -t tmpfs tmpfs /dev
+for name in null zero full random urandom tty; do touch "/dev/$name"; mount --bind "$host_dev/$name" "/dev/$name"; done
+mkdir /dev/shm /dev/pts /dev/dri /dev/infiniband
+mount --bind "$host_dev/shm" /dev/shm
+mknod /dev/kfd c 1 3
+mknod /dev/dri/renderD128 c 1 5
+mknod /dev/infiniband/uverbs0 c 1 7
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("privileged", [False, True])
+def test_podman_takes_the_amd_lines_as_verls_amd_script_runs_them(privileged, tmp_path):
+    """The podman variant's lines for an AMD task (tasks/verl-ppo-gsm8k-mi300x.yaml), as podman reads them:
+    the rendered `podman run` options, expanded by bash as the script is, given to `podman create` (run's
+    options) in a store of the test's own, and the container inspected: verl's AMD script's devices, group,
+    capability and seccomp, and --privileged where the site opts in (placement.slurm.privileged)."""
+    for tool in ("podman", "unshare", "mknod"):
+        need(shutil.which(tool) is not None, f"{tool} (apt-get install podman util-linux coreutils)")
+    need(os.geteuid() == 0, "root, to make the GPU's device nodes in a mount namespace")
+    from rlhf_tasks import providers
+    from rlhf_tasks.spec import parse_task
+
+    data = yaml.safe_load((ROOT / "tasks" / "verl-ppo-gsm8k-mi300x.yaml").read_text())
+    data["checkpoints"]["path"] = str(tmp_path / "ckpt")
+    data["placement"]["slurm"] = {"container": "podman", "privileged": privileged}
+    provider = providers.get("slurm")
+    (script,) = provider.render(provider.plan(parse_task(data))).values()
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("podman run --rm --init"))
+    end = lines.index(f"    {shlex.quote(data['image'])} \\")
+    options = "\n".join(lines[start:end]).replace("podman run", "podman create", 1)
+    for sub in ("rootfs/etc", "run", "ckpt", "host_dev"):
+        (tmp_path / sub).mkdir(parents=True)
+    (tmp_path / "rootfs" / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
+    (tmp_path / "storage.conf").write_text(
+        f'[storage]\ndriver = "vfs"\ngraphroot = "{tmp_path}/storage"\nrunroot = "{tmp_path}/runroot"\n')
+    (tmp_path / "containers.conf").write_text('[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n'
+                                              'events_logger = "file"\n')
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "CONTAINERS_STORAGE_CONF": str(tmp_path / "storage.conf"),
+           "CONTAINERS_CONF": str(tmp_path / "containers.conf"), "host_dev": str(tmp_path / "host_dev"),
+           "run_dir": str(tmp_path / "run"), "container": "amd-lines"}
+    create = (AMD_DEVICES + options + f"\n    --rootfs {tmp_path}/rootfs true >/dev/null\n"
+              "podman inspect --format '{{json .HostConfig}}' amd-lines\npodman rm amd-lines >/dev/null\n")
+    made = subprocess.run(["unshare", "--mount", "bash", "-c", create], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert made.returncode == 0, made.stderr
+    host = json.loads(made.stdout)
+    assert host["SecurityOpt"] == ["seccomp=unconfined"] and host["GroupAdd"] == ["video"], host
+    # --privileged has every capability: podman then lists none as added
+    assert (host["Privileged"], host["CapAdd"]) == ((True, []) if privileged else (False, ["CAP_SYS_PTRACE"]))
+    # the task's 128GB /dev/shm, in the container's own IPC namespace (podman refuses the size with the host's)
+    assert (host["NetworkMode"], host["IpcMode"], host["ShmSize"]) == ("host", "shareable", 128 * 10**9)
+    devices = {d["PathInContainer"] for d in host["Devices"]}  # --privileged: the host's, all of them, at start
+    assert devices == (set() if privileged else {"/dev/kfd", "/dev/dri/renderD128", "/dev/infiniband/uverbs0"})
 
 
 # A cluster whose Slurm tracks a task by its process group only (proctrack/pgid): the

@@ -293,12 +293,19 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine, tmp_p
     words = step.split()
     run = words.index(engine)
     assert words[run:run + 4] == [engine, "run", "--rm", "--init"]
-    for option in ("--network=host", "--ipc=host", "--shm-size=125000000k", "--device=/dev/kfd", "--device=/dev/dri",
-                   "--group-add=video", "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES",
-                   "--env=HIP_VISIBLE_DEVICES", "--env=NCCL_IB_HCA", '--volume="$run_dir":"$run_dir"',
-                   '--volume="$job_dir":"$job_dir"', '--workdir="$job_dir"'):
+    for option in ("--network=host", "--shm-size=125000000k", "--device=/dev/kfd", "--device=/dev/dri",
+                   "--group-add=video", "--cap-add=SYS_PTRACE", "--security-opt=seccomp=unconfined",
+                   "--device=/dev/infiniband", "--env=ROCR_VISIBLE_DEVICES", "--env=NCCL_IB_HCA",
+                   '--volume="$run_dir":"$run_dir"', '--volume="$job_dir":"$job_dir"', '--workdir="$job_dir"'):
         assert option in words, option
-    assert "--env=CUDA_VISIBLE_DEVICES" not in words
+    # the scheduler's choice goes in; the agent turns it into HIP_VISIBLE_DEVICES there (test_agent.py)
+    assert "--env=CUDA_VISIBLE_DEVICES" not in words and "--env=HIP_VISIBLE_DEVICES" not in words
+    assert "--privileged" not in words  # the site's opt-in
+    assert "--ipc=host" not in words  # podman refuses it beside --shm-size; the host's /dev/shm where no size is given
+    unsized = {**data, "resources": {k: v for k, v in data["resources"].items() if k != "shm_size"}}
+    assert "--ipc=host" in srun_step(render(unsized)).split() and "--shm-size" not in srun_step(render(unsized))
+    privileged = srun_step(render({**data, "placement": {"slurm": {"container": engine, "privileged": True}}}))
+    assert "--privileged" in privileged.split()
     # The image's own PYTHONPATH is kept: the agent runs by its path and puts lib/ before the image's
     # entries for what it starts (issue 32, item 3); no option sets the container's PYTHONPATH.
     assert not [w for w in words if w.startswith("--env=PYTHONPATH")], step
@@ -310,6 +317,7 @@ def test_docker_and_podman_wrap_the_agent_as_verls_amd_script_does(engine, tmp_p
     nvidia = srun_step(render(task_data(IMAGE_TASK, container=engine)))
     assert ("--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all") in nvidia.split()
     assert "--env=CUDA_VISIBLE_DEVICES" in nvidia.split() and "/dev/kfd" not in nvidia
+    assert "SYS_PTRACE" not in nvidia and "seccomp" not in nvidia
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
@@ -414,13 +422,14 @@ def test_amd_gpus_get_the_rocm_preset():
         "amd", "amd", "amd", "amd", "nvidia", "nvidia", None]
     provider = providers.get("slurm")
     amd = provider.plan(parse_task({**FULL, "resources": {"gpus": "MI300X:8"}}))
-    assert amd.env["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert amd.gpu_vendor == "amd"  # the agent names the node's GPUs (raynode.amd_visible_devices)
     assert {k: amd.env[k] for k in ROCM_ENV} == ROCM_ENV and amd.env["NCCL_DEBUG"] == "INFO"
-    assert "ROCR_VISIBLE_DEVICES" not in amd.env  # the scheduler's choice of GPUs stands
+    assert not {"HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(amd.env)
     overridden = provider.plan(parse_task({**FULL, "resources": {"gpus": "MI250:4"}, "env": {"NCCL_PROTO": "LL"}}))
-    assert overridden.env["NCCL_PROTO"] == "LL" and overridden.env["HIP_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert overridden.env["NCCL_PROTO"] == "LL"
     nvidia = provider.plan(parse_task(FULL))
-    assert not set(nvidia.env) & ({"HIP_VISIBLE_DEVICES"} | set(ROCM_ENV))
+    assert nvidia.gpu_vendor == "nvidia" and not set(nvidia.env) & set(ROCM_ENV)
+    assert provider.plan(parse_task({**FULL, "resources": {"gpus": "8"}})).gpu_vendor is None  # a bare count
     infiniband = provider.plan(parse_task({**FULL, "network": "infiniband"}))
     assert infiniband.network_env == {"NCCL_SOCKET_IFNAME": "{iface}", "GLOO_SOCKET_IFNAME": "{iface}",
                                       "NCCL_IB_DISABLE": "0"}  # HCA names stay the task's
@@ -444,6 +453,9 @@ def test_amd_gpus_get_the_rocm_preset():
     ({"placement": {"slurm": {"sbatch": ["--comment=a b"]}}}, "placement.slurm.sbatch[0]: '--comment=a b'"),
     ({"placement": {"slurm": {"sbatch": ["--comment=x\n#SBATCH --uid=0"]}}}, "placement.slurm.sbatch[0]"),
     ({"placement": {"slurm": {"sbatch": "--mem=0"}}}, "placement.slurm.sbatch"),
+    ({"image": "x", "placement": {"slurm": {"privileged": True}}}, "placement.slurm.privileged"),
+    ({"placement": {"slurm": {"container": "podman", "privileged": True}}}, "placement.slurm.container"),
+    ({"placement": {"slurm": {"privileged": "yes please"}}}, "placement.slurm.privileged"),
     ({"job": {"recipe": "torchrun", "submit": "client", "args": {"module": "m"}}}, "job.submit"),
     ({"job": {"recipe": "torchrun", "args": {"module": "m", "script": "/s.py"}}}, "job.args"),
 ])

@@ -37,6 +37,32 @@ def network_env(preset: Dict[str, str], info: NodeInfo) -> Dict[str, str]:
     return env
 
 
+#: The variables that choose a node's AMD GPUs. Ray 2.60 reads and sets only HIP's (ray/_private/accelerators/
+#: amd_gpu.py, AMDGPUAcceleratorManager): it refuses a node where ROCR's is set without it, and gives each worker
+#: its GPUs in HIP's. torch's ROCm build reads HIP's before CUDA's, within ROCR's selection (torch/cuda/__init__.py,
+#: _parse_visible_devices). verl refuses a worker where ROCR's is set beside HIP's or CUDA's, and one whose CUDA's
+#: is not the HIP's Ray gave it (verl/single_controller/base/worker.py, _setup_env_cuda_visible_devices, 0.4.1 on).
+HIP_DEVICES, ROCR_DEVICES, CUDA_DEVICES = "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
+
+
+def amd_visible_devices(base: Dict[str, str], gpus: Optional[int]) -> Optional[str]:
+    """HIP_VISIBLE_DEVICES for an AMD node, the GPUs its scheduler chose, in the host's terms: ROCR's
+    list (what a batch scheduler sets for AMD GPUs), picked by HIP's where both are set (HIP's then
+    counts within ROCR's); else HIP's, else CUDA's (which HIP reads where its own is unset; a scheduler
+    that names no GPU library sets it too); else the node's first `gpus`. None: no GPUs to name."""
+    rocr, hip, cuda = ([d.strip() for d in base[k].split(",")] if base.get(k) else None
+                       for k in (ROCR_DEVICES, HIP_DEVICES, CUDA_DEVICES))
+    if rocr and hip:
+        if not all(d.isdigit() and int(d) < len(rocr) for d in hip):
+            raise AgentError("choosing the node's GPUs", "%s=%s does not pick from %s=%s (it counts within it)"
+                             % (HIP_DEVICES, base[HIP_DEVICES], ROCR_DEVICES, base[ROCR_DEVICES]), code=2)
+        return ",".join(rocr[int(d)] for d in hip)
+    chosen = rocr or hip or cuda
+    if chosen:
+        return ",".join(chosen)
+    return ",".join(str(i) for i in range(gpus)) if gpus else None
+
+
 #: Health checks a silent node fails in a row before Ray's GCS declares it dead.
 HEALTH_CHECK_MISSES = 3
 
@@ -75,6 +101,12 @@ def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]
     # The preset fills what the node's environment leaves unset (an image or a machine that
     # sets NCCL_SOCKET_IFNAME knows its network); the task's env wins over both.
     env.update({k: v for k, v in network_env(plan["network_env"], info).items() if not base.get(k)})
+    if plan.get("gpu_vendor") == "amd":  # one variable names the GPUs, for Ray, torch and verl alike
+        devices = amd_visible_devices(base, plan.get("gpus_per_node") or info.gpus)
+        for key in (ROCR_DEVICES, CUDA_DEVICES):
+            env.pop(key, None)
+        if devices is not None:
+            env[HIP_DEVICES] = devices
     env.update(plan.get("env", {}))
     if info.rank == 0:  # the GCS runs there; a value the node or the task sets wins
         env.update({k: v for k, v in health_check_env(plan.get("wait", {}).get("node_silence_s")).items() if k not in env})

@@ -470,6 +470,14 @@ class Provider:
 DOCKER_UNITS = (("g", 2**30), ("m", 2**20), ("k", 2**10), ("b", 1))
 
 
+#: What `docker run`/`podman run` needs for AMD GPUs, as verl's AMD script (docs/amd_tutorial/
+#: amd_build_dockerfile_page.rst) and ROCm's container guide run them: the devices (/dev/kfd, the compute
+#: interface; /dev/dri, a node per GPU) and their group; ptrace for debuggers and py-spy (Ray's stack traces);
+#: no seccomp filter, which ROCm recommends on HPC nodes (numactl's memory-policy calls).
+AMD_CONTAINER_OPTIONS = ("--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--cap-add=SYS_PTRACE",
+                         "--security-opt=seccomp=unconfined")
+
+
 def docker_size(size: str) -> str:
     """A task's size as `docker run --shm-size` / `podman run --shm-size` takes it, the same bytes: `64GiB` ->
     `64g`, `128GB` -> `125000000k`."""

@@ -46,8 +46,8 @@ from ..models import StrictModel, size_bytes, size_text
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task, gpu_gb, gpu_parts
-from .base import (Cluster, Option, Provider, Retries, Sharing, docker_size, end_process, hold_forward, require_cli,
-                   stop_with_cli)
+from .base import (AMD_CONTAINER_OPTIONS, Cluster, Option, Provider, Retries, Sharing, docker_size, end_process,
+                   hold_forward, require_cli, stop_with_cli)
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -487,8 +487,12 @@ class SkyProvider(Provider):
             ckpt = shlex.quote(plan.checkpoint_dir)
             setup.append(f"mkdir -p {ckpt} 2>/dev/null || "
                          f"{{ sudo mkdir -p {ckpt} && sudo chown \"$(id -u):$(id -g)\" {ckpt}; }}")
-        if res.shm_size and plan.image:  # SkyPilot's own --shm-size guess is skipped when one is given
-            config["config"] = {"docker": {"run_options": [f"--shm-size={docker_size(res.shm_size)}"]}}
+        # SkyPilot's own --shm-size guess is skipped when one is given; its docker run gives a container NVIDIA's
+        # GPUs only (sky/provision/docker_utils.py, DockerInitializer._configure_runtime): AMD's are ours to pass
+        run_options = ([f"--shm-size={docker_size(res.shm_size)}"] if res.shm_size else []) + (
+            list(AMD_CONTAINER_OPTIONS) if plan.gpu_vendor == "amd" else [])
+        if run_options and plan.image:
+            config["config"] = {"docker": {"run_options": run_options}}
         config["setup"] = "\n".join(setup) + "\n"
         leaked = [f"export {k}={shlex.quote(plan.env[k])}" if k in plan.env else f"unset {k}" for k in LEAKED_ENV]
         config["run"] = (f"# SkyPilot's runner exports {' '.join(LEAKED_ENV)} for its own Ray, and its job passes them "

@@ -62,7 +62,7 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, did_you_mean, size_bytes, size_text
 from ..plan import Contract, Plan, check_contract_env, command, env, gpu_vendor
 from ..spec import Placement, Task, provider_part
-from .base import Cluster, Provider, Sharing, docker_size
+from .base import AMD_CONTAINER_OPTIONS, Cluster, Provider, Sharing, docker_size
 from .shipping import AGENT, heredoc, module_files
 
 HOSTS_ENV = "RLHF_TASKS_HOSTS"
@@ -183,6 +183,9 @@ class SlurmPlacement(StrictModel):
         "more #SBATCH options, each one item --NAME[=VALUE] in sbatch's long form (e.g. --mail-type=FAIL, "
         "--mem=0); refused when it fights an option the script sets, and by sbatch --test-only where sbatch "
         "is installed"))
+    privileged: bool = Field(False, description=(
+        "docker/podman: run each node's container with --privileged (every device and capability of the host), "
+        "as verl's AMD script does, for a site whose GPUs or network need it"))
 
     @field_validator("partition", "account", "qos", "constraint", "reservation", "gres", "gpu_type", "nodelist",
                      "output", "error", "mail_user")
@@ -236,8 +239,9 @@ SAME_THING = (
     ("whether Slurm requeues the job", {"requeue", "no-requeue"}),
     ("the job's hosts", {"nodelist", "nodefile"}),
 )
-#: The options of placement.slurm that are sbatch's alone: in the plan only where the task gives them.
-GIVEN_ONLY = ("nodelist", "output", "error", "mail_type", "mail_user", "overcommit", "sbatch")
+#: The options of placement.slurm a task seldom gives (sbatch's own, and --privileged): in the plan only where the task
+#: gives them, so a task without them plans as before.
+GIVEN_ONLY = ("nodelist", "output", "error", "mail_type", "mail_user", "overcommit", "sbatch", "privileged")
 #: Options that break what `launch` counts on, whatever the script sets.
 LAUNCH_OWN = {
     "array": "the script is one job holding one cluster; an array would start one cluster per task",
@@ -463,6 +467,10 @@ class SlurmProvider(Provider):
         slurm = slurm_placement(task.placement)
         if not task.image and slurm.container != "pyxis":
             raise BadInput(f"placement.slurm.container: {slurm.container} runs the task's image; the task has no image")
+        if slurm.privileged and (not task.image or slurm.container not in ENGINES):
+            raise BadInput(f"placement.slurm.privileged: docker and podman run a container privileged "
+                           f"(placement.slurm.container: docker or podman, with the task's image); "
+                           f"{'the task has no image' if not task.image else 'pyxis runs the image in the Slurm step'}")
         if not task.image and slurm.mounts:
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
         if slurm.gpu_type and slurm.gres:
@@ -621,16 +629,23 @@ class SlurmProvider(Provider):
                     [f"--container-workdir={workdir}"]]
         engine = slurm.container
         lines = [["bash", '"$run_dir/container.sh"', '"$container"'],  # stops the container when the task ends
-                 [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host", "--ipc=host"]]
+                 [engine, "run", "--rm", "--init", '--name="$container"'], ["--network=host"]]
+        # The task's /dev/shm in a namespace of the container's own, as verl's AMD script sizes it; else the host's.
+        # Not both: podman refuses --shm-size with --ipc=host (libpod: "cannot set shmsize when running in the
+        # host IPC Namespace"), and docker ignores the size there.
         if plan.resources.shm_size:
             lines[-1].append(f"--shm-size={docker_size(plan.resources.shm_size)}")
+        else:
+            lines[-1].append("--ipc=host")
         vendor = gpu_vendor(plan.resources.gpu_name) if plan.gpus_per_node else None
-        if vendor == "amd":
-            lines.append(["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"])
+        if vendor == "amd":  # as verl's AMD script and ROCm's container guide run them
+            lines += [list(AMD_CONTAINER_OPTIONS[:3]), list(AMD_CONTAINER_OPTIONS[3:])]
         elif vendor == "nvidia":
             lines.append(["--gpus=all" if engine == "docker" else "--device=nvidia.com/gpu=all"])
         if plan.network == "infiniband":
             lines.append(["--device=/dev/infiniband", "--ulimit=memlock=-1:-1"])
+        if slurm.privileged:
+            lines.append(["--privileged"])
         names = [*CONTRACT_VARS, *([GPU_SELECTION_VAR[vendor]] if vendor else []), *plan.secrets,
                  *([plan.token_env] if plan.token_env else []), *plan.env]
         lines += [[f"--env={name}"] for name in dict.fromkeys(names)]
