@@ -239,8 +239,8 @@ SAME_THING = (
     ("whether Slurm requeues the job", {"requeue", "no-requeue"}),
     ("the job's hosts", {"nodelist", "nodefile"}),
 )
-#: The options of placement.slurm a task seldom gives (sbatch's own, and --privileged): in the plan only where the task
-#: gives them, so a task without them plans as before.
+#: The options of placement.slurm a task seldom gives (sbatch's own, and --privileged): in the plan only
+#: where the task gives them, so a task without them plans as before.
 GIVEN_ONLY = ("nodelist", "output", "error", "mail_type", "mail_user", "overcommit", "sbatch", "privileged")
 #: Options that break what `launch` counts on, whatever the script sets.
 LAUNCH_OWN = {
