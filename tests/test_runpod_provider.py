@@ -629,6 +629,28 @@ def test_the_cap_counts_what_runpod_bills_the_pods_or_the_catalog_where_it_gives
         provider.down(plan.name)
 
 
+def test_the_catalogs_price_fills_in_only_the_pods_runpod_gives_no_cost_and_the_head_says_what_it_reads():
+    from rlhf_tasks.agent.budget import machine_price
+    from rlhf_tasks.providers.runpod.pods import billed, head_counts
+    from rlhf_tasks.providers.runpod.render import MACHINE_PRICE
+
+    pods = [{"name": "h", "cost": 0.5}, {"name": "w1", "cost": 0.0}, {"name": "w2"}]
+    assert billed(pods, 0.4) == (1.3, "RunPod gives no cost for w1, w2: counted at the catalog's $0.40/h per pod, "
+                                      "$1.30/h for the 3 pod(s) (the catalog's list price: $1.20/h)")
+    assert billed(pods, None)[0] is None
+    assert head_counts([{"cost": 0.5}, {"cost": 0.6}], 1.1) == (
+        "the head counts its own pod's cost for each of the 2 pods, $1.00/h, not their sum $1.10/h (its pod-scoped "
+        "key reads only its pod)")
+    assert head_counts([{"cost": 0.5}, {"cost": 0.5}], 1.0) is None
+    budget = {"machine_price": MACHINE_PRICE.model_dump(), "price_per_hour": 1.2}
+    assert machine_price(budget, 3, {}) == (1.2, "budget: cannot read RunPod's `cost` of this pod (not set here: "
+                                                 "RUNPOD_API_KEY, RUNPOD_POD_ID): counting the plan's $1.20/h")
+    price, said = machine_price(budget, 3, {"RUNPOD_API_URL": "http://127.0.0.1:9/v2", "RUNPOD_POD_ID": "p",
+                                            "RUNPOD_API_KEY": "pod-key-7f3a9c"}, deadline_s=0)
+    assert price == 1.2 and said.startswith("budget: could not read RunPod's `cost` of this pod (connection to ") \
+        and said.endswith("refused): counting the plan's $1.20/h") and "pod-key-7f3a9c" not in said
+
+
 def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, home, capsys):
     """RunPod: `dataCenterIds` are preferences, and a create "places one specific GPU type. It does
     not search for capacity": one create per candidate, on to the next on 400 (no capacity) or
