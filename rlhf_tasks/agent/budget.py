@@ -96,10 +96,11 @@ class Spend(object):
 
 
 def machine_price(budget: dict, nodes: int, env: Optional[dict] = None,
-                  deadline_s: float = 20.0) -> "tuple[Optional[float], str]":
+                  deadline_s: float = 10.0) -> "tuple[Optional[float], str]":
     """The cluster's price per hour as the provider bills this machine, read once it runs where the plan says
-    (budget.machine_price: a rented machine's own record), times the nodes (every node is the same machine); or the plan's
-    price_per_hour where the provider does not say it. With the line for the head's log that says which."""
+    (budget.machine_price: a rented machine's own record), times the nodes (every node is the same machine); or
+    the plan's price_per_hour where the provider does not say it (a 429 or 5xx asked again for deadline_s; no
+    answer, asked once). With the line for the head's log that says which."""
     from .ending import fill
     from .protocol import http_request
 
@@ -118,7 +119,8 @@ def machine_price(budget: dict, nodes: int, env: Optional[dict] = None,
         try:
             status, body = http_request(url, "GET", None, headers, timeout=10.0)
             if status < 400:
-                value = json.loads(body).get(rule["field"])
+                answer = json.loads(body)
+                value = answer.get(rule["field"]) if isinstance(answer, dict) else None
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                     price = round(value * nodes, 4)
                     return price, "budget: counting %s, $%.4f/h, for each of the %d nodes: $%.2f/h%s" % (
@@ -128,8 +130,9 @@ def machine_price(budget: dict, nodes: int, env: Optional[dict] = None,
             why = "HTTP %d" % status
             if status < 500 and status != 429:
                 break
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # no answer, or not JSON: asked once (the head waits for nothing)
             why = str(exc)
+            break
         if time.monotonic() >= deadline:
             break
         time.sleep(1.0)
