@@ -228,7 +228,9 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
         return None
     bound = None if neutral or not price else provider.price_bound
     heard = f"; {bound} ${price / plan.nodes:.2f}/h per node" if bound else ""
+    launch_price = None if neutral else provider.launch_price
     counted = (f"; the head counts {source} where it prices the offers" if source else
+               f"; the head counts {launch_price} where it prices them, else this price" if launch_price else
                "; the head counts this price, not the provider's") if bound else ""
     words = [f"${price:.2f}/h for the cluster (placement.price_per_hour{heard}{counted})" if price is not None else
              f"the price per hour comes from {source}" if source else

@@ -290,6 +290,18 @@ class JobPlan(StrictModel):
     stall_timeout_s: float | None = None
 
 
+class MachinePrice(StrictModel):
+    """A GET a node sends about its own machine: `url` a template whose `{VAR}` come from the node's environment
+    (`defaults` when unset), `bearer_env` the variable with the token, `field` the answer's JSON number of US
+    dollars per hour. Data, so the agent names no provider; every node of the plan is the same machine."""
+
+    url: str
+    defaults: dict[str, str] = {}
+    bearer_env: str | None = None
+    field: str
+    what: str                             # for the log: "RunPod's `cost` of this pod"
+
+
 class BudgetPlan(StrictModel):
     """What the head agent enforces, so that it holds with no launcher attached (agent/budget.py):
     the cluster's price, the caps, the grace its job's driver gets at a cap, and how long a kept
@@ -310,6 +322,9 @@ class BudgetPlan(StrictModel):
     #: How often the provider relaunches after the job's own failure with no count of its own (dstack): the head
     #: ends the last allowed attempt's failure with cap_exit. None: the head counts no failures.
     error_retries: int | None = None
+    #: Where the head reads what the provider bills for its own machine, once it runs (RunPod: its pod's `cost`):
+    #: the head counts that times the node count instead of price_per_hour. None: price_per_hour is counted.
+    machine_price: MachinePrice | None = None
 
 
 #: The action a node takes to end its own machine once its agent is done (RunPod: terminate its pod with

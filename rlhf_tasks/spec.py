@@ -454,12 +454,12 @@ class Placement(StrictModel):
         "checkpoint) and the cluster ends"))
     max_cost: float | None = Field(None, gt=0, description=(
         "US dollars the whole run may cost: the head agent stops the job at it, as at max_duration, at the price the "
-        "provider gives before anything is rented (RunPod's catalog, dstack's run plan at launch), elsewhere "
+        "provider gives (RunPod's billed pod cost, dstack's run plan and SkyPilot's optimizer at launch), elsewhere "
         "placement.price_per_hour"))
     price_per_hour: float | None = Field(None, ge=0, description=(
         "US dollars per hour for the whole cluster (every node together), for max_cost and the cost shown while "
         "following; dstack and SkyPilot hear it as their bound on each instance's price (max_price, "
-        "max_hourly_cost: this split over the nodes); RunPod ignores it (its catalog's price is counted)"))
+        "max_hourly_cost: this split over the nodes); RunPod ignores it (its billed pod cost is counted)"))
     stop_grace: Duration = Field(120.0, description=(
         "at max_cost or max_duration, how long the job's driver has after SIGTERM to checkpoint before the "
         "cluster ends"))

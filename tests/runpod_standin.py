@@ -664,6 +664,13 @@ class RunPodStandIn:
     - ``no_capacity`` / ``forbidden``: data centers whose creates answer 400 (no capacity,
       whatever the catalog says: "a create can still fail for capacity on a GPU the catalog
       just reported as available") / 403 ("Your account cannot access the requested pool").
+    - ``billed_rate``: a pod's ``cost`` (the Pod schema: "Current cost in USD per hour") as a share of the
+      catalog's list price for its GPUs; 1.1 (default): not the list price (the catalog's GpuType.price: "the
+      rate actually billed for a pod is reported as `cost` on the pod itself", and "negotiated account discounts
+      are not reflected"), above it; None: RunPod gives no cost, 0.0 while the pod runs (``cost`` is required
+      in a Pod, so a response never lacks it). Read when the pod is created.
+    - ``cost`` while PROVISIONING: 0.0 (a pod not yet on a machine; the document says 0.0 only of EXITED
+      and TERMINATED, and not what a pod being placed costs): a client reads the cost once the pod runs.
     - ``clock``: the time log lines are stamped with (a test may freeze it).
     - ``log_streams_held``: while True, a new log stream waits before it reads the pod's log
       (``held_log_streams`` counts those waiting): a test can write lines while no stream is open.
@@ -690,6 +697,7 @@ class RunPodStandIn:
         self.no_capacity: set[str] = set()
         self.forbidden: set[str] = set()
         self.clock = time.time
+        self.billed_rate: float | None = 1.1
         self.ssh_public_keys = ssh_public_keys
         #: Given to every pod as RUNPOD_API_URL when set: how a pod on a testbed host reaches this
         #: stand-in (a relay); RunPod's own pods reach https://api.runpod.io, the agent's default.
@@ -1025,7 +1033,7 @@ class RunPodStandIn:
             "gpu": dict(pod.gpu), "cloud": pod.cloud,
             "dataCenterId": pod.datacenter if placed or self.datacenter_while_provisioning else None,
             "cudaVersion": "12.8", "ssh": {"proxy": proxy, "direct": direct}, "template": None,
-            "cost": 0.0 if pod.status in ("EXITED", "TERMINATED") else pod.price,
+            "cost": 0.0 if pod.status in ("PROVISIONING", "EXITED", "TERMINATED") else pod.price,
             "locked": False, "globalNetworking": gn, "runtime": runtime,
             "createdAt": now_rfc3339(pod.created),
             "startedAt": now_rfc3339(pod.started) if pod.started else None,
@@ -1057,6 +1065,10 @@ class RunPodStandIn:
         return out
 
     # ------------------------------------------------------------ routes
+
+    def _billed(self, listed: float) -> float:
+        """What a new pod costs per hour (its `cost` while it runs): billed_rate of the catalog's list price."""
+        return 0.0 if self.billed_rate is None else round(listed * self.billed_rate, 4)
 
     def _find_pod(self, pod_id: str, *, include_terminated: bool = True) -> PodState:
         pod = self.pods.get(pod_id)
@@ -1146,7 +1158,7 @@ class RunPodStandIn:
                 disk=body.get("disk", 50), mounts=mounts, registry=body.get("registry"),
                 gpu=gpu_req, cloud=cloud, datacenter=dc, global_networking=gn,
                 start_ssh=bool(body.get("startSsh", False)),
-                price=round(gpu["price"][cloud.lower()] * gpu_req["count"], 4),
+                price=self._billed(gpu["price"][cloud.lower()] * gpu_req["count"]),
                 created=time.time())
             self.pods[pod.id] = pod
             self._system(pod, "pod created")
@@ -1254,7 +1266,7 @@ class RunPodStandIn:
                     gpu={"id": compute["gpuTypeId"], "count": compute["gpuCountPerPod"]},
                     cloud="SECURE", datacenter=dc, global_networking=False,
                     start_ssh=bool(body.get("startSsh", False)),
-                    price=round(gpu["price"]["secure"] * compute["gpuCountPerPod"], 4),
+                    price=self._billed(gpu["price"]["secure"] * compute["gpuCountPerPod"]),
                     created=time.time(), cluster_id=cluster.id, rank=rank,
                     overlay_ip=f"{OVERLAY_PREFIX}.{seq}.{10 + rank}")
                 self.pods[pod.id] = pod

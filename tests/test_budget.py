@@ -44,7 +44,8 @@ def test_the_budget_reaches_the_plan(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["budget"] == {"price_per_hour": 5.0, "max_cost": 12.5, "max_duration_s": 10800.0,
                                                 "stop_grace_s": 30.0, "idle_s": None, "training": "cost",
-                                                "spent": {}, "cap_exit": 1, "error_retries": None}
+                                                "spent": {}, "cap_exit": 1, "error_retries": None,
+                                                "machine_price": None}
     plain = json.loads(check(tmp_path, task(tmp_path)).stdout)
     assert plain["budget"]["idle_s"] == 3600.0 and plain["budget"]["max_cost"] is None and plain["self_end"] is None
 
@@ -62,6 +63,9 @@ def test_runpod_prices_from_its_catalog_and_its_pods_end_themselves(tmp_path):
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["budget"]["max_duration_s"] == 7200.0 and plan["budget"]["price_per_hour"] is None  # filled at launch
+    assert plan["budget"]["machine_price"] == {"url": "{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}", "field": "cost",
+                                               "defaults": {"RUNPOD_API_URL": "https://api.runpod.io/v2"},
+                                               "bearer_env": "RUNPOD_API_KEY", "what": "RunPod's `cost` of this pod"}
     assert plan["self_end"]["url"] == "{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}/action"
     assert plan["self_end"]["bearer_env"] == "RUNPOD_API_KEY" and plan["self_end"]["json_body"] == {"action": "terminate"}
     # An Instant Cluster's pods cannot be ended through the pod endpoints: no self_end.
@@ -70,7 +74,7 @@ def test_runpod_prices_from_its_catalog_and_its_pods_end_themselves(tmp_path):
     assert cluster["self_end"] is None
     own_price = check(tmp_path, task(tmp_path, {"price_per_hour": 3}), "--provider", "runpod")  # said, ignored
     assert own_price.returncode == 0 and json.loads(own_price.stdout)["budget"]["price_per_hour"] is None
-    assert "placement.price_per_hour: ignored on runpod: RunPod's catalog price is counted" in own_price.stderr
+    assert "placement.price_per_hour: ignored on runpod: RunPod's own price is counted" in own_price.stderr
     key = check(tmp_path, task(tmp_path, secrets=["RUNPOD_API_KEY"]), "--provider", "runpod")
     assert key.returncode == 2 and "secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod" in key.stderr
 

@@ -80,10 +80,11 @@ def test_check_says_the_price_and_the_most_the_run_may_cost(placement, said, tmp
             assert words in line, line
 
 
-def test_runpods_price_is_its_catalogs_at_launch(tmp_path, capsys, rlhf_home):
+def test_runpods_price_is_what_it_bills_the_pods(tmp_path, capsys, rlhf_home):
     code, out, _ = check(tmp_path, capsys, {**GPU_TASK, "network": "runpod-global"}, "--provider", "runpod")
     (line,) = [line for line in out.splitlines() if line.startswith("  cost")]
-    assert code == 0 and "RunPod's catalog" in line and "not given" not in line, line
+    assert code == 0 and "RunPod's billed pod `cost` once the pods run, its catalog's list price where RunPod " \
+        "gives none" in line and "not given" not in line, line
 
 
 def test_a_local_run_without_a_price_says_nothing_of_cost(capsys, rlhf_home):

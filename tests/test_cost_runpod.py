@@ -1,6 +1,6 @@
 """Issue 30 on the RunPod stand-in, each pod a namespace host: pods that end themselves with the
 key RunPod scopes to each pod (the launcher SIGKILLed once the job's command started), and
-placement.max_duration enforced by the head agent at RunPod's catalog price."""
+placement.max_duration enforced by the head agent at the price RunPod bills its pod (its `cost`)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,10 @@ def test_max_duration_on_runpod_stops_the_job_and_the_pods_end(testbed3, tmp_pat
         (tmp_path / "launch.out").write_text(said)
         assert out.returncode == 1, said[-5000:]
         assert "budget: $" in out.stdout and "the job is stopped after 0 h 01 m (max_duration)" in out.stdout
+        # The head counts what RunPod bills its pod (the stand-in: 1.1 x the catalog's $0.40), read with its own key.
+        assert "budget: counting RunPod's `cost` of this pod, $0.4400/h, for each of the 2 nodes: $0.88/h (the " \
+               "plan's price, from the catalog: $0.80/h)" in out.stdout, out.stdout[-3000:]
+        assert "budget: $0.88/h for the 2 nodes" in out.stdout
         summary = out.stdout.split("== summary ==")[1]
         assert "stopped at the budget cap: $" in summary and "(placement.max_duration 0 h 01 m)" in summary
         assert f"the last checkpoint: {ckpt / 'final.json'}" in summary and (ckpt / "final.json").exists()

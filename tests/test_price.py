@@ -1,8 +1,8 @@
 """Issue 48, item 2: the provider hears the price, and one task file serves every provider.
 
 placement.price_per_hour (the whole cluster) reaches the provider as its own price bound per instance (dstack's
-`max_price`, SkyPilot's `max_hourly_cost`), judged by the provider's own parser; where the provider prices the offers
-itself before anything is rented (dstack's run plan, RunPod's catalog), the head agent counts that price; a
+`max_price`, SkyPilot's `max_hourly_cost`), judged by the provider's own parser; where the provider prices what it
+provisions (dstack's run plan and SkyPilot's optimizer at launch, what RunPod bills a pod), the head agent counts that; a
 placement field one provider cannot use is said by `check` and ignored there, not refused, so the same file passes
 `check` on every provider. dstack's plan read from its real server is in tests/test_dstack_failures_cluster.py."""
 
@@ -104,7 +104,7 @@ def test_without_a_provider_every_provider_runs_the_portable_file(tmp_path, caps
 
 
 @pytest.mark.parametrize("provider, said", [
-    ("runpod", ["placement.price_per_hour: ignored on runpod: RunPod's catalog price is counted",
+    ("runpod", ["placement.price_per_hour: ignored on runpod: RunPod's own price is counted",
                 "placement.retry: ignored on runpod:"]),
     ("kuberay", ["placement.retry: ignored on kuberay:"]),
     ("local", ["placement.retry: ignored on local:"]),
@@ -125,7 +125,8 @@ def test_what_a_provider_uses_it_does_not_call_ignored(provider, tmp_path, capsy
 
 def test_runpod_ignores_the_fields_of_other_providers_and_counts_its_catalogs_price():
     """RunPod's v2 API has no bid and no price bound (CreatePodRequest: no price field; pods are on-demand), so the
-    task's price is said and ignored: the head counts the catalog's price, filled in at launch."""
+    task's price is said and ignored: the head counts its pod's billed `cost` (the catalog's where RunPod gives
+    none: tests/test_runpod_provider.py)."""
     data = {**PORTABLE, "placement": {**PORTABLE["placement"], "spot": "auto", "fleets": ["f"], "backends": ["aws"]}}
     provider, plan, files = plan_and_files("runpod", data)
     assert plan.budget.price_per_hour is None and plan.budget.max_cost == 100
@@ -182,3 +183,74 @@ def test_dstack_refuses_at_launch_a_cap_its_plan_cannot_price():
         provider.counted_plan(plan, {"jobs": [{"offers": 1, "max_price": 0.0}] * 2})
     priced = provider.counted_plan(plan, {"jobs": [{"offers": 1, "max_price": 3.0}] * 2})
     assert priced.budget.price_per_hour == 6.0
+
+
+# ------------------------------------------------------------------ SkyPilot's optimizer's price
+
+#: Run in a fresh interpreter: SkyPilot fixes its catalog directory when it is imported (sky/catalog/common.py
+#: _ABSOLUTE_VERSIONED_CATALOG_DIR, from SKY_RUNTIME_DIR), so the played catalog must be there first.
+SKY_PRICES = """
+import json, sys
+from rlhf_tasks import providers
+from rlhf_tasks.providers.shipping import LOCAL_DIR, plan_file
+from rlhf_tasks.spec import parse_task
+out = []
+for data in json.loads(sys.argv[1]):
+    provider = providers.get("sky")
+    plan = provider.plan(parse_task(data))
+    counted, said = provider.counted_plan(plan)
+    shipped = json.loads(provider.render(counted)[f"{LOCAL_DIR}/{plan_file(counted)}"])
+    out.append([counted.budget.price_per_hour, said, shipped["budget"]["price_per_hour"]])
+print(json.dumps(out))
+"""
+
+
+def test_skypilot_counts_its_optimizers_price_of_what_it_may_provision(tmp_path):
+    """SkyPilot's own code on the rendered task, with a played catalog (tests/sky/lambda-vms.csv: gpu_8x_h100_sxm5
+    at $23.92/h in us-east-1, $25.50/h in us-west-1), nothing fetched, nothing launched. `launch` counts the
+    dearest of the region candidates SkyPilot's optimizer fills in (optimizer.py _fill_in_launchable_resources:
+    the cheapest instance type that fits, in every region that offers it): SkyPilot takes the cheapest and, when
+    a provision fails, the next (provision_with_retries). max_hourly_cost filters instance types by their price in
+    some region (catalog/common.py get_instance_type_for_accelerator_impl), not the regions it fails over to
+    (Resources.get_valid_regions_for_launchable), so the count can be over the task's price. Where SkyPilot
+    prices nothing (Kubernetes; no enabled cloud), the task's price, said."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    try:
+        import sky  # noqa: F401
+    except ImportError:
+        need(False, "the skypilot package (pip install 'rlhf-tasks[sky]')")
+    runtime = tmp_path / "sky-runtime"
+    (runtime / ".sky/catalogs/v8/lambda").mkdir(parents=True)
+    shutil.copy(ROOT / "tests/sky/lambda-vms.csv", runtime / ".sky/catalogs/v8/lambda/vms.csv")
+    base = {**PORTABLE, "resources": {"gpus": "H100:8"}, "checkpoints": {"path": "/ckpt/t"}}
+    cases = [{"backends": ["lambda"], "price_per_hour": 60}, {"backends": ["lambda"], "price_per_hour": 48},
+             {"backends": ["lambda"]}, {"backends": ["lambda"], "price_per_hour": 40},
+             {"backends": ["kubernetes"], "price_per_hour": 48}, {"price_per_hour": 48}]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SKYPILOT")}
+    done = subprocess.run([sys.executable, "-c", SKY_PRICES, json.dumps([{**base, "placement": p} for p in cases])],
+                          env={**env, "SKY_RUNTIME_DIR": str(runtime), "HOME": str(tmp_path)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (over, under, unpriced, none_fits, kube, no_cloud) = json.loads(done.stdout.strip().splitlines()[-1])
+    offers = ("SkyPilot's optimizer prices 2 x gpu_8x_h100_sxm5 on Lambda in us-east-1 at $47.84/h, up to $51.00/h "
+              "(gpu_8x_h100_sxm5 on Lambda in us-west-1, the dearest of the 2 it may fail over to)")
+    assert over == [51.0, f"{offers} (placement.price_per_hour: $60.00/h): the head counts $51.00/h", 51.0]
+    assert under == [51.0, f"{offers} (placement.price_per_hour: $48.00/h): the head counts $51.00/h", 51.0]
+    assert unpriced == [51.0, f"{offers}: the head counts $51.00/h", 51.0]  # the progress line's price, no cap
+    assert none_fits[0] == 40 and none_fits[1].startswith("SkyPilot's catalog has no instance that fits the task")
+    assert kube == [48, "SkyPilot prices nothing on Kubernetes (the cluster's own machines: its optimizer counts "
+                        "them at $0): the head counts placement.price_per_hour, $48.00/h", 48]
+    assert no_cloud[0] == 48 and no_cloud[1].startswith("SkyPilot knows no enabled cloud here (`sky check`")
+    assert not (runtime / ".sky/catalogs/v8/.meta").exists()  # nothing fetched
+
+
+def test_check_says_skypilot_counts_its_optimizers_price_at_launch(tmp_path, capsys, rlhf_home):
+    code, out, err = check(tmp_path, capsys, PORTABLE, "--provider", "sky")
+    assert code == 0, err
+    assert "the head counts SkyPilot's optimizer's price at launch (the dearest region it may fail over to, which " \
+           "max_hourly_cost does not bound) where it prices them, else this price" in out, out

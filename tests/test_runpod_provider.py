@@ -17,6 +17,7 @@ import json
 import lzma
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -597,6 +598,79 @@ def test_secrets_go_through_runpods_vault_and_nothing_is_left_after_down(tmp_pat
         client.close()
         assert api.errors == []
     runner.close()
+
+
+@pytest.mark.parametrize("rate", [1.1, None])
+def test_the_cap_counts_what_runpod_bills_the_pods_or_the_catalog_where_it_gives_no_cost(
+        standin, home, monkeypatch, capsys, rate):
+    """Issue 48, item 2: the pods' `cost` ("Current cost in USD per hour", RunPod's Pod schema), not the catalog's
+    list price ("the rate actually billed for a pod is reported as `cost` on the pod itself"): `launch` sums what
+    the created pods cost once they run (0.0 while placing: the stand-in's reading), says it and counts it; the
+    head reads its own pod's with its pod-scoped key. Where RunPod gives no cost, the catalog's, said."""
+    from rlhf_tasks.agent.budget import machine_price
+    from rlhf_tasks.providers.runpod import RunPodProvider
+
+    standin.billed_rate = rate
+    monkeypatch.setenv("RUNPOD_API_KEY", KEY)
+    monkeypatch.setenv("RUNPOD_API_URL", standin.url)
+    task = command_task(nodes=3, placement={"max_cost": 5, "price_per_hour": 99})
+    provider = RunPodProvider(y=True)
+    plan = provider.plan(parse_task(task, "t.yaml"))
+    assert plan.budget.machine_price.field == "cost" and plan.budget.price_per_hour is None
+    cluster = provider.apply(plan, {"WANDB_API_KEY": "w"})
+    try:
+        out = capsys.readouterr().out
+        assert "RunPod: 3 pod(s) x 1x NVIDIA A40, Secure Cloud, in EU-RO-1: $1.20/h ($0.40/h per pod)" in out
+        if rate:  # 0.40 x 1.1 for each of the 3 pods, not the catalog's 1.20 (nor the task's ignored 99)
+            assert cluster.price_per_hour == pytest.approx(1.32)
+            assert "RunPod bills the 3 pod(s) $1.32/h (the sum of their `cost`; the catalog's list price: " \
+                   "$1.20/h): the cap counts that" in out, out
+        else:
+            assert cluster.price_per_hour == pytest.approx(1.20)
+            assert "RunPod gives no cost for rp-contract-head, rp-contract-worker-1, rp-contract-worker-2: counted " \
+                   "at the catalog's $0.40/h per pod, $1.20/h for the 3 pod(s)" in out, out
+        # The head's plan, in its start script: the catalog's price, and where to read its pod's own.
+        head = next(p for p in standin.pods.values() if p.name.endswith("-head"))
+        script = script_of(head.args)
+        start = re.search(r"cat > \S*rp-contract\.runpod\.plan\.json <<'(\w+)'\n", script)
+        shipped = json.loads(script[start.end():].split(f"\n{start.group(1)}\n", 1)[0])
+        assert shipped["budget"]["price_per_hour"] == pytest.approx(1.20)
+        env = {"RUNPOD_API_URL": standin.url, "RUNPOD_POD_ID": head.id, "RUNPOD_API_KEY": head.pod_key}
+        price, said = machine_price(shipped["budget"], 3, env)
+        if rate:
+            assert price == pytest.approx(1.32) and said == ("budget: counting RunPod's `cost` of this pod, $0.4400/h, "
+                                                             "for each of the 3 nodes: $1.32/h (the plan's price, "
+                                                             "from the catalog: $1.20/h)")
+        else:
+            assert price == pytest.approx(1.20) and said == ("budget: RunPod's `cost` of this pod is not given (0.0): "
+                                                             "counting the plan's $1.20/h")
+        assert [r.by for r in standin.requests if r.method == "GET" and r.path == f"/v2/pods/{head.id}"][-1] == \
+            f"pod:{head.id}"  # the pod's own key, never the account's
+    finally:
+        cluster.close()
+        provider.down(plan.name)
+
+
+def test_the_catalogs_price_fills_in_only_the_pods_runpod_gives_no_cost_and_the_head_says_what_it_reads():
+    from rlhf_tasks.agent.budget import machine_price
+    from rlhf_tasks.providers.runpod.pods import billed, head_counts
+    from rlhf_tasks.providers.runpod.render import MACHINE_PRICE
+
+    pods = [{"name": "h", "cost": 0.5}, {"name": "w1", "cost": 0.0}, {"name": "w2"}]
+    assert billed(pods, 0.4) == (1.3, "RunPod gives no cost for w1, w2: counted at the catalog's $0.40/h per pod, "
+                                      "$1.30/h for the 3 pod(s) (the catalog's list price: $1.20/h)")
+    assert billed(pods, None)[0] is None
+    assert head_counts([{"cost": 0.5}, {"cost": 0.6}], 1.1) == (
+        "the head counts its own pod's cost for each of the 2 pods, $1.00/h, not their sum $1.10/h (its pod-scoped "
+        "key reads only its pod)")
+    assert head_counts([{"cost": 0.5}, {"cost": 0.5}], 1.0) is None
+    budget = {"machine_price": MACHINE_PRICE.model_dump(), "price_per_hour": 1.2}
+    assert machine_price(budget, 3, {}) == (1.2, "budget: cannot read RunPod's `cost` of this pod (not set here: "
+                                                 "RUNPOD_API_KEY, RUNPOD_POD_ID): counting the plan's $1.20/h")
+    price, said = machine_price(budget, 3, {"RUNPOD_API_URL": "http://127.0.0.1:9/v2", "RUNPOD_POD_ID": "p",
+                                            "RUNPOD_API_KEY": "pod-key-7f3a9c"}, deadline_s=0)
+    assert price == 1.2 and said.startswith("budget: could not read RunPod's `cost` of this pod (connection to ") \
+        and said.endswith("refused): counting the plan's $1.20/h") and "pod-key-7f3a9c" not in said
 
 
 def test_each_data_center_is_tried_in_turn_and_each_refusal_is_said(standin, home, capsys):

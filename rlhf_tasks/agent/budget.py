@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -92,6 +93,50 @@ class Spend(object):
                     log("budget: cannot write the spend record %s (%s): a relaunched attempt will not know what "
                         "this one spent" % (self.path, exc))
         return record
+
+
+def machine_price(budget: dict, nodes: int, env: Optional[dict] = None,
+                  deadline_s: float = 10.0) -> "tuple[Optional[float], str]":
+    """The cluster's price per hour as the provider bills this machine, read once it runs where the plan says
+    (budget.machine_price: a rented machine's own record), times the nodes (every node is the same machine); or
+    the plan's price_per_hour where the provider does not say it (a 429 or 5xx asked again for deadline_s; no
+    answer, asked once). With the line for the head's log that says which."""
+    from .ending import fill
+    from .protocol import http_request
+
+    rule, planned = budget["machine_price"], budget.get("price_per_hour")
+    env = dict(os.environ) if env is None else env
+    fallback = ("counting the plan's $%.2f/h" % planned) if planned is not None else "no price is counted"
+    url = fill(rule["url"], env, rule.get("defaults") or {})
+    token = env.get(rule["bearer_env"]) if rule.get("bearer_env") else None
+    if url is None or (rule.get("bearer_env") and not token):
+        needs = re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", rule["url"]) + [rule.get("bearer_env") or ""]
+        unset = sorted(set(n for n in needs if n and not (env.get(n) or (rule.get("defaults") or {}).get(n))))
+        return planned, "budget: cannot read %s (not set here: %s): %s" % (rule["what"], ", ".join(unset), fallback)
+    headers = {"Authorization": "Bearer %s" % token} if token else {}
+    deadline, why = time.monotonic() + deadline_s, ""
+    while True:
+        try:
+            status, body = http_request(url, "GET", None, headers, timeout=10.0)
+            if status < 400:
+                answer = json.loads(body)
+                value = answer.get(rule["field"]) if isinstance(answer, dict) else None
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    price = round(value * nodes, 4)
+                    return price, "budget: counting %s, $%.4f/h, for each of the %d nodes: $%.2f/h%s" % (
+                        rule["what"], value, nodes, price,
+                        "" if planned is None else " (the plan's price, from the catalog: $%.2f/h)" % planned)
+                return planned, "budget: %s is not given (%r): %s" % (rule["what"], value, fallback)
+            why = "HTTP %d" % status
+            if status < 500 and status != 429:
+                break
+        except (OSError, ValueError) as exc:  # no answer, or not JSON: asked once (the head waits for nothing)
+            why = str(exc)
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    return planned, "budget: could not read %s (%s): %s" % (rule["what"], why, fallback)
 
 
 def describe(budget: dict, nodes: int) -> Optional[str]:

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from .beacon import ReadyBeacon, reachable
-from .budget import SPEND_FILE, Watch
+from .budget import SPEND_FILE, Watch, machine_price
 from .early import head_checks, node_probe
 from .forensics import keeper, on_failure
 from .hub import fetch_models, online
@@ -79,6 +79,11 @@ class HeadFlow(object):
         self.preflight_at = None  # type: Optional[str]  (when preflight's result came)
         self.probe = self.early = None  # this node's own probe and the checks the head runs as nodes announce themselves
         self.started_ms = int(time.time() * 1000)
+        budget = self.plan.get("budget") or {}
+        if budget.get("machine_price"):  # what the provider bills this machine, read now that it runs
+            price, said = machine_price(budget, int(self.plan["nodes"]))
+            log(said)
+            self.plan["budget"] = dict(budget, price_per_hour=price)
         # The budget and idle watch, from the head's start: it holds with no launcher attached.
         self.watch = Watch(self.plan, lambda: DashboardJobs(node.dashboard, node.token).jobs(),
                            kept=bool(self.plan.get("keep_cluster")), client=self.plan["job"]["submit"] == "client")

@@ -165,6 +165,10 @@ class Provider:
     #: How placement.price_per_hour reaches the provider as its own bound on an instance's price (`check` says it);
     #: None: it does not (the price is only counted by the head).
     price_bound: ClassVar[str | None] = None
+    #: The provider's own price of what it will provision, which `launch` asks before anything starts and the head
+    #: counts instead of placement.price_per_hour where the provider prices it (`check` says it); None: none asked.
+    #: Unlike price_source, a cap still needs placement.price_per_hour (kept where the provider prices nothing).
+    launch_price: ClassVar[str | None] = None
     #: The portable placement fields (spot, retry, price_per_hour, fleets, backends, regions) this provider
     #: cannot use, and why: said by `check` and `render` and ignored, not refused, so one task file serves every
     #: provider (field -> what the provider does instead).

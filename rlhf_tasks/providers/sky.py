@@ -47,7 +47,7 @@ from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
 from ..spec import Task, gpu_gb, gpu_parts
 from .base import (AMD_CONTAINER_OPTIONS, Cluster, Option, Provider, Retries, Sharing, docker_size, end_process,
-                   hold_forward, require_cli, stop_with_cli)
+                   hold_forward, require_cli, stop_with_cli, write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
 
 #: Ports SkyPilot's own Ray uses on every node (sky/provision/instance_setup.py, and `ray start`'s
@@ -173,6 +173,66 @@ def _catalog_accelerators() -> dict[str, list[str]] | None:
                 for row in csv.DictReader(handle)}
 
 
+def optimizer_price(config: dict) -> tuple[float | None, str]:
+    """The cluster's price per hour as SkyPilot's optimizer prices what `sky launch` may provision for the rendered
+    task, read with SkyPilot's own code as its optimizer fills in the candidates (sky/optimizer.py
+    _fill_in_launchable_resources): for each of the task's resources (any_of), on its cloud or else each cloud
+    `sky check` enabled (global_user_state.get_cached_enabled_clouds, the cache read without a refresh), the
+    cheapest feasible instance that fits (Cloud.get_feasible_launchable_resources, a filter of the cloud's catalog
+    by accelerators, spot and max_hourly_cost), in each region that offers it
+    (resources_utils.make_launchables_for_valid_region_zones), priced by Resources.get_cost (the catalog's
+    instance_type_to_hourly_cost), times num_nodes. The optimizer takes the cheapest of them; on a failed provision
+    the backend blocks it and optimizes again (backends/cloud_vm_ray_backend.py provision_with_retries), and a
+    managed job's recovery may move region (EAGER_NEXT_REGION): the dearest is counted, never under what it
+    provisions. None where SkyPilot prices nothing (Kubernetes, SSH, Slurm: the cluster's own machines), knows no
+    enabled cloud, or its catalog cannot be read; with the words that say it."""
+    import copy
+
+    import sky
+    from sky.utils import resources_utils
+
+    try:
+        task = sky.Task.from_yaml_config(copy.deepcopy(config))  # it consumes the dict
+        enabled = None
+        offers = []  # (cost per node per hour, what)
+        for resources in task.resources:
+            if resources.cloud is not None:
+                clouds = [resources.cloud]
+            else:
+                if enabled is None:
+                    from sky import global_user_state, skypilot_config
+                    from sky.clouds import cloud as sky_cloud
+
+                    enabled = global_user_state.get_cached_enabled_clouds(
+                        sky_cloud.CloudCapability.COMPUTE, skypilot_config.get_active_workspace())
+                clouds = enabled
+            if not clouds:
+                return None, "SkyPilot knows no enabled cloud here (`sky check` enables them), so it prices nothing"
+            own = sorted(str(c) for c in clouds if str(c).lower() in OWN_NAMES)
+            if own:
+                return None, (f"SkyPilot prices nothing on {', '.join(own)} (the cluster's own machines: its "
+                              f"optimizer counts them at $0)")
+            for cloud in clouds:
+                feasible = cloud.get_feasible_launchable_resources(resources, task.num_nodes)
+                if not feasible.resources_list:
+                    continue
+                for launchable in resources_utils.make_launchables_for_valid_region_zones(
+                        feasible.resources_list[0]):
+                    offers.append((launchable.get_cost(3600), f"{launchable.instance_type} on {cloud} in "
+                                                              f"{launchable.region}"))
+    except Exception as exc:  # noqa: BLE001 - its catalog unreadable (no network), a cloud's own error: said
+        return None, f"SkyPilot's optimizer could not price it ({type(exc).__name__}: {str(exc).strip()[:300]})"
+    if not offers:
+        return None, ("SkyPilot's catalog has no instance that fits the task (`sky launch` will say so; "
+                      "max_hourly_cost, the task's price per node, filters it too)")
+    nodes = task.num_nodes
+    (low, cheapest), (high, dearest) = min(offers), max(offers)
+    words = f"SkyPilot's optimizer prices {nodes} x {cheapest} at ${low * nodes:.2f}/h"
+    if high > low:
+        words += f", up to ${high * nodes:.2f}/h ({dearest}, the dearest of the {len(offers)} it may fail over to)"
+    return round(high * nodes, 4), words
+
+
 #: Which storage the nodes of one SkyPilot cluster share, read in SkyPilot 0.14.1. A volume (`sky volumes apply`)
 #: pins the task to its cloud, and SkyPilot refuses a task whose resources name another (task.py,
 #: Task.resolve_and_validate_volumes: VolumeTopologyConflictError, "even if user specifies 'any_of'").
@@ -267,6 +327,9 @@ class SkyProvider(Provider):
     #: The launch's dashboard is its own `ssh -L`, gone with the launcher: `rlhf-tasks forward NAME` opens another.
     forward_after_launch = True
     price_bound = "SkyPilot's resources.max_hourly_cost"
+    #: (optimizer_price: none on Kubernetes, SSH, Slurm, or without an enabled cloud; launch says which)
+    launch_price = ("SkyPilot's optimizer's price at launch (the dearest region it may fail over to, which "
+                    "max_hourly_cost does not bound)")
     ignores = {"fleets": "SkyPilot has no fleets; placement.backends and regions choose its clouds"}
     _started_api_server = False
     #: `sky launch` made the cluster (its job runs detached): a later failure here leaves it to `down`.
@@ -499,6 +562,23 @@ class SkyProvider(Provider):
                          f"on: the task's, or Ray's defaults\n" + "; ".join(leaked) + "\n" + agent_command(plan) + "\n")
         return config
 
+    def counted_plan(self, plan: Plan) -> tuple[Plan, str]:
+        """The plan with the price its head counts: SkyPilot's optimizer's for the rendered task (optimizer_price),
+        where it prices it; the task's otherwise. With the words `launch` says."""
+        try:
+            import sky  # noqa: F401
+        except ImportError:
+            return plan, "SkyPilot's optimizer: not asked (skypilot is not installed here)"
+        price, words = optimizer_price(self.task_config(plan))
+        given = plan.budget.price_per_hour
+        if price is None:
+            return plan, f"{words}: the head counts " + (f"placement.price_per_hour, ${given:.2f}/h" if given is not None
+                                                         else "no price")
+        if given is not None:
+            words += f" (placement.price_per_hour: ${given:.2f}/h)"
+        return plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": price})), \
+            f"{words}: the head counts ${price:.2f}/h"
+
     def ask_own_code(self, plan: Plan) -> list[str]:
         """The render as SkyPilot's own code takes it, where SkyPilot is installed here, offline: its task
         schema and `Task.from_yaml_config` (what `sky launch` parses: cloud names included), then the
@@ -612,6 +692,12 @@ class SkyProvider(Provider):
         # `sky launch` starts SkyPilot's API server when none runs; a failed launch stops it again.
         self._started_api_server = probe_tcp("127.0.0.1", API_SERVER_PORT, timeout=1.0) is not None
         directory, token, env = self.stage(plan, secrets)
+        counted, said = self.counted_plan(plan)
+        from ..console import say
+        say(f"sky: {said}")
+        if counted.budget.price_per_hour != plan.budget.price_per_hour:  # the head reads its price from the files
+            plan = counted
+            write_files(directory, self.render(plan))
         names = list(secrets) + ([plan.token_env] if token else [])
         secret_args = [arg for name in names for arg in ("--secret", name)]
         yaml_file = f"{plan.name}.sky.yaml"
@@ -627,6 +713,7 @@ class SkyProvider(Provider):
             state.save(plan.name, {"provider": self.name, "cluster_id": plan.name, "managed": True})
             return Cluster(name=plan.name, cluster_id=plan.name, token=token, head_alive=lambda: proc.poll() is None,
                            node_logs=[str(log)], close=lambda: end_process(proc),
+                           price_per_hour=plan.budget.price_per_hour,
                            describe=lambda: [] if proc.poll() is None else
                            [f"sky jobs launch exited with code {proc.returncode}"])
         self._launched = False
@@ -701,7 +788,8 @@ class SkyProvider(Provider):
             return None if code in (None, 0) else skypilots_word(plan.name, code, "")[0]
         return Cluster(name=plan.name, cluster_id=plan.name, dashboard=dashboard, token=token,
                        head_alive=lambda: tunnel.poll() is None and follower.poll() is None, head_log=head_log,
-                       close=close, describe=describe, gather_here=gather_here, job_ended=job_ended)
+                       close=close, describe=describe, gather_here=gather_here, job_ended=job_ended,
+                       price_per_hour=plan.budget.price_per_hour)
 
     def bundle_here(self, name: str, secrets: dict[str, str]) -> str | None:
         """`logs NAME --bundle` once the dashboard is gone (the job over, autostop may have taken the

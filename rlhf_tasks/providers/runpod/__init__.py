@@ -52,9 +52,9 @@ from ..base import Cluster, Option, Provider, write_files
 from ..ssh import SshTunnel, ssh_argv
 from . import catalog, logs, pods
 from .api import RunPodAuthError, RunPodClient, RunPodError
-from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, IGNORES, NAME, NODE_DIR, POD_CONTRACT,
-                     SELF_END, SHARING, MAX_ARGS, check, disk_note, is_cluster, pack, shm_warning, start_args,
-                     start_script, too_big_to_ship, weight_sync_warning)
+from .render import (CLUSTER_CONTRACT, CLUSTER_PRESET, GLOBAL_PRESET, IGNORES, MACHINE_PRICE, NAME, NODE_DIR,
+                     POD_CONTRACT, SELF_END, SHARING, MAX_ARGS, check, disk_note, is_cluster, pack, shm_warning,
+                     start_args, start_script, too_big_to_ship, weight_sync_warning)
 from .render import render as render_files
 
 
@@ -66,7 +66,9 @@ class RunPodProvider(Provider):
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
     options = (Option("-y", "create the pods without asking to confirm their price"),)
     stop_after_job = True  # pods bill by the hour: the launcher terminates them after the job unless --keep
-    price_source = "RunPod's catalog at launch (the launcher shows it and asks before it creates anything)"
+    #: (MACHINE_PRICE: the head reads its pod's `cost`; pods.billed: the launcher sums the pods')
+    price_source = ("RunPod's billed pod `cost` once the pods run, its catalog's list price where RunPod gives none "
+                    "(the launcher shows the catalog's and asks before it creates anything)")
     ignores = IGNORES
 
     def __init__(self, **options: Any):
@@ -90,7 +92,9 @@ class RunPodProvider(Provider):
             update={"nodes": env("EXPECTED_WORKERS", plus=1, default=str(task.nodes))})
         plan = build_plan(task, self.name, contract, self.networks, self.default_checkpoint_dir(task),
                           self.ray_overrides, priced=True)
-        plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": None}))  # the catalog's, at launch
+        # the catalog's at launch; the head counts its pod's billed `cost` where RunPod gives it (MACHINE_PRICE)
+        plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": None,
+                                                                  "machine_price": MACHINE_PRICE}))
         self._named_working_dir.pop(task.name, None)
         if plan.job.submit == "head" and plan.job.working_dir and "working_dir" in task.job.model_fields_set:
             self._named_working_dir[task.name] = plan.job.working_dir
@@ -169,7 +173,7 @@ class RunPodProvider(Provider):
             raise BadInput(str(exc)) from None
         except RunPodError as exc:
             raise StepFailed("checking RunPod's catalog", str(exc)) from None
-        if fit.get("price"):  # the head agent counts the cost (placement.max_cost) from the catalog's price
+        if fit.get("price"):  # the catalog's price, which the head counts where RunPod gives no `cost` of its pod
             plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": fit["price"] * plan.nodes}))
         elif plan.budget.max_cost is not None:
             raise BadInput(f"placement.max_cost: RunPod's catalog gives no price for {fit['gpu']}, so the head agent "
@@ -196,6 +200,13 @@ class RunPodProvider(Provider):
                                "dashboard_port": plan.ray.dashboard_port, "pods": []})
         with pods.Launching(client, plan.name, before) as launching:
             members = pods.create(client, plan, requests, values, fit["datacenters"], launching)
+            price, said = pods.billed(members, fit["price"])
+            say(said)
+            differs = pods.head_counts(members, price)
+            if differs:
+                say(f"warning: {differs}")
+            if price is not None:  # what the launcher counts (its progress line, `ps`); the head reads its own
+                plan = plan.replace(budget=plan.budget.model_copy(update={"price_per_hour": price}))
             return logs.cluster(client, plan, members, token, directory, fit, self._tunnels, self._log_stops)
 
     # ------------------------------------------------------------------ status, forward, down

@@ -99,7 +99,9 @@ def cluster(client: RunPodClient, plan: Plan, members: list[dict], token: str | 
 
     def describe() -> list[str]:
         hours = (time.monotonic() - created) / 3600
-        price = f", about ${fit['price'] * plan.nodes * hours:.2f} so far" if fit.get("price") else ""
+        # the pods' billed cost (pods.billed, which apply put in the plan), else the catalog's
+        hourly = plan.budget.price_per_hour or (fit["price"] * plan.nodes if fit.get("price") else None)
+        price = f", about ${hourly * hours:.2f} so far" if hourly else ""
         lines = [f"pods: {len(members)} x {fit['count']}x {fit['gpu']} in {head.get('dataCenterId')}{price}"]
         if plan.checkpoint_dir and not plan.checkpoint_shared:
             lines.append(f"checkpoints {plan.checkpoint_dir} are on each pod's own disk")
@@ -113,4 +115,4 @@ def cluster(client: RunPodClient, plan: Plan, members: list[dict], token: str | 
     return Cluster(name=plan.name, cluster_id=head["id"], dashboard=dashboard, token=token, head_alive=head_alive,
                    node_logs=[str(logs / f"node-{rank}.log") for rank in range(len(members))], describe=describe,
                    tend=tunnel.tend if tunnel else (lambda: []), close=close,
-                   price_per_hour=plan.budget.price_per_hour)  # the catalog's, which its head counts
+                   price_per_hour=plan.budget.price_per_hour)  # the pods' cost (pods.billed), else the catalog's

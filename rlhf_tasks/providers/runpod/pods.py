@@ -94,6 +94,41 @@ def create(client: RunPodClient, plan: Plan, requests: dict, values: dict[str, s
     return wait_running(client, plan, pod_ids=ids)
 
 
+def _priced(pod: dict) -> bool:
+    """Whether RunPod gives the pod's cost: a number above 0 (0.0 is a pod that no longer runs)."""
+    cost = pod.get("cost")
+    return isinstance(cost, (int, float)) and not isinstance(cost, bool) and cost > 0
+
+
+def billed(members: list[dict], per_pod: float | None) -> tuple[float | None, str]:
+    """The pods' price per hour as RunPod bills them, read once every pod runs: the sum of their `cost` ("Current
+    cost in USD per hour (0.0 when EXITED or TERMINATED)", the Pod schema; the catalog's price is a list price,
+    "the rate actually billed for a pod is reported as `cost` on the pod itself"). A pod whose cost is not given
+    (absent, or 0.0 while it runs) counts at the catalog's price per pod (`per_pod`); with the words that say it."""
+    given = [pod["cost"] for pod in members if _priced(pod)]
+    missing = [pod["name"] for pod in members if not _priced(pod)]
+    if missing and per_pod is None:
+        return None, (f"RunPod gives no cost for {', '.join(missing)} and its catalog no price: the pods' "
+                      f"price is not known")
+    total = round(sum(given) + (per_pod or 0) * len(missing), 4)
+    catalog = f"the catalog's list price: ${per_pod * len(members):.2f}/h" if per_pod else "no catalog price"
+    if not missing:
+        return total, (f"RunPod bills the {len(members)} pod(s) ${total:.2f}/h (the sum of their `cost`; {catalog}): "
+                       f"the cap counts that")
+    return total, (f"RunPod gives no cost for {', '.join(missing)}: counted at the catalog's ${per_pod:.2f}/h per "
+                   f"pod, ${total:.2f}/h for the {len(members)} pod(s) ({catalog})")
+
+
+def head_counts(members: list[dict], total: float | None) -> str | None:
+    """Where the head, which reads only its own pod's `cost` (its key is scoped to its pod) and counts it for every
+    node, counts other than the pods' sum: the words, else None."""
+    head = members[0].get("cost")
+    if not _priced(members[0]) or total is None or round(head * len(members), 4) == total:
+        return None
+    return (f"the head counts its own pod's cost for each of the {len(members)} pods, ${head * len(members):.2f}/h, "
+            f"not their sum ${total:.2f}/h (its pod-scoped key reads only its pod)")
+
+
 def place(create, datacenters: list[str], what: str, step: str) -> tuple[dict, str]:
     """`create(data center)` for one candidate after another, in order, until one is made:
     (what it made, the data center asked for). RunPod's `dataCenterIds` are "Preferred data

@@ -20,7 +20,7 @@ from pydantic import Field
 from ...errors import BadInput
 from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
-from ...plan import Contract, Plan, SelfEnd, env, template
+from ...plan import Contract, MachinePrice, Plan, SelfEnd, env, template
 from ...spec import Task, gpu_memory_words
 from ..base import Sharing
 from ..shipping import NODE_DIR, WRITTEN_BY, plan_file, agent_command, heredoc, node_path, shared_entry, shipped_files
@@ -62,6 +62,14 @@ POD_CONTRACT = Contract(
 SELF_END = SelfEnd(method="POST", url="{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}/action",
                    defaults={"RUNPOD_API_URL": "https://api.runpod.io/v2"}, json_body={"action": "terminate"},
                    bearer_env="RUNPOD_API_KEY", what="terminate this pod (RunPod's pod-scoped key)")
+#: What RunPod bills a pod: its `cost`, "Current cost in USD per hour (0.0 when EXITED or TERMINATED)" (the Pod
+#: schema; the catalog's GpuType.price is a list price: "the rate actually billed for a pod is reported as `cost`
+#: on the pod itself", and negotiated discounts are not in it). The head reads its own pod's with the pod-scoped
+#: key once it runs (the pods are created from one request: the same GPU type, count, cloud and data center) and
+#: counts it for every node; where RunPod gives none, the catalog's price the plan carries.
+MACHINE_PRICE = MachinePrice(url="{RUNPOD_API_URL}/pods/{RUNPOD_POD_ID}",
+                             defaults={"RUNPOD_API_URL": "https://api.runpod.io/v2"}, bearer_env="RUNPOD_API_KEY",
+                             field="cost", what="RunPod's `cost` of this pod")
 #: What RunPod sets on every node of an Instant Cluster.
 CLUSTER_CONTRACT = Contract(
     rank=env("NODE_RANK"),
@@ -166,12 +174,13 @@ def cross_node_traffic(plan: Plan) -> str:
 #: API v2 has no bid and no price bound (CreatePodRequest and CreateClusterRequest: no price field), and creates
 #: on-demand pods only.
 IGNORES = {
-    "spot": "RunPod's v2 API creates on-demand pods only, at the catalog's on-demand (secure) price, which is what "
-            "the launcher shows and the head counts",
+    "spot": "RunPod's v2 API creates on-demand pods only: the launcher shows the catalog's on-demand (secure) "
+            "price, and the head counts what RunPod bills its pod",
     "retry": "the RunPod provider does not relaunch lost pods; the head restarts the job (job.max_restarts) while "
              "its pod lives",
-    "price_per_hour": "RunPod's catalog price is counted (the launcher shows it and asks before it creates anything); "
-                      "RunPod's v2 API takes no price bound or bid for a pod",
+    "price_per_hour": "RunPod's own price is counted: each pod's billed `cost` once it runs, the catalog's list price "
+                      "where RunPod gives none (the launcher shows the catalog's and asks before it creates "
+                      "anything); RunPod's v2 API takes no price bound or bid for a pod",
     "fleets": "RunPod has no fleets",
     "backends": "RunPod is one backend",
 }
