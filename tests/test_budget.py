@@ -222,6 +222,17 @@ def test_the_last_checkpoint_is_the_recipes_newest_checkpoint_file(tmp_path):
     assert bmod.newest_checkpoint(str(ckpt), ["global_step_*"]) == str(ckpt / "global_step_40")
     # A recipe that knows none (a free command): the newest file, as before
     assert bmod.newest_checkpoint(str(ckpt), []) == str(ckpt / "data" / "prompts.jsonl")
+    # but never the head's spend record nor the models' cache, both rewritten there by the agent, not the job
+    from rlhf_tasks.agent.protocol import CACHE_DIR
+    from rlhf_tasks.agent.protocol.spend import SPEND_FILE
+    (ckpt / CACHE_DIR / "huggingface").mkdir(parents=True)
+    (ckpt / CACHE_DIR / "huggingface" / "fetched").write_text("done")
+    (ckpt / SPEND_FILE).write_text("{}")
+    assert bmod.newest_checkpoint(str(ckpt), []) == str(ckpt / "data" / "prompts.jsonl")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / SPEND_FILE).write_text("{}")
+    assert bmod.newest_checkpoint(str(empty), []) is None  # a job that never ran has no last checkpoint
 
 
 def test_the_recipes_say_their_checkpoint_files(tmp_path):

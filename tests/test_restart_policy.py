@@ -78,6 +78,7 @@ def test_the_spend_record_the_head_rewrites_is_no_new_checkpoint(tmp_path):
     import os
 
     from rlhf_tasks.agent.jobrunner import checkpoint_mark
+    from rlhf_tasks.agent.protocol import CACHE_DIR
     from rlhf_tasks.agent.protocol.spend import SPEND_FILE, write_spend
 
     (tmp_path / "step_1").mkdir()
@@ -87,6 +88,10 @@ def test_the_spend_record_the_head_rewrites_is_no_new_checkpoint(tmp_path):
         os.utime(path, (old, old))
     before = checkpoint_mark(str(tmp_path))
     write_spend(str(tmp_path / SPEND_FILE), {"version": 1, "training": "t", "attempts": {}})
+    assert checkpoint_mark(str(tmp_path)) == before
+    # nor the models' cache there (agent/hub.py), which a relaunch's fetch writes into
+    (tmp_path / CACHE_DIR / "huggingface" / "hub").mkdir(parents=True)
+    (tmp_path / CACHE_DIR / "huggingface" / "hub" / "fetched").write_text("done")
     assert checkpoint_mark(str(tmp_path)) == before
     (tmp_path / "step_2.pt").write_text("weights")
     assert checkpoint_mark(str(tmp_path)) > before

@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Callable, List, Optional
 
-from .protocol import TERMINAL_JOB_STATES, AgentError, log
+from .protocol import TERMINAL_JOB_STATES, AgentError, agents_own, log
 from .protocol.spend import (SPEND_EVERY_S, SPEND_FILE, SPEND_VERSION, cap_seconds, cap_words, hm, merge,  # noqa: F401
                             read_spend, spent, totals, write_spend)
 
@@ -160,11 +160,15 @@ def newest_checkpoint(directory: Optional[str], patterns: Optional[List[str]] = 
     last checkpoint is; None when there is none yet. `patterns` are the recipe's checkpoint file
     names (the plan's checkpoint_files, shell patterns of paths relative to the directory, e.g.
     tiny-grpo's `step_*.pt`): only a path they match counts, never the metrics or the prepared data
-    beside them. Without patterns (a recipe that knows none), the newest file."""
+    beside them. Without patterns (a recipe that knows none), the newest file; never what the agent
+    keeps there (agents_own: the spend record, the models' cache)."""
     if not directory or not os.path.isdir(directory):
         return None
     newest, when, seen = None, -1.0, 0
     for root, dirs, files in os.walk(directory):
+        if root == directory:
+            dirs[:] = [d for d in dirs if not agents_own(d)]
+            files = [f for f in files if not agents_own(f)]
         matched = []
         for name in (dirs + files) if patterns else files:
             path = os.path.join(root, name)

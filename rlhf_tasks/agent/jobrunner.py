@@ -16,9 +16,8 @@ from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
 from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
-                       AgentError, DashboardJobs, JobFollower, alive_nodes, cluster_check, job_argv, job_runtime_env, log,
-                       submission_id, wait_for)
-from .protocol.spend import SPEND_FILE
+                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, job_argv,
+                       job_runtime_env, log, submission_id, wait_for)
 from .raynode import Node, agent_entry
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
@@ -62,15 +61,16 @@ class Restart(Exception):
 def checkpoint_mark(directory: Optional[str], limit: int = 20000) -> Optional[float]:
     """The newest modification time under the checkpoint directory: changes when a new
     checkpoint is written (bounded walk: a huge tree is not scanned to its end). The spend
-    record the head rewrites there every few seconds (SPEND_FILE) is no checkpoint: neither it
-    nor the directory itself, whose time its rewrite moves, counts."""
+    record the head rewrites there every few seconds and the models' cache (agents_own) are no
+    checkpoint: neither they nor the directory itself, whose time their writes move, count."""
     if not directory or not os.path.isdir(directory):
         return None
     newest, seen = 0.0, 0
     for root, dirs, files in os.walk(directory):
+        if root == directory:
+            dirs[:] = [d for d in dirs if not agents_own(d)]
+            files = [f for f in files if not agents_own(f)]
         for name in dirs + files:
-            if root == directory and name.startswith(SPEND_FILE):
-                continue
             seen += 1
             try:
                 newest = max(newest, os.path.getmtime(os.path.join(root, name)))

@@ -43,6 +43,14 @@ JOB_STARTS = "starting job %s: its command runs now"
 CACHE_DIR = ".cache"
 
 
+def agents_own(name: str) -> bool:
+    """A name at the top of a checkpoint directory that the agent keeps there, not the job: the training's spend
+    record (and its file while rewritten) and the models' cache. Neither is a checkpoint, nor a sign of one."""
+    from .spend import SPEND_FILE
+
+    return name == CACHE_DIR or name.startswith(SPEND_FILE)
+
+
 def started_job(text: str) -> Optional[str]:
     """The id of the job whose command the head let run, from its log `text`; None before that."""
     found = re.findall(re.escape(JOB_STARTS).replace("%s", r"(\S+)"), text)
