@@ -27,12 +27,12 @@ demo: install-demo
 kube:
 	@bash tests/kube/build.sh >/dev/null
 
-# Four workers (pytest-xdist): the Kubernetes tests in one, first, each dstack file (a server and fleet of its own)
-# in another, the rest wherever a worker is free, at most two cluster tests at once besides dstack's, which mostly
-# wait (tests/conftest.py: CLUSTER_SLOTS); on a cold cache the Kubernetes programs build in the background
-# meanwhile, at nice 19 (tests/conftest.py says which tests go together and in what order).
-# The 25 longest tests are listed at the end.
-PYTEST_WORKERS := -n 4 --dist loadgroup --no-loadscope-reorder
+# Three workers (pytest-xdist): the Kubernetes tests in one, first, the dstack server's in another, the rest
+# wherever a worker is free, at most two cluster tests at once besides dstack's, which mostly wait
+# (tests/conftest.py: CLUSTER_SLOTS); on a cold cache the Kubernetes programs build in the background meanwhile,
+# at nice 19 (tests/conftest.py says which tests go together and in what order). More at once does not end sooner:
+# the suite is CPU-bound (docs/development.md). The 25 longest tests are listed at the end.
+PYTEST_WORKERS := -n 3 --dist loadgroup --no-loadscope-reorder
 
 test: install-test
 	@bash tests/kube/build.sh --background >/dev/null

@@ -320,12 +320,13 @@ def ns(kube_cluster, request):
     kube_cluster.cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 @starts_cluster
 def dstack_bed(tmp_path_factory):
-    """A real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be an SSH fleet
-    (tests/dstack/README.md), one per test file: `make test` runs the dstack files side by side, each on its
-    own bed. dstack[server] is installed into a cached virtualenv first."""
+    """The session's real dstack server and CLI on a testbed's laptop, and two namespace hosts ready to be
+    an SSH fleet (tests/dstack/README.md), for both dstack files: one worker runs them one after another
+    (a bed of their own each, side by side, overloaded the 2 cores: Ray's nodes timed out starting). dstack[server]
+    is installed into a cached virtualenv first."""
     reason = tbmod.require_root()
     need(reason is None, reason or "")
     import importlib.util

@@ -4,7 +4,7 @@ placement.price_per_hour (the whole cluster) reaches the provider as its own pri
 `max_price`, SkyPilot's `max_hourly_cost`), judged by the provider's own parser; where the provider prices what it
 provisions (dstack's run plan and SkyPilot's optimizer at launch, what RunPod bills a pod), the head agent counts that; a
 placement field one provider cannot use is said by `check` and ignored there, not refused, so the same file passes
-`check` on every provider. dstack's plan read from its real server is in tests/test_dstack_failures_cluster.py."""
+`check` on every provider. dstack's plan read from its real server is in tests/test_dstack_cluster.py."""
 
 from __future__ import annotations
 
