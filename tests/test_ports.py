@@ -58,6 +58,25 @@ def test_a_local_clusters_ray_ports_are_never_ones_the_kernel_hands_out(rlhf_hom
         assert all(ports.PICK_FROM <= port < low for port in picked), picked
 
 
+def test_each_local_cluster_has_its_own_autoscaler_metrics_port(rlhf_home):
+    """Every local cluster's head runs Ray's autoscaler monitor, whose metrics server binds one fixed port
+    (AUTOSCALER_METRIC_PORT, 44217: ray/autoscaler/_private/constants.py): two local clusters at once collided
+    there, and the second head's monitor.log held a traceback that the failure summary named as the node's first
+    error (the full run's test_an_error_raised_on_another_node... failure). Each plan picks its own; the task's
+    own value wins."""
+    from rlhf_tasks import providers
+    from rlhf_tasks.spec import load_task
+    from conftest import ROOT
+
+    task = load_task(ROOT / "tasks" / "tiny-grpo.yaml")
+    first, second = (providers.get("local").plan(task) for _ in range(2))
+    picked = [int(p.env["AUTOSCALER_METRIC_PORT"]) for p in (first, second)]
+    assert picked[0] != picked[1] and 44217 not in picked, picked
+    assert all(ports.PICK_FROM <= port < ports.ephemeral_range()[0] for port in picked), picked
+    own = task.model_copy(update={"env": {**task.env, "AUTOSCALER_METRIC_PORT": "45000"}})
+    assert providers.get("local").plan(own).env["AUTOSCALER_METRIC_PORT"] == "45000"
+
+
 def test_ports_to_avoid_are_never_picked():
     assert ports.free_ports(1, host="", span=(ports.PICK_FROM, ports.PICK_FROM + 2), avoid=[ports.PICK_FROM]) == \
         [ports.PICK_FROM + 1]

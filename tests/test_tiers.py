@@ -21,6 +21,7 @@ def inner(pytester, monkeypatch):
     """A pytest run with our conftest and the testbed modules importable."""
     monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{ROOT}")
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # hydra's and anyio's slow every start
+    monkeypatch.delenv("RLHF_TASKS_TIMELINE", raising=False)  # the inner runs' tests are not the suite's
     pytester.makeconftest((TESTS / "conftest.py").read_text())
     return pytester
 

@@ -135,9 +135,12 @@ class LocalProvider(Provider):
         cluster_id = pysecrets.token_hex(4)
         # free on every address, and none a service of the task is said ready on (the demo's reward server's
         # 23080 is in the range they are picked from): Ray's GCS listens on every address
-        gcs, dashboard, client, ready = free_ports(4, host="", avoid=service_ports(plan))
+        gcs, dashboard, client, ready, monitor = free_ports(5, host="", avoid=service_ports(plan))
+        # Ray's autoscaler monitor serves its metrics on one fixed port (AUTOSCALER_METRIC_PORT, 44217:
+        # ray/autoscaler/_private/constants.py): two local clusters at once collided there.
+        env = {"AUTOSCALER_METRIC_PORT": str(monitor), **plan.env}
         # The head ends the cluster when its run is over (unless `launch --keep`), launcher or not.
-        return plan.replace(cluster_id=cluster_id, ray={
+        return plan.replace(cluster_id=cluster_id, env=env, ray={
             "port": gcs, "dashboard_port": dashboard, "client_server_port": client, "ready_port": ready,
             "temp_dir": f"/tmp/rlhf-{cluster_id}",  # short: Ray's socket paths must stay under 108 bytes
             # Ray's default, 30% of RAM, for each of N nodes here would not fit.
