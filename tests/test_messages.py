@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import io
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rlhf_tasks import state
+from played_http import JsonHandler, PlayedServer
 from rlhf_tasks.cli import main
 
 
-class FakeDashboard:
+class FakeDashboard(PlayedServer):
     """Ray's Jobs API (submit, status, list, logs, stop) and the State API's nodes, in memory."""
 
     def __init__(self):
@@ -25,18 +24,7 @@ class FakeDashboard:
         self.submitted: list[str] = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 path = self.path.split("?")[0].rstrip("/")
                 if path == "/api/v0/nodes":
@@ -66,13 +54,7 @@ class FakeDashboard:
                 fake.jobs[sid] = "STOPPED"
                 return self.answer(200, {"stopped": True})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture

@@ -8,13 +8,12 @@ the real cluster's view of it is in test_e2e_local (test_jobs_api_refuses_reques
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
+from played_http import JsonHandler, PlayedServer
 from rlhf_tasks import providers
 from rlhf_tasks.agent.jobrunner import submit_command
 from rlhf_tasks.agent.protocol import job_runtime_env
@@ -232,7 +231,7 @@ def test_a_py_module_over_rays_upload_limit_is_refused_where_it_is_uploaded_from
 
 # ------------------------------------------------------------------ the submission, by Ray's own code
 
-class PlayedDashboard:
+class PlayedDashboard(PlayedServer):
     """Ray's dashboard as its job SDK speaks to it (ray/dashboard/modules/dashboard_sdk.py: GET /api/version,
     GET then PUT /api/packages/<protocol>/<name>; job/sdk.py: POST /api/jobs/), recording what it is sent."""
 
@@ -241,18 +240,7 @@ class PlayedDashboard:
         self.packages: dict[str, bytes] = {}
         played = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self, status: int, body: dict | None = None):
-                data = json.dumps(body or {}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path == "/api/version":
                     return self.answer(200, {"version": "4", "ray_version": "2.60.0", "ray_commit": "x"})
@@ -267,13 +255,7 @@ class PlayedDashboard:
                 played.jobs.append(job)
                 self.answer(200, {"job_id": job["submission_id"], "submission_id": job["submission_id"]})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture
@@ -291,7 +273,7 @@ def test_the_heads_submission_carries_the_runtime_env_as_ray_sends_it(tmp_path, 
     path = task_file(tmp_path, {"pip": ["requests==2.31.0"], "env_vars": {"GREETING": "hello"},
                                 "py_modules": ["code/mods/greet"], "excludes": ["*.log"]})
     job = plan_of(path).job.model_dump()
-    cmd = submit_command(job, dashboard.address, "t-1", ["python3", "train.py"])
+    cmd = submit_command(job, dashboard.url, "t-1", ["python3", "train.py"])
     assert cmd[:3] == ["ray", "job", "submit"]
     monkeypatch.chdir(tmp_path)
     job_cli_group.main(args=cmd[2:], standalone_mode=False)
@@ -327,7 +309,7 @@ def test_the_launchers_submission_carries_the_runtime_env(tmp_path, rlhf_home, d
                      submit="client", working_dir=None)
     plan = plan_of(path, "dstack")
     assert job_runtime_env(plan.job.model_dump())["py_modules"] == [str(path.parent / "code" / "mods" / "greet")]
-    Jobs(dashboard.address, None).submit(plan, "t-2", "127.0.0.1", {})
+    Jobs(dashboard.url, None).submit(plan, "t-2", "127.0.0.1", {})
     [sent] = dashboard.jobs
     assert sent["runtime_env"]["env_vars"] == {"GREETING": "hello"} and "working_dir" not in sent["runtime_env"]
     assert sent["runtime_env"]["py_modules"][0].startswith("gcs://")
