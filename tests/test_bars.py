@@ -1,7 +1,7 @@
 """OpenRLHF's torchrun trainers' tqdm bars as the launcher follows them (issue 47, item 7): the
 bars are drawn by the real tqdm in a process of their own, in the order each release's
 `sft_trainer.py` drives them (read from the release's wheel), into a log file as the node agent
-keeps one (stdout and stderr together); the launcher's follower (launch.LogTail) and its reader
+keeps one (stdout and stderr together); the launcher's follower (follow.LogTail) and its reader
 of the training (progress.Training with the recipe's reader) read that file."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 import frameworks
 from conftest import need
-from rlhf_tasks.launch import LogTail
+from rlhf_tasks.follow import LogTail
 from rlhf_tasks.progress import Training, last_step
 from rlhf_tasks.recipes.torchrun import TorchrunJob
 

@@ -244,7 +244,7 @@ def test_the_recipes_say_their_checkpoint_files(tmp_path):
 
 
 def test_the_jobs_last_line_is_its_own_not_rays_sigterm_dump():
-    from rlhf_tasks.launch import job_said
+    from rlhf_tasks.outcome import job_said
 
     tail = "\n".join([
         "step 480 reward 0.91",

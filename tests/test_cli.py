@@ -136,7 +136,7 @@ def test_check_without_provider_says_which_providers_can_run_a_gpu_task(capsys):
 def test_summary_says_what_this_run_did(tmp_path, capsys):
     """Rows of earlier runs (other clusters' nodes) are not this run's; a run that trained nothing says so."""
     from rlhf_tasks import providers
-    from rlhf_tasks.launch import Outcome, summarise
+    from rlhf_tasks.outcome import Outcome, summarise
     from rlhf_tasks.spec import parse_task
 
     metrics = tmp_path / "metrics.jsonl"

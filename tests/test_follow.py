@@ -10,8 +10,8 @@ import json
 import pytest
 
 from rlhf_tasks.errors import HeadLost, StepFailed
-from rlhf_tasks.launch import (HeadEnded, LogTail, Outcome, _watching, final_status_from_head, follow_head_log, summarise,
-                               verdict)
+from rlhf_tasks.follow import HeadEnded, LogTail, _watching, final_status_from_head, follow_head_log
+from rlhf_tasks.outcome import Outcome, summarise, verdict
 from rlhf_tasks.providers import Cluster, get
 from rlhf_tasks.spec import parse_task
 
@@ -190,7 +190,7 @@ def test_a_head_ended_while_it_waits_to_restart_the_job_is_cut_short_with_its_ca
     result line that of a signal (130). The outcome is no end state, with the head's cause and the provider's word,
     not the dashboard's error nor "STOPPED by rlhf-tasks stop" (tests/test_dstack_cluster.py, against dstack)."""
     import rlhf_tasks.jobs
-    from rlhf_tasks.launch import follow_dashboard
+    from rlhf_tasks.follow import follow_dashboard
 
     class Jobs:
         def __init__(self, *args):

@@ -299,7 +299,7 @@ def test_preflight_failures_land_on_the_node_they_name():
 
 
 def test_the_launcher_keeps_the_heads_first_errors_with_a_bundle_it_has(tmp_path):
-    from rlhf_tasks.launch import merge_forensics
+    from rlhf_tasks.outcome import merge_forensics
 
     head = {"gathered": True, "bundle": "/opt/rlhf-tasks/logs/forensics-x.tar.gz", "first_errors": [{"label": "node2"}]}
     here = {"gathered": True, "bundle": str(tmp_path / "f.tar.gz"), "first_errors": [], "where": "gathered from here"}

@@ -47,7 +47,7 @@ def test_missing_working_dir_is_bad_input(tmp_path):
 
 def test_final_status_and_unseen_log_come_from_the_head_agents_result_line():
     """The launcher reads the head agent's one structured result line, not its prose."""
-    from rlhf_tasks.launch import final_status_from_head
+    from rlhf_tasks.follow import final_status_from_head
     from rlhf_tasks.agent.protocol import result_line
     from rlhf_tasks.providers import Cluster
 

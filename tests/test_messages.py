@@ -201,7 +201,7 @@ def test_ctrl_c_once_the_job_runs_stops_following_only(tmp_path, rlhf_home, caps
 def test_the_launcher_records_the_job_running_once_the_head_lets_it_start(tmp_path):
     """What `down` falls back on where the dashboard does not answer from here (item 8)."""
     from rlhf_tasks.agent.protocol import JOB_STARTS, started_job
-    from rlhf_tasks.launch import LogTail, follow_head_log
+    from rlhf_tasks.follow import LogTail, follow_head_log
 
     provider = fake_provider(tmp_path, "[10:00:00] node0: waiting for 2 nodes\n")
     plan = provider.plan(ctrl_c_task())

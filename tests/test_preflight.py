@@ -240,7 +240,7 @@ def test_preflight_ids_never_look_like_a_jobs_own():
 
 
 def test_only_the_first_attempt_of_a_head_submitted_job_carries_preflight_in_its_gate():
-    from rlhf_tasks.launch import gated_preflight
+    from rlhf_tasks.follow import gated_preflight
 
     first = protocol.submission_id("t", "c1")
     restart = protocol.next_submission_id(first)

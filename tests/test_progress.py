@@ -241,7 +241,7 @@ def test_following_through_the_dashboard_reads_the_steps(tmp_path, rlhf_home):
 
     from rlhf_tasks import providers
     from rlhf_tasks.jobs import Jobs
-    from rlhf_tasks.launch import LogTail, follow_attempts
+    from rlhf_tasks.follow import LogTail, follow_attempts
     from rlhf_tasks.spec import parse_task
     from conftest import ROOT
     from test_messages import FakeDashboard

@@ -278,7 +278,8 @@ def test_limits_runpods_document_does_not_state_are_not_imposed():
 def test_a_failed_job_ends_the_launch_with_exit_1_and_says_why(tmp_path, capsys, monkeypatch):
     """The pods' log streams reach the launcher's one follower: the head pod's result line ends
     the job, and the summary adds what the pods cost (the real client against the stand-in)."""
-    from rlhf_tasks.launch import LogTail, follow_head_log, summarise, verdict
+    from rlhf_tasks.follow import LogTail, follow_head_log
+    from rlhf_tasks.outcome import summarise, verdict
     from rlhf_tasks.providers.runpod import logs
     from rlhf_tasks.providers.runpod.api import RunPodClient
 

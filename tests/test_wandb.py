@@ -15,7 +15,7 @@ import pytest
 import frameworks
 from conftest import ROOT, need
 from rlhf_tasks import providers
-from rlhf_tasks.launch import keep_wandb_run, wandb_run
+from rlhf_tasks.launch_records import keep_wandb_run, wandb_run
 from rlhf_tasks.spec import parse_task
 from test_framework_validation import OPENRLHF, hydra, openrlhf, verl_config  # noqa: F401 - fixtures
 

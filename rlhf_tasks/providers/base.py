@@ -31,8 +31,8 @@ def _gb(nbytes: int) -> str:
 @dataclass
 class Cluster:
     """A cluster `apply` brought up: where the launcher reads it. A provider brings the
-    cluster up and describes it; it never follows or summarises the job (launch.py does,
-    once, for every provider)."""
+    cluster up and describes it; it never follows or summarises the job (the launcher does,
+    once, for every provider: follow.py and outcome.py)."""
 
     name: str
     cluster_id: str
