@@ -308,7 +308,7 @@ def test_a_bundle_scrubs_the_secrets_of_the_plan_staged_for_any_provider(provide
     """`logs --bundle` scrubs the task's secrets by the plans staged for it here: a remote provider
     stages NAME.PROVIDER.plan.json (its secrets were not scrubbed while only plan.json was read)."""
     from rlhf_tasks import providers, state
-    from rlhf_tasks.cli import bundle_secret_names
+    from rlhf_tasks.commands.job import bundle_secret_names
     from rlhf_tasks.spec import load_task
 
     task = load_task(str(ROOT / "tasks" / "verl-ppo-gsm8k.yaml"))

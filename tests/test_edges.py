@@ -134,7 +134,7 @@ def test_launch_fresh_gives_the_head_the_launchs_stamp_and_says_where(tmp_path, 
             seen.append(plan)
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("rlhf_tasks.cli._provider", lambda name, args=None: Fake())
+    monkeypatch.setattr("rlhf_tasks.commands.cluster.make_provider", lambda name, args=None: Fake())
     main(["launch", str(ROOT / "tasks/tiny-grpo.yaml"), "--fresh"])
     (plan,) = seen
     assert re.fullmatch(r"\d{8}T\d{6}Z", plan.fresh or "")
