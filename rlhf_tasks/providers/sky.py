@@ -45,7 +45,8 @@ from ..errors import BadInput, StepFailed
 from ..models import StrictModel, size_bytes, size_text
 from ..agent.protocol.ports import free_port
 from ..plan import Contract, Plan, env
-from ..spec import Task, gpu_gb, gpu_parts
+from ..gpu_spec import gpu_gb, gpu_parts
+from ..spec import Task
 from .base import (AMD_CONTAINER_OPTIONS, Cluster, Option, Provider, Retries, Sharing, docker_size, end_process,
                    hold_forward, require_cli, stop_with_cli, write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, agent_command, dump_yaml, shared_entry, shipped_files
