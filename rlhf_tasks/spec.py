@@ -303,7 +303,7 @@ class Placement(StrictModel):
     wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of the run (job.wandb "
                                        "overrides them field by field); logging is on when WANDB_API_KEY is a secret")
     slurm: dict[str, Any] = Field({}, description=(
-        "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
+        "Slurm's own options, read by the slurm provider with its model (providers/slurm/placement.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
     dstack: dict[str, Any] = Field({}, description=(
         "dstack's own options, read by the dstack provider with its model (providers/dstack.py): ssh (the fleet is "
