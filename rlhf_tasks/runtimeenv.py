@@ -72,7 +72,7 @@ def _requirements(name: str, value: Any, base: str) -> Any:
 def _read_requirements(field: str, written: str, base: str) -> list[str] | str:
     path = workdir.resolve(written, base)
     if os.path.isfile(path):
-        from .spec import secret_in_text
+        from .secret_detection import secret_in_text
 
         lines = Path(path).read_text(errors="replace").strip().split("\n")  # Ray's own split
         for number, line in enumerate(lines, 1):

@@ -4,6 +4,9 @@ Provider-neutral, and imports no provider: the parts a provider owns (`placement
 `checkpoints.shared.<provider>`) are mappings here, which the provider reads with its own
 model through `provider_part`. Every error names the field path (`services[0].ready.http`,
 `placement.slurm.partition`) and is raised as BadInput (exit 2) before anything is launched.
+
+The grammar of `resources.gpus` is gpu_spec.py's, the providers' too; whether a field holds a secret's
+value is secret_detection.py's, which runtimeenv.py asks as well.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import types
-from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -20,140 +22,20 @@ from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, Validation
 from pydantic_core import PydanticCustomError
 
 from .errors import BadInput
+from .gpu_spec import gpu_parts
 from .models import (LAUNCHER_ENV, NAME_PATTERN, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions,
-                     _exact_decimal, bandwidth_bits, did_you_mean, require_absolute, size_bytes)
+                     bandwidth_bits, did_you_mean, require_absolute, size_bytes)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
+from .secret_detection import ENV_MAPPINGS, secret_look, written_secrets
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_GPU_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*$")
-_GPU_FORMS = ("use NAME:COUNT such as H100:8, MEMORY:COUNT such as 80GB:8, NAME:MEMORY:COUNT such as A100:80GB:8, "
-              "a memory range such as 24GB..:1 or 24GB..48GB:1, or a count >= 1")
 #: A Hugging Face Hub repository id (huggingface_hub/utils/_validators.py, validate_repo_id: at most one '/',
 #: 96 characters, no '--' or '..').
 _HUB_NAME = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
-#: Names that are secrets by convention: *_KEY (WANDB_KEY, OPENAI_KEY, *_API_KEY, *_ACCESS_KEY), *_TOKEN
-#: (HF_TOKEN, GITHUB_TOKEN, AWS_SESSION_TOKEN), and any name holding SECRET, PASS (DB_PASS, *PASSWORD*,
-#: PASSPHRASE), PWD (MY_PWD), CREDENTIAL or PRIVATE.
-_SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEY|KEY|TOKEN)$|SECRET|PASS|PWD|CREDENTIAL|PRIVATE", re.IGNORECASE)
-#: Values in well-known credential formats, found anywhere in the value (not inside a longer word);
-#: not exhaustive.
-_SECRET_VALUES = {
-    "a Hugging Face token (hf_...)": r"hf_[A-Za-z0-9]{30,}",
-    "an OpenAI or Anthropic API key (sk-...)": r"sk-[A-Za-z0-9_-]{20,}",
-    "a GitHub token (ghp_..., github_pat_...)": r"gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}",
-    "an AWS access key id (AKIA...)": r"(?:AKIA|ASIA)[A-Z0-9]{16}",
-    "a RunPod API key (rpa_...)": r"rpa_[A-Za-z0-9]{20,}",
-    "a PEM private key (-----BEGIN ... PRIVATE KEY-----)": r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
-    # (`://user:$TOKEN@` and `:${TOKEN}@` refer to a variable: they pass)
-    "a URL with a password (scheme://user:password@host)": r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:(?!\$)[^\s/@]+@",
-    "a JSON Web Token (eyJ...)": r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
-    "a Slack token (xox?-...)": r"xox[a-z]-[A-Za-z0-9-]{10,}",
-    "a GitLab token (glpat-...)": r"glpat-[A-Za-z0-9_-]{20,}",
-    "a Stripe live key (sk_live_..., rk_live_...)": r"[sr]k_live_[A-Za-z0-9]{16,}",
-    "a Google API key (AIza...)": r"AIza[A-Za-z0-9_-]{35}",
-    "an HTTP bearer token (Bearer ...)": r"(?i:bearer)[ \t]+[A-Za-z0-9._~+/=-]{8,}",
-}
-_SECRET_VALUES = {what: re.compile(r"(?<![A-Za-z0-9_])(?:" + pattern + ")") for what, pattern in _SECRET_VALUES.items()}
-#: W&B's keys are 40 hex digits, like a git commit: only a value that is nothing else counts.
-_WANDB_VALUE = re.compile(r"[0-9a-f]{40}")
-
-
-def secret_look(name: str, value: str) -> str | None:
-    """Why an env entry looks like a secret (its name, or its value's format), or None."""
-    if _SECRET_NAME.search(name):
-        return "its name says it is a secret"
-    for what, pattern in _SECRET_VALUES.items():
-        if pattern.search(value):
-            return f"its value looks like {what}"
-    if _WANDB_VALUE.fullmatch(value.strip()):
-        return "its value looks like a W&B API key (40 hex digits)"
-    return None
-
-
 #: Ray's smallest object store: `ray start` refuses less (ray/_private/ray_constants.py).
 OBJECT_STORE_MINIMUM = 75 * 2**20
-#: In a command or an argument, a variable whose name says it is a secret set to a value written there
-#: (`HF_TOKEN=...`, `export WANDB_API_KEY=...`); `NAME=$VAR` refers to one and passes, as does a Hydra
-#: override's key (`model.token=...`: its value is checked for a credential's format).
-_ASSIGNMENT = re.compile(r"(?<![\w.$/-])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?![\"']?\$)[\"']?[^\s\"'$;&|)]")
-#: A flag given a value written there (`--api-key VALUE`, `--password=VALUE`); `--token $HF_TOKEN` passes.
-_FLAG = re.compile(r"(?<![\w-])--?(?P<flag>[A-Za-z][\w-]*)(?:=|\s+)(?![\"']?\$)[\"']?(?P<value>[^\s\"'$;&|)]+)")
-#: Flags that take a secret (a tokenizer's `--eos_token` and the like do not).
-_SECRET_FLAG = re.compile(r"(?:hf_|auth_|access_|api_)?token|(?:\w+_)?api_?key|(?:\w+_)?passw(?:or)?d|(?:\w+_)?secret"
-                          r"(?:_key)?|(?:\w+_)?access_key")
-#: Flags whose value is a W&B key (OpenRLHF's `--use_wandb KEY`) when it has the key's form.
-_WANDB_FLAG = re.compile(r"use_wandb|wandb_(?:api_)?key")
-_WANDB_LOGIN = re.compile(r"\bwandb\s+login\s+(?:--?[\w-]+\s+)*[\"']?[0-9a-f]{40}(?![0-9A-Za-z])")
-
-
-def _flag_look(flag: str, value: str) -> str | None:
-    name = flag.lower().replace("-", "_")
-    if _SECRET_FLAG.fullmatch(name) or (_WANDB_FLAG.fullmatch(name) and _WANDB_VALUE.fullmatch(value)):
-        return f"it gives --{flag.lstrip('-')} a value written here"
-    return None
-
-
-def secret_in_text(text: str) -> str | None:
-    """Why a string the task writes outside env (a command, a URL, a recipe's argument) looks like it holds a
-    secret's value, or None: a credential's format anywhere in it, a secret-named variable set to a value
-    written there, a secret's flag given one, `wandb login KEY`. References (`$HF_TOKEN`) pass."""
-    for what, pattern in _SECRET_VALUES.items():
-        if pattern.search(text):
-            return f"it holds what looks like {what}"
-    for match in _ASSIGNMENT.finditer(text):
-        if _SECRET_NAME.search(match.group("name")):
-            return f"it sets {match.group('name')}, whose name says it is a secret, to a value written here"
-    for match in _FLAG.finditer(text):
-        why = _flag_look(match.group("flag"), match.group("value"))
-        if why:
-            return why
-    if _WANDB_LOGIN.search(text):
-        return "it holds what looks like a W&B API key (wandb login with 40 hex digits)"
-    return None
-
-
-def _argv_look(flag: str, value: str) -> str | None:
-    """Why the list item `value`, after the item `flag`, is a secret's value given to a flag (`["--password", X]`)."""
-    match = re.fullmatch(r"--?(?P<flag>[A-Za-z][\w-]*)", flag)
-    if not match or not value or value.startswith("$"):
-        return None
-    return _flag_look(match.group("flag"), value)
-
-
-#: Mappings of the task whose entries are environment variables: checked by name and value, as `env` is.
-_ENV_MAPPINGS = re.compile(r"^(?:services\[\d+\]\.env|job\.runtime_env\.env_vars)$")
-
-
-def written_secrets(data: Any, path: str = "") -> dict[str, str]:
-    """Every string below `data` (a task's fields as data) that looks like a secret's value: its field path
-    (`setup[0]`, `job.args.extra_overrides[3]`, `services[0].ready.json.auth`) and why, never the value."""
-    found: dict[str, str] = {}
-    if isinstance(data, str):
-        why = secret_in_text(data)
-        if why:
-            found[path] = why
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            here = f"{path}.{key}" if path else str(key)
-            if _ENV_MAPPINGS.match(path) and isinstance(value, str):
-                why = secret_look(str(key), value)
-                if why:
-                    found[here] = why
-                continue
-            found.update(written_secrets(value, here))
-    elif isinstance(data, (list, tuple)):
-        for index, value in enumerate(data):
-            found.update(written_secrets(value, f"{path}[{index}]"))
-            previous = data[index - 1] if index else None
-            if isinstance(previous, str) and isinstance(value, str) and f"{path}[{index}]" not in found:
-                why = _argv_look(previous, value)
-                if why:
-                    found[f"{path}[{index}]"] = why
-    return found
-
-
 #: Amounts a task gives per node (cpus, memory, disk) that a provider may read as "at least" or "exactly".
 AMOUNTS = ("cpus", "memory", "disk")
 _AT_LEAST = re.compile(r"^\s*(?P<value>\S.*?)\s*(?:\.\.|\+)\s*$")
@@ -246,60 +128,6 @@ class Resources(StrictModel):
     @property
     def gpus_per_node(self) -> int:
         return gpu_parts(self.gpus)[2] if self.gpus else 0
-
-
-def gpu_parts(spec: str) -> tuple[str | None, tuple[int | None, int | None] | None, int]:
-    """`resources.gpus` read as dstack reads its GPU spec (core/models/resources.py, GPUSpec.parse: tokens
-    split at `:`, a token starting with a letter is the name, one with a letter elsewhere the memory, else
-    the count), so `80GB:8`, `A100:80GB:8` and `24GB..:1` mean what they mean there: (name, memory in
-    bytes as (min, max), GPUs per node: 1 where not given). Unlike dstack's, the memory is a size of the
-    task file (its unit needed: `80GB`; issue 48) and the count exact (the recipe places that many)."""
-    name = memory = count = None
-    for token in spec.replace(" ", "").split(":"):
-        if not token:
-            raise ValueError(f"{spec!r} is not a GPU spec: an empty part ({_GPU_FORMS})")
-        if token[0].isalpha():
-            if name is not None or not _GPU_NAME.match(token):
-                raise ValueError(f"{spec!r} is not a GPU spec: " + (
-                    "two names" if name is not None else f"{token!r} is not a GPU name") + f" ({_GPU_FORMS})")
-            name = token
-        elif any(c.isalpha() for c in token):
-            if memory is not None:
-                raise ValueError(f"{spec!r} is not a GPU spec: the memory given twice ({_GPU_FORMS})")
-            memory = _gpu_memory(spec, token)
-        else:
-            if count is not None:
-                raise ValueError(f"{spec!r} is not a GPU spec: two counts; a GPU's memory needs its unit, as "
-                                 f"80GB:8 ({_GPU_FORMS})")
-            if not token.isdigit() or int(token) < 1:
-                words = "a range of counts: Ray and the recipe need the GPUs per node exactly" \
-                    if ".." in token else f"{token!r} is not a count >= 1"
-                raise ValueError(f"{spec!r} is not a GPU spec: {words} ({_GPU_FORMS})")
-            count = int(token)
-    return name, memory, 1 if count is None else count
-
-
-def gpu_gb(nbytes: int) -> str:
-    """A GPU's memory as the catalogs write it, in GB (10^9 bytes) exactly: `80GB`, `25.769803776GB`."""
-    return f"{_exact_decimal(Fraction(nbytes, 10**9))}GB"
-
-
-def gpu_memory_words(memory: tuple[int | None, int | None]) -> str:
-    """A GPU spec's memory as dstack writes it, in GB: `80GB`, `24GB..`, `..48GB`, `24GB..48GB`."""
-    low, high = memory
-    return gpu_gb(low) if low == high else f"{gpu_gb(low) if low else ''}..{gpu_gb(high) if high else ''}"
-
-
-def _gpu_memory(spec: str, token: str) -> tuple[int | None, int | None]:
-    """A GPU spec's memory: `80GB` (exactly), `24GB..` (at least), `..48GB`, `24GB..48GB`, in bytes."""
-    low, dots, high = token.partition("..")
-    try:
-        bounds = tuple(size_bytes(part) if part else None for part in (low, high if dots else low))
-    except ValueError as exc:
-        raise ValueError(f"{spec!r}: the GPU memory {exc}") from None
-    if bounds == (None, None) or (None not in bounds and bounds[0] > bounds[1]):
-        raise ValueError(f"{spec!r}: the GPU memory {token!r} is no range (write 24GB.., ..48GB or 24GB..48GB)")
-    return bounds
 
 
 def _off_on_words(value: Any) -> Any:
@@ -475,7 +303,7 @@ class Placement(StrictModel):
     wandb: WandbOptions | None = Field(None, description="W&B entity, project, group and tags of the run (job.wandb "
                                        "overrides them field by field); logging is on when WANDB_API_KEY is a secret")
     slurm: dict[str, Any] = Field({}, description=(
-        "Slurm's own options, read by the slurm provider with its model (providers/slurm.py): partition, "
+        "Slurm's own options, read by the slurm provider with its model (providers/slurm/placement.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
     dstack: dict[str, Any] = Field({}, description=(
         "dstack's own options, read by the dstack provider with its model (providers/dstack.py): ssh (the fleet is "
@@ -626,13 +454,13 @@ class Task(StrictModel):
         data = self.model_dump(by_alias=True, exclude={"env", "env_not_secret", "secrets"})
         not_secret = set(self.env_not_secret)
         found = {path: why for path, why in written_secrets(data).items()
-                 if not (_ENV_MAPPINGS.match(path.rsplit(".", 1)[0]) and path.rsplit(".", 1)[1] in not_secret)}
+                 if not (ENV_MAPPINGS.match(path.rsplit(".", 1)[0]) and path.rsplit(".", 1)[1] in not_secret)}
         if not found:
             return
         paths = list(found)
         first, why = paths[0], found[paths[0]]
         also = f" (also: {', '.join(paths[1:])})" if paths[1:] else ""
-        if _ENV_MAPPINGS.match(first.rsplit(".", 1)[0]):
+        if ENV_MAPPINGS.match(first.rsplit(".", 1)[0]):
             name = first.rsplit(".", 1)[1]
             how = (f"list the name under `secrets: [{name}]` (every process on the nodes, services too, gets it) and "
                    f"export it where you launch. If it is not a secret, keep it and add `env_not_secret: [{name}]`")

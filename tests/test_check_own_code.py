@@ -311,7 +311,7 @@ def test_sbatch_without_a_slurm_to_ask_is_not_started_and_that_is_said(tmp_path,
     """sbatch --test-only asks the cluster's slurmctld (tests/test_slurm_provider.py, on a real one): where
     sbatch has no configuration here, or is not installed, `check` starts nothing and says what it did not check
     (the `cluster` guard of tests/conftest.py fails a test that starts sbatch)."""
-    from rlhf_tasks.providers.slurm import SLURM_CONFS
+    from rlhf_tasks.providers.slurm.commands import SLURM_CONFS
 
     monkeypatch.delenv("SLURM_CONF", raising=False)
     need(not any(Path(path).exists() for path in SLURM_CONFS), "this machine has a Slurm configuration")

@@ -599,7 +599,7 @@ def test_skypilots_job_log_gives_each_nodes_first_error_and_a_scrubbed_bundle(tm
     the node that failed and its first error, and the bundle holds each node's lines, the secret scrubbed."""
     import tarfile
 
-    from rlhf_tasks.providers.sky import bundle_from_job_log, by_node, skypilots_word
+    from rlhf_tasks.providers.sky.joblog import bundle_from_job_log, by_node, skypilots_word
 
     log = tmp_path / "sky-job.log"
     log.write_text("Running setup on 2 nodes.\n"
@@ -627,7 +627,7 @@ def test_skypilots_single_node_prefix_is_the_head():
     """On a one-node cluster SkyPilot prefixes the run's lines with the task's name, no rank (`(wd, pid=996)`:
     skylet/executor/slurm.py, RayCodeGen's `name_str`; seen on the Slurm testbed): they are node 0's; setup's
     `(setup pid=5)` lines are nobody's."""
-    from rlhf_tasks.providers.sky import by_node, skypilots_word
+    from rlhf_tasks.providers.sky.joblog import by_node, skypilots_word
 
     text = ("\x1b[36m(setup pid=5)\x1b[0m installing\n"
             "\x1b[36m(wd, pid=996)\x1b[0m [17:04:25] node0: sky node 0 of 1\n"

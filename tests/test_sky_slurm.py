@@ -210,7 +210,7 @@ def _launch_follow_and_down(infra, src):
     print(f"rlhf-tasks launch took {time.monotonic() - started:.0f} s\n{out}")
     assert launch.returncode == 0, out
     assert re.search(r"job tiny-grpo-\S+: SUCCEEDED in \d+s", out), out
-    # launch asked SkyPilot's optimizer for the price (providers/sky.py optimizer_price): none on Slurm, said
+    # launch asked SkyPilot's optimizer for the price (providers/sky/catalog.py optimizer_price): none on Slurm, said
     assert "sky: SkyPilot prices nothing on Slurm (the cluster's own machines: its optimizer counts them at $0)" in out
     assert re.search(r"reward [\d.]+ -> [\d.]+ over steps 1\.\.4 \(world size 3, 3 nodes took part\)", out), out
     steps = [int(n) for n in re.findall(r"^step (\d+)/4 ", out, re.M)]

@@ -21,7 +21,7 @@ from rlhf_tasks.agent.protocol import PLAN_VERSION
 from rlhf_tasks.errors import BadInput
 from rlhf_tasks.plan import ROCM_ENV, gpu_vendor
 from rlhf_tasks.providers.shipping import AGENT, module_files
-from rlhf_tasks.providers.slurm import CONTAINER_SH, CONTAINER_STOP_S
+from rlhf_tasks.providers.slurm.container import CONTAINER_SH, CONTAINER_STOP_S
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT, need
@@ -193,7 +193,7 @@ def test_sbatch_writes_the_script_output_where_launch_follows_it(tmp_path):
     directory; a host's %N only the node knows (left out of what launch follows)."""
     import getpass
 
-    from rlhf_tasks.providers.slurm import filename
+    from rlhf_tasks.providers.slurm.commands import filename
 
     user = getpass.getuser()
     assert filename("%x-%j.out", "t", "42", tmp_path) == tmp_path / "t-42.out"

@@ -84,7 +84,7 @@ def test_schema_is_exported_and_describes_recipes(capsys):
     schema = json.loads(capsys.readouterr().out)
     from rlhf_tasks.providers.dstack import DstackPlacement
     from rlhf_tasks.providers.kuberay import KubeRayPlacement
-    from rlhf_tasks.providers.slurm import SlurmPlacement
+    from rlhf_tasks.providers.slurm.placement import SlurmPlacement
 
     # the providers' own placement options composed in
     assert schema == json_schema({"slurm": SlurmPlacement, "kuberay": KubeRayPlacement, "dstack": DstackPlacement})

@@ -48,9 +48,10 @@ from pydantic import Field, field_validator, model_validator
 from .. import state, workdir
 from ..agent.protocol import RESULT_PREFIX
 from ..errors import BadInput, StepFailed
+from ..gpu_spec import gpu_memory_words, gpu_parts
 from ..models import StrictModel, require_absolute, size_bytes, size_text
 from ..plan import Contract, Plan, env
-from ..spec import Task, gpu_memory_words, gpu_parts, provider_part
+from ..spec import Task, provider_part
 from .base import (Cluster, Provider, Retries, Sharing, end_process, hold_forward, require_cli, start_tunnel,
                    stop_with_cli, write_files)
 from .shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files

@@ -18,10 +18,11 @@ from typing import Any
 from pydantic import Field
 
 from ...errors import BadInput
+from ...gpu_spec import gpu_memory_words
 from ...models import StrictModel, size_bytes
 from ...agent.protocol import RESULT_PREFIX
 from ...plan import Contract, MachinePrice, Plan, SelfEnd, env, template
-from ...spec import Task, gpu_memory_words
+from ...spec import Task
 from ..base import Sharing
 from ..shipping import NODE_DIR, WRITTEN_BY, plan_file, agent_command, heredoc, node_path, shared_entry, shipped_files
 from . import vault
