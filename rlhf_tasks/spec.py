@@ -482,7 +482,7 @@ class Placement(StrictModel):
         "your own hosts: user, identity_file, hosts), and for a custom image its user, cpu_arch and registry_auth "
         "(a dstack secret's name)"))
     kuberay: dict[str, Any] = Field({}, description=(
-        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
+        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/options.py): namespace, "
         "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
 
     @property
