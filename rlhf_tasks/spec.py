@@ -306,12 +306,13 @@ class Placement(StrictModel):
         "Slurm's own options, read by the slurm provider with its model (providers/slurm/placement.py): partition, "
         "account, qos, constraint, reservation, gres, container (pyxis, docker, podman), mounts"))
     dstack: dict[str, Any] = Field({}, description=(
-        "dstack's own options, read by the dstack provider with its model (providers/dstack.py): ssh (the fleet is "
-        "your own hosts: user, identity_file, hosts), and for a custom image its user, cpu_arch and registry_auth "
-        "(a dstack secret's name)"))
+        "dstack's own options, read by the dstack provider with its model (providers/dstack/options.py): ssh "
+        "(the fleet is your own hosts: user, identity_file, hosts), and for a custom image its user, cpu_arch and "
+        "registry_auth (a dstack secret's name)"))
     kuberay: dict[str, Any] = Field({}, description=(
-        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/render.py): namespace, "
-        "service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, ray_version"))
+        "Kubernetes' own options, read by the kuberay provider with its model (providers/kuberay/options.py): "
+        "namespace, service_account, node_selector, tolerations, priority_class, scheduler and queue, secret, "
+        "ray_version"))
 
     @property
     def retry_errors(self) -> int:

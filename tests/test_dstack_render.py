@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from rlhf_tasks import providers
-from rlhf_tasks.providers.dstack import JOB_DIR
+from rlhf_tasks.providers.dstack.archive import JOB_DIR
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT, need
@@ -301,7 +301,7 @@ def test_secrets_and_the_token_are_project_secret_references_the_server_fills():
 
 
 def test_two_clusters_never_share_a_secret_name():
-    from rlhf_tasks.providers.dstack import secret_name
+    from rlhf_tasks.providers.dstack.project_secrets import secret_name
 
     pairs = [("a-b", "C"), ("a", "b_C"), ("a", "B__C"), ("a-b-c", "X"), ("a-b", "c_X"), ("ab", "C")]
     assert len({secret_name(c, v) for c, v in pairs}) == len(pairs)
@@ -430,7 +430,7 @@ def test_a_working_dir_over_dstacks_limit_is_refused_at_check_and_launch(tmp_pat
     (code / "src" / ".dstackignore").write_text("/data/\n")  # what the message says to do
     out = cli(["check", "task.yaml", "--provider", "dstack"], code, tmp_path / "home")
     assert "over the dstack server's limit" not in out.stdout + out.stderr
-    from rlhf_tasks.providers.dstack import dstack_packs
+    from rlhf_tasks.providers.dstack.archive import dstack_packs
 
     assert "src/data/big.bin" not in archive_names(str(code / "src"))  # dstack's own archive agrees
     assert dstack_packs(str(code / "src")).size < 2**20

@@ -29,8 +29,8 @@ from rlhf_tasks.agent.attached import ray_env_lines
 from rlhf_tasks.agent.contract import read_contract
 from rlhf_tasks.errors import BadInput
 from rlhf_tasks.providers.kuberay import CONFIGMAP_DIR, LIB_ARCHIVE, RAY_ENV_FILE, pack
-from rlhf_tasks.providers.kuberay import render as kuberay_render
-from rlhf_tasks.providers.kuberay.render import last_applied_size, unpack_shell
+from rlhf_tasks.providers.kuberay import configmap as kuberay_configmap
+from rlhf_tasks.providers.kuberay.configmap import last_applied_size, shipped, unpack_shell
 from rlhf_tasks.spec import load_task, parse_task
 
 from conftest import ROOT
@@ -152,7 +152,7 @@ def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tm
     provider = providers.get("kuberay")
     plan = provider.plan(load_task(RAY_TASKS[0]))
     assert provider.render(plan) == provider.render(plan)
-    files = provider.shipped(plan)
+    files = shipped(plan)
     archive = pack(files)
     assert archive == pack(dict(reversed(list(files.items()))))
     assert lzma.decompress(archive) and archive.startswith(b"\xfd7zXZ")
@@ -166,7 +166,7 @@ def test_the_agent_is_packed_the_same_every_time_and_the_pods_line_unpacks_it(tm
     assert {p.relative_to(tmp_path / "node").as_posix(): p.read_text()
             for p in (tmp_path / "node").rglob("*") if p.is_file()} == files
     # a ConfigMap that client-side apply could not annotate is refused at render, naming why
-    monkeypatch.setattr(kuberay_render, "ANNOTATIONS_LIMIT", 64 * 1024)
+    monkeypatch.setattr(kuberay_configmap, "ANNOTATIONS_LIMIT", 64 * 1024)
     with pytest.raises(BadInput, match="kubectl apply -f.*last-applied-configuration.*65536"):
         provider.render(plan)
 

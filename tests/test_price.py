@@ -163,7 +163,7 @@ def test_the_price_dstack_counts_from_its_plan():
     """The dearest offer dstack's plan lists for each job (JobPlan.max_price, over every offer that fits: dstack
     tries them cheapest first and moves on to dearer ones, server/services/runs/plan.py _get_job_plan), summed over
     the jobs: never under what dstack provisions. An SSH fleet's hosts, which dstack prices $0, are the task's."""
-    from rlhf_tasks.providers.dstack import plan_price
+    from rlhf_tasks.providers.dstack.offers import plan_price
 
     def answer(*prices):
         return {"jobs": [{"offers": 3, "max_price": p} for p in prices]}

@@ -31,7 +31,7 @@ sys.exit({code})
 """
 
 
-#: A stand-in for the interpreter that runs rlhf_tasks/providers/dstack_api.py against dstack's server
+#: A stand-in for the interpreter that runs rlhf_tasks/providers/dstack/dstack_api.py against dstack's server
 #: ($RLHF_TASKS_DSTACK_PYTHON): records the question (and what it was given on stdin), answers from the JSON
 #: file beside it; setting and deleting secrets succeed.
 API = """#!{python}
@@ -571,7 +571,7 @@ def test_dstack_a_failed_job_over_before_apply_attached_names_each_nodes_first_e
 def test_dstack_run_words_name_each_node_with_its_host_and_why_dstack_ended_it(tmp_path):
     """After `dstack apply` ended, the summary has dstack's word on the run (`dstack ps --json`, dstack's Run model):
     a worker lost mid-run is named with its host and dstack's reason; a `dstack` that says nothing adds nothing."""
-    from rlhf_tasks.providers.dstack import run_words
+    from rlhf_tasks.providers.dstack.cli import run_words
 
     def job(num, host, status, reason, message=None, exit_status=None):
         return {"job_spec": {"job_num": num}, "job_submissions": [{"status": "running"}, {

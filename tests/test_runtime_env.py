@@ -291,7 +291,7 @@ def test_the_heads_command_names_the_nodes_copy_of_the_working_dir(tmp_path, rlh
     """dstack unpacks job.working_dir in JOB_DIR on every node: a py_module in it is named there."""
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
 
-    from rlhf_tasks.providers.dstack import JOB_DIR
+    from rlhf_tasks.providers.dstack.archive import JOB_DIR
 
     path = task_file(tmp_path, {"py_modules": ["code/mods/greet"], "env_vars": {"A": "1"}})
     provider = providers.get("dstack")

@@ -17,7 +17,7 @@ import yaml
 
 from rlhf_tasks import providers
 from rlhf_tasks.cli import main
-from rlhf_tasks.providers.dstack import SHARING as DSTACK_SHARING, volume_backends
+from rlhf_tasks.providers.dstack.options import SHARING as DSTACK_SHARING, volume_backends
 
 from conftest import ROOT
 

@@ -18,7 +18,7 @@ import slurm_testbed as stmod
 from conftest import need
 from rlhf_tasks import providers
 from rlhf_tasks.models import size_bytes
-from rlhf_tasks.providers.kuberay.render import SUBMITTER_MEMORY
+from rlhf_tasks.providers.kuberay.pods import SUBMITTER_MEMORY
 from rlhf_tasks.spec import parse_task
 
 pytestmark = pytest.mark.cluster

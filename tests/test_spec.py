@@ -82,7 +82,7 @@ def test_durations(text, seconds):
 def test_schema_is_exported_and_describes_recipes(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    from rlhf_tasks.providers.dstack import DstackPlacement
+    from rlhf_tasks.providers.dstack.options import DstackPlacement
     from rlhf_tasks.providers.kuberay import KubeRayPlacement
     from rlhf_tasks.providers.slurm.placement import SlurmPlacement
 

@@ -1,6 +1,7 @@
-"""KubeRay: a RayJob that `kubectl apply -f` runs (`render.py`, pure), and `launch`, `status`,
-`down`, `forward` through the user's own kubectl (`kubectl.py`; the handle the launcher follows
-is `cluster.py`'s).
+"""KubeRay: a RayJob that `kubectl apply -f` runs (`render.py`, pure: its options in `options.py`, the
+ConfigMap with the plan and the agent in `configmap.py`, the pod templates in `pods.py`, the RayJob in
+`rayjob.py`), and `launch`, `status`, `down`, `forward` through the user's own kubectl (`kubectl.py`;
+the handle the launcher follows is `cluster.py`'s).
 
 `launch` pins the kubeconfig context and namespace (`--context`, `--namespace`, else the
 kubeconfig's), checks that KubeRay's CRDs are there, refuses a RayJob of the same name that
@@ -33,10 +34,12 @@ from ..base import Cluster, Option, hold_forward, start_tunnel, write_files
 from ..shipping import shared_entry
 from . import cluster as watching
 from .kubectl import Kubectl, apply_secret, require_crds, resolve, secret_object
-from .render import (AGENT_PORT, ANNOTATIONS_LIMIT, CONFIGMAP_DIR, GPU_RESOURCE, LIB_ARCHIVE, POD_IP_ENV,
-                     PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE, DASHBOARD_PORT, WORKER_GROUP, WORKERS_ENV,
-                     SHARED_MODE, KubeRayPlacement, KubeRayRender, KubeRayShared, Toleration, _dns, kuberay_placement,
-                     pack)
+from .configmap import ANNOTATIONS_LIMIT, CONFIGMAP_DIR, LIB_ARCHIVE, configmap_name, pack
+from .options import SHARED_MODE, KubeRayPlacement, KubeRayShared, Toleration, _dns, kuberay_placement
+from .pods import (AGENT_PORT, DASHBOARD_PORT, GPU_RESOURCE, POD_IP_ENV, PROBE_PERIOD_S, RANK_ENV, RAY_ENV_FILE,
+                   WORKERS_ENV)
+from .rayjob import WORKER_GROUP
+from .render import KubeRayRender
 
 #: How long the operator may take to give a new RayJob its cluster's name (a queued RayJob waits longer).
 OPERATOR_S = 120.0
@@ -136,7 +139,7 @@ class KubeRayProvider(KubeRayRender):
         files = self.render(plan)
         directory = state.run_dir(name) / self.name
         write_files(directory, {**files, "plan.json": plan.to_json()})  # plan.json: what `logs --bundle` scrubs
-        objects = [("rayjob", name), ("configmap", self.configmap_name(plan))] + \
+        objects = [("rayjob", name), ("configmap", configmap_name(plan))] + \
             ([("secret", secret)] if secret and plan.secrets else [])
         state.save(name, {"provider": self.name, "context": kube.context, "namespace": kube.namespace,
                           "objects": objects, "cluster_id": None, "dashboard": None,
