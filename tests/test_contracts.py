@@ -1,7 +1,8 @@
 """Provider contracts on the multi-host testbed: what we render for dstack and SkyPilot,
 run on separate hosts with exactly the environment each provider's runner sets, forms
 a Ray cluster and runs the job (submitted by the head, or from a laptop through an SSH
-port forward)."""
+port forward). A head-submitted dstack run that succeeds is test_preflight.py's healthy
+run (its preflight, its job, its workers leaving when the head says the run is over)."""
 
 from __future__ import annotations
 
@@ -108,20 +109,6 @@ def start_dstack(tb, tmp_path: Path, task: dict, secrets: dict | None = None) ->
     return procs
 
 
-def test_dstack_head_submits_and_exits_with_the_jobs_result(testbed3, tmp_path):
-    task = contract_task(tmp_path, 3, "head", preflight=True)
-    procs = start_dstack(testbed3, tmp_path, task)
-    head, workers = procs[0], procs[1:]
-    assert head.wait(240) == 0, head.output[-4000:]
-    out = head.output
-    assert "CONTRACT alive nodes 3" in out and "SUCCEEDED" in out
-    assert "service web ready" in out and TOKEN not in out
-    for worker in workers:  # the head said the run is over: they leave at once, not after a silence
-        assert worker.wait(90) == 0, worker.output[-3000:]
-        assert "the head says the run is over: stopping this node" in worker.output and TOKEN not in worker.output
-        assert "head unreachable" not in worker.output
-
-
 def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):
     """Also the failure's forensics (issue 22): node1's task prints a traceback and exits, the
     head's service dies; the head's result names each node's first error, and its bundle
@@ -156,7 +143,11 @@ def test_dstack_failing_job_fails_the_head(testbed2, tmp_path):
     assert not any(secret in text or TOKEN in text for text in members.values())
 
 
-def test_dstack_client_submission_through_a_forwarded_port(testbed2, tmp_path):
+def test_dstack_client_submission_through_a_forwarded_port_then_a_worker_rejoins_when_its_raylet_dies(testbed2,
+                                                                                                     tmp_path):
+    """A client-mode cluster: the laptop submits through an SSH port forward (the dashboard is
+    bound to the head's 127.0.0.1), the cluster stays up after the job, and a worker whose
+    raylet dies rejoins it (its agent starts Ray again)."""
     tb = testbed2
     task = contract_task(tmp_path, 2, "client")
     task_file = tmp_path / "task.yaml"
@@ -177,6 +168,17 @@ def test_dstack_client_submission_through_a_forwarded_port(testbed2, tmp_path):
     assert submit.wait(240) == 0, submit.output[-4000:]
     assert "CONTRACT alive nodes 2" in submit.output and "SUCCEEDED" in submit.output
     assert procs[0].running() and procs[1].running()  # a client-mode cluster stays up until `down`
+    # Kill the worker host's raylet by PID, inside that host's own process table.
+    tb.sh(1, "kill -9 $(ps -eo pid,comm | awk '$2 == \"raylet\" {print $1}')")
+    tbmod.poll(lambda: "rejoining (1/3)" in procs[1].output or None, 60, "the worker agent to rejoin")
+
+    def two_alive():
+        r = tb.http(0, "http://127.0.0.1:8265/api/v0/nodes?limit=100&filter_keys=state&filter_predicates=%3D"
+                       "&filter_values=ALIVE", headers={"Authorization": f"Bearer {TOKEN}"})
+        return r.ok and len(r.json()["data"]["result"]["result"]) == 2 or None
+
+    tbmod.poll(two_alive, 120, "two ALIVE nodes after the rejoin", 0.5)
+    assert procs[1].running()
 
 
 def test_the_rendered_demo_runs_on_hosts_that_have_only_what_it_ships(testbed3, tmp_path):
@@ -255,22 +257,3 @@ def test_missing_token_is_a_clear_error(testbed2, tmp_path, provider_name):
     proc = testbed2.run(0, command, env=env, name="no-token")
     assert proc.wait(60) == 2
     assert "$RAY_AUTH_TOKEN is not set" in proc.output
-
-
-def test_worker_rejoins_when_its_raylet_dies(testbed2, tmp_path):
-    tb = testbed2
-    task = contract_task(tmp_path, 2, "client", service=False)
-    procs = start_dstack(tb, tmp_path, task)
-    tbmod.poll(lambda: "cluster ready for a client submission" in procs[0].output or None, 180,
-               "the head to report the cluster ready")
-    # Kill the worker host's raylet by PID, inside that host's own process table.
-    tb.sh(1, "kill -9 $(ps -eo pid,comm | awk '$2 == \"raylet\" {print $1}')")
-    tbmod.poll(lambda: "rejoining (1/3)" in procs[1].output or None, 60, "the worker agent to rejoin")
-
-    def two_alive():
-        r = tb.http(0, "http://127.0.0.1:8265/api/v0/nodes?limit=100&filter_keys=state&filter_predicates=%3D"
-                       "&filter_values=ALIVE", headers={"Authorization": f"Bearer {TOKEN}"})
-        return r.ok and len(r.json()["data"]["result"]["result"]) == 2 or None
-
-    tbmod.poll(two_alive, 120, "two ALIVE nodes after the rejoin", 0.5)
-    assert procs[1].running()

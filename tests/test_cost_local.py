@@ -84,7 +84,8 @@ def head_started(log: Path) -> float:
 def test_a_second_provider_under_the_name_of_a_live_cluster_is_refused(tmp_path, cli_env, rlhf_home):
     """The issue's scenario: a local cluster kept with its job RUNNING, then the same task on
     another provider (dstack's CLI a stand-in on PATH): refused, exit 2, nothing written; the
-    local cluster stays reachable with `env`, `status` and `down`."""
+    local cluster stays reachable with `env`, `status` and `down`, which names the job it stops,
+    and the record keeps it (issue 20, item 8)."""
     task = write_task(tmp_path, "named", "python3 -c 'import time; print(\"started\", flush=True); time.sleep(600)'")
     proc, seen = launch_until(task, tmp_path, cli_env, "started", "--keep")
     bin_dir, calls = tmp_path / "bin", tmp_path / "dstack-calls.jsonl"
@@ -92,7 +93,8 @@ def test_a_second_provider_under_the_name_of_a_live_cluster_is_refused(tmp_path,
     fake_cli(bin_dir, "dstack", calls, code=0)
     try:
         proc.send_signal(signal.SIGINT)  # stop following; the kept cluster and its job run on
-        assert proc.wait(60) == 130
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 130 and "keeps running" in rest, "".join(seen) + rest
         before = (rlhf_home / "clusters" / "named" / "cluster.json").read_text()
         token = (rlhf_home / "clusters" / "named" / "token").read_text()
         sid = f"named-{json.loads(before)['cluster_id']}"
@@ -114,7 +116,12 @@ def test_a_second_provider_under_the_name_of_a_live_cluster_is_refused(tmp_path,
             proc.kill()
         down = cli(tmp_path, cli_env, "down", "named")
     assert down.returncode == 0 and "stopped local cluster named" in down.stdout, down.stdout + down.stderr
-    assert no_leftovers(record(rlhf_home, "named")["cluster_id"])
+    assert f"named: job {sid} is RUNNING: stopping the cluster stops it" in down.stdout, down.stdout
+    assert f"stopped job {sid} with the cluster (it was RUNNING)" in down.stdout, down.stdout
+    ended = record(rlhf_home, "named")
+    assert ended["ended"] and ended["job"] == {"submission_id": sid, "status": "STOPPED",
+                                              "how": "stopped by `rlhf-tasks down` while RUNNING"}
+    assert no_leftovers(ended["cluster_id"])
 
 
 def test_the_head_stops_the_run_at_its_budget_cap(tmp_path, cli_env, rlhf_home):

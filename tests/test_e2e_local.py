@@ -60,6 +60,9 @@ def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_hom
     task = tmp_path / "tiny-grpo.yaml"
     data = yaml.safe_load(shipped.read_text())
     data.update(models=["rlhf-tests/tiny-model"], secrets=["HF_TOKEN"])
+    # Preflight with torch on the local provider is test_preflight.py's (the launcher's table, doctor), and the
+    # shipped demo's own preflight runs in test_contracts.py's demo on the testbed: ~8 s and a torch import a node.
+    data["preflight"] = "off"
     task.write_text(yaml.safe_dump(data))
     token = "hf_" + "Q7wT2" * 7  # no real one: the played hub accepts this one only
     files = tiny_model()
@@ -107,7 +110,6 @@ def test_tiny_grpo_learns_on_three_nodes_and_resumes(tmp_path, cli_env, rlhf_hom
 
     more = yaml.safe_load(task.read_text())
     more["job"]["args"]["steps"] = steps + 5
-    more["preflight"] = "off"  # the first run had it; its own tests cover it (~8 s a cluster)
     (tmp_path / "tiny-grpo-more.yaml").write_text(yaml.safe_dump(more))
     elsewhere = tmp_path / "elsewhere"  # the run's files do not depend on the current directory
     elsewhere.mkdir()
@@ -384,7 +386,10 @@ def test_a_lost_worker_is_replaced_then_a_lost_head_relaunches_the_task_which_re
     """One run, both losses: a worker machine lost mid-job (the local provider replaces it, the
     head restarts the job from its checkpoint), then the head machine lost (the launcher
     relaunches the task, which resumes); every step once."""
-    steps = 600  # long enough (20-30 ms a step) that each loss comes mid-job
+    # Long enough (20-30 ms a step) that each loss comes mid-job: the head is lost by step ~145 at the latest
+    # (the restart resumes from a checkpoint of the first attempt, which fails tens of steps after step 45),
+    # seconds before the last; every step after that is training the relaunched cluster does for nothing.
+    steps = 300
     proc, path = _launch_until_step(tmp_path, cli_env, rlhf_home,
                                     [str(_loss_task(tmp_path, steps)), "--retry", "1"], 45)
     from rlhf_tasks.providers.local import node_address
@@ -450,29 +455,3 @@ def test_ctrl_c_before_the_job_started_stops_the_cluster_and_the_job_never_runs(
             proc.kill()
         subprocess.run([sys.executable, "-m", "rlhf_tasks.cli", "down", "early"], cwd=tmp_path, env=cli_env,
                        capture_output=True, timeout=120)
-
-
-def test_down_while_the_job_runs_says_so_and_the_record_keeps_it(tmp_path, cli_env, rlhf_home):
-    """`down` names the job it stops, and the record keeps it (issue 20, item 8)."""
-    import signal
-
-    task = tmp_path / "busy.yaml"
-    sleeping_task(task, "busy")
-    proc, seen = _launch_until(task, tmp_path, cli_env, lambda line: line.startswith("started"))
-    try:
-        proc.send_signal(signal.SIGINT)  # the job runs on, with nobody following
-        rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 130 and "keeps running" in rest, "".join(seen) + rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        down = cli(tmp_path, cli_env, "down", "busy")
-    record = json.loads((rlhf_home / "clusters" / "busy" / "cluster.json").read_text())
-    sid = f"busy-{record['cluster_id']}"
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert f"busy: job {sid} is RUNNING: stopping the cluster stops it" in down.stdout, down.stdout
-    assert f"stopped job {sid} with the cluster (it was RUNNING)" in down.stdout, down.stdout
-    assert record["ended"] and record["job"] == {"submission_id": sid, "status": "STOPPED",
-                                                 "how": "stopped by `rlhf-tasks down` while RUNNING"}
-    assert no_leftovers(record["cluster_id"])
-

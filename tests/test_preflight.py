@@ -4,10 +4,11 @@ all_reduce, the bandwidth between nodes in a number of rounds that does not grow
 node count), and doctor checks a running cluster on demand.
 
 On the namespace testbed (root, CI) the clusters run what we render for dstack with dstack's
-environment, on three hosts that share one testbed: a healthy run, a host whose Gloo
-interface cannot reach the others, nodes without torch, and a host whose checkpoint
-directory is a private mount; and on five hosts of their own, a throttled host. On the local provider (no root): the launcher
-shows the table before the job starts, and doctor passes on the running cluster."""
+environment, on three hosts that share one testbed: a healthy run (also dstack's contract for a
+head-submitted job), a host whose Gloo interface cannot reach the others, nodes without torch,
+and a host whose checkpoint directory is a private mount; and on five hosts of their own, a
+throttled host. On the local provider (no root): the launcher shows the table before the job
+starts, and doctor passes on the running cluster."""
 
 from __future__ import annotations
 
@@ -277,17 +278,25 @@ def start(tb, tmp_path: Path, task: dict, host_env: dict | None = None) -> list:
     return procs
 
 
-def head_mode(tmp_path: Path, nodes: int = 3, **preflight_settings) -> dict:
-    task = contract_task(tmp_path, nodes, "head", service=False)
+def head_mode(tmp_path: Path, nodes: int = 3, service: bool = False, **preflight_settings) -> dict:
+    task = contract_task(tmp_path, nodes, "head", service=service)
     task["preflight"] = {"timeout": "90s", "min_bandwidth": "200Mbit", "torch": True, **preflight_settings}
     return task
 
 
-def test_preflight_passes_on_a_healthy_cluster_and_prints_the_table_before_the_job(tb, tmp_path):
-    procs = start(tb, tmp_path, head_mode(tmp_path))
+def test_a_head_submitted_run_passes_preflight_prints_the_table_before_the_job_and_its_workers_leave_with_it(
+        tb, tmp_path):
+    """dstack's contract for a head-submitted job (a service on every node), with preflight: the
+    head exits with the job's result, and the workers leave as soon as the head says the run is over."""
+    procs = start(tb, tmp_path, head_mode(tmp_path, service=True))
     assert procs[0].wait(300) == 0, procs[0].output[-5000:]
     out = procs[0].output
     assert "preflight passed" in out and "CONTRACT alive nodes 3" in out and "preflight WARNING" not in out
+    assert "SUCCEEDED" in out and "service web ready" in out and TOKEN not in out
+    for worker in procs[1:]:  # the head said the run is over: they leave at once, not after a silence
+        assert worker.wait(90) == 0, worker.output[-3000:]
+        assert "the head says the run is over: stopping this node" in worker.output and TOKEN not in worker.output
+        assert "head unreachable" not in worker.output
     for host in tb.hosts:  # one row per node: its name, address, Gloo interface with its address, versions
         row = next(line for line in out.splitlines() if re.match(rf"\s+\d\s+{host.name}\b", line))
         assert f"eth0 {host.ip}" in row and "2.60.0" in row and RATE.search(row), row
@@ -460,7 +469,9 @@ def test_launcher_shows_the_table_before_the_job_and_doctor_passes_on_the_runnin
             assert re.search(rf"  ok   /dev/shm on node{rank}\b.*, the task asks for 0\.0 GB", doctor.stdout)
         big = tmp_path / "big" / "pf.yaml"
         big.parent.mkdir()
-        big.write_text(task.read_text().replace("shm_size: 1MB", "shm_size: 100TB"))
+        # (its preflight without torch: the all_reduce is the launch's claim above, /dev/shm is this one's)
+        big.write_text(task.read_text().replace("shm_size: 1MB", "shm_size: 100TB").replace("torch: true", "torch: false"))
+        assert "torch: false" in big.read_text() and "shm_size: 100TB" in big.read_text()
         short = cli("doctor", str(big), timeout=300)
         assert short.returncode == 1, short.stdout[-5000:] + short.stderr[-3000:]
         assert re.search(r"FAIL /dev/shm on node0\b.*, the task asks for 100000\.0 GB", short.stdout), short.stdout
