@@ -169,7 +169,7 @@ def test_launch_fresh_on_local_starts_over_with_the_old_checkpoints_kept_aside(t
     import yaml
 
     data = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
-    data.update(name="fresh", nodes=2)
+    data.update(name="fresh", nodes=2, preflight="off")  # preflight is test_preflight's claim, not this one's
     data["job"]["args"].update(steps=10, save_every=5)
     task = tmp_path / "fresh.yaml"
     task.write_text(yaml.safe_dump(data))
