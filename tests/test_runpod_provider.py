@@ -814,16 +814,16 @@ def tb_standin(testbed3):
 def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_path):
     api = tb_standin
     env = cli_env(tmp_path, api.url)
-    out = run_cli(["launch", write_task(tmp_path, tiny_task(preflight="on")), "--provider", "runpod", "-y"], env, timeout=900)
+    out = run_cli(["launch", write_task(tmp_path, tiny_task(steps=10, nodes=2)), "--provider", "runpod", "-y"], env, timeout=900)
     said = out.stdout + out.stderr
     (tmp_path / "launch.out").write_text(said)
     assert out.returncode == 0, said[-6000:]
-    # The pods went PROVISIONING -> STARTING -> RUNNING and found each other by name.
-    assert said.count("-> RUNNING, ") == 3 and ".runpod.internal (10.77.0." in said
+    # The pods went PROVISIONING -> STARTING -> RUNNING and found each other by name (two: the claim needs no third).
+    assert said.count("-> RUNNING, ") == 2 and ".runpod.internal (10.77.0." in said
     # The job's log and the summary came from the head pod's log stream.
-    assert "training on 3 node(s)" in out.stdout and "done: steps 1..20" in out.stdout
+    assert "training on 2 node(s)" in out.stdout and "done: steps 1..10" in out.stdout
     assert "== summary ==" in out.stdout and "SUCCEEDED" in out.stdout
-    assert "the job's last line: done: steps 1..20" in out.stdout and "RLHF_TASKS_RESULT" not in out.stdout
+    assert "the job's last line: done: steps 1..10" in out.stdout and "RLHF_TASKS_RESULT" not in out.stdout
     assert "network preset auto: GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in out.stdout
     # The launcher terminated the pods after the job: nothing bills, nothing runs, nothing is left in the vault.
     assert "stopping the runpod cluster tiny-grpo" in out.stdout and live_pods(api) == []
@@ -843,7 +843,7 @@ def test_launch_the_demo_on_global_networking_pods(testbed3, tb_standin, tmp_pat
 def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(testbed3, tb_standin, tmp_path):
     api = tb_standin
     env = cli_env(tmp_path, api.url)
-    out = run_cli(["launch", write_task(tmp_path, tiny_task(steps=10, network="runpod-cluster")), "--provider",
+    out = run_cli(["launch", write_task(tmp_path, tiny_task(steps=10, nodes=2, network="runpod-cluster")), "--provider",
                    "runpod", "-y", "--keep"], env, timeout=900)
     said = out.stdout + out.stderr
     (tmp_path / "launch.out").write_text(said)
@@ -851,16 +851,16 @@ def test_launch_the_demo_on_an_instant_cluster_over_ens1_then_status_and_down(te
     assert "created Instant Cluster tiny-grpo" in said and "rank 0, overlay 10.78." in said
     # Every node found the overlay interface that holds NODE_ADDR; Ray and gloo ran over it.
     assert "network preset runpod-cluster: GLOO_SOCKET_IFNAME=ens1 NCCL_SOCKET_IFNAME=ens1" in out.stdout
-    assert "runpod node 0 of 3, address 10.78." in out.stdout
+    assert "runpod node 0 of 2, address 10.78." in out.stdout
     assert "done: steps 1..10" in out.stdout and "SUCCEEDED" in out.stdout
     # --keep: the cluster stays until `down`.
     status = run_cli(["status", "tiny-grpo"], env)
     assert status.returncode == 0, status.stderr
-    assert "Instant Cluster tiny-grpo" in status.stdout and status.stdout.count("\tRUNNING\t") == 3
+    assert "Instant Cluster tiny-grpo" in status.stdout and status.stdout.count("\tRUNNING\t") == 2
     assert "account secrets in RunPod's vault: rlhf-tasks.tiny-grpo.RAY_AUTH_TOKEN" in status.stdout
     down = run_cli(["down", "tiny-grpo"], env)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert "deleted Instant Cluster" in down.stdout and "(3 pods)" in down.stdout
+    assert "deleted Instant Cluster" in down.stdout and "(2 pods)" in down.stdout
     assert api.clusters == {} and live_pods(api) == [] and api.secrets == {}
     assert "deleted 1 account secret(s) from RunPod's vault (rlhf-tasks.tiny-grpo.RAY_AUTH_TOKEN)" in down.stdout
     for host in range(3):

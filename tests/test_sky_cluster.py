@@ -80,19 +80,23 @@ def test_skypilots_own_ray_holds_the_ports_we_stay_off(sky_cluster):
 
 
 def test_tiny_grpo_succeeds_through_skypilots_driver(sky_cluster, tmp_path):
+    """tiny-grpo on 2 nodes through RayCodeGen's driver beside SkyPilot's own Ray: setup and run on both
+    nodes, our Ray on the ports we keep, the job SUCCEEDED, the token in no log. A few steps and no
+    preflight (test_preflight.py's claim): training more proves nothing more about SkyPilot."""
     from sky.skylet import job_lib
 
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["nodes"] = 2
+    task["preflight"] = False
     task["checkpoints"]["path"] = "/opt/checkpoints/tiny-grpo"  # a directory on each host
-    task["job"]["args"].update(steps=10, save_every=5, num_prompts=200)
+    task["job"]["args"].update(steps=4, save_every=2, num_prompts=200)
     started = time.monotonic()
     job_id = launch(sky_cluster, task, tmp_path)
     status = sky_cluster.wait(job_id, 240)
     log = sky_cluster.run_log()
     took = time.monotonic() - started
     assert status == job_lib.JobStatus.SUCCEEDED, log[-5000:]
-    assert "training on 2 node(s)" in log and "done: steps 1..10" in log and "SUCCEEDED" in log, log[-5000:]
+    assert "training on 2 node(s)" in log and "done: steps 1..4" in log and "SUCCEEDED" in log, log[-5000:]
     assert "(head, rank=0," in log and "(worker1, rank=1," in log  # SkyPilot's own prefixes: RayCodeGen ran both
     assert "--ray-client-server-port 20001" in log and "--min-worker-port 20002" in log
     assert TOKEN not in log

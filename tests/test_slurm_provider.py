@@ -116,7 +116,7 @@ def head_name_on_loopback(slurm, tmp_path):
 
 
 def test_tiny_grpo_succeeds_and_the_reward_rises(slurm, tmp_path, head_name_on_loopback):
-    task = tiny_grpo(tmp_path, steps=20)
+    task = tiny_grpo(tmp_path, steps=20, preflight=False)  # the claim is the run and its reward, not its start
     home = tmp_path / "home"
     run = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, timeout=600)
     out = run.output
@@ -190,6 +190,9 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
 
 def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_path):
     task = tiny_grpo(tmp_path, steps=100000, preflight=False)
+    spec = yaml.safe_load(task.read_text())
+    spec["nodes"] = 2  # a worker beside the head is all the claim needs (node2 stays idle: no_strays looks there too)
+    task.write_text(yaml.safe_dump(spec))
     home = tmp_path / "home"
     launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
     tbmod.poll(lambda: "submitted Slurm job" in launch.output, 60, "the launcher to submit")
