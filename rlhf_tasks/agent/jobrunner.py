@@ -226,7 +226,7 @@ class JobRunner(object):
             return None
         gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid), preflight, sid)
         plan = self.plan  # the longest the head may take to say: its services, the nodes, preflight
-        limit = sum(s["timeout"] for s in plan["services"] if s["where"] in ("head", "every_node")) + \
+        limit = sum(s["timeout"] for s in plan["services"]) + \
             plan["wait"]["nodes_s"] + (plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
                                        if plan["preflight"]["enabled"] else 0) + 60
         self.submit(sid, gate.wrap, limit)
