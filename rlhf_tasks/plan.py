@@ -286,7 +286,7 @@ class GroupPlan(StrictModel):
     gpu_name: str | None
     num_cpus: int | None                  # ray start --num-cpus (the group's resources.cpus)
     labels: dict[str, str]
-    resources: dict[str, float]
+    resources: dict[str, int]
     setup: list[str]                      # after the task's setup, on this group's nodes
     image: str | None                     # the group's, else the task's
     machine: Resources                    # the group's resources block, for the provider to place

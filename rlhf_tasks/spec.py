@@ -755,6 +755,10 @@ def json_schema(placement: dict[str, type[BaseModel]] | None = None) -> dict:
     the bare mappings the task itself knows."""
     schema = Task.model_json_schema(by_alias=True)
     schema["title"] = "rlhf-tasks task file"
+    # nodes, or groups that give them (never both: Task._groups_give_nodes)
+    schema["required"] = [field for field in schema.get("required", []) if field != "nodes"]
+    schema["oneOf"] = [{"required": ["nodes"], "not": {"required": ["groups"]}},
+                       {"required": ["groups"], "not": {"anyOf": [{"required": ["nodes"]}, {"required": ["resources"]}]}}]
     defs = schema.setdefault("$defs", {})
     for key, model in (placement or {}).items():
         part = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")

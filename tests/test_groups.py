@@ -127,6 +127,19 @@ def test_local_refuses_a_group_with_gpus_naming_it(tmp_path, capsys, rlhf_home):
     assert code == 2 and "groups[1].resources.gpus" in out
 
 
+def test_the_schema_takes_groups_instead_of_nodes():
+    jsonschema = pytest.importorskip("jsonschema")
+    from rlhf_tasks.spec import json_schema
+
+    schema = json_schema()
+    jsonschema.validate(grouped(), schema)
+    jsonschema.validate({"name": "plain", "nodes": 2, "job": JOB}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(grouped(nodes=3), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "plain", "job": JOB}, schema)
+
+
 # ------------------------------------------------------------------ the plan
 
 def local_plan(data: dict):
@@ -300,4 +313,5 @@ def test_groups_on_a_real_local_cluster(tmp_path, cli_env):
     assert "GROUPS-OK" in said, said[-6000:]
     nodes = Path(cli_env["RLHF_TASKS_HOME"]) / "runs" / "groups-e2e" / "nodes"
     logs = "".join(path.read_text() for path in sorted(nodes.glob("node-*.log")))
-    assert "--labels rlhf-tasks/group=reward" in logs and "in groups trainer, reward" in logs
+    assert "--labels rlhf-tasks/group=reward --resources '{\"reward\": 1}'" in logs
+    assert "cluster ready: group trainer: 2 of 2 nodes; group reward: 1 of 1 nodes" in logs
