@@ -235,11 +235,22 @@ def _ready_kind(value) -> str | None:
     return "http" if isinstance(value, HttpReady) else "tcp" if isinstance(value, TcpReady) else None
 
 
+#: Where a service runs: the head, every node, or the nodes of one group of the task (`group reward`).
+_WHERE = re.compile(r"^(head|every_node|group " + NAME_PATTERN.strip("^$") + r")$")
+WHERE_WORDS = "write head, every_node or group NAME (one of the task's groups)"
+
+
+def group_where(where: str) -> str | None:
+    """The group a service's `where:` names (`group reward` -> reward); None for head and every_node."""
+    return where[len("group "):] if where.startswith("group ") else None
+
+
 class Service(StrictModel):
     """A process the cluster needs before the job (a reward server, a retriever)."""
 
     name: str = Field(pattern=NAME_PATTERN)
-    where: Literal["head", "every_node"] = "head"
+    where: Annotated[str, WithJsonSchema({"type": "string", "pattern": _WHERE.pattern, "default": "head"})] = Field(
+        "head", description="head, every_node, or group NAME: the nodes of that group of the task's groups")
     command: str = Field(min_length=1)
     ready: Annotated[
         Union[Annotated[HttpReady, Tag("http")], Annotated[TcpReady, Tag("tcp")]],
@@ -247,6 +258,13 @@ class Service(StrictModel):
     ] | None = None
     timeout: Duration = 600.0
     env: dict[str, str] = {}
+
+    @field_validator("where")
+    @classmethod
+    def _where(cls, value: str) -> str:
+        if not _WHERE.match(value):
+            raise ValueError(f"{value!r}: {WHERE_WORDS}")
+        return value
 
 
 #: Variables the launcher sets on every node itself (the cluster's own token, and the auth mode

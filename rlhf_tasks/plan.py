@@ -16,10 +16,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from . import runtimeenv, workdir
-from .agent.protocol import PLAN_VERSION  # the agent owns the version it reads
+from .agent.protocol import GROUP_LABEL, PLAN_VERSION  # the agent owns the version it reads and the group label
 from .errors import BadInput
 from .models import Service, StrictModel, WandbOptions, size_bytes
-from .recipes.base import Shape
+from .recipes.base import GroupShape, Shape
 from .spec import Placement, Resources, Task
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -152,11 +152,11 @@ def gpu_vendor(gpu_name: str | None) -> Literal["amd", "nvidia"] | None:
     return "amd" if AMD_GPU.match(gpu_name) else "nvidia"
 
 
-def accelerator_env(gpu_name: str | None, gpus_per_node: int) -> dict[str, str]:
+def accelerator_env(vendor: Literal["amd", "nvidia"] | None) -> dict[str, str]:
     """The ROCm preset for AMD GPUs: the RCCL settings above. Nothing for NVIDIA. The variables
     that choose the node's GPUs are the node agent's to set (raynode.visible_devices_env): only the
     node knows what its scheduler chose."""
-    if gpu_vendor(gpu_name) != "amd" or gpus_per_node < 1:
+    if vendor != "amd":
         return {}
     return dict(ROCM_ENV)
 
@@ -272,6 +272,55 @@ def with_caches(plan: "Plan", cache_dir: str | None, shares_filesystem: bool) ->
     return plan.replace(env=env, hub=hub)
 
 
+class GroupPlan(StrictModel):
+    """One node group of the task (spec.Group): its ranks (first_rank .. first_rank + nodes - 1, in the task's
+    order), what its nodes tell Ray, and what the provider places for it. `resources` are Ray's custom
+    resources of each of its nodes (`ray start --resources`): one named for the group and one for its GPU
+    type, lowercased, each the group's GPUs per node (1 for a CPU group), as OpenRLHF's Slurm guide's
+    `ray start --resources '{"v100": 8}'`; `labels` Ray's node labels (`ray start --labels`)."""
+
+    name: str
+    nodes: int
+    first_rank: int
+    gpus_per_node: int
+    gpu_name: str | None
+    num_cpus: int | None                  # ray start --num-cpus (the group's resources.cpus)
+    labels: dict[str, str]
+    resources: dict[str, int]
+    setup: list[str]                      # after the task's setup, on this group's nodes
+    image: str | None                     # the group's, else the task's
+    machine: Resources                    # the group's resources block, for the provider to place
+
+
+def group_plans(task: Task) -> list[GroupPlan]:
+    """The task's groups in the plan, ranks counted in the task's order (the first group holds rank 0)."""
+    out, rank = [], 0
+    for group in task.groups:
+        res = group.resources
+        count = res.gpus_per_node or 1
+        resources = {group.name: count, **({res.gpu_name.lower(): count} if res.gpus_per_node and res.gpu_name else {})}
+        out.append(GroupPlan(name=group.name, nodes=group.nodes, first_rank=rank, gpus_per_node=res.gpus_per_node,
+                             gpu_name=res.gpu_name, num_cpus=res.cpus, labels={GROUP_LABEL: group.name},
+                             resources=resources, setup=list(group.setup), image=group.image or task.image, machine=res))
+        rank += group.nodes
+    return out
+
+
+def shape_of(task: Task, **common: Any) -> Shape:
+    """The cluster a recipe is built for. With groups, the nodes with GPUs (a CPU group's nodes are not the
+    trainer's) and the fewest GPUs per node among them, so that what a framework is told fits every one; a
+    task whose groups have no GPUs counts every node. Without groups: the task's nodes and resources."""
+    if not task.groups:
+        return Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
+                     **common)
+    groups = tuple(GroupShape(g.name, g.nodes, g.resources.gpus_per_node, g.resources.gpu_name) for g in task.groups)
+    gpu = [g for g in groups if g.gpus_per_node]
+    if not gpu:
+        return Shape(nodes=task.nodes, gpus_per_node=0, groups=groups, **common)
+    return Shape(nodes=sum(g.nodes for g in gpu), gpus_per_node=min(g.gpus_per_node for g in gpu),
+                 gpu_name=gpu[0].gpu_name, groups=groups, **common)
+
+
 class JobPlan(StrictModel):
     recipe: str
     #: ray: submitted to Ray; every_node: no Ray, every node runs the entrypoint (torchrun)
@@ -352,6 +401,9 @@ class Plan(StrictModel):
     gpus_per_node: int
     #: Whose GPUs the nodes have: on AMD's the agent sets the visible-device variables ROCm's readers need.
     gpu_vendor: Literal["amd", "nvidia"] | None = None
+    #: The task's node groups (left out of the JSON without them). With groups, gpus_per_node and resources
+    #: are the first group's (the head's), and each group's nodes take theirs from here.
+    groups: list[GroupPlan] = []
     contract: Contract
     network: str
     network_env: dict[str, str]
@@ -401,7 +453,7 @@ class Plan(StrictModel):
 
     def to_json(self) -> str:
         """What travels to the nodes (field names as the agent reads them)."""
-        return self.model_dump_json(indent=2, by_alias=True) + "\n"
+        return self.model_dump_json(indent=2, by_alias=True, exclude=None if self.groups else {"groups"}) + "\n"
 
     @property
     def unshared_checkpoints(self) -> bool:
@@ -444,12 +496,11 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     check_budget(task, provider, priced)
     checkpoint_dir = task.checkpoints.path or checkpoint_dir
     wandb = wandb_options(task)
-    shape = Shape(nodes=task.nodes, gpus_per_node=task.resources.gpus_per_node, gpu_name=task.resources.gpu_name,
-                  checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto",
-                  node_silence_s=task.wait.node_silence, wandb=wandb)
+    shape = shape_of(task, checkpoint_dir=checkpoint_dir, resume=task.checkpoints.resume == "auto",
+                     node_silence_s=task.wait.node_silence, wandb=wandb)
     out = task.job.build(shape)
 
-    services = list(out.services) + list(task.services)
+    services = list(out.services) + list(task.services) + task.group_services()
     names = [s.name for s in services]
     if len(set(names)) != len(names):
         raise BadInput(f"services: a service name is also used by the {task.job.recipe} recipe: {names}")
@@ -488,16 +539,22 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
                        f"no Ray runtime environment reaches it: install what it needs in setup, set variables under "
                        f"env, or remove job.runtime_env")
     runtime_env = runtimeenv.plan_env(job.runtime_env, task.base_dir, working_dir)
+    groups = group_plans(task)
+    resources = task.groups[0].resources if task.groups else task.resources  # the head's
+    vendors = {gpu_vendor(g.gpu_name) for g in groups if g.gpus_per_node} if groups else \
+        {gpu_vendor(resources.gpu_name)} if resources.gpus_per_node else set()
+    vendor = vendors.pop() if len(vendors) == 1 else None
     return Plan(
         name=task.name,
         provider=provider,
         nodes=task.nodes,
-        gpus_per_node=task.resources.gpus_per_node,
-        gpu_vendor=gpu_vendor(task.resources.gpu_name) if task.resources.gpus_per_node else None,
+        gpus_per_node=resources.gpus_per_node,
+        gpu_vendor=vendor,
+        groups=groups,
         contract=contract,
         network=task.network,
         network_env=presets[task.network],
-        env={**accelerator_env(task.resources.gpu_name, task.resources.gpus_per_node), **out.env,
+        env={**accelerator_env(vendor), **out.env,
              **(wandb.env() if wandb else {}), **({OFFLINE_ENV: "1"} if hub and hub.offline else {}), **task.env},
         secrets=list(task.secrets),
         token_env=TOKEN_ENV if task.ray.auth == "token" and out.mode == "ray" else None,
@@ -529,7 +586,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
             stall_timeout_s=job.stall_timeout,
         ),
         placement=task.placement,
-        resources=task.resources,
+        resources=resources,
         image=task.image,
         resume=task.checkpoints.resume == "auto",
         checkpoint_files=out.checkpoint_files if checkpoint_dir else [],

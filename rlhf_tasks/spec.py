@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from .errors import BadInput
 from .gpu_spec import gpu_parts
 from .models import (LAUNCHER_ENV, NAME_PATTERN, SIZE_PATTERN, Duration, Service, Size, StrictModel, WandbOptions,
-                     bandwidth_bits, did_you_mean, require_absolute, size_bytes)
+                     bandwidth_bits, did_you_mean, group_where, require_absolute, size_bytes)
 from .recipes import JOB_MODELS
 from .registry import names as provider_names
 from .secret_detection import ENV_MAPPINGS, secret_look, written_secrets
@@ -327,6 +327,34 @@ PROVIDER_PLACEMENT = ("slurm", "kuberay", "dstack")
 
 Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignore[valid-type]
 
+#: Ray's own resource names besides CPU and GPU: a group named so would fight them (`ray start --resources`).
+RAY_RESOURCE_NAMES = ("memory", "object_store_memory")
+
+
+class Group(StrictModel):
+    """A role's machines (issue 46): the trainer on H100s, a reward model on cheaper GPUs, a retriever on
+    CPUs. Its nodes start Ray with the label `rlhf-tasks/group=NAME` and the custom resources NAME (and its
+    GPU type, lowercased), as OpenRLHF's Slurm guide's `ray start --resources '{"v100": 8}'`."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and dashes; unique in the task")
+    nodes: int = Field(1, ge=1, le=1024)
+    resources: Resources = Resources()
+    image: str | None = Field(None, description="this group's image, instead of the task's")
+    setup: list[str] = Field([], description="run on this group's nodes after the task's setup")
+    services: list[Service] = Field([], description="started on this group's nodes (as `where: group NAME`)")
+
+
+def _groups_placeholder(data: Any) -> Any:
+    """Before a task with groups is read: top-level `nodes` or `resources` refused (each group gives its own),
+    and `nodes` filled with a placeholder the groups' sum replaces once they are read (Task._groups)."""
+    if not (isinstance(data, dict) and data.get("groups")):
+        return data
+    written = [field for field in ("nodes", "resources") if field in data]
+    if written:
+        raise PydanticCustomError("task_entry", "a task with groups gives each group its nodes and resources; remove "
+                                  + " and ".join(f"the top-level `{field}`" for field in written), {"field": "groups"})
+    return {**data, "nodes": 1}
+
 
 class Task(StrictModel):
     _source: str = PrivateAttr("<task>")
@@ -336,8 +364,11 @@ class Task(StrictModel):
     _base_dir: str | None = PrivateAttr(None)
 
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and dashes")
-    nodes: int = Field(ge=1, le=1024)
+    nodes: int = Field(ge=1, le=1024, description="the node count; with groups, their sum (the task writes none)")
     resources: Resources = Resources()
+    groups: list[Group] = Field([], description=(
+        "node groups, each its own nodes and resources (instead of top-level nodes and resources): the first holds "
+        "rank 0, the head; the local provider runs them, the others refuse them at check for now"))
     image: str | None = None
     env_not_secret: list[str] = Field([], description=(
         "names under env that only look like secrets (by their name, e.g. MAX_NEW_TOKEN, or by their value's "
@@ -361,6 +392,11 @@ class Task(StrictModel):
     placement: Placement = Placement()
     preflight: PreflightField = Preflight()
     job: Job
+
+    @model_validator(mode="before")
+    @classmethod
+    def _groups_give_nodes(cls, data: Any) -> Any:
+        return _groups_placeholder(data)
 
     @property
     def source(self) -> str:
@@ -433,6 +469,56 @@ class Task(StrictModel):
         if duplicates:
             raise ValueError(f"duplicate service names {duplicates}")
         return value
+
+    @model_validator(mode="after")
+    def _groups(self):
+        """The groups' names unique, the node count their sum, and every `where: group NAME` one of them."""
+        names = [group.name for group in self.groups]
+        for index, name in enumerate(names):
+            if name in names[:index]:
+                raise PydanticCustomError("task_entry", f"{name!r} names two groups; each group needs its own name",
+                                          {"field": f"groups[{index}].name"})
+            if name in RAY_RESOURCE_NAMES:
+                raise PydanticCustomError("task_entry", f"{name!r} is one of Ray's own resources, which the group's "
+                                          f"custom resource would fight: choose another name",
+                                          {"field": f"groups[{index}].name"})
+            types = {(g.resources.gpu_name or "").lower(): g.name for g in self.groups if g.name != name}
+            if name in types:
+                raise PydanticCustomError("task_entry", f"{name!r} is also the GPU type of group {types[name]}, whose "
+                                          f"nodes carry a Ray resource of that name: choose another name",
+                                          {"field": f"groups[{index}].name"})
+        if self.groups:
+            total = sum(group.nodes for group in self.groups)
+            if total > 1024:
+                raise PydanticCustomError("task_entry", f"the groups have {total} nodes together; at most 1024",
+                                          {"field": "groups"})
+            object.__setattr__(self, "nodes", total)  # frozen: set once, here, from the groups
+        known = ", ".join(names)
+        for index, service in enumerate(self.services):
+            group = group_where(service.where)
+            if group is not None and group not in names:
+                why = (f"the task has no group {group!r} (its groups: {known})" if names else
+                       f"the task has no groups; `group {group}` needs one named {group} under groups:")
+                raise PydanticCustomError("task_entry", why, {"field": f"services[{index}].where"})
+        seen = [s.name for s in self.services]
+        for g_index, group in enumerate(self.groups):
+            for s_index, service in enumerate(group.services):
+                field = f"groups[{g_index}].services[{s_index}]"
+                if "where" in service.model_fields_set and service.where != f"group {group.name}":
+                    raise PydanticCustomError("task_entry", f"a group's service runs on its group's nodes (group "
+                                              f"{group.name}); remove `where: {service.where}`, or move the service "
+                                              f"to the task's services", {"field": f"{field}.where"})
+                if service.name in seen:
+                    raise PydanticCustomError("task_entry", f"{service.name!r}: another service of the task has "
+                                              f"this name (services are named once, in the task's services and "
+                                              f"every group's)", {"field": f"{field}.name"})
+                seen.append(service.name)
+        return self
+
+    def group_services(self) -> list[Service]:
+        """Every group's own services, each with `where: group NAME`."""
+        return [service.model_copy(update={"where": f"group {group.name}"})
+                for group in self.groups for service in group.services]
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -670,6 +756,10 @@ def json_schema(placement: dict[str, type[BaseModel]] | None = None) -> dict:
     the bare mappings the task itself knows."""
     schema = Task.model_json_schema(by_alias=True)
     schema["title"] = "rlhf-tasks task file"
+    # nodes, or groups that give them (never both: Task._groups_give_nodes)
+    schema["required"] = [field for field in schema.get("required", []) if field != "nodes"]
+    schema["oneOf"] = [{"required": ["nodes"], "not": {"required": ["groups"]}},
+                       {"required": ["groups"], "not": {"anyOf": [{"required": ["nodes"]}, {"required": ["resources"]}]}}]
     defs = schema.setdefault("$defs", {})
     for key, model in (placement or {}).items():
         part = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")

@@ -126,6 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise_open_files(plan.get("open_files"))  # before anything starts: all of it inherits the limit
         if plan["setup"] and not args.skip_setup:
             node.run_commands("setup", plan["setup"], online(env, plan))
+        if node.group is not None and node.group["setup"]:  # the group's own: never run by the provider
+            node.run_commands("group %s setup" % node.group_name, node.group["setup"], online(env, plan))
         if attached and plan["job"].get("mode") == "every_node":
             raise AgentError("choosing the node's flow", "job mode every_node runs no Ray, and here Ray is started "
                              "by someone else", code=2)

@@ -1,7 +1,8 @@
 """The provider's environment contract, read through the plan's rules (which variable,
 which item of which list, which template, which command), and this node's addresses:
 its rank, the node count, the head's and its own IPv4 address, the interface that holds
-an address. The agent names no provider: the rules are data in the plan.
+an address; and the node group its rank is in (group_of). The agent names no provider: the
+rules are data in the plan.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ class NodeInfo(object):
 
     def __repr__(self) -> str:
         return "NodeInfo(%r)" % self.__dict__
+
+
+def group_of(plan: dict, rank: int) -> Optional[dict]:
+    """The plan's node group holding this rank (its first_rank range, in the task's order); None for a
+    plan without groups."""
+    for group in plan.get("groups") or []:
+        if group["first_rank"] <= rank < group["first_rank"] + group["nodes"]:
+            return group
+    return None
 
 
 def _items(text: str) -> List[str]:

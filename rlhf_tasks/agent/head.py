@@ -19,8 +19,8 @@ from .forensics import keeper, on_failure
 from .hub import fetch_models, online
 from .jobrunner import JobRunner
 from .protocol import (CACHE_DIR, TERMINAL_JOB_STATES, AgentError, DashboardJobs, alive_nodes, cluster_check,
-                       follow_preflight, http_check, log, preflight_argv, preflight_report, preflight_submission_id,
-                       probe_tcp, result_line, wait_for)
+                       follow_preflight, groups_check, http_check, log, preflight_argv, preflight_report,
+                       preflight_submission_id, probe_tcp, result_line, wait_for)
 from .raynode import Node, package_root
 
 #: How long a head that ends on its own waits for the workers to leave (they look at its
@@ -137,11 +137,16 @@ class HeadFlow(object):
                 preflight.submit(gate.sid if gate is not None else None)
             node.start_services(("head", "every_node"))
             with node.step("nodes"):
-                nodes = plan["nodes"]
-                check = cluster_check(node.dashboard, node.token, nodes, (plan["ray"].get("num_cpus") or 0) * nodes,
-                                      (plan["ray"].get("num_gpus") or 0) * nodes)
-                have = wait_for("%d nodes to join" % nodes, node.ray_alive(self.nodes_check(check)),
-                                plan["wait"]["nodes_s"], interval=0.05, max_interval=0.05)
+                nodes, groups = plan["nodes"], plan.get("groups")
+                if groups:  # each group with all its nodes, by their label and resources: a short one is named
+                    check = groups_check(node.dashboard, node.token, groups)
+                    what = "%d nodes to join, in groups %s" % (nodes, ", ".join(g["name"] for g in groups))
+                else:
+                    check = cluster_check(node.dashboard, node.token, nodes, (plan["ray"].get("num_cpus") or 0) * nodes,
+                                          (plan["ray"].get("num_gpus") or 0) * nodes)
+                    what = "%d nodes to join" % nodes
+                have = wait_for(what, node.ray_alive(self.nodes_check(check)), plan["wait"]["nodes_s"],
+                                interval=0.05, max_interval=0.05)
             if self.early is not None:  # preflight's driver needs no Ray of its own to know them
                 self.early.nodes_alive(check.alive)
             log("cluster ready: %s (%.1fs after the head started)" % (have, time.monotonic() - started))

@@ -16,8 +16,8 @@ from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
 from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
-                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, job_argv,
-                       job_runtime_env, log, submission_id, wait_for)
+                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, groups_check,
+                       job_argv, job_runtime_env, log, submission_id, wait_for)
 from .raynode import Node, agent_entry
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
@@ -226,7 +226,7 @@ class JobRunner(object):
             return None
         gate = Gate(os.path.join(self.node.state_dir, "%s.gate" % sid), preflight, sid)
         plan = self.plan  # the longest the head may take to say: its services, the nodes, preflight
-        limit = sum(s["timeout"] for s in plan["services"] if s["where"] in ("head", "every_node")) + \
+        limit = sum(s["timeout"] for s in plan["services"]) + \
             plan["wait"]["nodes_s"] + (plan["preflight"]["timeout_s"] + PREFLIGHT_GRACE_S
                                        if plan["preflight"]["enabled"] else 0) + 60
         self.submit(sid, gate.wrap, limit)
@@ -382,9 +382,13 @@ class JobRunner(object):
         nodes, ray = plan["nodes"], plan["ray"]
         check = cluster_check(self.node.dashboard, self.node.token, nodes, (ray.get("num_cpus") or 0) * nodes,
                               (ray.get("num_gpus") or 0) * nodes, exact=True)
+        by_group = groups_check(self.node.dashboard, self.node.token, plan["groups"]) if plan.get("groups") else None
 
         def progress():
             done, have = check()
+            if by_group is not None:  # and each group whole again, named where it is short
+                grouped, words = by_group()
+                done, have = done and grouped, "%s (%s)" % (have, words)
             if done:
                 return True, have
             try:

@@ -49,7 +49,7 @@ from .report import rate, size_text, table  # noqa: F401 - table: preflight's ow
 from .schedule import (PAIR_BUDGET_S, PAIR_DISTANCES, PAIR_MAX_BYTES, PAIR_PEERS, PAIR_ROUNDS,  # noqa: F401
                        PAIR_SAMPLE_ROUNDS, REACH_DISTANCES, REACH_PEERS, REACH_SAMPLE_ROUNDS, partners, rounds,
                        schedule)
-from .protocol import PREFLIGHT_PREFIX
+from .protocol import GROUP_LABEL, PREFLIGHT_PREFIX
 
 SIZES = (MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 SIZE_BUDGET_S = 1.0        # the all_reduce stops growing once a size would take longer than this
@@ -217,7 +217,8 @@ class Preflight(object):
                 if n["NodeID"] not in (p["node_id"] for p in self.nodes):
                     self.nodes.append({"label": n["NodeManagerAddress"], "node_id": n["NodeID"],
                                        "head": "node:__internal_head__" in n.get("Resources", {}),
-                                       "gpus": int(n.get("Resources", {}).get("GPU", 0))})
+                                       "gpus": int(n.get("Resources", {}).get("GPU", 0)),
+                                       "group": (n.get("Labels") or {}).get(GROUP_LABEL)})
                     if not self.args.early or self.args.torch:  # the node agents check the network themselves
                         self.actors.append(self.probe_actor(n["NodeID"]))
                     else:
@@ -567,7 +568,8 @@ class Preflight(object):
         for service in services:
             if not service.get("ready"):
                 continue
-            places = [0] if service["where"] == "head" else range(len(self.nodes))
+            places = [0] if service["where"] == "head" else range(len(self.nodes)) if service["where"] == \
+                "every_node" else [i for i, n in enumerate(self.nodes) if "group " + str(n.get("group")) == service["where"]]
             for index in places:
                 calls.append(self.actors[index].service_ready.remote(service))
                 who.append(index)

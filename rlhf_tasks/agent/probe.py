@@ -325,8 +325,9 @@ class NodeProbe(object):
         env = os.environ
 
         def fill(text):
-            return (text.replace("{node_addr}", env.get("RLHF_TASKS_NODE_ADDR", ""))
+            text = (text.replace("{node_addr}", env.get("RLHF_TASKS_NODE_ADDR", ""))
                     .replace("{head_addr}", env.get("RLHF_TASKS_HEAD_ADDR", "")))
+            return text.replace("{group}", env["RLHF_TASKS_GROUP"]) if env.get("RLHF_TASKS_GROUP") else text
         ready = service.get("ready") or {}
         if ready.get("http"):
             return _http_ok(fill(ready["http"]), ready.get("method", "GET"), ready.get("json"))

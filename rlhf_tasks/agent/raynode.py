@@ -1,7 +1,8 @@
 """Ray's start command and environment on this node, and the Node that head and worker
 share: the network preset's variables, auth, debugging and the agent's own package on
-PYTHONPATH (node_env); `ray start`'s command line, its interpreter started early
-(prestart); the services and their readiness; setup and prepare commands; stopping
+PYTHONPATH (node_env); `ray start`'s command line (with a node group's label and custom
+resources), its interpreter started early (prestart); the services (a group's on its nodes)
+and their readiness; setup and prepare commands; stopping
 everything the node started; the step timings of the result line.
 """
 
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .beacon import reachable
-from .contract import NodeInfo, interface_of, source_address
+from .contract import NodeInfo, group_of, interface_of, source_address
 from .processes import Child, group_has, stop_stale
 from .protocol import AGENT_ENTRY, AgentError, http_check, log, probe_tcp, wait_for
 
@@ -101,8 +102,9 @@ def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]
     # The preset fills what the node's environment leaves unset (an image or a machine that
     # sets NCCL_SOCKET_IFNAME knows its network); the task's env wins over both.
     env.update({k: v for k, v in network_env(plan["network_env"], info).items() if not base.get(k)})
+    group = group_of(plan, info.rank)
     if plan.get("gpu_vendor") == "amd":  # one variable names the GPUs, for Ray, torch and verl alike
-        devices = amd_visible_devices(base, plan.get("gpus_per_node") or info.gpus)
+        devices = amd_visible_devices(base, (group or plan).get("gpus_per_node") or info.gpus)
         for key in (ROCR_DEVICES, CUDA_DEVICES):
             env.pop(key, None)
         if devices is not None:
@@ -115,6 +117,8 @@ def node_env(plan: dict, info: NodeInfo, base: Dict[str, str]) -> Dict[str, str]
     env.setdefault(RAY_DRAIN_ENV, "0")
     env.update({"RLHF_TASKS_HEAD_ADDR": info.head, "RLHF_TASKS_NODE_ADDR": info.node_addr,
                 "RLHF_TASKS_NODE_RANK": str(info.rank), "RLHF_TASKS_NUM_NODES": str(info.nodes)})
+    if group is not None:
+        env["RLHF_TASKS_GROUP"] = group["name"]
     token_env = plan.get("token_env")
     if token_env:
         token = base.get(token_env)
@@ -162,9 +166,24 @@ def agent_pythonpath(current: Optional[str]) -> str:
     return os.pathsep.join([root] + [p for p in parts if p != root])
 
 
-def fill(text: str, info: NodeInfo) -> str:
-    """Replace the {head_addr} and {node_addr} placeholders (nothing else: shell braces stay)."""
-    return text.replace("{head_addr}", info.head).replace("{node_addr}", info.node_addr)
+def fill(text: str, info: NodeInfo, group: Optional[str] = None) -> str:
+    """Replace the {head_addr} and {node_addr} placeholders, and {group} (this node's group) where the
+    task has groups (nothing else: shell braces stay)."""
+    text = text.replace("{head_addr}", info.head).replace("{node_addr}", info.node_addr)
+    return text.replace("{group}", group) if group is not None else text
+
+
+def group_ray_args(group: Optional[dict]) -> List[str]:
+    """`ray start`'s arguments for a node of `group` (Ray 2.60: `--labels "k=v"`, `--resources JSON`)."""
+    if group is None:
+        return []
+    labels = ",".join("%s=%s" % (key, value) for key, value in sorted(group["labels"].items()))
+    return ["--labels", labels, "--resources", json.dumps(group["resources"], sort_keys=True)]
+
+
+def group_where(group: Optional[dict]) -> Tuple[str, ...]:
+    """The `where:` of the services that start on a node of `group` beside its every-node ones."""
+    return ("group %s" % group["name"],) if group is not None else ()
 
 
 def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
@@ -178,10 +197,14 @@ def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
         cmd += ["--address", "%s:%s" % (info.head, ray["port"])]
     if ray.get("temp_dir"):  # one per node: raylets sharing a session dir race for socket names
         cmd += ["--temp-dir", "%s/n%d" % (ray["temp_dir"], info.rank)]
+    group = group_of(plan, info.rank)
+    if group is not None:  # a group's node: its own CPUs and GPUs, and its label and custom resources
+        ray = dict(ray, num_cpus=group.get("num_cpus"), num_gpus=group["gpus_per_node"] or None)
     for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus"),
                       ("--min-worker-port", "min_worker_port"), ("--max-worker-port", "max_worker_port")):
         if ray.get(key) is not None:
             cmd += [flag, str(ray[key])]
+    cmd += group_ray_args(group)
     if ray.get("debug") == "legacy":
         cmd.append("--ray-debugger-external")
     return cmd
@@ -228,6 +251,8 @@ class Node(object):
         #: The services outlive this agent (it hands them to a `ray start` someone else runs next).
         self.detach_services = False
         self.steps = []  # type: List[dict]
+        self.group = group_of(plan, info.rank)  # type: Optional[dict]  (None: the task has no groups)
+        self.group_name = self.group["name"] if self.group is not None else None
         host = "127.0.0.1" if plan["ray"]["dashboard_host"] == "127.0.0.1" else info.node_addr
         self.dashboard = "http://%s:%s" % (host, plan["ray"]["dashboard_port"])
 
@@ -253,7 +278,7 @@ class Node(object):
             for index, command in enumerate(commands):
                 log("%s %d/%d: %s" % (step, index + 1, len(commands), command))
                 started = time.monotonic()
-                code = subprocess.call(fill(command, self.info), shell=True, env=self.env if env is None else env,
+                code = subprocess.call(fill(command, self.info, self.group_name), shell=True, env=self.env if env is None else env,
                                        executable="/bin/bash" if os.path.exists("/bin/bash") else None)
                 if code != 0:
                     raise AgentError("%s step %d (%s)" % (step, index + 1, command), "exit code %d" % code)
@@ -302,16 +327,21 @@ class Node(object):
             return check()
         return wrapped
 
+    def services_for(self, where: Tuple[str, ...]) -> List[dict]:
+        """The plan's services whose `where:` is one of `where`; where the every-node ones start, this
+        node's group's too (`where: group NAME`)."""
+        if "every_node" in where:
+            where = tuple(where) + group_where(self.group)
+        return [service for service in self.plan["services"] if service["where"] in where]
+
     def start_services(self, where: Tuple[str, ...]) -> None:
-        for service in self.plan["services"]:
-            if service["where"] not in where:
-                continue
+        for service in self.services_for(where):
             with self.step("service " + service["name"]):
                 pgid_file = self._pgid_file("service-" + service["name"])
                 stop_stale(pgid_file)
                 env = dict(self.env)
                 env.update(service.get("env", {}))
-                command = fill(service["command"], self.info)
+                command = fill(service["command"], self.info, self.group_name)
                 log("starting service %s: %s" % (service["name"], command))
                 child = Child(service["name"], command, env,
                               os.path.join(self.log_dir, "service-%s-node%d.log" % (service["name"], self.info.rank)),
@@ -324,12 +354,12 @@ class Node(object):
         if not ready:
             return
         if ready.get("http"):
-            url = fill(ready["http"], self.info)
+            url = fill(ready["http"], self.info, self.group_name)
             method = ready.get("method", "GET")
             probe = lambda: http_check(url, method, ready.get("json"))  # noqa: E731
             what = "service %s (%s %s)" % (service["name"], method, url)
         else:
-            host = fill(ready.get("host", "{node_addr}"), self.info)
+            host = fill(ready.get("host", "{node_addr}"), self.info, self.group_name)
             probe = reachable(probe_tcp, host, ready["tcp"])
             what = "service %s (tcp %s:%s)" % (service["name"], host, ready["tcp"])
 

@@ -67,10 +67,13 @@ def cmd_check(args) -> int:
     elif args.json:
         print(plan.to_json(), end="")
         return 0
-    res = task.resources
     print(f"{args.task}: ok")
-    print(f"  cluster   {task.nodes} node(s) x {res.gpus or 'no GPU'}"
-          + (f", {res.cpus} CPU(s) each" if res.cpus else "") + (f" on {name}" if args.provider else ""))
+    if task.groups:
+        print(f"  cluster   {task.nodes} node(s) in {len(task.groups)} groups" + (f" on {name}" if args.provider else ""))
+        for group in task.groups:
+            print(f"  group     {group.name}: {_shape_words(group.nodes, group.resources)}")
+    else:
+        print(f"  cluster   {_shape_words(task.nodes, task.resources)}" + (f" on {name}" if args.provider else ""))
     if args.provider:
         print("\n".join(_plan_lines(provider, plan, task) + [f"  asked     {line}" for line in asked]))
         cost = _cost_line(provider, plan)
@@ -110,6 +113,11 @@ def cmd_check(args) -> int:
     if cost:
         print(cost)
     return 0
+
+
+def _shape_words(nodes: int, res) -> str:
+    """`3 node(s) x H100:8, 8 CPU(s) each`: a task's (or a group's) nodes and what each has."""
+    return f"{nodes} node(s) x {res.gpus or 'no GPU'}" + (f", {res.cpus} CPU(s) each" if res.cpus else "")
 
 
 def _ask_ray_runtime_env(plan) -> list[str]:

@@ -175,6 +175,8 @@ class Provider:
     ignores: ClassVar[dict[str, str]] = {}
     #: Whether its machines are billed (`check` says the cost; the local provider's are this machine).
     bills: ClassVar[bool] = True
+    #: Whether it renders a task's node groups (`groups:`); one that does not refuses such a task at check.
+    renders_groups: ClassVar[bool] = False
     #: The directory the rendered files are written to (set by `render -o` and `stage`); None: the
     #: current directory. A provider whose CLI resolves local paths from there (SkyPilot) uses it.
     render_dir: Path | None = None
@@ -283,6 +285,14 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    def check_groups(self, task: Task) -> None:
+        """A task with node groups refused where this provider does not render them yet (renders_groups),
+        before its own checks, which read the task's top-level resources."""
+        if task.groups and not self.renders_groups:
+            raise BadInput(f"groups: the {self.name} provider does not render node groups yet: run the task with "
+                           f"--provider local, or give it top-level nodes and resources (one kind of node) instead "
+                           f"of groups")
+
     def ask_own_code(self, plan: Plan) -> list[str]:
         """What the provider's own code, where it is installed here, says of this plan's render (its
         parsers, names and catalogs, offline; `check` asks, `render` does not, to stay fast): BadInput
@@ -312,6 +322,7 @@ class Provider:
     def plan(self, task: Task) -> Plan:
         """The plan this provider's nodes run."""
         try:
+            self.check_groups(task)
             self.check(task)
             plan = self.retry_rules(self.build(task))
             plan = with_caches(plan, self.cache_dir(plan), self.shares_filesystem)
@@ -329,6 +340,7 @@ class Provider:
         """BadInput when this provider cannot run the task (`check` without --provider): its own
         checks and the plan's, without measuring an upload. A plan that cannot be built (an
         infeasible allocation) is the task's fault, which `check` then says with the plan's error."""
+        self.check_groups(task)
         self.check(task)
         try:
             plan = self.build(task)

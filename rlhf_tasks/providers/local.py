@@ -103,6 +103,7 @@ class LocalProvider(Provider):
     ray_overrides = {"agent_listen_port": 0}  # every node its own dashboard agent port
     stop_after_job = True
     bills = False  # this machine: `check` says a cost only where the task gives a price or a cap
+    renders_groups = True  # each node agent finds its group in the plan by its rank
     ignores = {"spot": "the nodes are processes on this machine", "retry": "the local provider's own `launch --retry N` "
                "relaunches a task whose head is lost", "fleets": "the nodes are processes on this machine",
                "backends": "the nodes are processes on this machine", "regions": "the nodes are processes on this machine"}
@@ -125,9 +126,12 @@ class LocalProvider(Provider):
         return None
 
     def check(self, task: Task) -> None:
-        if task.resources.gpus_per_node:
-            raise BadInput("resources.gpus: the local provider runs CPU-only nodes on this machine; "
-                           "run GPU tasks on a provider with GPUs (--provider dstack, sky, ...)")
+        asking = [("resources.gpus", task.resources)] + [(f"groups[{index}].resources.gpus", group.resources)
+                                                         for index, group in enumerate(task.groups)]
+        for field, resources in asking:
+            if resources.gpus_per_node:
+                raise BadInput(f"{field}: the local provider runs CPU-only nodes on this machine; "
+                               "run GPU tasks on a provider with GPUs (--provider dstack, sky, ...)")
 
     def plan(self, task: Task) -> Plan:
         """The plan with this cluster's id, free ports and its own temp dir."""

@@ -14,6 +14,16 @@ from ..models import Duration, RuntimeEnvSpec, Service, StrictModel, WandbOption
 
 
 @dataclass(frozen=True)
+class GroupShape:
+    """One node group of the task (spec.Group) as a recipe sees it."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_name: str | None = None
+
+
+@dataclass(frozen=True)
 class Shape:
     """The cluster a recipe is built for: the numbers every role flag must agree with."""
 
@@ -26,6 +36,9 @@ class Shape:
     node_silence_s: float = 30.0
     #: placement.wandb with job.wandb over it: a recipe passes them as its framework takes them.
     wandb: WandbOptions | None = None
+    #: The task's node groups (the first holds rank 0); empty without groups. `nodes` and `gpus_per_node`
+    #: are then those of the nodes with GPUs (shape_of in plan.py), which the recipes' arithmetic counts.
+    groups: tuple[GroupShape, ...] = ()
 
 
 @dataclass

@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 #: The plan format this agent reads; the launcher writes the same number.
 PLAN_VERSION = 3
+#: The Ray label each node of a node group carries, its value the group's name (`ray start --labels`).
+GROUP_LABEL = "rlhf-tasks/group"
 RESULT_PREFIX = "RLHF_TASKS_RESULT "
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 #: The preflight job's result line, and how long past its checks' deadline it may take.
@@ -213,6 +215,35 @@ def cluster_check(dashboard: str, token: Optional[str], nodes: int, cpus: float 
         if exact and len(alive) > nodes:
             return False, have + " (waiting for Ray to declare the lost one dead)"
         return True, have
+    check.alive = []
+    return check
+
+
+def _in_group(node: dict, group: dict) -> bool:
+    """A node of Ray's records that is of `group`: its label, and its resources registered."""
+    if (node.get("labels") or {}).get(GROUP_LABEL) != group["name"]:
+        return False
+    have = node.get("resources_total") or {}
+    return all(have.get(name, 0.0) >= amount for name, amount in group["resources"].items())
+
+
+def groups_check(dashboard: str, token: Optional[str], groups: List[dict]):
+    """A wait_for check: every group has all its nodes ALIVE with its label and resources. Its reason names
+    each group's count ("group reward: 0 of 1 nodes"), the short ones first; `check.alive` the nodes as last
+    seen (the head hands them to preflight), as protocol.cluster_check's."""
+    def check():
+        try:
+            alive = alive_nodes(dashboard, token)
+        except OSError as exc:
+            return False, str(exc)
+        check.alive = alive
+        counts = [(group, sum(1 for node in alive if _in_group(node, group))) for group in groups]
+        short = [(g, n) for g, n in counts if n < g["nodes"]]
+        words = ["group %s: %d of %d nodes" % (g["name"], n, g["nodes"]) for g, n in short + [
+            (g, n) for g, n in counts if n >= g["nodes"]]]
+        stray = sum(1 for node in alive if not any(_in_group(node, g) for g in groups))
+        said = "; ".join(words) + ("; %d ALIVE without a group's label and resources" % stray if stray else "")
+        return not short, said
     check.alive = []
     return check
 
