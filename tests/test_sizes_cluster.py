@@ -106,6 +106,16 @@ def dry_run(cluster, ns: str, objects: list[dict]) -> subprocess.CompletedProces
         time.sleep(0.5)
 
 
+def json_documents(text: str) -> list[dict]:
+    """What `kubectl create -o json` prints for a stream: one JSON document after another."""
+    decoder, docs, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        doc, end = decoder.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+        docs.append(doc)
+        at = end
+    return docs
+
+
 def probe_pod(name: str, resource: str, limit: str, request: int) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
         "automountServiceAccountToken": False,
@@ -142,8 +152,7 @@ def test_the_api_server_reads_every_rendered_quantity_back_to_the_same_bytes(kub
     exact = dry_run(cluster, ns, [probe_pod(name, resource, quantity, expected)
                                   for name, (_, resource, quantity, expected) in probes.items()])
     assert exact.returncode == 0, exact.stderr
-    shown = json.loads(exact.stdout)
-    made = {pod["metadata"]["name"]: pod for pod in shown.get("items", [shown])}
+    made = {pod["metadata"]["name"]: pod for pod in json_documents(exact.stdout)}
     for name, (size, resource, quantity, expected) in probes.items():
         assert made[name]["spec"]["containers"][0]["resources"]["requests"][resource], \
             f"{size} {resource} {quantity}: {made.get(name)}"
