@@ -234,46 +234,25 @@ def test_a_failing_job_then_status_token_env_forward_bundle_and_down(kube_cluste
     assert [x for x in left.stdout.split() if x != "configmap/kube-root-ca.crt"] == [], left.stdout
 
 
-def test_render_and_kubectl_apply_by_hand_runs_the_same_job(kube_cluster, ns, tmp_path):
-    """What `render` prints, applied by hand as its header says (the Secret from a file of
-    NAME=value lines first), runs: the RayJob completes and the job's line is in the submitter's log."""
-    cluster = kube_cluster
-    task = {"name": "by-hand", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off", "secrets": ["HELLO_SECRET"],
-            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
-            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
-                    "args": {"entrypoint": "python3 -c \"import os; print('job says', len(os.environ['HELLO_SECRET']))\""}}}
-    path = tmp_path / "by-hand.yaml"
-    path.write_text(yaml.safe_dump(task))
-    env = cluster.env(dict(os.environ, PYTHONPATH=str(ROOT)))
-    rendered = tmp_path / "by-hand.rayjob.yaml"
-    out = run_cli(["render", str(path), "--provider", "kuberay", "-o", str(rendered)], env)
-    assert out.returncode == 0, out.stderr
-    text = rendered.read_text()
-    create = next(line for line in text.splitlines() if "kubectl create secret generic" in line)
-    assert "--from-env-file=FILE" in create
-    (tmp_path / "secrets.env").write_text("HELLO_SECRET=seven-7\n")
-    cluster.cp.kubectl("-n", ns, "create", "secret", "generic", "by-hand-secrets",
-                       f"--from-env-file={tmp_path / 'secrets.env'}")
-    cluster.cp.kubectl("-n", ns, "apply", "-f", str(rendered))
-    final = tbmod.poll(lambda: (cluster.check() or True) and (r := kubectl_json(cluster, ns, "rayjob", "by-hand"))
-                       and r.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed") and r["status"],
-                       300, "the RayJob to finish")
-    assert final["jobStatus"] == "SUCCEEDED", final
-    log = cluster.cp.kubectl("-n", ns, "logs", "job/by-hand").stdout  # as the header says to follow it
-    assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
-
-
-def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, ns, tmp_path):
+def test_a_queued_rayjob_of_an_image_without_ray_is_waited_for_then_runs_setup_before_kuberays_ray(
+        kube_cluster, ns, tmp_path):
     """A Kueue queue named: the RayJob is created held (`suspend: true`, as Kueue's webhook makes
     it) and the real operator keeps it Suspended with no cluster. `launch` says it is queued and
     waits, deleting nothing; once admitted (what Kueue does: `suspend: false`) the operator makes
-    the cluster and `launch` follows it to SUCCEEDED."""
+    the cluster and `launch` follows it to SUCCEEDED. Its image is the shipped GPU tasks' (NGC
+    PyTorch: no `ray` until setup installs it): KubeRay's wait-gcs-ready runs `ray health-check` in
+    every worker's image before setup, and its submitter `ray job submit`; the job still runs, with
+    Ray as setup installed it, on both nodes."""
+    from kube.cluster import INSTALLED_BIN, NO_RAY_IMAGE
     cluster = kube_cluster
-    task = {"name": "queued", "nodes": 2, "resources": {"cpus": 1}, "preflight": "off",
+    ray = Path(sys.executable).parent / "ray"
+    task = {"name": "queued", "nodes": 2, "image": NO_RAY_IMAGE, "resources": {"cpus": 1}, "preflight": "off",
+            "setup": [f"mkdir -p {INSTALLED_BIN} && ln -sf {ray} {INSTALLED_BIN}/ray"],  # as `pip install ray` would
             "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
-            "placement": {"kuberay": {"queue": "team-a"}},
+            "placement": {"kuberay": {"queue": "team-a", "ray_version": cluster_ray_version()}},
             "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
-                    "args": {"entrypoint": "python3 -c \"print('admitted and ran')\""}}}
+                    "args": {"entrypoint": "python3 -c \"import ray; ray.init(); "
+                                           "print('admitted and ran on nodes', len(ray.nodes()))\""}}}
     path = tmp_path / "queued.yaml"
     path.write_text(yaml.safe_dump(task))
     env = cli_env(cluster, tmp_path)
@@ -296,26 +275,8 @@ def test_a_queued_rayjob_is_waited_for_and_followed_once_admitted(kube_cluster, 
             proc.wait(10)
     said = _read(out)
     assert proc.returncode == 0, said[-5000:]
-    assert "admitted after" in said and "admitted and ran" in said and "SUCCEEDED in " in said
+    assert "admitted after" in said and "admitted and ran on nodes 2" in said and "SUCCEEDED in " in said, said[-5000:]
     assert "is the KubeRay operator running" not in said
-
-
-def test_an_image_without_ray_runs_its_setup_before_kuberays_ray(kube_cluster, ns, tmp_path):
-    """The shipped GPU tasks' image (NGC PyTorch: no `ray` until setup installs it): KubeRay's
-    wait-gcs-ready runs `ray health-check` in every worker's image before setup, and its submitter
-    `ray job submit`; the job still runs, with Ray as setup installed it."""
-    from kube.cluster import INSTALLED_BIN, NO_RAY_IMAGE
-    cluster = kube_cluster
-    ray = Path(sys.executable).parent / "ray"
-    task = {"name": "no-ray", "nodes": 2, "image": NO_RAY_IMAGE, "resources": {"cpus": 1}, "preflight": "off",
-            "setup": [f"mkdir -p {INSTALLED_BIN} && ln -sf {ray} {INSTALLED_BIN}/ray"],  # as `pip install ray` would
-            "ray": {"object_store_memory": "80MB"}, "wait": {"head": "3m", "nodes": "3m"},
-            "placement": {"kuberay": {"ray_version": cluster_ray_version()}},
-            "job": {"recipe": "command", "working_dir": None, "timeout": "5m",
-                    "args": {"entrypoint": "python3 -c \"import ray; ray.init(); print('nodes', len(ray.nodes()))\""}}}
-    launch, said = launch_task(cluster, ns, tmp_path, task)
-    assert launch.returncode == 0, said[-5000:]
-    assert "nodes 2" in said and "SUCCEEDED in " in said
     worker = next(p for p in kubectl_json(cluster, ns, "pods")["items"]
                   if p["metadata"]["labels"].get("ray.io/node-type") == "worker")
     waited = cluster.cp.kubectl("-n", ns, "logs", worker["metadata"]["name"], "-c", "wait-gcs-ready").stdout

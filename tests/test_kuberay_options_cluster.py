@@ -1,7 +1,8 @@
 """KubeRay's day-one pod options (`placement.kuberay`) on the real control plane and the real
 KubeRay operator (tests/kube/): the API server's PodSecurity admission, the kube-scheduler and
-the operator decide, not us. Each task is rendered and applied by hand with the real kubectl,
-as `render`'s header says, and followed through the RayJob's status."""
+the operator decide, not us. A task is launched, or rendered and applied by hand with the real
+kubectl as `render`'s header says (which this file proves too) and followed through the RayJob's
+status."""
 from __future__ import annotations
 
 import json
@@ -29,15 +30,15 @@ def small_task(name: str, entrypoint: str, nodes: int = 2, **kuberay) -> dict:
             "job": {"recipe": "command", "working_dir": None, "timeout": "5m", "args": {"entrypoint": entrypoint}}}
 
 
-def apply(cluster, ns: str, tmp_path: Path, task: dict) -> None:
-    """`rlhf-tasks render` then `kubectl apply -f` of what it wrote."""
+def render(cluster, tmp_path: Path, task: dict) -> Path:
+    """`rlhf-tasks render` of `task`: the file it wrote, to apply by hand."""
     path = tmp_path / f"{task['name']}.yaml"
     path.write_text(yaml.safe_dump(task))
     rendered = tmp_path / f"{task['name']}.rayjob.yaml"
     out = run_cli(["render", str(path), "--provider", "kuberay", "-o", str(rendered)],
                   cluster.env(dict(os.environ, PYTHONPATH=str(ROOT))))
     assert out.returncode == 0, out.stderr
-    cluster.cp.kubectl("-n", ns, "apply", "-f", str(rendered))
+    return rendered
 
 
 def finished(cluster, ns: str, name: str, timeout: float = 300) -> dict:
@@ -57,7 +58,7 @@ def role(pod: dict) -> str:
     return labels.get("ray.io/node-type") or ("submitter" if "job-name" in labels else "?")
 
 
-def test_a_restricted_namespace_admits_the_pods_only_with_security_context_restricted(kube_cluster, ns, tmp_path):
+def test_a_restricted_namespace_admits_only_restricted_pods_which_affinity_places(kube_cluster, ns, tmp_path):
     """A namespace that enforces the restricted Pod Security Standard: the real API server's
     PodSecurity admission refuses the operator's pods of a task without `security_context`, and
     `launch` fails saying the API server's words (from the operator's FailedToCreateHeadPod event)
@@ -65,7 +66,10 @@ def test_a_restricted_namespace_admits_the_pods_only_with_security_context_restr
     (the head, the worker with KubeRay's wait-gcs-ready, which copies the Ray container's
     securityContext, and our submitter pod) and the job SUCCEEDS. The node runner runs every
     container as root whatever runAsUser says: what is proven here is admission, not the user the
-    processes run as."""
+    processes run as. The admitted task also has `affinity` (independent of admission): nodeAffinity
+    to two labelled nodes and a required podAntiAffinity between the Ray pods, so the real
+    kube-scheduler puts the head and the worker on the two labelled nodes, one each, and the
+    submitter pod (which gets the nodeAffinity only) beside one of them, never on the third."""
     cluster = kube_cluster
     cluster.cp.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
     env = cli_env(cluster, tmp_path)
@@ -77,26 +81,6 @@ def test_a_restricted_namespace_admits_the_pods_only_with_security_context_restr
     assert "placement.kuberay.security_context: restricted makes the pods pass it" in said
     assert pods(cluster, ns) == [] and kubectl_json(cluster, ns, "rayjob", "open") is None  # launch cleaned up
 
-    task = small_task("restricted", "python3 -c \"print('admitted and ran')\"", security_context="restricted")
-    launch, said = launch_task(cluster, ns, tmp_path, task, env, timeout=420)
-    assert launch.returncode == 0, said[-4000:]
-    assert "admitted and ran" in said and "SUCCEEDED in " in said
-    admitted = {role(p): p for p in pods(cluster, ns)}
-    assert set(admitted) == {"head", "worker", "submitter"}, sorted(admitted)
-    for pod in admitted.values():
-        spec = pod["spec"]
-        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
-        for container in spec.get("initContainers", []) + spec["containers"]:
-            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
-                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
-    assert [c["name"] for c in admitted["worker"]["spec"]["initContainers"]] == ["wait-gcs-ready"]
-
-
-def test_affinity_decides_where_the_scheduler_puts_the_pods(kube_cluster, ns, tmp_path):
-    """nodeAffinity to two labelled nodes and a required podAntiAffinity between the Ray pods:
-    the real kube-scheduler puts the head and the worker on the two labelled nodes, one each, and
-    the submitter pod (which gets the nodeAffinity only) beside one of them, never on the third."""
-    cluster = kube_cluster
     nodes = sorted(n["metadata"]["name"] for n in json.loads(cluster.cp.kubectl("get", "nodes", "-o", "json").stdout)
                    ["items"])
     chosen, label = nodes[-2:], "rlhf-tasks-test/pool"
@@ -109,23 +93,36 @@ def test_affinity_decides_where_the_scheduler_puts_the_pods(kube_cluster, ns, tm
     for node in chosen:
         cluster.cp.kubectl("label", "node", node, f"{label}={ns}", "--overwrite")
     try:
-        apply(cluster, ns, tmp_path, small_task("placed", "python3 -c \"print('placed and ran')\"",
-                                                affinity=affinity))
-        final = finished(cluster, ns, "placed")
+        task = small_task("restricted", "python3 -c \"print('admitted and ran')\"", security_context="restricted",
+                          affinity=affinity)
+        launch, said = launch_task(cluster, ns, tmp_path, task, env, timeout=420)
+        admitted = {role(p): p for p in pods(cluster, ns)}
     finally:
         for node in chosen:
             cluster.cp.kubectl("label", "node", node, f"{label}-", check=False)
-    assert final["jobStatus"] == "SUCCEEDED", final
-    where = {role(p): p["spec"].get("nodeName") for p in pods(cluster, ns)}
-    assert set(where) == {"head", "worker", "submitter"}, where
+    assert launch.returncode == 0, said[-4000:]
+    assert "admitted and ran" in said and "SUCCEEDED in " in said
+    assert set(admitted) == {"head", "worker", "submitter"}, sorted(admitted)
+    for pod in admitted.values():
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
+    assert [c["name"] for c in admitted["worker"]["spec"]["initContainers"]] == ["wait-gcs-ready"]
+    where = {name: pod["spec"].get("nodeName") for name, pod in admitted.items()}
     assert sorted([where["head"], where["worker"]]) == chosen, (where, nodes)
     assert where["submitter"] in chosen, (where, nodes)
 
 
-def test_extra_volumes_are_mounted_in_the_ray_containers(kube_cluster, ns, tmp_path):
-    """A claim (read-only, a model cache: a PersistentVolumeClaim bound to a hostPath volume) and a
-    node's directory (hostPath, scratch): the job on the head reads the file in the claim, cannot
-    write there, and writes to the scratch directory, which the node's directory then holds."""
+def test_render_and_kubectl_apply_by_hand_runs_the_job_with_its_secret_and_extra_volumes(kube_cluster, ns, tmp_path):
+    """What `render` prints, applied by hand as its header says (the Secret from a file of NAME=value
+    lines first), runs: the RayJob completes and the job's lines are in the submitter's log, the
+    Secret's value among them. Its `volumes`: a claim (read-only, a model cache: a
+    PersistentVolumeClaim bound to a hostPath volume) and a node's directory (hostPath, scratch),
+    mounted in the Ray containers, not the submitter's: the job on the head reads the file in the
+    claim, cannot write there, and writes to the scratch directory, which the node's directory then
+    holds."""
     cluster = kube_cluster
     cache, scratch = tmp_path / "model-cache", tmp_path / "nvme"
     shared_claim(cluster, ns, "models", cache)
@@ -133,7 +130,8 @@ def test_extra_volumes_are_mounted_in_the_ray_containers(kube_cluster, ns, tmp_p
     scratch.mkdir()
     script = tmp_path / "use_volumes.py"
     script.write_text(
-        "import errno\n"
+        "import errno, os\n"
+        "print('job says', len(os.environ['HELLO_SECRET']))\n"
         "print('cache says', open('/models/weights.txt').read().strip())\n"
         "try:\n"
         "    open('/models/written', 'w')\n"
@@ -142,10 +140,18 @@ def test_extra_volumes_are_mounted_in_the_ray_containers(kube_cluster, ns, tmp_p
         "open('/scratch/from-the-job.txt', 'w').write('scratch works')\n")
     volumes = [{"name": "model-cache", "claim": "models", "path": "/models", "read_only": True},
                {"name": "nvme", "host_path": str(scratch), "path": "/scratch"}]
-    apply(cluster, ns, tmp_path, small_task("volumes", f"python3 {script}", volumes=volumes))
-    final = finished(cluster, ns, "volumes")
-    log = cluster.cp.kubectl("-n", ns, "logs", "job/volumes").stdout
+    task = dict(small_task("by-hand", f"python3 {script}", volumes=volumes), secrets=["HELLO_SECRET"])
+    rendered = render(cluster, tmp_path, task)
+    create = next(line for line in rendered.read_text().splitlines() if "kubectl create secret generic" in line)
+    assert "--from-env-file=FILE" in create
+    (tmp_path / "secrets.env").write_text("HELLO_SECRET=seven-7\n")
+    cluster.cp.kubectl("-n", ns, "create", "secret", "generic", "by-hand-secrets",
+                       f"--from-env-file={tmp_path / 'secrets.env'}")
+    cluster.cp.kubectl("-n", ns, "apply", "-f", str(rendered))
+    final = finished(cluster, ns, "by-hand")
+    log = cluster.cp.kubectl("-n", ns, "logs", "job/by-hand").stdout  # as the header says to follow it
     assert final["jobStatus"] == "SUCCEEDED", (final, log[-3000:])
+    assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
     assert "cache says weights-0123" in log and "cache is read-only: True" in log, log[-3000:]
     assert (scratch / "from-the-job.txt").read_text() == "scratch works"
     assert not (cache / "written").exists()

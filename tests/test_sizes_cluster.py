@@ -106,8 +106,18 @@ def dry_run(cluster, ns: str, objects: list[dict]) -> subprocess.CompletedProces
         time.sleep(0.5)
 
 
-def probe_pod(resource: str, limit: str, request: int) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"}, "spec": {
+def json_documents(text: str) -> list[dict]:
+    """What `kubectl create -o json` prints for a stream: one JSON document after another."""
+    decoder, docs, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        doc, end = decoder.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+        docs.append(doc)
+        at = end
+    return docs
+
+
+def probe_pod(name: str, resource: str, limit: str, request: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
         "automountServiceAccountToken": False,
         "containers": [{"name": "c", "image": "probe:1", "resources": {"limits": {resource: limit},
                                                                        "requests": {resource: str(request)}}}]}}
@@ -117,8 +127,10 @@ def test_the_api_server_reads_every_rendered_quantity_back_to_the_same_bytes(kub
     """The RayJob rendered with each size (memory, ephemeral-storage, /dev/shm's sizeLimit) is taken by the
     API server (KubeRay's CRD schema: each a quantity); then each quantity is a probe pod's limit, which the
     API server's own parser compares to a request of exactly the task's bytes (taken) and one byte more
-    (refused: a request above its limit)."""
+    (refused: a request above its limit). The probes go in two dry runs, each pod named for what it probes
+    (kubectl creates every object of a stream and says each one's error)."""
     cluster = kube_cluster
+    probes = {}  # pod name -> (size, resource, quantity, expected bytes)
     for size in SIZES:
         nbytes = size_bytes(size)
         memory = size if nbytes > SUBMITTER_MEMORY else "1GiB"  # check refuses less (the head's submitter's)
@@ -136,9 +148,19 @@ def test_the_api_server_reads_every_rendered_quantity_back_to_the_same_bytes(kub
         for resource, quantity, expected in (("memory", limits["memory"], size_bytes(memory)),
                                              ("ephemeral-storage", limits["ephemeral-storage"], nbytes),
                                              ("memory", shm, nbytes), ("memory", head["memory"], head_bytes)):
-            exact = dry_run(cluster, ns, [probe_pod(resource, quantity, expected)])
-            assert exact.returncode == 0, f"{size} {resource} {quantity}: {exact.stderr}"
-            assert json.loads(exact.stdout)["spec"]["containers"][0]["resources"]["requests"][resource]
-            over = dry_run(cluster, ns, [probe_pod(resource, quantity, expected + 1)])
-            assert over.returncode != 0 and "must be less than or equal to" in over.stderr, \
-                f"{size} {resource} {quantity}: {over.stdout}{over.stderr}"
+            probes[f"probe-{len(probes)}"] = (size, resource, quantity, expected)
+    exact = dry_run(cluster, ns, [probe_pod(name, resource, quantity, expected)
+                                  for name, (_, resource, quantity, expected) in probes.items()])
+    assert exact.returncode == 0, exact.stderr
+    made = {pod["metadata"]["name"]: pod for pod in json_documents(exact.stdout)}
+    for name, (size, resource, quantity, expected) in probes.items():
+        assert made[name]["spec"]["containers"][0]["resources"]["requests"][resource], \
+            f"{size} {resource} {quantity}: {made.get(name)}"
+    over = dry_run(cluster, ns, [probe_pod(name, resource, quantity, expected + 1)
+                                 for name, (_, resource, quantity, expected) in probes.items()])
+    assert over.returncode != 0, over.stdout
+    refused = {name: line for line in over.stderr.splitlines()
+               for name in re.findall(r'Pod "(probe-\d+)" is invalid', line)}
+    for name, (size, resource, quantity, expected) in probes.items():
+        assert "must be less than or equal to" in refused.get(name, ""), \
+            f"{size} {resource} {quantity} (request {expected + 1}): {over.stdout}{over.stderr}"
