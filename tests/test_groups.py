@@ -288,6 +288,40 @@ print("GROUPS-OK", json.dumps({g: [n["NodeManagerAddress"] for n in v] for g, v 
 '''
 
 
+
+def test_after_a_loss_the_head_waits_for_each_group_whole_again_from_one_read_of_the_nodes(monkeypatch, rlhf_home):
+    """Three nodes ALIVE again is not enough when the reward group's node is not among them: the head's wait
+    after a loss names the short group, from the same list of nodes its count read (one read a poll)."""
+    from rlhf_tasks.agent import jobrunner, protocol
+
+    plan = plan_dict(rlhf_home)
+    answers = [alive("trainer", "trainer", None), alive("trainer", "trainer", "reward")]
+    reads, said = [], []
+
+    def alive_nodes(dashboard, token):
+        reads.append(1)
+        return answers[0] if len(reads) <= 2 else answers[1]  # the first poll: its count and its lost-node lookup
+    monkeypatch.setattr(protocol, "alive_nodes", alive_nodes)
+    monkeypatch.setattr(jobrunner, "alive_nodes", alive_nodes)
+    monkeypatch.setattr(protocol.time, "sleep", lambda s: None)
+    real_wait_for = jobrunner.wait_for
+
+    def wait_for(what, check, *args, **kwargs):
+        def recorded():
+            done, have = check()
+            said.append(have)
+            return done, have
+        return real_wait_for(what, recorded, *args, **kwargs)
+    monkeypatch.setattr(jobrunner, "wait_for", wait_for)
+    runner = jobrunner.JobRunner.__new__(jobrunner.JobRunner)
+    runner.node = type("N", (), {"dashboard": "http://d", "token": None, "ray_alive": staticmethod(lambda c: c)})()
+    runner.plan = dict(plan, ray={"num_cpus": 1}, wait={"nodes_s": 60})
+    runner.expected, runner.node_ids = {"0": "127.0.0.0", "1": "127.0.0.1", "2": "127.0.0.2"}, ["0", "1", "2"]
+    runner.wait_for_every_node()
+    assert "group reward: 0 of 1 nodes" in said[0] and "1 ALIVE without a group's label" in said[0], said
+    assert "group reward: 1 of 1 nodes" in said[1] and "group trainer: 2 of 2 nodes" in said[1], said
+    assert len(reads) == 4, reads  # poll 1: the count and the lost-node lookup; poll 2: the count; then the list
+
 def test_groups_on_a_real_local_cluster(tmp_path, cli_env):
     import subprocess
     import sys

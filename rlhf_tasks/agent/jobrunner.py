@@ -16,7 +16,7 @@ from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
 from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
-                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, groups_check,
+                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, group_counts,
                        job_argv, job_runtime_env, log, submission_id, wait_for)
 from .raynode import Node, agent_entry
 
@@ -382,12 +382,12 @@ class JobRunner(object):
         nodes, ray = plan["nodes"], plan["ray"]
         check = cluster_check(self.node.dashboard, self.node.token, nodes, (ray.get("num_cpus") or 0) * nodes,
                               (ray.get("num_gpus") or 0) * nodes, exact=True)
-        by_group = groups_check(self.node.dashboard, self.node.token, plan["groups"]) if plan.get("groups") else None
+        groups = plan.get("groups")
 
         def progress():
             done, have = check()
-            if by_group is not None:  # and each group whole again, named where it is short
-                grouped, words = by_group()
+            if groups:  # and each group whole again, named where it is short: from the nodes check() read
+                grouped, words = group_counts(check.alive, groups)
                 done, have = done and grouped, "%s (%s)" % (have, words)
             if done:
                 return True, have

@@ -227,23 +227,28 @@ def _in_group(node: dict, group: dict) -> bool:
     return all(have.get(name, 0.0) >= amount for name, amount in group["resources"].items())
 
 
+def group_counts(alive: List[dict], groups: List[dict]) -> Tuple[bool, str]:
+    """Whether every group has all its nodes among `alive` (Ray's records: its label and resources), and
+    each group's count ("group reward: 0 of 1 nodes"), the short ones first."""
+    counts = [(group, sum(1 for node in alive if _in_group(node, group))) for group in groups]
+    short = [(g, n) for g, n in counts if n < g["nodes"]]
+    words = ["group %s: %d of %d nodes" % (g["name"], n, g["nodes"]) for g, n in short + [
+        (g, n) for g, n in counts if n >= g["nodes"]]]
+    stray = sum(1 for node in alive if not any(_in_group(node, g) for g in groups))
+    return not short, "; ".join(words) + ("; %d ALIVE without a group's label and resources" % stray if stray else "")
+
+
 def groups_check(dashboard: str, token: Optional[str], groups: List[dict]):
-    """A wait_for check: every group has all its nodes ALIVE with its label and resources. Its reason names
-    each group's count ("group reward: 0 of 1 nodes"), the short ones first; `check.alive` the nodes as last
-    seen (the head hands them to preflight), as protocol.cluster_check's."""
+    """A wait_for check: every group has all its nodes ALIVE with its label and resources (group_counts says
+    each group's count); `check.alive` the nodes as last seen (the head hands them to preflight), as
+    protocol.cluster_check's."""
     def check():
         try:
             alive = alive_nodes(dashboard, token)
         except OSError as exc:
             return False, str(exc)
         check.alive = alive
-        counts = [(group, sum(1 for node in alive if _in_group(node, group))) for group in groups]
-        short = [(g, n) for g, n in counts if n < g["nodes"]]
-        words = ["group %s: %d of %d nodes" % (g["name"], n, g["nodes"]) for g, n in short + [
-            (g, n) for g, n in counts if n >= g["nodes"]]]
-        stray = sum(1 for node in alive if not any(_in_group(node, g) for g in groups))
-        said = "; ".join(words) + ("; %d ALIVE without a group's label and resources" % stray if stray else "")
-        return not short, said
+        return group_counts(alive, groups)
     check.alive = []
     return check
 
