@@ -20,7 +20,7 @@ from .agent.protocol import GROUP_LABEL, PLAN_VERSION  # the agent owns the vers
 from .errors import BadInput
 from .models import Service, StrictModel, WandbOptions, size_bytes
 from .recipes.base import GroupShape, Shape
-from .spec import Placement, Resources, Task
+from .spec import GroupPlacement, Placement, Resources, Task
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 
@@ -290,6 +290,12 @@ class GroupPlan(StrictModel):
     setup: list[str]                      # after the task's setup, on this group's nodes
     image: str | None                     # the group's, else the task's
     machine: Resources                    # the group's resources block, for the provider to place
+    placement: GroupPlacement = GroupPlacement()  # the group's own provider options, over the task's
+
+    @property
+    def worker_ranks(self) -> range:
+        """Its ranks but the head's: a provider that starts the head apart (KubeRay's head group) places these."""
+        return range(self.first_rank + (1 if self.first_rank == 0 else 0), self.first_rank + self.nodes)
 
 
 def group_plans(task: Task) -> list[GroupPlan]:
@@ -301,7 +307,8 @@ def group_plans(task: Task) -> list[GroupPlan]:
         resources = {group.name: count, **({res.gpu_name.lower(): count} if res.gpus_per_node and res.gpu_name else {})}
         out.append(GroupPlan(name=group.name, nodes=group.nodes, first_rank=rank, gpus_per_node=res.gpus_per_node,
                              gpu_name=res.gpu_name, num_cpus=res.cpus, labels={GROUP_LABEL: group.name},
-                             resources=resources, setup=list(group.setup), image=group.image or task.image, machine=res))
+                             resources=resources, setup=list(group.setup), image=group.image or task.image, machine=res,
+                             placement=group.placement))
         rank += group.nodes
     return out
 
@@ -459,6 +466,12 @@ class Plan(StrictModel):
     def unshared_checkpoints(self) -> bool:
         """The job resumes from a checkpoint directory no shared storage backs (each node has its own)."""
         return bool(self.resume and self.checkpoint_dir and not self.checkpoint_shared)
+
+    def for_group(self, group: GroupPlan) -> "Plan":
+        """The plan as one group's nodes see it: the group's machine, GPUs per node and image (a provider that
+        builds each group's nodes apart, KubeRay's worker groups or Slurm's hetjob components, builds from it)."""
+        return self.model_copy(update={"resources": group.machine, "gpus_per_node": group.gpus_per_node,
+                                       "image": group.image})
 
     def replace(self, **changes: Any) -> "Plan":
         """A copy with some fields changed (and `ray=` merged field by field)."""

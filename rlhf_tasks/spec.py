@@ -331,6 +331,15 @@ Job = Annotated[Union[JOB_MODELS], Field(discriminator="recipe")]  # type: ignor
 RAY_RESOURCE_NAMES = ("memory", "object_store_memory")
 
 
+class GroupPlacement(StrictModel):
+    """A group's own options of the providers that read theirs with their own model (PROVIDER_PLACEMENT): each
+    provider reads the task's placement.<provider> with the group's keys over it."""
+
+    slurm: dict[str, Any] = {}
+    kuberay: dict[str, Any] = {}
+    dstack: dict[str, Any] = {}
+
+
 class Group(StrictModel):
     """A role's machines (issue 46): the trainer on H100s, a reward model on cheaper GPUs, a retriever on
     CPUs. Its nodes start Ray with the label `rlhf-tasks/group=NAME` and the custom resources NAME (and its
@@ -342,6 +351,9 @@ class Group(StrictModel):
     image: str | None = Field(None, description="this group's image, instead of the task's")
     setup: list[str] = Field([], description="run on this group's nodes after the task's setup")
     services: list[Service] = Field([], description="started on this group's nodes (as `where: group NAME`)")
+    placement: GroupPlacement = Field(GroupPlacement(), description=(
+        "this group's provider options, key by key over the task's placement.<provider> (e.g. kuberay: "
+        "{node_selector: ...} for its GPU type's nodes)"))
 
 
 def _groups_placeholder(data: Any) -> Any:
@@ -368,7 +380,7 @@ class Task(StrictModel):
     resources: Resources = Resources()
     groups: list[Group] = Field([], description=(
         "node groups, each its own nodes and resources (instead of top-level nodes and resources): the first holds "
-        "rank 0, the head; the local provider runs them, the others refuse them at check for now"))
+        "rank 0, the head; the local and kuberay providers run them, the others refuse them at check for now"))
     image: str | None = None
     env_not_secret: list[str] = Field([], description=(
         "names under env that only look like secrets (by their name, e.g. MAX_NEW_TOKEN, or by their value's "

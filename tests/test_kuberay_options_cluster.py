@@ -122,7 +122,9 @@ def test_render_and_kubectl_apply_by_hand_runs_the_job_with_its_secret_and_extra
     PersistentVolumeClaim bound to a hostPath volume) and a node's directory (hostPath, scratch),
     mounted in the Ray containers, not the submitter's: the job on the head reads the file in the
     claim, cannot write there, and writes to the scratch directory, which the node's directory then
-    holds."""
+    holds. Its two nodes are two node groups (issue 46), KubeRay's own heterogeneous form: a worker group per
+    group, each pod with its group's Ray label and custom resource (as Ray's own node list says in the job),
+    the reward group's setup and service on its pod only."""
     cluster = kube_cluster
     cache, scratch = tmp_path / "model-cache", tmp_path / "nvme"
     shared_claim(cluster, ns, "models", cache)
@@ -137,10 +139,23 @@ def test_render_and_kubectl_apply_by_hand_runs_the_job_with_its_secret_and_extra
         "    open('/models/written', 'w')\n"
         "except OSError as exc:\n"
         "    print('cache is read-only:', exc.errno == errno.EROFS)\n"
-        "open('/scratch/from-the-job.txt', 'w').write('scratch works')\n")
+        "open('/scratch/from-the-job.txt', 'w').write('scratch works')\n"
+        "import ray, time\n"
+        "ray.init()\n"
+        "groups = {n['Labels'].get('rlhf-tasks/group'): n for n in ray.nodes() if n['Alive']}\n"
+        "print('groups', sorted(groups), groups['reward']['Resources'].get('reward'),\n"
+        "      'reward' in groups['trainer']['Resources'])\n"
+        "on = ray.remote(num_cpus=0, resources={'reward': 1})(lambda: ray.get_runtime_context().get_node_id())\n"
+        "print('reward task on its group:', ray.get(on.remote()) == groups['reward']['NodeID'])\n")
     volumes = [{"name": "model-cache", "claim": "models", "path": "/models", "read_only": True},
                {"name": "nvme", "host_path": str(scratch), "path": "/scratch"}]
     task = dict(small_task("by-hand", f"python3 {script}", volumes=volumes), secrets=["HELLO_SECRET"])
+    del task["nodes"], task["resources"]
+    task["groups"] = [{"name": "trainer", "nodes": 1, "resources": {"cpus": 1}},
+                      {"name": "reward", "nodes": 1, "resources": {"cpus": 1},
+                       "setup": ["echo {group} $RLHF_TASKS_NODE_RANK >> /scratch/setup.txt"],
+                       "services": [{"name": "rm", "command": "echo {group} $RLHF_TASKS_GROUP >> /scratch/service.txt; "
+                                                              "exec sleep 600"}]}]
     rendered = render(cluster, tmp_path, task)
     create = next(line for line in rendered.read_text().splitlines() if "kubectl create secret generic" in line)
     assert "--from-env-file=FILE" in create
@@ -154,7 +169,12 @@ def test_render_and_kubectl_apply_by_hand_runs_the_job_with_its_secret_and_extra
     assert "job says 7" in log, log[-3000:]  # len("seven-7"): the value reached the job from the Secret
     assert "cache says weights-0123" in log and "cache is read-only: True" in log, log[-3000:]
     assert (scratch / "from-the-job.txt").read_text() == "scratch works"
+    assert "groups ['reward', 'trainer'] 1.0 False" in log and "reward task on its group: True" in log, log[-3000:]
+    assert (scratch / "setup.txt").read_text().split() == ["reward", "1"]
+    assert (scratch / "service.txt").read_text().split() == ["reward", "reward"]
     assert not (cache / "written").exists()
     for pod in pods(cluster, ns):
         mounts = {m["mountPath"] for c in pod["spec"]["containers"] for m in c.get("volumeMounts", [])}
         assert ({"/models", "/scratch"} <= mounts) == (role(pod) != "submitter"), (role(pod), mounts)
+        group = {"head": "trainer", "worker": "reward"}.get(role(pod))
+        assert pod["metadata"]["labels"].get("rlhf-tasks/group") == group, (role(pod), pod["metadata"]["labels"])

@@ -289,9 +289,11 @@ class Provider:
         """A task with node groups refused where this provider does not render them yet (renders_groups),
         before its own checks, which read the task's top-level resources."""
         if task.groups and not self.renders_groups:
-            raise BadInput(f"groups: the {self.name} provider does not render node groups yet: run the task with "
-                           f"--provider local, or give it top-level nodes and resources (one kind of node) instead "
-                           f"of groups")
+            from . import BUILTIN, provider_class  # the error's words only: each provider's class says
+            those = ", ".join(name for name in BUILTIN if provider_class(name).renders_groups)
+            raise BadInput(f"groups: the {self.name} provider does not render node groups yet: run the task with a "
+                           f"provider that does ({those}), or give it top-level nodes and resources (one kind of "
+                           f"node) instead of groups")
 
     def ask_own_code(self, plan: Plan) -> list[str]:
         """What the provider's own code, where it is installed here, says of this plan's render (its

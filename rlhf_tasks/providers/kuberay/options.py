@@ -384,3 +384,10 @@ class KubeRayShared(StrictModel):
 def kuberay_placement(placement: Placement) -> KubeRayPlacement:
     """A task's or plan's `placement.kuberay`, read with this provider's model (BadInput naming the field)."""
     return provider_part(KubeRayPlacement, placement.kuberay, "placement.kuberay")
+
+
+def group_placement(placement: Placement, group: Any, index: int) -> KubeRayPlacement:
+    """A node group's options: its `placement.kuberay` keys over the task's (a GPU type's node selector, say),
+    read with this provider's model (BadInput naming `groups[i].placement.kuberay`)."""
+    merged = {**placement.kuberay, **group.placement.kuberay}
+    return provider_part(KubeRayPlacement, merged, f"groups[{index}].placement.kuberay")

@@ -11,7 +11,7 @@ import copy
 import math
 
 from ...models import size_bytes
-from ...plan import Plan, gpu_vendor
+from ...plan import GroupPlan, Plan, gpu_vendor
 from ..shipping import NODE_DIR, shared_entry
 from .configmap import CONFIGMAP_DIR, RAY_PATH_KEY, agent_shell, configmap_name
 from .options import KubeRayPlacement, KubeRayShared
@@ -107,20 +107,27 @@ def pod_volumes(plan: Plan, options: KubeRayPlacement) -> tuple[list[dict], list
     return volumes, mounts
 
 
-def startup_probe(plan: Plan, head: bool) -> dict:
-    """How long the container may take before its Ray answers (setup, a worker's services):
-    until then KubeRay's liveness probe is off. The head's GCS, a worker's dashboard agent."""
+def startup_probe(plan: Plan, head: bool, group: GroupPlan | None = None) -> dict:
+    """How long the container may take before its Ray answers (setup, a worker's services, its group's
+    too): until then KubeRay's liveness probe is off. The head's GCS, a worker's dashboard agent."""
     budget = plan.wait.head_s
     if not head:
-        budget += sum(s.timeout for s in plan.services if s.where == "every_node")
+        where = {"every_node"} | ({f"group {group.name}"} if group else set())
+        budget += sum(s.timeout for s in plan.services if s.where in where)
     return {"tcpSocket": {"port": plan.ray.port if head else AGENT_PORT}, "periodSeconds": PROBE_PERIOD_S,
             "failureThreshold": max(1, math.ceil(budget / PROBE_PERIOD_S))}
 
 
-def pod_template(plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
+def pod_template(plan: Plan, options: KubeRayPlacement, head: bool, group: GroupPlan | None = None) -> dict:
+    """A Ray pod's template. Its rank is its group's (0 the head, 1 the workers); with node groups, a worker's
+    is the first of its group's worker ranks, by which the agent finds its group's setup and services, and the
+    pod is its group's machine (its resources, GPUs and image: plan.for_group)."""
+    rank = 0 if head else group.worker_ranks.start if group else 1
+    if group is not None:
+        plan = plan.for_group(group)
     image = plan.image or f"rayproject/ray:{options.ray}"
     volumes, mounts = pod_volumes(plan, options)
-    env = container_env(plan, options, 0 if head else 1)
+    env = container_env(plan, options, rank)
     container: dict = {
         "name": "ray-head" if head else "ray-worker",
         "image": image,
@@ -133,7 +140,7 @@ def pod_template(plan: Plan, options: KubeRayPlacement, head: bool) -> dict:
                  + f" && . {RAY_ENV_FILE} || exit"],
         "env": env,
         "volumeMounts": mounts,
-        "startupProbe": startup_probe(plan, head),
+        "startupProbe": startup_probe(plan, head, group),
     }
     if head:
         container["ports"] = [{"name": "gcs-server", "containerPort": plan.ray.port},

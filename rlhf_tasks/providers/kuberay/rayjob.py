@@ -11,7 +11,7 @@ import shlex
 
 from ...plan import Plan
 from .configmap import agent_shell, metadata
-from .options import KubeRayPlacement
+from .options import KubeRayPlacement, group_placement
 from .pods import pod_template, submitter_template
 
 WORKER_GROUP = "workers"
@@ -29,6 +29,39 @@ def ray_start_params(plan: Plan, head: bool) -> dict[str, str]:
     if ray.debug == "legacy":
         params["ray-debugger-external"] = "true"
     return params
+
+
+def worker_group(name: str, replicas: int, spec: dict) -> dict:
+    return {"groupName": name, "replicas": replicas, "minReplicas": replicas, "maxReplicas": replicas, **spec}
+
+
+def group_specs(plan: Plan, options: KubeRayPlacement) -> tuple[dict, list[dict]]:
+    """The head group and the worker groups. Without node groups: the head, and one worker group of nodes - 1.
+    With them, KubeRay's own heterogeneous form: the head is the first group's first node, and each group's
+    other nodes are a worker group of their name, each its group's machine and image, with its own
+    placement.kuberay keys over the task's, and the group's Ray labels and custom resources in KubeRay's
+    group `labels` and `resources` (common/pod.go: `--labels`, and `--resources` beside the GPUs the container's
+    limits give; rayStartParams may then name neither, utils/validation.go)."""
+    if not plan.groups:
+        head = {"rayStartParams": ray_start_params(plan, True), "template": pod_template(plan, options, True)}
+        spec = {"rayStartParams": ray_start_params(plan, False), "template": pod_template(plan, options, False)}
+        return head, [worker_group(WORKER_GROUP, plan.nodes - 1, spec)] if plan.nodes > 1 else []
+    head, workers = {}, []
+    for index, group in enumerate(plan.groups):
+        own = group_placement(plan.placement, group, index)
+        # the group's CPUs as Ray's (num-cpus without groups, which KubeRay refuses beside group resources)
+        resources = {name: str(count) for name, count in group.resources.items()}
+        if group.num_cpus:
+            resources["cpu"] = str(group.num_cpus)
+
+        def spec(is_head: bool) -> dict:
+            return {"rayStartParams": ray_start_params(plan, is_head), "labels": dict(group.labels),
+                    "resources": resources, "template": pod_template(plan, own, is_head, group)}
+        if index == 0:
+            head = spec(True)
+        if group.worker_ranks:
+            workers.append(worker_group(group.name, len(group.worker_ranks), spec(False)))
+    return head, workers
 
 
 def deadlines(plan: Plan) -> dict[str, int]:
@@ -81,14 +114,9 @@ def rayjob_document(plan: Plan, options: KubeRayPlacement) -> dict:
             "from": [{"namespaceSelector": {"matchLabels": {
                 "kubernetes.io/metadata.name": options.operator_namespace}}}],
             "ports": [{"port": plan.ray.dashboard_port}]}]}}
-    cluster["headGroupSpec"] = {"rayStartParams": ray_start_params(plan, True),
-                                "template": pod_template(plan, options, True)}
-    workers = plan.nodes - 1
+    cluster["headGroupSpec"], workers = group_specs(plan, options)
     if workers:
-        cluster["workerGroupSpecs"] = [{
-            "groupName": WORKER_GROUP, "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
-            "rayStartParams": ray_start_params(plan, False),
-            "template": pod_template(plan, options, False)}]
+        cluster["workerGroupSpecs"] = workers
     # KubeRay pastes the entrypoint unquoted into the submitter's `bash -c` line: one quoted `bash -c`
     # word keeps our `&&` and `${PYTHONPATH...}` for the job's shell (Ray's CLI joins the words back).
     entrypoint = shlex.join(["bash", "-c", agent_shell(plan, "--ray-started", "--skip-setup")])

@@ -40,13 +40,14 @@ import re
 
 from ...errors import BadInput
 from ...models import size_bytes
-from ...plan import Contract, Plan, env
+from ...plan import Contract, GroupPlan, Plan, env
 from ...recipes.base import Shape
-from ...spec import Task
+from ...spec import Resources, Task
 from ..base import Provider
 from ..shipping import NODE_DIR, dump_yaml, shared_entry
 from .configmap import CONFIGMAP_DIR, configmap_document
-from .options import SHARED_MODE, SHARING, KubeRayPlacement, KubeRayShared, _nested, kuberay_placement
+from .options import (SHARED_MODE, SHARING, KubeRayPlacement, KubeRayShared, _nested, group_placement,
+                      kuberay_placement)
 from .pods import IB_DEVICES, POD_IP_ENV, RANK_ENV, SUBMITTER_MEMORY, WORKERS_ENV
 from .rayjob import rayjob_document
 
@@ -59,6 +60,16 @@ WORKING_DIR_WORDS = ("none: the job runs in the head container's working directo
 #: With a ttl_after_finished shorter than this, KubeRay would delete a failed job's cluster before `launch`
 #: fetched the head's bundle: the head keeps it up to this long, until it was read (Plan.bundle_hold_s).
 BUNDLE_HOLD_S = 60.0
+
+
+def machines(task: Task | Plan, options: KubeRayPlacement) -> list[tuple[str, Resources, KubeRayPlacement]]:
+    """Each kind of pod's resources and options, with the field that gives them: the task's (`resources`,
+    placement.kuberay), or each node group's (`groups[i].resources`, its placement.kuberay over the task's),
+    the head's first."""
+    if not task.groups:
+        return [("resources", task.resources, options)]
+    return [(f"groups[{i}].resources", g.machine if isinstance(g, GroupPlan) else g.resources,
+             group_placement(task.placement, g, i)) for i, g in enumerate(task.groups)]
 
 
 class KubeRayRender(Provider):
@@ -75,6 +86,7 @@ class KubeRayRender(Provider):
         cluster_id=env("RAY_CLUSTER_NAME"),
     )
     placement_options = KubeRayPlacement
+    renders_groups = True  # a worker group per node group (rayjob.group_specs)
     ignores = {"spot": "the pods go where Kubernetes schedules them (placement.kuberay.node_selector, tolerations)",
                "retry": "a failed RayJob is not rebuilt (backoffLimit 0); the head restarts the job (job.max_restarts)",
                "fleets": "the pods go where Kubernetes schedules them (placement.kuberay.node_selector)",
@@ -106,14 +118,17 @@ class KubeRayRender(Provider):
                     raise BadInput(f"placement.kuberay.volumes[{i}].path: {volume.path} {clash} {path}, "
                                    f"{what}, which the pods mount themselves")
         labels = ("/gpu.product", "/gpu.memory", "/gpu.vram")
-        if task.resources.gpu_memory and not any(key.endswith(labels) for key in options.node_selector):
-            raise BadInput(f"resources.gpus: {task.resources.gpus}: a pod requests GPUs by count only "
-                           f"(nvidia.com/gpu), and Kubernetes selects their nodes by the labels the cluster gives "
-                           f"them; give placement.kuberay.node_selector with your nodes' GPU label: GPU feature "
-                           f"discovery's nvidia.com/gpu.product (e.g. NVIDIA-A100-SXM4-80GB) or nvidia.com/gpu.memory "
-                           f"(MiB, e.g. \"81920\"), AMD's labeller's amd.com/gpu.vram")
-        if task.resources.memory and size_bytes(task.resources.memory) <= SUBMITTER_MEMORY:
-            raise BadInput(f"resources.memory: {task.resources.memory} is not more than the "
+        for field, res, own in machines(task, options):
+            if res.gpu_memory and not any(key.endswith(labels) for key in own.node_selector):
+                where = "placement.kuberay" if field == "resources" else f"{field.split('.')[0]}.placement.kuberay"
+                raise BadInput(f"{field}.gpus: {res.gpus}: a pod requests GPUs by count only "
+                               f"(nvidia.com/gpu), and Kubernetes selects their nodes by the labels the cluster gives "
+                               f"them; give {where}.node_selector with your nodes' GPU label: GPU feature "
+                               f"discovery's nvidia.com/gpu.product (e.g. NVIDIA-A100-SXM4-80GB) or "
+                               f"nvidia.com/gpu.memory (MiB, e.g. \"81920\"), AMD's labeller's amd.com/gpu.vram")
+        field, head_res, _ = machines(task, options)[0]
+        if head_res.memory and size_bytes(head_res.memory) <= SUBMITTER_MEMORY:
+            raise BadInput(f"{field}.memory: {head_res.memory} is not more than the "
                            f"{SUBMITTER_MEMORY // 2**20}MiB KubeRay's submitter requests in the head's pod, which the "
                            f"head's Ray container leaves it: give more")
         if task.ray.dashboard_public:
@@ -157,7 +172,7 @@ class KubeRayRender(Provider):
                             bundle_hold_s=hold)  # every option in the plan, defaults too: the plan says them
 
     def notes(self, plan: Plan) -> list[str]:
-        options, res = kuberay_placement(plan.placement), plan.resources
+        options = kuberay_placement(plan.placement)
         out = super().notes(plan)
         claim = self.shared_claim_note(plan)
         if claim:
@@ -169,10 +184,12 @@ class KubeRayRender(Provider):
                        f"a stand-in in the ConfigMap; the submitter runs in rayproject/ray:{options.ray})"
                        + ("" if options.ray_version else "; say which Ray it holds in placement.kuberay.ray_version "
                           f"(KubeRay picks its probes by it; {options.ray} assumed)"))
-        if res.gpu_name and not any(k.endswith("/gpu.product") for k in options.node_selector):
-            out.append(f"resources.gpus: the pods request {plan.gpus_per_node} GPUs of any type; KubeRay cannot "
-                       f"select {res.gpu_name}: add placement.kuberay.node_selector with your nodes' product label "
-                       f"(GPU feature discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3)")
+        for field, res, own in machines(plan, options):
+            if res.gpu_name and not any(k.endswith("/gpu.product") for k in own.node_selector):
+                where = "placement.kuberay" if field == "resources" else f"{field.split('.')[0]}.placement.kuberay"
+                out.append(f"{field}.gpus: the pods request {res.gpus_per_node} GPUs of any type; KubeRay cannot "
+                           f"select {res.gpu_name}: add {where}.node_selector with your nodes' product label "
+                           f"(GPU feature discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3)")
         if plan.network == "infiniband":
             missing = []
             if not options.rdma_resource and not options.ib_host_device:
