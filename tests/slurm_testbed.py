@@ -99,6 +99,7 @@ class SlurmCluster:
     def __init__(self, testbed: "tbmod.Testbed", dir: str | os.PathLike | None = None, *,
                  controller: int = 0, real_memory_mb: int = 1024,
                  proctrack: str = "proctrack/linuxproc",
+                 features: Mapping[int, str] | None = None,
                  boot_timeout: float = 60):
         reason = slurm_missing()
         if reason:
@@ -116,6 +117,7 @@ class SlurmCluster:
         self.cpus = os.cpu_count() or 1  # every host shares the machine's cores
         self.real_memory_mb = real_memory_mb
         self.proctrack = proctrack  # proctrack/pgid: Slurm signals a task's process group only
+        self.features = dict(features or {})  # host index -> its nodes' Features= (for --constraint)
         self.munged: tbmod.Proc | None = None
         self.slurmctld: tbmod.Proc | None = None
         self.slurmd: dict[str, tbmod.Proc] = {}
@@ -146,7 +148,8 @@ class SlurmCluster:
         d = self.dir
         node_lines = [f"NodeName={h.name} NodeAddr={h.ip} CPUs={self.cpus} "
                       f"RealMemory={self.real_memory_mb} State=UNKNOWN"
-                      for h in self.testbed.hosts]
+                      + (f" Features={self.features[i]}" if i in self.features else "")
+                      for i, h in enumerate(self.testbed.hosts)]
         self.conf.write_text("\n".join([
             "# written by tests/slurm_testbed.py",
             "ClusterName=testbed",

@@ -113,12 +113,12 @@ def test_check_exits_2_naming_the_field(tmp_path, capsys, rlhf_home):
     assert "trainer" in out and "reward" in out
 
 
-@pytest.mark.parametrize("name", ["dstack", "sky", "slurm", "runpod"])
+@pytest.mark.parametrize("name", ["dstack", "sky", "runpod"])
 def test_other_providers_refuse_groups_at_check_for_now(name, tmp_path, capsys, rlhf_home):
     code, out = check_exit(tmp_path, capsys, grouped(), "--provider", name)
     assert code == 2, out
     assert (f"groups: the {name} provider does not render node groups yet: run the task with a provider that does "
-            "(local, kuberay)") in out, out
+            "(local, slurm, kuberay)") in out, out
 
 
 def test_local_refuses_a_group_with_gpus_naming_it(tmp_path, capsys, rlhf_home):

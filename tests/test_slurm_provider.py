@@ -31,7 +31,9 @@ import testbed as tbmod
 from conftest import ROOT, need
 from test_e2e_local import FAIL_WITH_SECRET
 
-slurm = stmod.make_slurm_fixture(3)
+#: node1 alone is `small`: a heterogeneous job whose first component asks for it has its head there, which is
+#: not the first host of the job's sorted node list (test_status_then_down...).
+slurm = stmod.make_slurm_fixture(3, features={0: "big", 1: "small", 2: "big"})
 
 #: FAIL_WITH_SECRET, after printing a file of its job.working_dir (the job's own directory).
 FAIL_IN_WORKDIR = ("python3 -c 'import json, os; print(open(\"shipped.txt\").read().strip(), flush=True); "
@@ -189,9 +191,19 @@ def test_a_failing_job_fails_the_slurm_job_and_a_pending_job_says_why(slurm, tmp
 
 
 def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_path):
+    """Two nodes as two node groups (issue 46): a heterogeneous job, one component per group, each on the
+    nodes its own placement.slurm.constraint picks; the head is the first group's node though it is not the
+    first of the job's hosts by name; every group's nodes in before the job (the head's count, from Ray's own
+    node labels); then status and down of the whole job mid-run."""
     task = tiny_grpo(tmp_path, steps=100000, preflight=False)
     spec = yaml.safe_load(task.read_text())
-    spec["nodes"] = 2  # a worker beside the head is all the claim needs (node2 stays idle: no_strays looks there too)
+    del spec["nodes"], spec["resources"]  # a worker beside the head is all the claim needs (one node stays idle)
+    where = f"echo $(hostname) {{group}} $RLHF_TASKS_NODE_RANK >> {tmp_path}/groups.txt"
+    spec["groups"] = [
+        {"name": "trainer", "nodes": 1, "resources": {"cpus": 1}, "setup": [where],
+         "placement": {"slurm": {"constraint": "small"}}},
+        {"name": "reward", "nodes": 1, "resources": {"cpus": 1}, "setup": [where],
+         "placement": {"slurm": {"constraint": "big"}}}]
     task.write_text(yaml.safe_dump(spec))
     home = tmp_path / "home"
     launch = cli(slurm, ["launch", str(task), "--provider", "slurm"], tmp_path, home, background=True)
@@ -205,6 +217,14 @@ def test_status_then_down_in_the_middle_of_a_run_leaves_no_process(slurm, tmp_pa
     assert status.returncode == 0, status.output
     assert f"Slurm job {job}: RUNNING" in status.output
     assert f"job tiny-grpo-{job}: RUNNING" in status.output, status.output
+    components = slurm.sh(["scontrol", "-o", "show", "job", str(job)], name="scontrol-het").splitlines()
+    assert [re.search(r" NodeList=(\S+)", line).group(1) for line in components][0] == "node1", components
+    ran = sorted((tmp_path / "groups.txt").read_text().split("\n")[:2])
+    (reward_host,) = [line.split()[0] for line in ran if " reward " in line]
+    assert ran == sorted(["node1 trainer 0", f"{reward_host} reward 1"]) and reward_host in ("node0", "node2"), ran
+    run_dir = home / "runs" / "tiny-grpo" / "slurm" / f"rlhf-tasks-{job}"
+    logs = "".join(p.read_text(errors="replace") for p in sorted(run_dir.rglob("*")) if p.is_file())
+    assert "cluster ready: group trainer: 1 of 1 nodes; group reward: 1 of 1 nodes" in logs, logs[-3000:]
 
     down = cli(slurm, ["down", "tiny-grpo"], tmp_path, home, timeout=300)
     assert down.returncode == 0 and f"cancelled Slurm job {job}; its steps are gone" in down.output, down.output

@@ -6,7 +6,7 @@ not fight (the options the script sets itself, those `launch` counts on).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
@@ -153,3 +153,9 @@ def origin_words(where: str) -> str:
 def slurm_placement(placement: Placement) -> SlurmPlacement:
     """A task's or plan's `placement.slurm`, read with this provider's model (BadInput naming the field)."""
     return provider_part(SlurmPlacement, placement.slurm, "placement.slurm")
+
+
+def group_slurm(placement: Placement, group: Any, index: int) -> SlurmPlacement:
+    """A node group's options: its `placement.slurm` keys over the task's (its partition, constraint or GPU
+    type), read with this provider's model (BadInput naming `groups[i].placement.slurm`)."""
+    return provider_part(SlurmPlacement, {**placement.slurm, **group.placement.slurm}, f"groups[{index}].placement.slurm")

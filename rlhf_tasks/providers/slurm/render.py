@@ -15,15 +15,29 @@ from pathlib import Path
 from ...agent.protocol import AGENT_ENTRY
 from ...errors import BadInput
 from ...models import size_bytes, size_text
-from ...plan import Contract, Plan, check_contract_env, command, env
-from ...spec import Task
+from ...plan import Contract, GroupPlan, Plan, check_contract_env, command, env
+from ...spec import Resources, Task
 from ..base import Provider, Sharing
 from ..shipping import AGENT, heredoc, module_files
 from .container import CONTAINER_EOF, CONTAINER_NAME, CONTAINER_SH, ENGINES, HOSTS_ENV, container_lines
-from .placement import (DEFAULT_OUTPUT, GIVEN_ONLY, LAUNCH_OWN, OWN, SAME_THING, SlurmPlacement, option_name,
-                        origin_words, slurm_placement)
+from .placement import (DEFAULT_OUTPUT, GIVEN_ONLY, LAUNCH_OWN, OWN, SAME_THING, SlurmPlacement, group_slurm,
+                        option_name, origin_words, slurm_placement)
 
 NODELIST = ["scontrol", "show", "hostnames", "{SLURM_JOB_NODELIST}"]
+
+
+def het_nodelists(plan: Plan, var: str = "{SLURM_JOB_NODELIST_HET_GROUP_%d}") -> str:
+    """Every component's hosts in the components' order (a heterogeneous job's SLURM_JOB_NODELIST is not)."""
+    return ",".join(var % index for index in range(len(plan.groups)))
+
+
+def het_contract(plan: Plan) -> Contract:
+    """A heterogeneous job's contract, as Slurm 22.05 sets it in the one step over every component (`srun
+    --het-group=0-N`, seen on the tests' Slurm): SLURM_NODEID counts the nodes component by component (rank 0
+    is the first component's first host) and SLURM_JOB_NUM_NODES is every component's; the head is the first
+    host of the first component's list, the peer the next host in the components' order."""
+    hosts = ["scontrol", "show", "hostnames", het_nodelists(plan)]
+    return SlurmRender.contract.model_copy(update={"head": command(hosts, item=0), "peer": command(hosts, item=1)})
 MODULE_EOF, PLAN_EOF = "RLHF_TASKS_MODULE_PY", "RLHF_TASKS_PLAN_JSON"
 
 
@@ -48,6 +62,31 @@ def slurm_mem(size: str) -> str:
     return size_text(-(-size_bytes(size) // 2**20) * 2**20, SLURM_UNITS)
 
 
+#: Why the script writes `#SBATCH hetjob` (sbatch(1): the separator of a heterogeneous job's components).
+HETJOB = "the script's own: the next node group's component"
+
+
+class Fields:
+    """The task's fields a component's lines come from: the task's own, or a node group's (`groups[1].nodes`,
+    `groups[1].placement.slurm.partition` where the group gives it, else the task's placement.slurm)."""
+
+    def __init__(self, group=None, index: int = 0):
+        self.group, self.prefix = group, f"groups[{index}]." if group is not None else ""
+        self.nodes = group.nodes if group is not None else None
+
+    def of(self, field: str) -> str:
+        return self.prefix + field
+
+    def slurm(self, key: str) -> str:
+        """Where the option came from: the group's own, else the task's."""
+        own = self.group is not None and key in self.group.placement.slurm
+        return f"{self.prefix if own else ''}placement.slurm.{key}"
+
+    def give(self, key: str) -> str:
+        """Where to write the option for this component alone: the group's (the task's applies to every one)."""
+        return f"{self.prefix}placement.slurm.{key}"
+
+
 class SlurmRender(Provider):
     """The provider's pure part: its contract, the task's checks, the plan and the batch script."""
 
@@ -68,6 +107,7 @@ class SlurmRender(Provider):
     #: In a container: the host list the script expanded (no scontrol in the image).
     container_contract = contract.model_copy(update={"head": env(HOSTS_ENV, item=0), "peer": env(HOSTS_ENV, item=1)})
     placement_options = SlurmPlacement
+    renders_groups = True  # a heterogeneous job: one component per node group (components)
     ignores = {"spot": "Slurm allocates the cluster's own nodes (placement.slurm.partition, qos)",
                "fleets": "the cluster's nodes are chosen by placement.slurm (partition, constraint, reservation)",
                "backends": "Slurm is the cluster's own scheduler",
@@ -88,31 +128,47 @@ class SlurmRender(Provider):
                            f"{'the task has no image' if not task.image else 'pyxis runs the image in the Slurm step'}")
         if not task.image and slurm.mounts:
             raise BadInput("placement.slurm.mounts: mounts go into the task's image; the task has no image")
-        if slurm.gpu_type and slurm.gres:
-            raise BadInput(f"placement.slurm.gpu_type: placement.slurm.gres says the GPUs ({slurm.gres}) with their "
-                           f"type already; give one of them")
-        if slurm.gpu_type and ":" in slurm.gpu_type:
-            raise BadInput(f"placement.slurm.gpu_type: {slurm.gpu_type!r}: the type's name alone (h100 of "
-                           f"gpu:h100:8); the count comes from resources.gpus")
-        if task.resources.gpu_memory and not slurm.gpu_type and not slurm.gres:
-            raise BadInput(f"resources.gpus: {task.resources.gpus}: Slurm asks for GPUs by the type names each "
-                           f"cluster gives them (its gres.conf), not by memory; give placement.slurm.gpu_type with "
-                           f"your cluster's name for such a GPU (`sinfo -o %G` lists them: gpu:a100_80g:8 -> "
-                           f"a100_80g), or placement.slurm.gres")
-        if slurm.gpu_type and not task.resources.gpus_per_node:
-            raise BadInput("placement.slurm.gpu_type: the task asks for no GPUs (resources.gpus); give "
-                           "resources.gpus, or remove gpu_type")
+        images = {group.image or task.image for group in task.groups}
+        if len(images) > 1:
+            raise BadInput(f"groups: the groups name {len(images)} images; the slurm provider runs one step of "
+                           f"agents, in one image for every node: give the groups one image (the task's)")
+        for fields, res, own in self.machines(task):
+            gpu_type, gres = fields.slurm("gpu_type"), fields.slurm("gres")
+            if own.gpu_type and own.gres:
+                raise BadInput(f"{gpu_type}: {gres} says the GPUs ({own.gres}) with their type already; give one "
+                               f"of them")
+            if own.gpu_type and ":" in own.gpu_type:
+                raise BadInput(f"{gpu_type}: {own.gpu_type!r}: the type's name alone (h100 of gpu:h100:8); the "
+                               f"count comes from {fields.of('resources.gpus')}")
+            if res.gpu_memory and not own.gpu_type and not own.gres:
+                raise BadInput(f"{fields.of('resources.gpus')}: {res.gpus}: Slurm asks for GPUs by the type names "
+                               f"each cluster gives them (its gres.conf), not by memory; give {fields.give('gpu_type')} "
+                               f"with your cluster's name for such a GPU (`sinfo -o %G` lists them: gpu:a100_80g:8 "
+                               f"-> a100_80g), or {fields.give('gres')}")
+            if own.gpu_type and not res.gpus_per_node:
+                raise BadInput(f"{gpu_type}: the {'group' if task.groups else 'task'} asks for no GPUs "
+                               f"({fields.of('resources.gpus')}); give {fields.of('resources.gpus')}, or remove "
+                               f"gpu_type")
+
+    @staticmethod
+    def machines(task: Task | Plan) -> list[tuple["Fields", Resources, SlurmPlacement]]:
+        """Each component's fields, resources and placement.slurm: the task's, or each node group's."""
+        if not task.groups:
+            return [(Fields(), task.resources, slurm_placement(task.placement))]
+        return [(Fields(group, index), group.machine if isinstance(group, GroupPlan) else group.resources,
+                 group_slurm(task.placement, group, index)) for index, group in enumerate(task.groups)]
 
     def notes(self, plan: Plan) -> list[str]:
         """Besides the shared-storage warning: what the script leaves to Slurm without a word in it,
         the GPU type (Slurm names types per cluster) and the time limit."""
-        out, slurm, res = super().notes(plan), slurm_placement(plan.placement), plan.resources
-        if res.gpu_name and not slurm.gpu_type and not slurm.gres:
-            out.append(f"resources.gpus: the script asks Slurm for {plan.gpus_per_node} GPU(s) of any type per node "
-                       f"(--gpus-per-node={plan.gpus_per_node}): {res.gpu_name} is not passed, since each Slurm "
-                       f"cluster names its GPU types itself (gres.conf); give placement.slurm.gpu_type with your "
-                       f"cluster's name for it (`sinfo -o %G` lists them: gpu:h100:8 -> h100), or "
-                       f"placement.slurm.gres")
+        out = super().notes(plan)
+        for fields, res, own in self.machines(plan):
+            if res.gpu_name and not own.gpu_type and not own.gres:
+                out.append(f"{fields.of('resources.gpus')}: the script asks Slurm for {res.gpus_per_node} GPU(s) of "
+                           f"any type per node (--gpus-per-node={res.gpus_per_node}): {res.gpu_name} is not passed, "
+                           f"since each Slurm cluster names its GPU types itself (gres.conf); give "
+                           f"{fields.give('gpu_type')} with your cluster's name for it (`sinfo -o %G` lists them: "
+                           f"gpu:h100:8 -> h100), or {fields.give('gres')}")
         if self.time_limit(plan) is None:
             out.append("placement.max_duration: none (nor job.timeout), so the script has no --time: Slurm gives the "
                        "job the partition's default time limit (its DefaultTime, else its MaxTime; `sinfo -o %l` "
@@ -149,7 +205,9 @@ class SlurmRender(Provider):
                 check_contract_env(task, self.container_contract, self.name)
         except BadInput as exc:
             raise BadInput(f"{task.source}: {exc}") from None
-        return plan.replace(contract=self.container_contract) if plan.image else plan
+        if plan.image:  # the container's contract reads the host list the script expands (in components' order)
+            return plan.replace(contract=self.container_contract)
+        return plan.replace(contract=het_contract(plan)) if plan.groups else plan
 
     # ------------------------------------------------------------------ render
 
@@ -158,41 +216,63 @@ class SlurmRender(Provider):
 
     def sbatch_lines(self, plan: Plan, passed: bool = True) -> list[tuple[str, str]]:
         """The script's #SBATCH options, each with where it comes from (the task's field, or why the script
-        sets it): the words of a conflict and of sbatch's refusal name it. `passed`: with placement.slurm.sbatch."""
-        res, slurm = plan.resources, slurm_placement(plan.placement)
-        lines = [(f"--job-name={plan.name}", "name"), (f"--nodes={plan.nodes}", "nodes"),
-                 ("--ntasks-per-node=1", OWN["ntasks-per-node"])]
+        sets it): the words of a conflict and of sbatch's refusal name it. `passed`: with placement.slurm.sbatch.
+        With node groups, a heterogeneous job: one component per group in the task's order, `hetjob` between
+        them (components), the job's own options in the first."""
+        return [line for component in self.components(plan, passed) for line in component]
+
+    def components(self, plan: Plan, passed: bool = True) -> list[list[tuple[str, str]]]:
+        """The #SBATCH lines of each component of the job: one, or one per node group (each its machine and its
+        placement.slurm keys over the task's; Slurm 22.05 resets --nodes, --constraint, --partition and the
+        like for each component, and carries --job-name and --time from the first, as seen on the tests' Slurm)."""
+        if not plan.groups:
+            return [self.component_lines(plan, slurm_placement(plan.placement), Fields(), True, passed)]
+        out = []
+        for index, group in enumerate(plan.groups):
+            own = group_slurm(plan.placement, group, index)
+            lines = self.component_lines(plan.for_group(group), own, Fields(group, index), index == 0, passed)
+            out.append(lines if index == 0 else [("hetjob", HETJOB), *lines])
+        return out
+
+    def component_lines(self, plan: Plan, slurm: SlurmPlacement, fields: "Fields", first: bool,
+                        passed: bool) -> list[tuple[str, str]]:
+        """One component's lines (the whole job's without groups); `first`: with the job's own options."""
+        res = plan.resources
+        lines = [(f"--job-name={plan.name}", "name")] if first else []
+        lines += [(f"--nodes={fields.nodes or plan.nodes}", fields.of("nodes")),
+                  ("--ntasks-per-node=1", OWN["ntasks-per-node"])]
         if res.cpus:
-            lines.append((f"--cpus-per-task={res.cpus}", "resources.cpus"))
+            lines.append((f"--cpus-per-task={res.cpus}", fields.of("resources.cpus")))
         if slurm.gres:
-            lines.append((f"--gres={slurm.gres}", "placement.slurm.gres"))
+            lines.append((f"--gres={slurm.gres}", fields.slurm("gres")))
         elif plan.gpus_per_node:
             typed = f"{slurm.gpu_type}:" if slurm.gpu_type else ""
-            lines.append((f"--gpus-per-node={typed}{plan.gpus_per_node}", "resources.gpus"))
+            lines.append((f"--gpus-per-node={typed}{plan.gpus_per_node}", fields.of("resources.gpus")))
         if res.memory:
-            lines.append((f"--mem={slurm_mem(res.memory)}", "resources.memory"))
+            lines.append((f"--mem={slurm_mem(res.memory)}", fields.of("resources.memory")))
         lines.append(("--exclusive", OWN["exclusive"]))
-        limit = self.time_limit(plan)
-        if limit:
-            lines.append((f"--time={_slurm_time(limit)}",
-                          "placement.max_duration" if plan.placement.max_duration else "job.timeout, with the waits"))
-        lines.append((f"--output={slurm.output or DEFAULT_OUTPUT}",
-                      "placement.slurm.output" if slurm.output else OWN["output"]))
-        if slurm.error:
-            lines.append((f"--error={slurm.error}", "placement.slurm.error"))
-        lines += [("--export=ALL", OWN["export"]),
-                  ("--requeue" if plan.placement.retry else "--no-requeue", "placement.retry")]
+        if first:
+            limit = self.time_limit(plan)
+            if limit:
+                lines.append((f"--time={_slurm_time(limit)}",
+                              "placement.max_duration" if plan.placement.max_duration else "job.timeout, with the waits"))
+            lines.append((f"--output={slurm.output or DEFAULT_OUTPUT}",
+                          "placement.slurm.output" if slurm.output else OWN["output"]))
+            if slurm.error:
+                lines.append((f"--error={slurm.error}", "placement.slurm.error"))
+            lines += [("--export=ALL", OWN["export"]),
+                      ("--requeue" if plan.placement.retry else "--no-requeue", "placement.retry")]
         for key in ("partition", "account", "qos", "constraint", "reservation", "nodelist"):
             if getattr(slurm, key):
-                lines.append((f"--{key}={getattr(slurm, key)}", f"placement.slurm.{key}"))
-        if slurm.mail_type:
+                lines.append((f"--{key}={getattr(slurm, key)}", fields.slurm(key)))
+        if first and slurm.mail_type:
             lines.append((f"--mail-type={','.join(slurm.mail_type)}", "placement.slurm.mail_type"))
-        if slurm.mail_user:
+        if first and slurm.mail_user:
             lines.append((f"--mail-user={slurm.mail_user}", "placement.slurm.mail_user"))
         if slurm.overcommit:
-            lines.append(("--overcommit", "placement.slurm.overcommit"))
+            lines.append(("--overcommit", fields.slurm("overcommit")))
         if passed:
-            lines += [(option, f"placement.slurm.sbatch[{i}]") for i, option in enumerate(slurm.sbatch)]
+            lines += [(option, f"{fields.slurm('sbatch')}[{i}]") for i, option in enumerate(slurm.sbatch)]
         return lines
 
     def check_passed(self, plan: Plan) -> None:
@@ -200,9 +280,15 @@ class SlurmRender(Provider):
         names): BadInput for one that sets what a rendered option sets, since sbatch takes the last
         silently; for a prefix of a rendered option's name, which sbatch reads as that option
         (getopt_long) or refuses as ambiguous; and for those that break what `launch` counts on."""
-        rendered = {option_name(option): (option, where) for option, where in self.sbatch_lines(plan, passed=False)}
-        for i, item in enumerate(slurm_placement(plan.placement).sbatch):
-            name, field = option_name(item), f"placement.slurm.sbatch[{i}]"
+        for bare, full in zip(self.components(plan, passed=False), self.components(plan)):
+            self.check_passed_in(dict((option_name(option), (option, where)) for option, where in bare),
+                                 full[len(bare):])
+
+    @staticmethod
+    def check_passed_in(rendered: dict[str, tuple[str, str]], passed: list[tuple[str, str]]) -> None:
+        """One component's passed options against its rendered ones (check_passed)."""
+        for item, field in passed:
+            name = option_name(item)
             if name in LAUNCH_OWN:
                 raise BadInput(f"{field}: {item}: {LAUNCH_OWN[name]}")
             if name == "chdir":
@@ -269,8 +355,9 @@ class SlurmRender(Provider):
         if plan.checkpoint_dir:
             lines.append(f"mkdir -p {q(plan.checkpoint_dir)}")
         if plan.image:
+            nodelist = het_nodelists(plan, "$SLURM_JOB_NODELIST_HET_GROUP_%d") if plan.groups else "$SLURM_JOB_NODELIST"
             lines += ["", "# No scontrol inside the image: the host list, expanded once here.",
-                      f'{HOSTS_ENV}=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
+                      f'{HOSTS_ENV}=$(scontrol show hostnames "{nodelist}" | paste -sd, -)',
                       f"export {HOSTS_ENV}"]
             if engine:
                 lines += ["# The engine runs each node's container outside the Slurm step: a wrapper stops it by name.",
@@ -279,8 +366,7 @@ class SlurmRender(Provider):
                 if plan.env:
                     lines += ["# The task's env, passed into the container by name.",
                               *(f"export {key}={q(value)}" for key, value in plan.env.items())]
-        srun = [["srun", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
-                 "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
+        srun = [["srun", *self.step_nodes(plan), "--kill-on-bad-exit=1", "--whole"], ['--output="$run_dir/node%n.out"']]
         if plan.job.working_dir:
             srun[-1].append('--chdir="$job_dir"')
         if plan.image:  # pyxis options, or the docker/podman command the agent runs in
@@ -297,11 +383,19 @@ class SlurmRender(Provider):
         if engine:
             lines += ["# Every node's container stopped and removed by name: a task Slurm killed (KillWait after",
                       "# its SIGTERM, as --kill-on-bad-exit does to the others) could not stop its own.",
-                      f"srun --overlap --nodes={plan.nodes} --ntasks={plan.nodes} --ntasks-per-node=1 \\",
+                      f"srun --overlap {' '.join(self.step_nodes(plan))} \\",
                       f'    bash "$run_dir/container.sh" "$container" {engine} stop '
                       '|| echo "rlhf-tasks: the containers\' clean-up step ended with exit code $?"']
         lines.append('exit "$status"')
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def step_nodes(plan: Plan) -> list[str]:
+        """srun's words for a step of one task on every node: of every component of a heterogeneous job (each
+        component's own --nodes and --ntasks-per-node=1 then hold)."""
+        if plan.groups:
+            return [f"--het-group=0-{len(plan.groups) - 1}"]
+        return [f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1"]
 
     def job_dir_lines(self, plan: Plan) -> list[str]:
         """Where the agents run, so that the head's `ray job submit --working-dir .` finds job.working_dir:
