@@ -16,7 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from . import runtimeenv, workdir
-from .agent.protocol import GROUP_LABEL, PLAN_VERSION  # the agent owns the version it reads and the group label
+from .agent.protocol import GROUP_ADDR, GROUP_LABEL, PLAN_VERSION  # the agent owns them: the version it reads,
+                                                                 # the group label and the group address placeholder
 from .errors import BadInput
 from .models import Service, StrictModel, WandbOptions, size_bytes
 from .recipes.base import GroupShape, Shape
@@ -480,6 +481,23 @@ class Plan(StrictModel):
         return self.model_copy(update=changes)
 
 
+def check_group_addrs(task: Task, entrypoint: list[str], mode: str) -> None:
+    """`{group_addr:NAME}` in the job's command names a group of the task, and the head fills it (a Ray job):
+    BadInput naming the job's field otherwise."""
+    named = [m.group(1) for arg in entrypoint for m in GROUP_ADDR.finditer(arg)]
+    if not named:
+        return
+    field = "job.args.entrypoint" if task.job.recipe == "command" else "job.args"
+    groups = [g.name for g in task.groups]
+    unknown = [name for name in dict.fromkeys(named) if name not in groups]
+    if unknown:
+        have = f"its groups: {', '.join(groups)}" if groups else "it has no groups"
+        raise BadInput(f"{field}: {{group_addr:{unknown[0]}}} names no group of the task ({have})")
+    if mode != "ray":
+        raise BadInput(f"{field}: {{group_addr:NAME}} is filled by the head when it starts a Ray job; the "
+                       f"{task.job.recipe} recipe runs its command on every node without Ray")
+
+
 def check_budget(task: Task, provider: str, priced: bool) -> None:
     """BadInput naming the field when a cost cap has no price to count against (`priced`: the
     provider knows its own price, e.g. RunPod's catalog)."""
@@ -517,6 +535,8 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
     names = [s.name for s in services]
     if len(set(names)) != len(names):
         raise BadInput(f"services: a service name is also used by the {task.job.recipe} recipe: {names}")
+
+    check_group_addrs(task, out.entrypoint, out.mode)
 
     if out.mode == "every_node" and task.job.submit == "client":
         raise BadInput(f"job.submit: the {task.job.recipe} recipe runs its command on every node without Ray, "

@@ -165,12 +165,18 @@ def test_the_demos_install_says_what_pip_installs():
 
 def test_launch_fresh_on_local_starts_over_with_the_old_checkpoints_kept_aside(tmp_path, cli_env, rlhf_home):
     """For real, on the local provider: a run, then `launch --fresh`: the second trains from step 1,
-    and the first run's checkpoints are beside, whole, where the head said."""
+    and the first run's checkpoints are beside, whole, where the head said. Its two nodes are two node groups
+    (issue 46): tiny-grpo's reward server on a group of its own (`reward_where: group reward`), its trainer on
+    the first group's node only (as Ray's own node labels say in the job), reaching the reward server at the
+    address the head's gate filled in (`{group_addr:reward}`)."""
     import yaml
 
     data = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
-    data.update(name="fresh", nodes=2, preflight="off")  # preflight is test_preflight's claim, not this one's
-    data["job"]["args"].update(steps=10, save_every=5)
+    del data["nodes"], data["resources"]
+    data.update(name="fresh", preflight="off")  # preflight is test_preflight's claim, not this one's
+    data["groups"] = [{"name": "trainer", "nodes": 1, "resources": {"cpus": 1}},
+                      {"name": "reward", "nodes": 1, "resources": {"cpus": 1}}]
+    data["job"]["args"].update(steps=10, save_every=5, reward_where="group reward")
     task = tmp_path / "fresh.yaml"
     task.write_text(yaml.safe_dump(data))
 
@@ -180,7 +186,14 @@ def test_launch_fresh_on_local_starts_over_with_the_old_checkpoints_kept_aside(t
         assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
         return done.stdout + done.stderr
 
-    launch()
+    said = launch()
+    nodes = rlhf_home / "runs" / "fresh" / "nodes"
+    head, reward = ((nodes / f"node-{rank}.log").read_text() for rank in (0, 1))
+    ips = [re.search(r"--node-ip-address (\S+)", log).group(1) for log in (head, reward)]
+    assert "--labels rlhf-tasks/group=reward" in reward and f"service reward: python3 -m rlhf_tasks.demo.reward_server " \
+        f"--host {ips[1]} " in reward and "service reward" not in head, (head, reward)
+    assert f"the groups' addresses in the job's command: reward={ips[1]}, trainer={ips[0]}" in said, said[-4000:]
+    assert "ranks on nodes with trainer: node groups ['trainer'] (Ray's labels)" in said, said[-4000:]
     ckpt = rlhf_home / "runs" / "fresh" / "checkpoints"
     first = sorted(p.name for p in ckpt.iterdir())
     assert "step_000010.pt" in first

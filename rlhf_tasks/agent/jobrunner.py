@@ -15,9 +15,10 @@ import time
 from collections import namedtuple
 from typing import Callable, List, Optional, Tuple
 
-from .protocol import (JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX, TERMINAL_JOB_STATES,
-                       AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes, cluster_check, group_counts,
-                       job_argv, job_runtime_env, log, submission_id, wait_for)
+from .protocol import (GROUP_ADDR, JOB_STARTS, PREFLIGHT_GRACE_S, PREFLIGHT_COMMAND, PREFLIGHT_PREFIX,
+                       TERMINAL_JOB_STATES, AgentError, DashboardJobs, JobFollower, agents_own, alive_nodes,
+                       cluster_check, fill_group_addrs, group_addrs, group_counts, job_argv, job_runtime_env, log,
+                       submission_id, wait_for)
 from .raynode import Node, agent_entry
 
 #: A failure this soon after submission, twice the same way, with no new checkpoint, is a bug.
@@ -133,8 +134,9 @@ class Gate(object):
         checks = ["--preflight"] + self.preflight[self.preflight.index(PREFLIGHT_COMMAND) + 1:] if self.preflight else []
         return ["python3", agent_entry(), "gate", self.path, "%.0f" % timeout_s] + checks + ["--"] + argv
 
-    def open(self) -> None:
-        self._write("go\n")
+    def open(self, addrs: Optional[dict] = None) -> None:
+        """The command may start; `addrs`: the groups' addresses it fills `{group_addr:NAME}` with."""
+        self._write("go\n" + (json.dumps(addrs) + "\n" if addrs else ""))
         self.opened = True
 
     def close(self, why: str) -> None:
@@ -173,6 +175,15 @@ def gate_main(argv: List[str]) -> int:
         except FileNotFoundError:
             word = ""
         if word.startswith("go"):
+            addrs = json.loads(word.split("\n", 1)[1].strip() or "{}")
+            if addrs and any(GROUP_ADDR.search(arg) for arg in command):
+                print("rlhf-tasks: the groups' addresses in the job's command: %s"
+                      % ", ".join("%s=%s" % item for item in sorted(addrs.items())), flush=True)
+            try:
+                command = fill_group_addrs(command, addrs)
+            except AgentError as exc:
+                print("rlhf-tasks: the job's command was not started: %s" % exc, flush=True)
+                return 1
             if ours[2:]:
                 print("rlhf-tasks: the head's word came %.2fs after preflight's result" % (time.monotonic() - checked),
                       flush=True)
@@ -236,7 +247,7 @@ class JobRunner(object):
         """The job's command starts now (once: the head opens the gate as soon as preflight passed)."""
         if not gate.opened:
             log(JOB_STARTS % gate.sid + " (it was submitted while the nodes joined)")
-            gate.open()
+            gate.open(self.group_addrs())
 
     def submit_and_follow(self, gate: Optional[Gate]) -> int:
         """Open the gate of the job's first attempt (or submit it) and follow it; when it
@@ -412,12 +423,20 @@ class JobRunner(object):
         self.node_ids = sorted(set(self.node_ids) | set(self.expected))
         log("cluster ready again: %s%s" % (have, "; new: %s" % ", ".join(new) if new else ""))
 
+    def group_addrs(self) -> Optional[dict]:
+        """The groups' addresses for `{group_addr:NAME}` (protocol.group_addrs), read now, when every group is in;
+        None for a task without groups."""
+        groups = self.plan.get("groups")
+        return group_addrs(alive_nodes(self.node.dashboard, self.node.token), groups) if groups else None
+
     def submit(self, sid: str, wrap: Optional[Callable[[List[str], float], List[str]]] = None,
                wait_s: float = 0.0) -> None:
         """Submit the job's entrypoint, or (`wrap`) the entrypoint behind a gate it may wait
         at for up to `wait_s` seconds."""
         job = self.plan["job"]
-        argv, wandb = job_argv(job, self.info.head, self.info.node_addr, self.node.env)
+        # behind a gate, submitted while the nodes join, the gate fills the groups' addresses when it opens
+        argv, wandb = job_argv(job, self.info.head, self.info.node_addr, self.node.env,
+                               None if wrap else self.group_addrs())
         if wandb:
             log(wandb)
         entrypoint = " ".join(shlex.quote(a) for a in argv)

@@ -351,9 +351,11 @@ def wait_all(refs: list) -> list:
     return ray.get(refs)
 
 
-def reserve_nodes(num_nodes: int, timeout: float):
-    """One CPU on each of num_nodes distinct nodes, or a clear error after timeout."""
-    group = placement_group([{"CPU": 1}] * num_nodes, strategy="STRICT_SPREAD")
+def reserve_nodes(num_nodes: int, timeout: float, resource: str | None = None):
+    """One CPU on each of num_nodes distinct nodes (with `resource`: nodes that have it, a node group's), or a
+    clear error after timeout."""
+    bundle = {"CPU": 1, **({resource: 1} if resource else {})}
+    group = placement_group([bundle] * num_nodes, strategy="STRICT_SPREAD")
     if group.wait(timeout_seconds=timeout):
         return group
     remove_placement_group(group)
@@ -381,11 +383,15 @@ def start_workers(args: argparse.Namespace, group, prompts: list[str]) -> tuple[
     master = ray.get(workers[0].master_address.remote())
     results = wait_all([w.setup.remote(rank, n, master, node_ids, prompts[rank::n]) for rank, w in enumerate(workers)])
     start_step, checkpoint_name = results[0]
+    if args.node_resource:  # where Ray put the ranks, as its own node records say (their node group's label)
+        labels = {node["NodeID"]: node.get("Labels", {}).get("rlhf-tasks/group") for node in ray.nodes()}
+        print(f"ranks on nodes with {args.node_resource}: node groups {[labels.get(i) for i in node_ids]} "
+              f"(Ray's labels)", flush=True)
     return workers, start_step, checkpoint_name
 
 
 def train(args: argparse.Namespace, prompts: list[str]) -> None:
-    group = reserve_nodes(args.num_nodes, args.pg_timeout)
+    group = reserve_nodes(args.num_nodes, args.pg_timeout, args.node_resource)
     try:
         workers, start_step, checkpoint_name = start_workers(args, group, prompts)
         if start_step >= args.steps:
@@ -423,6 +429,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.02, help="Adam learning rate (default 0.02)")
     parser.add_argument("--explore-coef", type=float, default=0.05, help="weight of KL(uniform || policy) in the loss (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--node-resource", default=None,
+                        help="train only on nodes with this Ray resource, one each (a node group's name)")
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds to wait for the N nodes (default 120)")
     parser.add_argument("--collective-timeout", type=float, default=120.0,
                         help="seconds a rank waits in a collective for the others before it fails (Gloo's own "

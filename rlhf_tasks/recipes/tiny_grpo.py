@@ -1,5 +1,7 @@
 """tiny-grpo: the CPU demo. A real GRPO run, shaped like the GPU recipes: rank 0
-prepares data, a reward model server runs on the head, one trainer actor per node."""
+prepares data, a reward model server runs on the head (or on a node group of its own:
+`reward_where: group NAME`), one trainer actor per node (with node groups, per node of the
+first group, the head's)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ class TinyGrpoArgs(StrictModel):
     lr: float = Field(0.02, gt=0, description="Adam learning rate")
     num_prompts: int = Field(2000, ge=10, description="size of the prepared toy dataset")
     reward_port: int = Field(23080, ge=1024, le=65535, description="port of the reward server on the head")
+    reward_where: str = Field("head", pattern=r"^(head|group [a-z0-9][a-z0-9-]*)$", description=(
+        "where the reward server runs: head, or `group NAME` (every node of that node group; the trainers reach "
+        "the one with the lowest address)"))
     seed: int = 0
 
 
@@ -58,13 +63,22 @@ class TinyGrpoJob(JobBase):
         a = self.args
         ckpt = shape.checkpoint_dir
         data = f"{ckpt}/data"
-        reward_url = f"http://{{head_addr}}:{a.reward_port}/score"
+        groups = [g.name for g in shape.groups]
+        reward_group = a.reward_where.removeprefix("group ") if a.reward_where != "head" else None
+        if reward_group is not None and reward_group not in groups:
+            have = f"its groups: {', '.join(groups)}" if groups else "it has no groups"
+            raise infeasible(f"the task has no group {reward_group!r} ({have})", "name one of its groups, or head",
+                             args=("reward_where",))
+        host = f"{{group_addr:{reward_group}}}" if reward_group else "{head_addr}"
+        reward_url = f"http://{host}:{a.reward_port}/score"
+        # with node groups the trainers are the first group's nodes (the head's), one each (its Ray resource)
+        trainers = shape.groups[0] if shape.groups else None
         probe = {"prompts": ["1+2="], "completions": ["3"]}
         return RecipeOutput(
             prepare=[f"python3 -m rlhf_tasks.demo.prepare --out {data} --num-prompts {a.num_prompts} --seed {a.seed}"],
             services=[Service.model_validate({
                 "name": "reward",
-                "where": "head",
+                "where": a.reward_where,
                 "command": f"python3 -m rlhf_tasks.demo.reward_server --host {{node_addr}} --port {a.reward_port}",
                 "ready": {"http": f"http://{{node_addr}}:{a.reward_port}/score", "method": "POST", "json": probe},
                 "timeout": "2m",
@@ -74,7 +88,8 @@ class TinyGrpoJob(JobBase):
                 "--data", f"{data}/prompts.jsonl",
                 "--reward-url", reward_url,
                 "--ckpt-dir", ckpt,
-                "--num-nodes", str(shape.nodes),
+                "--num-nodes", str(trainers.nodes if trainers else shape.nodes),
+                *(["--node-resource", trainers.name] if trainers else []),
                 "--steps", str(a.steps),
                 "--save-every", str(a.save_every),
                 "--group-size", str(a.group_size),

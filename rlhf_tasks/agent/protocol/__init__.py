@@ -238,6 +238,33 @@ def group_counts(alive: List[dict], groups: List[dict]) -> Tuple[bool, str]:
     return not short, "; ".join(words) + ("; %d ALIVE without a group's label and resources" % stray if stray else "")
 
 
+#: `{group_addr:NAME}` in the job's command: the address of the node of group NAME with the lowest address
+#: (its node, for a group of one), filled once every group is in (fill_group_addrs).
+GROUP_ADDR = re.compile(r"\{group_addr:([a-z0-9][a-z0-9-]*)\}")
+
+
+def group_addrs(alive: List[dict], groups: List[dict]) -> Dict[str, str]:
+    """Each group's address for `{group_addr:NAME}`: of its nodes among `alive`, the lowest address."""
+    out = {}
+    for group in groups:
+        ips = sorted((node["node_ip"] for node in alive if _in_group(node, group)),
+                     key=lambda ip: tuple(int(part) for part in ip.split(".")) if ip.count(".") == 3 else (ip,))
+        if ips:
+            out[group["name"]] = ips[0]
+    return out
+
+
+def fill_group_addrs(argv: List[str], addrs: Dict[str, str]) -> List[str]:
+    """The command with `{group_addr:NAME}` filled; a group not in `addrs` is an AgentError naming it (the plan
+    names only the task's groups, and the head fills them once every group is in)."""
+    def one(match):
+        if match.group(1) not in addrs:
+            raise AgentError("filling the job's command", "{group_addr:%s}: no node of group %s is in the cluster"
+                             % (match.group(1), match.group(1)))
+        return addrs[match.group(1)]
+    return [GROUP_ADDR.sub(one, arg) for arg in argv]
+
+
 def groups_check(dashboard: str, token: Optional[str], groups: List[dict]):
     """A wait_for check: every group has all its nodes ALIVE with its label and resources (group_counts says
     each group's count); `check.alive` the nodes as last seen (the head hands them to preflight), as
@@ -297,10 +324,14 @@ def job_runtime_env(job: dict) -> Dict:
     return env
 
 
-def job_argv(job: dict, head_addr: str, node_addr: str, env: Dict[str, str]) -> Tuple[List[str], Optional[str]]:
+def job_argv(job: dict, head_addr: str, node_addr: str, env: Dict[str, str],
+             addrs: Optional[Dict[str, str]] = None) -> Tuple[List[str], Optional[str]]:
     """The job's command line on this cluster, and what was decided about W&B (None when
-    the recipe has no W&B flags): W&B flags are added only when WANDB_API_KEY is given."""
+    the recipe has no W&B flags): W&B flags are added only when WANDB_API_KEY is given.
+    `addrs`: the groups' addresses (group_addrs), when known; else `{group_addr:NAME}` stays for the gate."""
     argv = [arg.replace("{head_addr}", head_addr).replace("{node_addr}", node_addr) for arg in job["entrypoint"]]
+    if addrs is not None:
+        argv = fill_group_addrs(argv, addrs)
     if not job.get("wandb_args"):
         return argv, None
     if env.get("WANDB_API_KEY"):
