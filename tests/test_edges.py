@@ -190,8 +190,9 @@ def test_launch_fresh_on_local_starts_over_with_the_old_checkpoints_kept_aside(t
     nodes = rlhf_home / "runs" / "fresh" / "nodes"
     head, reward = ((nodes / f"node-{rank}.log").read_text() for rank in (0, 1))
     ips = [re.search(r"--node-ip-address (\S+)", log).group(1) for log in (head, reward)]
-    assert "--labels rlhf-tasks/group=reward" in reward and f"service reward: python3 -m rlhf_tasks.demo.reward_server " \
-        f"--host {ips[1]} " in reward and "service reward" not in head, (head, reward)
+    served = f"service reward: python3 -m rlhf_tasks.demo.reward_server --host {ips[1]} "
+    assert "--labels rlhf-tasks/group=reward" in reward and served in reward and "service reward" not in head, (head,
+                                                                                                              reward)
     assert f"the groups' addresses in the job's command: reward={ips[1]}, trainer={ips[0]}" in said, said[-4000:]
     assert "ranks on nodes with trainer: node groups ['trainer'] (Ray's labels)" in said, said[-4000:]
     ckpt = rlhf_home / "runs" / "fresh" / "checkpoints"

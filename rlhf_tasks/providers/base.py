@@ -285,15 +285,18 @@ class Provider:
     def check(self, task: Task) -> None:
         """The provider's own checks of a task (BadInput naming the field); pure."""
 
+    #: Why this provider cannot run node groups at all (its own code's reason), where it is not just "not yet".
+    groups_refusal: ClassVar[str | None] = None
+
     def check_groups(self, task: Task) -> None:
-        """A task with node groups refused where this provider does not render them yet (renders_groups),
-        before its own checks, which read the task's top-level resources."""
+        """A task with node groups refused where this provider does not render them (renders_groups), before its
+        own checks, which read the task's top-level resources: with its reason (groups_refusal), or "not yet"."""
         if task.groups and not self.renders_groups:
             from . import BUILTIN, provider_class  # the error's words only: each provider's class says
             those = ", ".join(name for name in BUILTIN if provider_class(name).renders_groups)
-            raise BadInput(f"groups: the {self.name} provider does not render node groups yet: run the task with a "
-                           f"provider that does ({those}), or give it top-level nodes and resources (one kind of "
-                           f"node) instead of groups")
+            why = self.groups_refusal or f"the {self.name} provider does not render node groups yet"
+            raise BadInput(f"groups: {why}: run the task with a provider that does ({those}), or give it top-level "
+                           f"nodes and resources (one kind of node) instead of groups")
 
     def ask_own_code(self, plan: Plan) -> list[str]:
         """What the provider's own code, where it is installed here, says of this plan's render (its

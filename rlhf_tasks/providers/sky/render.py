@@ -62,6 +62,13 @@ class SkyRender(Provider):
     price_bound = "SkyPilot's resources.max_hourly_cost"
     ignores = {"fleets": "SkyPilot has no fleets; placement.backends and regions choose its clouds"}
 
+    #: Read in SkyPilot 0.14.1 (sky/dag.py, sky/utils/dag_utils.py, sky/jobs/controller.py).
+    groups_refusal = (
+        "SkyPilot 0.14.1 gives every node of a task one resources block; its JobGroups (a multi-document YAML with "
+        "execution: parallel, sky jobs launch only) make each group a cluster of its own, which the jobs controller "
+        "launches and recovers alone (sky/jobs/controller.py _monitor_job_group_task), so one Ray cluster over them "
+        "would lose its head whenever the head's group alone were recovered")
+
     def check(self, task: Task) -> None:
         for field in ("port", "dashboard_port", "client_server_port", "ready_port"):
             if field == "client_server_port" and field not in task.ray.model_fields_set:
