@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import providers, state
-from .agent.protocol import (AgentError, alive_nodes, auth_headers, follow_preflight, http_request, preflight_argv,
-                             preflight_report)
+from .agent.protocol import (GROUP_LABEL, AgentError, alive_nodes, auth_headers, follow_preflight, group_counts,
+                             http_request, preflight_argv, preflight_report)
 from .errors import BadInput, StepFailed
 from .models import size_bytes
 from .plan import Plan
@@ -124,11 +124,15 @@ def access_checks(t: Target) -> list[Check]:
     except (OSError, AgentError) as exc:
         return checks + [Check("nodes ALIVE", False, str(exc), "see the head agent's log")]
     expected = t.plan.nodes if t.plan else len(nodes)
-    per_node = [f"{n['node_ip']} ({n.get('resources_total', {}).get('CPU', 0):g} CPU, "
+    per_node = [f"{n['node_ip']} ({_group_of(n)}{n.get('resources_total', {}).get('CPU', 0):g} CPU, "
                 f"{n.get('resources_total', {}).get('GPU', 0):g} GPU)" for n in nodes]
     ok = len(nodes) >= expected
     checks.append(Check("nodes ALIVE", ok, f"{len(nodes)}/{expected}: " + ", ".join(per_node),
                         "" if ok else "a node left or never joined: read its agent's log (node logs) and relaunch"))
+    if t.plan is not None and t.plan.groups:  # each group whole, by Ray's own labels and resources
+        whole, counts = group_counts(nodes, [group.model_dump() for group in t.plan.groups])
+        checks.append(Check("node groups", whole, counts, "" if whole else
+                            "a group lacks nodes: read its nodes' agent logs (node logs) and relaunch"))
     if t.plan is not None:
         for key, want in (("CPU", t.plan.ray.num_cpus), ("GPU", t.plan.ray.num_gpus)):
             short = [n["node_ip"] for n in nodes if want and n.get("resources_total", {}).get(key, 0) < want]
@@ -136,6 +140,12 @@ def access_checks(t: Target) -> list[Check]:
                 checks.append(Check(f"{key}s per node", False, f"{', '.join(short)} registered fewer than {want} {key}s",
                                     f"check the machines' {key}s against resources in the task"))
     return checks
+
+
+def _group_of(node: dict) -> str:
+    """`reward, ` for a node Ray labels with its group (GROUP_LABEL); empty without."""
+    group = (node.get("labels") or {}).get(GROUP_LABEL)
+    return f"{group}, " if group else ""
 
 
 def cluster_checks(t: Target, nodes: int, timeout: float) -> dict:

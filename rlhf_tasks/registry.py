@@ -1,11 +1,15 @@
 """Which providers exist, by name: the built-in ones and those registered under the
 entry-point group `rlhf_tasks.providers` (as torchx registers schedulers), as import
 targets ("module:Class"). Imports no provider, so the task file's checks (spec.py) can
-name the providers without importing them; `rlhf_tasks.providers` loads one by name."""
+name the providers without importing them; provider_class loads one by name, when asked."""
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import entry_points
+from typing import Any
+
+from .errors import BadInput
 
 GROUP = "rlhf_tasks.providers"
 BUILTIN = {
@@ -28,3 +32,12 @@ def targets() -> dict[str, str]:
 
 def names() -> list[str]:
     return sorted(targets())
+
+
+def provider_class(name: str) -> Any:
+    """The provider's class (a providers.base.Provider), its module imported now (only the one named)."""
+    target = targets().get(name)
+    if target is None:
+        raise BadInput(f"--provider: unknown provider {name!r} (known: {', '.join(names())})")
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)

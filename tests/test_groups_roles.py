@@ -105,3 +105,30 @@ def test_the_head_fills_a_later_submission_from_the_nodes_it_sees(monkeypatch):
     assert runner.group_addrs() == {"trainer": "127.0.0.0", "reward": "127.0.0.1"}
     runner.plan = {}
     assert runner.group_addrs() is None
+
+
+def test_doctor_names_each_nodes_group_and_a_group_short_of_nodes(monkeypatch, rlhf_home):
+    from rlhf_tasks import doctor
+
+    plan = providers.get("local").plan(parse_task(grouped()))
+    monkeypatch.setattr(doctor, "http_request", lambda url, headers=None, timeout=None: (200 if headers else 401, b""))
+    monkeypatch.setattr(doctor, "alive_nodes", lambda address, token: alive("trainer", "trainer", None))
+    checks = {c.name: c for c in doctor.access_checks(doctor.Target("grouped", "http://d", "t", plan))}
+    assert "127.0.0.0 (trainer, 1 CPU, 0 GPU)" in checks["nodes ALIVE"].detail
+    assert not checks["node groups"].ok and checks["node groups"].detail.startswith("group reward: 0 of 1 nodes")
+    monkeypatch.setattr(doctor, "alive_nodes", lambda address, token: alive("trainer", "trainer", "reward"))
+    checks = {c.name: c for c in doctor.access_checks(doctor.Target("grouped", "http://d", "t", plan))}
+    assert checks["node groups"].ok and "group reward: 1 of 1 nodes" in checks["node groups"].detail
+
+
+def test_ps_shows_a_clusters_groups_from_its_staged_plan(rlhf_home, capsys):
+    from rlhf_tasks import state
+    from rlhf_tasks.cli import main
+
+    plan = providers.get("local").plan(parse_task(grouped()))
+    state.run_dir("grouped").mkdir(parents=True)
+    (state.run_dir("grouped") / "plan.json").write_text(plan.to_json())
+    state.save("grouped", {"provider": "local", "cluster_id": "c1", "pids": [2**22 + 1]})
+    assert main(["ps"]) == 0
+    header, line = capsys.readouterr().out.splitlines()
+    assert "NODES" in header and "3 (trainer 2, reward 1)" in line, line

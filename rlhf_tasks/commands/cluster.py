@@ -105,7 +105,7 @@ def cmd_ps(args) -> int:
     if not names:
         print("no cluster launched from here is running (rlhf-tasks launch TASK.yaml starts one)")
         return 0
-    rows = [("NAME", "PROVIDER", "AGE", "COST", "STATE (as its provider reports it now)")]
+    rows = [("NAME", "PROVIDER", "NODES", "AGE", "COST", "STATE (as its provider reports it now)")]
     for name in names:
         record = state.load(name) or {}
         provider = record.get("provider") or "?"
@@ -118,11 +118,23 @@ def cmd_ps(args) -> int:
         age = time.time() - launched if launched else None
         price = record.get("price_per_hour")
         cost = f"${price * age / 3600.0:.2f}" if price is not None and age is not None else "-"
-        rows.append((name, provider, hm(age) if age is not None else "?", cost, _state_now(name, provider)))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        rows.append((name, provider, _nodes_words(name), hm(age) if age is not None else "?", cost,
+                     _state_now(name, provider)))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5])
     return 0
+
+
+def _nodes_words(name: str) -> str:
+    """`ps`'s nodes column, from the plan staged for the cluster: `3`, or `3 (trainer 2, reward 1)` with groups."""
+    from ..doctor import saved_plan
+
+    plan = saved_plan(name)
+    if plan is None:
+        return "?"
+    groups = ", ".join(f"{group.name} {group.nodes}" for group in plan.groups)
+    return f"{plan.nodes} ({groups})" if groups else str(plan.nodes)
 
 
 def _state_now(name: str, provider_name: str) -> str:

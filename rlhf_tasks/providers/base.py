@@ -21,6 +21,7 @@ from ..agent.protocol import CACHE_DIR
 from ..errors import BadInput, StepFailed
 from ..models import size_bytes, size_text
 from ..plan import Contract, Plan, build_plan, name_bytes, with_caches
+from ..registry import BUILTIN, provider_class
 from ..spec import Task
 
 
@@ -292,7 +293,6 @@ class Provider:
         """A task with node groups refused where this provider does not render them (renders_groups), before its
         own checks, which read the task's top-level resources: with its reason (groups_refusal), or "not yet"."""
         if task.groups and not self.renders_groups:
-            from . import BUILTIN, provider_class  # the error's words only: each provider's class says
             those = ", ".join(name for name in BUILTIN if provider_class(name).renders_groups)
             why = self.groups_refusal or f"the {self.name} provider does not render node groups yet"
             raise BadInput(f"groups: {why}: run the task with a provider that does ({those}), or give it top-level "
