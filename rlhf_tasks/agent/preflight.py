@@ -44,6 +44,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from .grouplinks import group_links, rank_of
 from .probe import MiB, NodeProbe
 from .report import rate, size_text, table  # noqa: F401 - table: preflight's own, re-exported
 from .schedule import (PAIR_BUDGET_S, PAIR_DISTANCES, PAIR_MAX_BYTES, PAIR_PEERS, PAIR_ROUNDS,  # noqa: F401
@@ -247,7 +248,7 @@ class Preflight(object):
                                 self.step_deadline("nodes"))
             for node, info in zip(self.nodes, infos):
                 node.update(info)
-        order = sorted(range(len(self.nodes)), key=lambda i: (not self.nodes[i]["head"], _rank(self.nodes[i]),
+        order = sorted(range(len(self.nodes)), key=lambda i: (not self.nodes[i]["head"], rank_of(self.nodes[i]),
                                                               self.nodes[i]["address"]))
         self.nodes = [self.nodes[i] for i in order]
         self.actors = [self.actors[i] for i in order]
@@ -544,6 +545,15 @@ class Preflight(object):
                 " and %d more of the %d pairs measured" % (len(ordered) - 8, len(self.pairs)) if len(ordered) > 8 else "")
             self.warnings.append("low bandwidth: %s, below the %s the task expects (preflight.min_bandwidth). %s" % (
                 where, rate(threshold), self.weight_sync(slowest["bits_per_s"])))
+        for link in group_links(self.nodes, self.pairs):  # below the threshold between groups: a failure
+            pair = link["pair"]
+            words = "group %s -> group %s: slowest %s -> %s at %s" % (
+                link["src_group"], link["dst_group"], pair["src"], pair["dst"], rate(pair["bits_per_s"]))
+            say("between groups: %s. %s" % (words, self.weight_sync(pair["bits_per_s"])))
+            if pair["bits_per_s"] < threshold:
+                raise Failed("groups", "%s, below the %s the task expects between the groups that exchange weights "
+                             "(preflight.min_bandwidth). %s" % (words, rate(threshold),
+                                                                self.weight_sync(pair["bits_per_s"])))
         for backend, result in self.collectives.items():
             best = max(s["bus_bits_per_s"] for s in result["sizes"])
             if best < threshold:
@@ -704,11 +714,6 @@ def name_nodes(nodes: List[dict]) -> None:
         node["label"] = "%s (%s)" % (name, node["address"]) if name != node["address"] else name
 
 
-def _rank(node: dict) -> int:
-    try:
-        return int(node.get("rank"))
-    except (TypeError, ValueError):
-        return 1 << 30
 
 
 def node_limit(deadline: float, now: Optional[float] = None) -> float:
