@@ -6,6 +6,7 @@ plans as before (tests/test_providers_render.py's goldens hold it byte for byte)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,8 @@ def test_groups_on_a_real_local_cluster(tmp_path, cli_env):
     out.mkdir()
     task = tmp_path / "groups.yaml"
     task.write_text(yaml.safe_dump({
-        "name": "groups-e2e", "preflight": "off", "ray": {"object_store_memory": "80MB"}, "wait": {"nodes": "2m"},
+        "name": "groups-e2e", "preflight": {"timeout": "90s", "torch": False}, "ray": {"object_store_memory": "80MB"},
+        "wait": {"nodes": "2m"},
         "groups": [
             {"name": "trainer", "nodes": 2, "resources": {"cpus": 1}},
             {"name": "reward", "nodes": 1, "resources": {"cpus": 1},
@@ -356,3 +358,6 @@ def test_groups_on_a_real_local_cluster(tmp_path, cli_env):
     logs = "".join(path.read_text() for path in sorted(nodes.glob("node-*.log")))
     assert "--labels rlhf-tasks/group=reward --resources '{\"reward\": 1}'" in logs
     assert "cluster ready: group trainer: 2 of 2 nodes; group reward: 1 of 1 nodes" in logs
+    # preflight measured the link the weights would take, from the trainer's group into the reward group's node
+    assert re.search(r"between groups: group trainer -> group reward: slowest node[01] -> node2 at [\d.]+ [GM]bit/s",
+                     said), said[-6000:]

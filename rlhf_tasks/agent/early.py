@@ -373,7 +373,8 @@ class EarlyChecks(object):
         beside the record, as ray.nodes() would give them, instead of connecting to Ray itself."""
         nodes = [{"NodeID": n["node_id"], "NodeManagerAddress": n["node_ip"], "Alive": True,
                   "Resources": dict(n.get("resources_total") or {},
-                                    **({"node:__internal_head__": 1.0} if n.get("is_head_node") else {}))}
+                                    **({"node:__internal_head__": 1.0} if n.get("is_head_node") else {})),
+                  "Labels": dict(n.get("labels") or {})}  # its node group's label, which preflight reads
                  for n in alive]
         with open(self.path + ".nodes.tmp", "w") as handle:
             json.dump(nodes, handle)
