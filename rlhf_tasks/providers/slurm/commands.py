@@ -70,11 +70,6 @@ def job_info(job_id: str) -> dict[str, str]:
     return {}
 
 
-def exit_code_of(info: dict[str, str]) -> int | None:
-    code = info.get("ExitCode", "")
-    return int(code.split(":")[0]) if code[:1].isdigit() else None
-
-
 def exit_text(info: dict[str, str]) -> str:
     """Slurm's ExitCode (code:signal) in words."""
     code, _, signal = info.get("ExitCode", "?").partition(":")
