@@ -108,3 +108,13 @@ def test_check_notes_a_groups_gpu_type_slurm_is_not_told(tmp_path, capsys, rlhf_
     assert code == 0, out
     assert "groups[1].resources.gpus: the script asks Slurm for 1 GPU(s) of any type per node" in out
     assert "give groups[1].placement.slurm.gpu_type" in out and "groups[0].resources.gpus" not in out, out
+
+
+def test_in_a_container_the_host_list_is_every_components_in_their_order():
+    """No scontrol in the image: the script expands the hosts once, component by component, so that item 0 is the
+    head (the first component's first host) for the container's contract."""
+    data = task(image="verlai/verl:latest")
+    data["placement"]["slurm"]["container"] = "pyxis"
+    text = script(data)
+    assert ('RLHF_TASKS_HOSTS=$(scontrol show hostnames '
+            '"$SLURM_JOB_NODELIST_HET_GROUP_0,$SLURM_JOB_NODELIST_HET_GROUP_1" | paste -sd, -)') in text, text[:3000]
