@@ -22,6 +22,9 @@ COMMANDS = {
     "rlhf-tasks --help": [BIN / "rlhf-tasks", "--help"],
     "rlhf-tasks check tiny-grpo": [BIN / "rlhf-tasks", "check", "tasks/tiny-grpo.yaml"],
     "rlhf-tasks render (dstack)": [BIN / "rlhf-tasks", "render", "tasks/verl-ppo-gsm8k.yaml", "--provider", "dstack"],
+    "rlhf-tasks render (slurm, groups)": [BIN / "rlhf-tasks", "render", "benchmarks/groups.yaml", "--provider", "slurm"],
+    "rlhf-tasks render (kuberay, groups)": [BIN / "rlhf-tasks", "render", "benchmarks/groups.yaml", "--provider",
+                                            "kuberay"],
     "ray --help": [BIN / "ray", "--help"],
 }
 
