@@ -124,7 +124,7 @@ def test_other_providers_refuse_groups_at_check_for_now(name, tmp_path, capsys, 
     code, out = check_exit(tmp_path, capsys, grouped(), "--provider", name)
     assert code == 2, out
     assert (f"groups: the {name} provider does not render node groups yet: run the task with a provider that does "
-            "(local, slurm, kuberay)") in out, out
+            "(local, runpod, slurm, kuberay)") in out, out
 
 
 def test_local_refuses_a_group_with_gpus_naming_it(tmp_path, capsys, rlhf_home):
