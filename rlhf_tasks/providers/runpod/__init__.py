@@ -64,6 +64,7 @@ class RunPodProvider(Provider):
     sharing = SHARING
     contract = POD_CONTRACT
     networks = {"runpod-global": GLOBAL_PRESET, "runpod-cluster": CLUSTER_PRESET}
+    renders_groups = True  # pods per group in one Global Networking group, ranks by group (render.bodies)
     options = (Option("-y", "create the pods without asking to confirm their price"),)
     stop_after_job = True  # pods bill by the hour: the launcher terminates them after the job unless --keep
     #: (MACHINE_PRICE: the head reads its pod's `cost`; pods.billed: the launcher sums the pods')
@@ -167,7 +168,8 @@ class RunPodProvider(Provider):
         logs. Whatever fails (or Ctrl-C) before the pods run terminates every pod this launch created."""
         client = self._client()
         try:
-            fit = catalog.fit(client, plan)
+            fit = catalog.fit_groups(client, plan) if plan.groups and not is_cluster(plan) else \
+                catalog.fit(client, plan.for_group(plan.groups[0]) if plan.groups else plan)
             found_pods, found_clusters = pods.find(client, plan.name)
         except RunPodAuthError as exc:
             raise BadInput(str(exc)) from None
@@ -178,7 +180,9 @@ class RunPodProvider(Provider):
         elif plan.budget.max_cost is not None:
             raise BadInput(f"placement.max_cost: RunPod's catalog gives no price for {fit['gpu']}, so the head agent "
                            f"could not count the cost; use placement.max_duration")
-        files = render_files(plan, self._archives.get(plan.name), fit["gpu"])
+        if fit.get("groups"):  # the head reads only its own pod's cost: the groups' pods differ, so the catalog's sum
+            plan = plan.replace(budget=plan.budget.model_copy(update={"machine_price": None}))
+        files = render_files(plan, self._archives.get(plan.name), fit["gpu"], fit.get("gpus"))
         requests = json.loads(files[f"{plan.name}.runpod.json"])
         if found_pods or found_clusters:
             found = ", ".join(f"{p['name']} ({p['id']}, {p['status']})" for p in found_pods) or \

@@ -49,6 +49,31 @@ def fit(client: RunPodClient, plan: Plan) -> dict:
                    + "\n  ".join(refusals))
 
 
+def fit_groups(client: RunPodClient, plan: Plan) -> dict:
+    """fit, with node groups: each group's GPU type from the catalog (its own plan, plan.for_group; a refusal names
+    groups[i]), the data centers every group fits in (the first group's order: the pods share one Global Networking
+    group and go where the head is), and the price the sum of each group's pods at its own type's price, with
+    `groups` each group's (name, nodes, gpu, count, price per pod)."""
+    chosen, offered = [], None
+    for index, group in enumerate(plan.groups):
+        try:
+            one = fit(client, plan.for_group(group))
+        except BadInput as exc:
+            raise BadInput(f"groups[{index}].{exc}") from None
+        chosen.append((group.name, group.nodes, one["gpu"], one["count"], one["price"]))
+        offered = one["datacenters"] if offered is None else [dc for dc in offered if dc in one["datacenters"]]
+    if not offered:
+        raise BadInput("groups: no data center offers every group's GPU type (" + ", ".join(
+            f"{name}: {gpu}" for name, _, gpu, _, _ in chosen) + "); the pods of one Global Networking group go "
+            "where the head is")
+    priced = all(price for *_, price in chosen)
+    total = sum(nodes * price for _, nodes, _, _, price in chosen) if priced else None
+    first = chosen[0]
+    return {"gpu": first[2], "count": first[3], "datacenters": offered, "groups": chosen,
+            "gpus": {name: gpu for name, _, gpu, _, _ in chosen},
+            "price": total / plan.nodes if total else None, "total": total}
+
+
 def _fit_type(client: RunPodClient, plan: Plan, gpu_id: str, count: int, gpus: list[dict]) -> dict:
     """fit, for one GPU type."""
     field = "resources.gpus"
@@ -118,8 +143,14 @@ def announce(plan: Plan, fit: dict, warning: str | None) -> None:
     what = "an Instant Cluster of" if is_cluster(plan) else ""
     price = fit["price"]
     hourly = f"${price * nodes:.2f}/h" if price else "price not in the catalog"
-    say(f"RunPod: {what + ' ' if what else ''}{nodes} pod(s) x {count}x {fit['gpu']}, Secure Cloud, in {where}: "
-        f"{hourly}" + (f" (${price:.2f}/h per pod)" if price and nodes > 1 else ""))
+    if fit.get("groups"):
+        for name, n, gpu, per, each in fit["groups"]:
+            cost = f"${each * n:.2f}/h (${each:.2f}/h per pod)" if each else "price not in the catalog"
+            say(f"RunPod: group {name}: {n} pod(s) x {per}x {gpu}, Secure Cloud: {cost}")
+        say(f"RunPod: {nodes} pod(s) in {where}: {hourly}")
+    else:
+        say(f"RunPod: {what + ' ' if what else ''}{nodes} pod(s) x {count}x {fit['gpu']}, Secure Cloud, in {where}: "
+            f"{hourly}" + (f" (${price:.2f}/h per pod)" if price and nodes > 1 else ""))
     timeout = plan.job.timeout_s
     if timeout:
         hours = timeout / 3600
@@ -128,7 +159,7 @@ def announce(plan: Plan, fit: dict, warning: str | None) -> None:
         say(f"job.timeout {length}: {nodes * count * hours:.2f} GPU-hours{cost} (plus start-up)")
     else:
         say(f"no job.timeout: the pods run (and bill) until the job ends or `rlhf-tasks down {plan.name}`")
-    if not plan.resources.gpus:
+    if not plan.resources.gpus and not plan.groups:
         why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else "Global Networking needs an NVIDIA GPU"
         say(f"resources.gpus is not set: each pod gets 1x {DEFAULT_GPU} ({why})")
     if len(fit.get("matched") or []) > 1:

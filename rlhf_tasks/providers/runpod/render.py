@@ -232,6 +232,15 @@ def check(task: Task) -> None:
                        f"network: runpod-global for a single pod")
     if is_cluster(task) and task.nodes > 250:  # RunPod v2: ClusterCompute.podCount "maximum": 250
         raise BadInput(f"nodes: an Instant Cluster has at most 250 nodes, not {task.nodes}")
+    if is_cluster(task) and task.groups:  # RunPod v2: CreateClusterRequest.compute is one gpuTypeId, gpuCountPerPod
+        kinds = {gpu_request(group.resources)[:2] for group in task.groups}
+        if len(kinds) > 1:
+            index = next(i for i, group in enumerate(task.groups)
+                         if gpu_request(group.resources)[:2] != gpu_request(task.groups[0].resources)[:2])
+            raise BadInput(f"groups[{index}].resources.gpus: an Instant Cluster is one GPU type and count on every "
+                           f"node (its create request's compute: one gpuTypeId and gpuCountPerPod), and group "
+                           f"{task.groups[index].name} differs from {task.groups[0].name}; use network: "
+                           f"runpod-global (pods per group, each its own GPU type)")
     if "RUNPOD_API_KEY" in task.secrets:
         raise BadInput("secrets: RUNPOD_API_KEY: your RunPod API key is never written into a pod (RunPod gives "
                        "each pod a key of its own, scoped to that pod, as RUNPOD_API_KEY); remove it")
@@ -406,13 +415,15 @@ def memory_note(plan: Plan) -> str | None:
             f"fits, and says which; by hand, put its id in gpu.id.")
 
 
-def bodies(plan: Plan, args: str, gpu: str | None = None) -> dict:
+def bodies(plan: Plan, args: str, gpu: str | None = None, gpus: dict[str, str] | None = None) -> dict:
     """The create requests, each secret a reference to its account secret (vault.py); `gpu`: the GPU type
-    `launch` chose from the catalog."""
-    gpu_id, count = gpu_request(plan.resources, gpu)
+    `launch` chose from the catalog; `gpus`: with node groups, each group's (by name). With groups, the pods
+    of each group in the task's order, one Global Networking group (an Instant Cluster is one GPU type: check)."""
+    gpu_id, count = gpu_request(plan.groups[0].machine if plan.groups else plan.resources, gpu)
     client = plan.job.submit == "client"
     secrets = {name: vault.reference(plan.name, name) for name in secret_names(plan)}
-    container: dict[str, Any] = {"image": plan.image or DEFAULT_IMAGE, "args": args}
+    image = plan.groups[0].image if plan.groups and is_cluster(plan) else plan.image
+    container: dict[str, Any] = {"image": image or DEFAULT_IMAGE, "args": args}
     if plan.resources.disk:
         container["disk"] = disk_gb(plan.resources.disk)
     if client:  # the head's sshd, for the dashboard's SSH forward
@@ -427,11 +438,20 @@ def bodies(plan: Plan, args: str, gpu: str | None = None) -> dict:
                 **container, "env": secrets, **where, **mounts, **({"startSsh": True} if client else {})}
         return {"cluster": body}
 
-    def pod(role: str, rank: int) -> dict:
+    def pod(role: str, rank: int, group=None) -> dict:
         contract = {"RAY_WORKER": str(rank), "EXPECTED_WORKERS": str(plan.nodes - 1)}
         if rank:
             contract["HEAD_POD_ID"] = "${HEAD_POD_ID}"
-        body = {"name": f"{plan.name}-{role}", **container, "gpu": {"id": gpu_id, "count": count},
+        box, gpu_of = dict(container), {"id": gpu_id, "count": count}
+        if group is not None:  # the group's GPU type and count, image and disk (a pod is one GPU type)
+            g_id, g_count = gpu_request(group.machine, (gpus or {}).get(group.name))
+            gpu_of = {"id": g_id, "count": g_count}
+            box["image"] = group.image or DEFAULT_IMAGE
+            disk = group.machine.disk
+            box.pop("disk", None)
+            if disk:
+                box["disk"] = disk_gb(disk)
+        body = {"name": f"{plan.name}-{role}", **box, "gpu": gpu_of,
                 "cloud": "SECURE", "env": {**contract, **secrets}, **where, **mounts}
         if plan.nodes > 1:
             body["globalNetworking"] = True
@@ -441,6 +461,10 @@ def bodies(plan: Plan, args: str, gpu: str | None = None) -> dict:
             body.pop("ports", None)
         return body
 
+    if plan.groups:  # each pod's RAY_WORKER its rank in its group's range (first_rank on): the agent's group_of
+        ranks = [(rank, group) for group in plan.groups for rank in range(group.first_rank, group.first_rank + group.nodes)]
+        return {"head": pod("head", 0, ranks[0][1]),
+                "workers": [pod(f"worker-{k}", k, group) for k, group in ranks[1:]]}
     return {"head": pod("head", 0), "workers": [pod(f"worker-{k}", k) for k in range(1, plan.nodes)]}
 
 
@@ -479,7 +503,8 @@ def too_big_to_ship(working_dir: str, archive: bytes, args: int) -> str:
             f"(checkpoints.shared.runpod) and leave job.working_dir out")
 
 
-def render(plan: Plan, archive: bytes | None = None, gpu: str | None = None) -> dict[str, str]:
+def render(plan: Plan, archive: bytes | None = None, gpu: str | None = None,
+           gpus: dict[str, str] | None = None) -> dict[str, str]:
     """File name -> content: the create requests and the start script they carry (with
     job.working_dir's `archive`, when the task ships one; with the GPU type `launch` chose, `gpu`)."""
     script = start_script(plan, archive)
@@ -510,7 +535,12 @@ def render(plan: Plan, archive: bytes | None = None, gpu: str | None = None) -> 
             f"{made} in RunPod's console (Secrets) or with POST https://api.runpod.io/v2/account/secrets "
             "{\"name\": ..., \"value\": ...}; delete them (DELETE /v2/account/secrets/{id}) once the pods are "
             "terminated.")
-    if not plan.resources.gpus:
+    if plan.groups:
+        bare = [group.name for group in plan.groups if not group.machine.gpus]
+        if bare:
+            notes.append(f"groups {', '.join(bare)} have no resources.gpus: each of their pods gets 1x {DEFAULT_GPU} "
+                         f"(RunPod pods with Global Networking need an NVIDIA GPU: CreatePodRequest.globalNetworking).")
+    elif not plan.resources.gpus:
         why = "an Instant Cluster's pods have GPUs" if is_cluster(plan) else \
             "RunPod pods with Global Networking need an NVIDIA GPU"
         notes.append(f"resources.gpus is not set: every pod gets 1x {DEFAULT_GPU} ({why}); set resources.gpus "
@@ -523,5 +553,5 @@ def render(plan: Plan, archive: bytes | None = None, gpu: str | None = None) -> 
         notes.append(disk_note(plan) + ".")
     if memory_note(plan) and not gpu:
         notes.append(memory_note(plan))
-    document = {"note": " ".join(notes), **bodies(plan, args, gpu)}
+    document = {"note": " ".join(notes), **bodies(plan, args, gpu, gpus)}
     return {f"{plan.name}.runpod.json": json.dumps(document, indent=2) + "\n", f"{plan.name}.start.sh": script}
