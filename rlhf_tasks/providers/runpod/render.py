@@ -462,7 +462,8 @@ def bodies(plan: Plan, args: str, gpu: str | None = None, gpus: dict[str, str] |
         return body
 
     if plan.groups:  # each pod's RAY_WORKER its rank in its group's range (first_rank on): the agent's group_of
-        ranks = [(rank, group) for group in plan.groups for rank in range(group.first_rank, group.first_rank + group.nodes)]
+        ranks = [(rank, group) for group in plan.groups
+                 for rank in range(group.first_rank, group.first_rank + group.nodes)]
         return {"head": pod("head", 0, ranks[0][1]),
                 "workers": [pod(f"worker-{k}", k, group) for k, group in ranks[1:]]}
     return {"head": pod("head", 0), "workers": [pod(f"worker-{k}", k) for k in range(1, plan.nodes)]}
