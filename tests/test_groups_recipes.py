@@ -86,3 +86,4 @@ def test_a_task_without_groups_has_no_group_to_serve_on(tmp_path, capsys, rlhf_h
     data.update(nodes=2, resources={"gpus": "A100-80GB:8"})
     code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
     assert code == 2 and "job.args.reward_where" in out and "it has no groups" in out, out
+

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import replace
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible
+from .base import (WHERE_PATTERN, JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible,
+                   role_group, without_group)
 from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
@@ -117,7 +117,7 @@ class OpenRLHFArgs(StrictModel):
     reward_pretrain: str | None = Field(None, description="reward model; leave out when reward_url is set")
     reward_url: str | None = Field(None, description="remote reward endpoint instead of a reward model; "
                                    "{head_addr} is replaced by the head's private address")
-    reward_where: str = Field("ray", pattern=r"^(ray|group [a-z0-9][a-z0-9-]*)$", description=(
+    reward_where: str = Field("ray", pattern=rf"^(ray|{WHERE_PATTERN})$", description=(
         "where the reward model runs: ray (a Ray role of train_ppo_ray, on any GPU node), or `group NAME`: served "
         "by openrlhf.cli.serve_rm on every node of that node group, the trainer asking it over HTTP "
         "(--reward.remote_url): the only role OpenRLHF lets out of Ray's placement"))
@@ -403,24 +403,13 @@ CONFINE_NOTE = ("OpenRLHF places its Ray roles on any GPU node: train_ppo_ray bu
 def _reward_group(a: OpenRLHFArgs, shape: Shape, version: tuple[int, int, int]):
     """With reward_where: group NAME, the serve_rm service on that group, the remote URL the trainer asks, and the
     shape of the other GPU groups the Ray roles count; else (None, None, shape)."""
-    if a.reward_where == "ray":
+    name = role_group(a.reward_where, shape, "reward_where", "reward model")
+    if name is None:
         return None, None, shape
-    name = a.reward_where.removeprefix("group ")
-    groups = [g.name for g in shape.groups]
-    if name not in groups:
-        have = f"its groups: {', '.join(groups)}" if groups else "it has no groups"
-        raise infeasible(f"the task has no group {name!r} ({have})", "name one of its groups, or ray",
-                         args=("reward_where",))
-    if name == groups[0]:
-        raise infeasible(f"group {name} is the trainer's (the first group holds the head and the driver)",
-                         "give the reward model a group of its own after the first", args=("reward_where",))
     if a.reward_pretrain is None:
         raise infeasible("reward_url is a reward served elsewhere: there is no reward model to serve on a group",
                          "set reward_pretrain instead of reward_url, or leave reward_where out", args=("reward_where",))
-    rest = [g for g in shape.groups if g.name != name and g.gpus_per_node]
-    if not rest:
-        raise infeasible(f"with the reward model on group {name} no GPU group is left for the trainer",
-                         "give another group GPUs", args=("reward_where",))
+    rest = without_group(shape, name, "reward_where", "reward model")
     dotted = version >= DOTTED_SINCE
     # openrlhf/cli/serve_rm.py: --reward.model_name_or_path and --data.max_len (--reward_pretrain, --max_len before
     # 0.10.2), --host, --port; POST /get_reward {"query": [...]}
@@ -434,9 +423,7 @@ def _reward_group(a: OpenRLHFArgs, shape: Shape, version: tuple[int, int, int]):
                   "json": {"query": ["ready"]}},
         "timeout": "30m",
     })
-    url = f"http://{{group_addr:{name}}}:{a.reward_port}/get_reward"
-    shape = replace(shape, nodes=sum(g.nodes for g in rest), gpus_per_node=min(g.gpus_per_node for g in rest))
-    return service, url, shape
+    return service, f"http://{{group_addr:{name}}}:{a.reward_port}/get_reward", rest
 
 
 def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
@@ -599,7 +586,5 @@ class OpenRLHFPPOJob(JobBase):
     def build(self, shape: Shape) -> RecipeOutput:
         out = openrlhf_command(self.args, shape)
         # check prints these with what it asked of OpenRLHF (ask_framework follows build on the same job)
-        object.__setattr__(self, "_placement", (out.summary or {}).get("placement", []))
+        self._placement = (out.summary or {}).get("placement", [])
         return out
-
-    _placement: list = PrivateAttr(default_factory=list)
