@@ -4,10 +4,10 @@ a recipe is built against, and what a recipe hands to the cluster plan."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from ..errors import BadInput
 from ..models import Duration, RuntimeEnvSpec, Service, StrictModel, WandbOptions
@@ -119,6 +119,10 @@ class JobBase(StrictModel):
                                    "raises before Ray and the job start; default: the recipe's (search-r1 65535, "
                                    "openrlhf-m-grpo 65536, the others none)")
 
+    #: What `check` says of where the framework puts its roles on the task's node groups, set by `build` (which
+    #: check runs before ask_framework on the same job): printed with what was asked of the framework.
+    _placement: list[str] = PrivateAttr(default_factory=list)
+
     def build(self, shape: Shape) -> RecipeOutput:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -133,6 +137,35 @@ class JobBase(StrictModel):
         """A reader of this framework's metric lines (recipes.metrics), fresh for one job's log;
         None where the recipe knows no metric lines (a free command)."""
         return None
+
+
+WHERE_PATTERN = r"group [a-z0-9][a-z0-9-]*"
+
+
+def role_group(where: str, shape: Shape, arg: str, what: str) -> str | None:
+    """The node group a role's `where: group NAME` argument (`arg`) names, None for the recipe's default place.
+    Not the first group: it holds the head, where the framework's driver and trainers run."""
+    if not where.startswith("group "):
+        return None
+    name = where.removeprefix("group ")
+    groups = [g.name for g in shape.groups]
+    if name not in groups:
+        have = f"its groups: {', '.join(groups)}" if groups else "it has no groups"
+        raise infeasible(f"the task has no group {name!r} ({have})", "name one of its groups", args=(arg,))
+    if name == groups[0]:
+        raise infeasible(f"group {name} is the trainer's (the first group holds the head and the driver)",
+                         f"give the {what} a group of its own after the first", args=(arg,))
+    return name
+
+
+def without_group(shape: Shape, name: str, arg: str, what: str) -> Shape:
+    """The shape the trainer's roles count with group `name` given to the `what`: the other GPU groups."""
+    rest = [g for g in shape.groups if g.name != name and g.gpus_per_node]
+    if not rest:
+        raise infeasible(f"with the {what} on group {name} no GPU group is left for the trainer",
+                         "give another group GPUs", args=(arg,))
+    return replace(shape, nodes=sum(g.nodes for g in rest), gpus_per_node=min(g.gpus_per_node for g in rest),
+                   gpu_name=rest[0].gpu_name)
 
 
 class Infeasible(BadInput):

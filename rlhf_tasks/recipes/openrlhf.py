@@ -11,11 +11,13 @@ restate OpenRLHF's own assertions (`openrlhf/cli/train_ppo_ray.py`, 0.6.1 to 0.1
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import JobBase, RecipeOutput, Shape, StrictModel, hub_models, infeasible
+from .base import (WHERE_PATTERN, JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible,
+                   role_group, without_group)
 from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
@@ -115,6 +117,11 @@ class OpenRLHFArgs(StrictModel):
     reward_pretrain: str | None = Field(None, description="reward model; leave out when reward_url is set")
     reward_url: str | None = Field(None, description="remote reward endpoint instead of a reward model; "
                                    "{head_addr} is replaced by the head's private address")
+    reward_where: str = Field("ray", pattern=rf"^(ray|{WHERE_PATTERN})$", description=(
+        "where the reward model runs: ray (a Ray role of train_ppo_ray, on any GPU node), or `group NAME`: served "
+        "by openrlhf.cli.serve_rm on every node of that node group, the trainer asking it over HTTP "
+        "(--reward.remote_url): the only role OpenRLHF lets out of Ray's placement"))
+    reward_port: int = Field(5000, ge=1024, le=65535, description="serve_rm's port on the reward group's nodes")
     critic_pretrain: str | None = Field(None, description="critic model (gae only); default: the reward model, "
                                         "or the actor with a remote reward")
     prompt_data: str = Field(description="prompt dataset: Hugging Face name or path")
@@ -387,11 +394,47 @@ def _check_deepspeed_batch(a: OpenRLHFArgs, roles: dict[str, int]) -> None:
                 args=("train_batch_size", "micro_train_batch_size", f"{role}_gpus"))
 
 
+#: What check says of OpenRLHF's placement with node groups (train_ppo_ray.py and trainer/ray/launcher.py, 0.11.2).
+CONFINE_NOTE = ("OpenRLHF places its Ray roles on any GPU node: train_ppo_ray builds each role's placement group of "
+                "{GPU: 1, CPU: 1} bundles (PACK) and passes RayActorGroup no custom resources, so no flag confines "
+                "the actor, reference, critic or vLLM to a group")
+
+
+def _reward_group(a: OpenRLHFArgs, shape: Shape, version: tuple[int, int, int]):
+    """With reward_where: group NAME, the serve_rm service on that group, the remote URL the trainer asks, and the
+    shape of the other GPU groups the Ray roles count; else (None, None, shape)."""
+    name = role_group(a.reward_where, shape, "reward_where", "reward model")
+    if name is None:
+        return None, None, shape
+    if a.reward_pretrain is None:
+        raise infeasible("reward_url is a reward served elsewhere: there is no reward model to serve on a group",
+                         "set reward_pretrain instead of reward_url, or leave reward_where out", args=("reward_where",))
+    rest = without_group(shape, name, "reward_where", "reward model")
+    dotted = version >= DOTTED_SINCE
+    # openrlhf/cli/serve_rm.py: --reward.model_name_or_path and --data.max_len (--reward_pretrain, --max_len before
+    # 0.10.2), --host, --port; POST /get_reward {"query": [...]}
+    model, max_len = ("--reward.model_name_or_path", "--data.max_len") if dotted else ("--reward_pretrain", "--max_len")
+    command = shlex.join(["python3", "-m", "openrlhf.cli.serve_rm", model, a.reward_pretrain,
+                          max_len, str(a.prompt_max_len + a.generate_max_len), "--port", str(a.reward_port)])
+    service = Service.model_validate({
+        "name": "reward-model", "where": a.reward_where,
+        "command": f"{command} --host {{node_addr}}",
+        "ready": {"http": f"http://{{node_addr}}:{a.reward_port}/get_reward", "method": "POST",
+                  "json": {"query": ["ready"]}},
+        "timeout": "30m",
+    })
+    return service, f"http://{{group_addr:{name}}}:{a.reward_port}/get_reward", rest
+
+
 def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
     """The train_ppo_ray command for this cluster, after every check."""
     if shape.checkpoint_dir is None:
         raise infeasible("OpenRLHF needs a checkpoint directory", "set checkpoints.path", fields=("checkpoints.path",))
     version = parse_version(a.version)
+    served, served_url, shape = _reward_group(a, shape, version)
+    served_model = a.reward_pretrain if served is not None else None
+    if served is not None:
+        a = a.model_copy(update={"reward_pretrain": None, "reward_url": served_url})
     roles, engines = _allocate(a, shape)
     _check_training(a, version, roles, engines)
     cmd = _Argv(version)
@@ -475,11 +518,21 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
         entrypoint=["python3", "-m", "openrlhf.cli.train_ppo_ray", *cmd.argv, *a.extra_args],
         wandb_args=wandb.argv,
         summary={"roles": roles, "vllm_engines": engines, "flags": "dotted" if cmd.dotted else "flat",
-                 "checkpoints": f"{ckpt}/ckpt"},
+                 "checkpoints": f"{ckpt}/ckpt",
+                 **({"placement": _placement_lines(a, shape)} if shape.groups else {})},
+        services=[served] if served else [],
         checkpoint_files=["ckpt/_actor/global_step*"],  # strategy.save_ckpt(<ckpt_path>/_actor, tag=global_stepN)
-        models=hub_models(a.pretrain, a.reward_pretrain, a.critic_pretrain if "critic" in roles else None),
+        models=hub_models(a.pretrain, a.reward_pretrain, served_model, a.critic_pretrain if "critic" in roles else None),
         hub_reads=hub_models(a.prompt_data),  # blending_datasets loads a hub dataset by name at run time
     )
+
+
+def _placement_lines(a: OpenRLHFArgs, shape: Shape) -> list[str]:
+    """What check says of where each role runs with node groups."""
+    lines = [CONFINE_NOTE + f" (they count {shape.nodes} node(s) x {shape.gpus_per_node} GPUs)"]
+    if a.reward_where != "ray":
+        lines.append(f"reward model: served on {a.reward_where} (openrlhf.cli.serve_rm, --reward.remote_url)")
+    return lines
 
 
 def ask_openrlhf(argv: list[str], version: str, extra_args: list[str]) -> list[str]:
@@ -528,7 +581,10 @@ class OpenRLHFPPOJob(JobBase):
         return OpenRLHFReader(rollout_batch_size=self.args.rollout_batch_size, bar_counts=counts)
 
     def ask_framework(self, argv: list[str]) -> list[str]:
-        return ask_openrlhf(argv[3:], self.args.version, self.args.extra_args)
+        return self._placement + ask_openrlhf(argv[3:], self.args.version, self.args.extra_args)
 
     def build(self, shape: Shape) -> RecipeOutput:
-        return openrlhf_command(self.args, shape)
+        out = openrlhf_command(self.args, shape)
+        # check prints these with what it asked of OpenRLHF (ask_framework follows build on the same job)
+        self._placement = (out.summary or {}).get("placement", [])
+        return out

@@ -1,0 +1,89 @@
+"""Node groups (issue 46), framework roles on groups: OpenRLHF PPO's reward model served on a group of its own
+(`job.args.reward_where: group NAME`): OpenRLHF 0.11.2's train_ppo_ray.py builds every role's placement group of
+{"GPU": 1, "CPU": 1} bundles (strategy PACK) and never passes RayActorGroup its `resources` (trainer/ray/launcher.py),
+so no flag confines a role to a group's nodes; the reward model alone leaves Ray, as openrlhf.cli.serve_rm behind
+--reward.remote_url."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_tasks import providers
+from rlhf_tasks.spec import parse_task
+
+from test_groups import check_exit
+
+
+def ppo(**args) -> dict:
+    base = {"version": "0.11.2", "pretrain": "OpenRLHF/Llama-3-8b-sft-mixture",
+            "reward_pretrain": "OpenRLHF/Llama-3-8b-rm-mixture", "prompt_data": "OpenRLHF/prompt-collection-v0.1",
+            "colocate": "pairs", "actor_gpus": 4, "critic_gpus": 4, "vllm_tensor_parallel_size": 2}
+    base.update(args)
+    return {"name": "ppo-groups", "preflight": "off", "checkpoints": {"path": "/ck"},
+            "groups": [{"name": "train", "nodes": 2, "resources": {"gpus": "A100-80GB:8"}},
+                       {"name": "rm", "nodes": 1, "resources": {"gpus": "A10G:1"}}],
+            "job": {"recipe": "openrlhf-ppo", "working_dir": None, "args": base}}
+
+
+def plan(data):
+    return providers.get("slurm").plan(parse_task(data))
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_the_reward_model_is_served_on_its_group_and_the_trainer_asks_it_over_http(rlhf_home):
+    p = plan(ppo(reward_where="group rm"))
+    argv = p.job.entrypoint
+    assert flag(argv, "--reward.remote_url") == "http://{group_addr:rm}:5000/get_reward"
+    assert "--reward.num_nodes" not in argv and "--reward.model_name_or_path" not in argv
+    service = next(s for s in p.services if s.name == "reward-model")
+    assert service.where == "group rm"
+    assert "openrlhf.cli.serve_rm" in service.command and "--reward.model_name_or_path " \
+        "OpenRLHF/Llama-3-8b-rm-mixture" in service.command and "--host {node_addr}" in service.command
+    # the critic (with the reward model gone, colocated with none) and the vLLM engines count only the train group
+    assert flag(argv, "--vllm.num_engines") == "4"
+
+
+def test_flat_releases_name_serve_rms_flags_their_way(rlhf_home):
+    p = plan(ppo(reward_where="group rm", version="0.8.11"))
+    service = next(s for s in p.services if s.name == "reward-model")
+    assert "--reward_pretrain OpenRLHF/Llama-3-8b-rm-mixture" in service.command
+    assert flag(p.job.entrypoint, "--remote_rm_url") == "http://{group_addr:rm}:5000/get_reward"
+
+
+def test_without_reward_where_the_roles_count_every_gpu_group_at_its_fewest_gpus(tmp_path, capsys, rlhf_home):
+    """shape_of: the Ray roles may land on any GPU node, so they count the rm group's 1-GPU node too."""
+    code, out = check_exit(tmp_path, capsys, ppo(), "--provider", "slurm")
+    assert code == 2 and "no GPUs left for vLLM: actor 4 + critic 4 = 8 of 3 nodes x 1 GPUs" in out, out
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"reward_where": "group rwd"}, "job.args.reward_where: infeasible allocation: the task has no group 'rwd'"),
+    ({"reward_where": "group train"}, "job.args.reward_where: infeasible allocation: group train is the trainer's"),
+    ({"reward_where": "group rm", "reward_pretrain": None, "reward_url": "http://x/r"},
+     "job.args.reward_where: infeasible allocation: reward_url is a reward served elsewhere"),
+    ({"reward_where": "group rm", "actor_gpus": 8, "critic_gpus": 8, "vllm_engines": 2},
+     "job.args.actor_gpus, job.args.critic_gpus, job.args.vllm_engines, job.args.vllm_tensor_parallel_size: "
+     "infeasible allocation: the roles need actor 8 + critic 8 + vLLM 2 x TP 2 = 20 GPUs but the cluster has "
+     "2 nodes x 8 GPUs = 16"),
+])
+def test_a_reward_group_that_cannot_work_is_refused_naming_the_argument(tmp_path, capsys, rlhf_home, args, words):
+    code, out = check_exit(tmp_path, capsys, ppo(**args), "--provider", "slurm")
+    assert code == 2 and words in out, out
+
+
+def test_check_says_what_openrlhf_cannot_confine(tmp_path, capsys, rlhf_home):
+    code, out = check_exit(tmp_path, capsys, ppo(reward_where="group rm"), "--provider", "slurm")
+    assert code == 0, out
+    assert "OpenRLHF places its Ray roles on any GPU node" in out and "reward model: served on group rm" in out, out
+
+
+def test_a_task_without_groups_has_no_group_to_serve_on(tmp_path, capsys, rlhf_home):
+    data = ppo(reward_where="group rm")
+    del data["groups"]
+    data.update(nodes=2, resources={"gpus": "A100-80GB:8"})
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
+    assert code == 2 and "job.args.reward_where" in out and "it has no groups" in out, out
+
