@@ -709,6 +709,13 @@ def provider_part(model: type[Part], data: Any, where: str) -> Part:
         raise BadInput("; ".join(dict.fromkeys(problems))) from None
 
 
+def group_part(model: type[Part], placement: Placement, group: Any, index: int, key: str) -> Part:
+    """A node group's part of a provider's placement: the group's `placement.<key>` keys over the task's, read
+    with the provider's own model (BadInput naming `groups[i].placement.<key>`)."""
+    merged = {**getattr(placement, key), **getattr(group.placement, key)}
+    return provider_part(model, merged, f"groups[{index}].placement.{key}")
+
+
 def load_task(path: str | Path) -> Task:
     """Read and validate a task file."""
     import yaml

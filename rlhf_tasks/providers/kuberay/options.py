@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from ...models import StrictModel, parse_duration
-from ...spec import Placement, provider_part
+from ...spec import Placement, group_part, provider_part
 from ..base import Sharing
 
 #: The Ray rlhf-tasks pins (pyproject's `ray` extra): `rayproject/ray:<it>` is the default image.
@@ -389,5 +389,4 @@ def kuberay_placement(placement: Placement) -> KubeRayPlacement:
 def group_placement(placement: Placement, group: Any, index: int) -> KubeRayPlacement:
     """A node group's options: its `placement.kuberay` keys over the task's (a GPU type's node selector, say),
     read with this provider's model (BadInput naming `groups[i].placement.kuberay`)."""
-    merged = {**placement.kuberay, **group.placement.kuberay}
-    return provider_part(KubeRayPlacement, merged, f"groups[{index}].placement.kuberay")
+    return group_part(KubeRayPlacement, placement, group, index, "kuberay")

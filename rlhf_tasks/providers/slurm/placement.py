@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator
 
 from ...models import StrictModel, did_you_mean
-from ...spec import Placement, provider_part
+from ...spec import Placement, group_part, provider_part
 
 _SBATCH_VALUE = re.compile(r"^[^\s'\"\\#]+$")
 #: An item of placement.slurm.sbatch: one long option (getopt_long's --name or --name=value), its value one word.
@@ -158,4 +158,4 @@ def slurm_placement(placement: Placement) -> SlurmPlacement:
 def group_slurm(placement: Placement, group: Any, index: int) -> SlurmPlacement:
     """A node group's options: its `placement.slurm` keys over the task's (its partition, constraint or GPU
     type), read with this provider's model (BadInput naming `groups[i].placement.slurm`)."""
-    return provider_part(SlurmPlacement, {**placement.slurm, **group.placement.slurm}, f"groups[{index}].placement.slurm")
+    return group_part(SlurmPlacement, placement, group, index, "slurm")
