@@ -291,6 +291,7 @@ class GroupPlan(StrictModel):
     setup: list[str]                      # after the task's setup, on this group's nodes
     image: str | None                     # the group's, else the task's
     machine: Resources                    # the group's resources block, for the provider to place
+    price_per_hour: float | None = None   # US dollars per hour for each of its nodes, where the task gives it
     placement: GroupPlacement = GroupPlacement()  # the group's own provider options, over the task's
 
     @property
@@ -309,7 +310,7 @@ def group_plans(task: Task) -> list[GroupPlan]:
         out.append(GroupPlan(name=group.name, nodes=group.nodes, first_rank=rank, gpus_per_node=res.gpus_per_node,
                              gpu_name=res.gpu_name, num_cpus=res.cpus, labels={GROUP_LABEL: group.name},
                              resources=resources, setup=list(group.setup), image=group.image or task.image, machine=res,
-                             placement=group.placement))
+                             placement=group.placement, price_per_hour=group.price_per_hour))
         rank += group.nodes
     return out
 
@@ -468,6 +469,24 @@ class Plan(StrictModel):
         """The job resumes from a checkpoint directory no shared storage backs (each node has its own)."""
         return bool(self.resume and self.checkpoint_dir and not self.checkpoint_shared)
 
+    @property
+    def task_price(self) -> float | None:
+        """The cluster's price per hour as the task gives it (placement.price_per_hour, or its groups' prices per
+        node summed: spec.Task.price_per_hour), not what a provider counts at launch (budget.price_per_hour)."""
+        if self.groups and self.groups[0].price_per_hour is not None:
+            return sum(group.nodes * group.price_per_hour for group in self.groups)
+        return self.placement.price_per_hour
+
+    @property
+    def node_price_bound(self) -> float | None:
+        """The most one node may cost per hour as the task prices it, the bound a provider hears on every
+        instance (dstack's max_price, SkyPilot's max_hourly_cost): the dearest group's price per node, else the
+        cluster's split over its nodes; None without a price."""
+        if self.groups and self.groups[0].price_per_hour is not None:
+            return max(group.price_per_hour for group in self.groups)
+        price = self.placement.price_per_hour
+        return price / self.nodes if price is not None else None
+
     def for_group(self, group: GroupPlan) -> "Plan":
         """The plan as one group's nodes see it: the group's machine, GPUs per node and image (a provider that
         builds each group's nodes apart, KubeRay's worker groups or Slurm's hetjob components, builds from it)."""
@@ -502,10 +521,11 @@ def check_budget(task: Task, provider: str, priced: bool) -> None:
     """BadInput naming the field when a cost cap has no price to count against (`priced`: the
     provider knows its own price, e.g. RunPod's catalog)."""
     placement = task.placement
-    if placement.max_cost is not None and placement.price_per_hour is None and not priced:
+    if placement.max_cost is not None and task.price_per_hour is None and not priced:
+        give = ("each group's price_per_hour (US dollars per hour for each of its nodes)" if task.groups else
+                "placement.price_per_hour (US dollars per hour for the whole cluster)")
         raise BadInput(f"placement.max_cost: the head agent counts the cost from the cluster's price per hour, and "
-                       f"the {provider} provider does not know it; give placement.price_per_hour (US dollars per "
-                       f"hour for the whole cluster), or use placement.max_duration")
+                       f"the {provider} provider does not know it; give {give}, or use placement.max_duration")
 
 
 def wandb_options(task: Task) -> WandbOptions | None:
@@ -628,7 +648,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
         open_files=job.open_files if job.open_files is not None else out.open_files,
         node_inputs=out.node_inputs,
         hub=hub,
-        budget=BudgetPlan(price_per_hour=task.placement.price_per_hour, max_cost=task.placement.max_cost,
+        budget=BudgetPlan(price_per_hour=task.price_per_hour, max_cost=task.placement.max_cost,
                           max_duration_s=task.placement.max_duration, stop_grace_s=task.placement.stop_grace,
                           idle_s=task.placement.idle, training=task.name),
     )

@@ -351,6 +351,10 @@ class Group(StrictModel):
     image: str | None = Field(None, description="this group's image, instead of the task's")
     setup: list[str] = Field([], description="run on this group's nodes after the task's setup")
     services: list[Service] = Field([], description="started on this group's nodes (as `where: group NAME`)")
+    price_per_hour: float | None = Field(None, ge=0, description=(
+        "US dollars per hour for each node of this group, as a cloud lists a machine's price: the cluster's price "
+        "is the groups' sum (instead of placement.price_per_hour), which max_cost counts; give every group's or "
+        "none"))
     placement: GroupPlacement = Field(GroupPlacement(), description=(
         "this group's provider options, key by key over the task's placement.<provider> (e.g. kuberay: "
         "{node_selector: ...} for its GPU type's nodes)"))
@@ -505,6 +509,7 @@ class Task(StrictModel):
                 raise PydanticCustomError("task_entry", f"the groups have {total} nodes together; at most 1024",
                                           {"field": "groups"})
             object.__setattr__(self, "nodes", total)  # frozen: set once, here, from the groups
+            self._group_prices()
         known = ", ".join(names)
         for index, service in enumerate(self.services):
             group = group_where(service.where)
@@ -526,6 +531,30 @@ class Task(StrictModel):
                                               f"every group's)", {"field": f"{field}.name"})
                 seen.append(service.name)
         return self
+
+    def _group_prices(self) -> None:
+        """Every group's price or none (a cap counted from some groups would undercount the cluster), and not
+        beside placement.price_per_hour, which their sum replaces."""
+        unpriced = [i for i, group in enumerate(self.groups) if group.price_per_hour is None]
+        if len(unpriced) == len(self.groups):
+            return
+        if unpriced:
+            i = unpriced[0]
+            raise PydanticCustomError("task_entry", f"group {self.groups[i].name} has no price per node, and "
+                                      f"another group has one: give every group's (the cluster's price is their "
+                                      f"sum, which placement.max_cost counts) or none", {"field": f"groups[{i}].price_per_hour"})
+        if self.placement.price_per_hour is not None:
+            raise PydanticCustomError("task_entry", "the groups give their prices per node (groups[i].price_per_hour) "
+                                      "and the cluster's is their sum: remove placement.price_per_hour",
+                                      {"field": "placement.price_per_hour"})
+
+    @property
+    def price_per_hour(self) -> float | None:
+        """US dollars per hour for the whole cluster as the task gives it: placement.price_per_hour, or the sum
+        of its groups' prices per node (as plan.Plan.task_price); None where it gives none."""
+        if self.groups and self.groups[0].price_per_hour is not None:
+            return sum(group.nodes * group.price_per_hour for group in self.groups)
+        return self.placement.price_per_hour
 
     def group_services(self) -> list[Service]:
         """Every group's own services, each with `where: group NAME`."""

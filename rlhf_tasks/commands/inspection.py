@@ -71,7 +71,8 @@ def cmd_check(args) -> int:
     if task.groups:
         print(f"  cluster   {task.nodes} node(s) in {len(task.groups)} groups" + (f" on {name}" if args.provider else ""))
         for group in task.groups:
-            print(f"  group     {group.name}: {_shape_words(group.nodes, group.resources)}")
+            price = f", ${group.price_per_hour:.2f}/h each" if group.price_per_hour is not None else ""
+            print(f"  group     {group.name}: {_shape_words(group.nodes, group.resources)}{price}")
     else:
         print(f"  cluster   {_shape_words(task.nodes, task.resources)}" + (f" on {name}" if args.provider else ""))
     if args.provider:
@@ -218,12 +219,13 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
     if price is None and cap is None and not neutral and not provider.bills:
         return None
     bound = None if neutral or not price else provider.price_bound
-    heard = f"; {bound} ${price / plan.nodes:.2f}/h per node" if bound else ""
+    heard = f"; {bound} ${plan.node_price_bound:.2f}/h per node" if bound and plan.node_price_bound else ""
     launch_price = None if neutral else provider.launch_price
     counted = (f"; the head counts {source} where it prices the offers" if source else
                f"; the head counts {launch_price} where it prices them, else this price" if launch_price else
                "; the head counts this price, not the provider's") if bound else ""
-    words = [f"${price:.2f}/h for the cluster (placement.price_per_hour{heard}{counted})" if price is not None else
+    given = _group_prices(plan) if price is not None and price == plan.task_price else None
+    words = [f"${price:.2f}/h for the cluster ({given or 'placement.price_per_hour'}{heard}{counted})" if price is not None else
              f"the price per hour comes from {source}" if source else
              "price per hour not given (placement.price_per_hour)"]
     grace = f"the cluster ends within placement.stop_grace {_span(budget.stop_grace_s)} after it"
@@ -245,6 +247,21 @@ def _cost_line(provider, plan, neutral: bool = False) -> str | None:
     if retries is not None:
         words.append(_retry_words(provider, plan, retries, cap is not None or by_cost))
     return "  cost      " + "; ".join(words)
+
+
+def _group_prices(plan) -> str | None:
+    """Each group's price and what the split saves against every node at the dearest group's price (one node
+    type for all roles, as a task without groups runs): None where the groups give no prices."""
+    groups = plan.groups
+    if not groups or groups[0].price_per_hour is None:
+        return None
+    each = " + ".join(f"{g.name} {g.nodes} x ${g.price_per_hour:.2f}" for g in groups)
+    dearest = max(groups, key=lambda g: g.price_per_hour)
+    one_type = plan.nodes * dearest.price_per_hour
+    saved = one_type - plan.task_price
+    split = (f"; every node at {dearest.name}'s ${dearest.price_per_hour:.2f}/h would be ${one_type:.2f}/h: the "
+             f"groups save ${saved:.2f}/h ({saved / one_type:.0%})" if saved > 0 else "")
+    return f"groups[i].price_per_hour per node: {each}{split}"
 
 
 def _retry_words(provider, plan, retries, capped: bool) -> str:

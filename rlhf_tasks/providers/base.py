@@ -316,8 +316,11 @@ class Provider:
     def ignored_words(self, plan: Plan) -> list[str]:
         """`placement.F: ignored on NAME: why` for each field of `ignores` the task sets."""
         placement = plan.placement
-        return [f"placement.{field}: ignored on {self.name}: {why}" for field, why in self.ignores.items()
+        said = [f"placement.{field}: ignored on {self.name}: {why}" for field, why in self.ignores.items()
                 if field in placement.model_fields_set and getattr(placement, field) not in (None, False, [], "off")]
+        if "price_per_hour" in self.ignores and plan.groups and plan.groups[0].price_per_hour is not None:
+            said.append(f"groups[i].price_per_hour: ignored on {self.name}: {self.ignores['price_per_hour']}")
+        return said
 
     def shared_storage_warning(self, plan: Plan) -> str | None:
         """Why a multi-node task's checkpoints would be seen by one node only here, if so

@@ -119,7 +119,7 @@ class DstackProvider(DstackRender):
     def counted_plan(self, plan: Plan, answer: dict) -> Plan:
         """The plan with the price its head counts: dstack's plan's (plan_price), where it prices the offers; the
         task's otherwise. BadInput, before anything is submitted, for a cap no price can count."""
-        price = plan_price(answer, plan.placement.price_per_hour)
+        price = plan_price(answer, plan.task_price)
         if price is None and plan.budget.max_cost is not None:
             raise BadInput(f"placement.max_cost: dstack's plan for {plan.name} prices its offers at $0 (an SSH fleet's "
                            f"hosts: dstack knows no price of them), so the head agent could not count the cost; give "

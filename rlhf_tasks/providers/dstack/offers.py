@@ -27,13 +27,14 @@ _GPU_MEMORY_SUFFIX = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*?)[-_](?P<mem
 
 
 def max_price(plan: Plan) -> float | None:
-    """placement.price_per_hour (the whole cluster's) as dstack's `max_price`, "The maximum instance price per
+    """The task's price (placement.price_per_hour, or its groups' per node) as dstack's `max_price`, "The maximum instance price per
     hour" (core/models/profiles.py, Profile.max_price): an offer filter on every instance (gpuhunt's QueryFilter
     through backends/base/offers.py requirements_to_query_filter, and on a fleet's instances through
-    server/services/instances.py instance_matches_constraints), so the cluster's price split over its nodes, rounded
-    up to 1/10000 of a dollar (an offer at the bound stays). None without a price, or a free one (dstack wants > 0)."""
-    price = plan.placement.price_per_hour
-    return math.ceil(price / plan.nodes * 10000) / 10000 if price else None
+    server/services/instances.py instance_matches_constraints), so one node's bound (Plan.node_price_bound: the
+    cluster's price split over its nodes, or the dearest group's price per node), rounded up to 1/10000 of a dollar
+    (an offer at the bound stays). None without a price, or a free one (dstack wants > 0)."""
+    price = plan.node_price_bound
+    return math.ceil(price * 10000) / 10000 if price else None
 
 
 def plan_price(answer: dict, task_price: float | None) -> float | None:

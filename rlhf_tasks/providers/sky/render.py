@@ -250,8 +250,8 @@ class SkyRender(Provider):
             resources["image_id"] = f"docker:{plan.image}"
         if placement.spot != "off":
             resources["use_spot"] = True
-        if placement.price_per_hour:  # "the maximum hourly cost (in USD) for instances" (sky/resources.py Resources)
-            resources["max_hourly_cost"] = math.ceil(placement.price_per_hour / plan.nodes * 10000) / 10000
+        if plan.node_price_bound:  # "the maximum hourly cost (in USD) for instances" (sky/resources.py Resources)
+            resources["max_hourly_cost"] = math.ceil(plan.node_price_bound * 10000) / 10000
         if placement.retry:  # the job's own failure only when asked (placement.retry.errors)
             resources["job_recovery"] = {"strategy": "EAGER_NEXT_REGION",
                                          "max_restarts_on_errors": placement.retry_errors}
