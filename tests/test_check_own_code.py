@@ -30,6 +30,7 @@ from rlhf_tasks.recipes.verl import VERL_VERSION
 
 import frameworks
 from conftest import ROOT, need
+from test_providers_render import tasks_for
 
 VERL_TASK = {"name": "t", "nodes": 2, "resources": {"gpus": "H100:8"}, "checkpoints": {"path": "/ckpt"},
              "job": {"recipe": "verl-ppo", "working_dir": None}}
@@ -294,7 +295,7 @@ def test_every_shipped_task_passes_what_it_is_asked(tmp_path, capsys, monkeypatc
     runtime.mkdir(parents=True)
     shutil.copy(ROOT / "tests/sky/accelerators.csv", runtime / "accelerators.csv")
     monkeypatch.setenv("SKY_RUNTIME_DIR", str(tmp_path / "sky-runtime"))
-    for path in sorted((ROOT / "tasks").glob("*.yaml")):
+    for path in tasks_for(provider):
         code, out, err = check(capsys, str(path), provider)
         assert code == 0, (path, err)
         assert "not checked: verl" not in out and "not checked: openrlhf" not in out, out

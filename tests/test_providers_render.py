@@ -20,12 +20,18 @@ from conftest import ROOT, need
 TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
 GOLDEN = {"dstack": ROOT / "providers" / "dstack", "sky": ROOT / "providers" / "skypilot",
           "slurm": ROOT / "providers" / "slurm", "kuberay": ROOT / "providers" / "kuberay"}
-#: Tasks a provider refuses (KubeRay always starts Ray; torchrun runs without it): no golden copy.
-REFUSED = {"kuberay": {"openrlhf-dpo-llama3-8b.yaml"}}
+#: Tasks a provider refuses (KubeRay always starts Ray; torchrun runs without it; SkyPilot renders no node groups,
+#: tests/test_groups.py): no golden copy.
+REFUSED = {"kuberay": {"openrlhf-dpo-llama3-8b.yaml"}, "sky": {"openrlhf-ppo-groups.yaml"}}
 #: Slurm also keeps these tasks rendered with the other ways of running an image.
 SLURM_VARIANTS = {"verl-ppo-gsm8k-mi300x.yaml": ("docker", "pyxis"), "openrlhf-dpo-llama3-8b.yaml": ("docker", "podman")}
 AGENT_LEFT_OUT = "# (here the script holds a shipped file verbatim: the node agent or a module; left out of this copy)"
 REFRESH = "python tests/test_providers_render.py  (or: make golden)"
+
+
+def tasks_for(provider_name: str) -> list[Path]:
+    """The shipped tasks the provider renders."""
+    return [path for path in TASKS if path.name not in REFUSED.get(provider_name, ())]
 
 
 def rendered(provider_name: str, task_path: Path) -> dict[str, str]:
@@ -89,7 +95,7 @@ def _dstack_parser():
     return parse_apply_configuration
 
 
-@pytest.mark.parametrize("task_path", TASKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("task_path", tasks_for("dstack"), ids=lambda p: p.stem)
 def test_dstack_parser_accepts_every_task(task_path):
     parse = _dstack_parser()
     files = rendered("dstack", task_path)
@@ -122,7 +128,7 @@ def _sky():
     return sky, common_utils, schemas
 
 
-@pytest.mark.parametrize("task_path", TASKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("task_path", tasks_for("sky"), ids=lambda p: p.stem)
 def test_skypilot_accepts_every_task(task_path, tmp_path, monkeypatch):
     sky, common_utils, schemas = _sky()
     files = rendered("sky", task_path)
@@ -152,7 +158,7 @@ def test_skypilot_schema_rejects_an_unknown_field():
 
 @pytest.mark.parametrize("provider_name", ["dstack", "sky"])
 def test_our_ray_never_takes_skypilots_ports(provider_name):
-    for task_path in TASKS:
+    for task_path in tasks_for(provider_name):
         plan = providers.get(provider_name).plan(load_task(task_path))
         ours = {plan.ray.port, plan.ray.dashboard_port, plan.ray.client_server_port}
         if provider_name == "sky":
@@ -164,7 +170,7 @@ def test_our_ray_never_takes_skypilots_ports(provider_name):
 def test_rendered_files_hold_no_secret_values(provider_name, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-secret-value")
-    for task_path in TASKS:
+    for task_path in tasks_for(provider_name):
         for text in rendered(provider_name, task_path).values():
             assert "wandb-secret-value" not in text and "ray-secret-value" not in text
 
