@@ -177,3 +177,32 @@ def test_check_says_where_the_retriever_and_the_trainer_run(tmp_path, capsys, rl
     assert "Search-R1's verl fork places its trainer workers on any GPU node" in out, out
     assert "(they count 2 node(s) x 8 GPUs)" in out and "group retr's nodes join Ray with their GPUs, so Ray may place trainer workers there too" in out, out
 
+
+# --- verl: its resource pools are GPU counts, placed on any node ------------------------------------------------
+
+def verl(**args) -> dict:
+    return {"name": "verl-groups", "preflight": "off", "checkpoints": {"path": "/ck"},
+            "groups": [{"name": "train", "nodes": 2, "resources": {"gpus": "H100:8"}},
+                       {"name": "more", "nodes": 1, "resources": {"gpus": "L40S:4"}},
+                       {"name": "cpu", "nodes": 1, "resources": {"cpus": 8}}],
+            "job": {"recipe": "verl-ppo", "working_dir": None, "args": {"train_batch_size": 1200, "ppo_mini_batch_size": 240, **args}}}  # x 12 GPUs
+
+
+def test_verl_counts_every_gpu_group_at_its_fewest_gpus(rlhf_home):
+    values = hydra(plan(verl()).job.entrypoint)
+    assert values["trainer.nnodes"] == "3" and values["trainer.n_gpus_per_node"] == "4"
+
+
+def test_check_says_verl_confines_no_role_to_a_group(tmp_path, capsys, rlhf_home):
+    code, out = check_exit(tmp_path, capsys, verl(), "--provider", "slurm")
+    assert code == 0, out
+    assert "verl places its resource pools on any GPU node" in out and "_init_resource_pool_mgr" in out, out
+    assert "(they count 3 node(s) x 4 GPUs)" in out, out
+
+
+def test_check_says_nothing_of_groups_for_a_task_without_them(tmp_path, capsys, rlhf_home):
+    data = verl()
+    del data["groups"]
+    data.update(nodes=2, resources={"gpus": "H100:8"})
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
+    assert code == 0 and "on any GPU node" not in out, out
