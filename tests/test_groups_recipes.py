@@ -2,7 +2,8 @@
 (`job.args.reward_where: group NAME`): OpenRLHF 0.11.2's train_ppo_ray.py builds every role's placement group of
 {"GPU": 1, "CPU": 1} bundles (strategy PACK) and never passes RayActorGroup its `resources` (trainer/ray/launcher.py),
 so no flag confines a role to a group's nodes; the reward model alone leaves Ray, as openrlhf.cli.serve_rm behind
---reward.remote_url."""
+--reward.remote_url. Search-R1's retriever on a group of its own (`job.args.retriever_where`), and what check says
+of verl's and Search-R1's fork's placement, which confines no role to a group."""
 
 from __future__ import annotations
 
