@@ -2,7 +2,8 @@
 (`job.args.reward_where: group NAME`): OpenRLHF 0.11.2's train_ppo_ray.py builds every role's placement group of
 {"GPU": 1, "CPU": 1} bundles (strategy PACK) and never passes RayActorGroup its `resources` (trainer/ray/launcher.py),
 so no flag confines a role to a group's nodes; the reward model alone leaves Ray, as openrlhf.cli.serve_rm behind
---reward.remote_url."""
+--reward.remote_url. Search-R1's retriever on a group of its own (`job.args.retriever_where`), and what check says
+of verl's and Search-R1's fork's placement, which confines no role to a group."""
 
 from __future__ import annotations
 
@@ -87,3 +88,122 @@ def test_a_task_without_groups_has_no_group_to_serve_on(tmp_path, capsys, rlhf_h
     code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
     assert code == 2 and "job.args.reward_where" in out and "it has no groups" in out, out
 
+
+
+# --- Search-R1's retriever on a group of its own (job.args.retriever_where) -----------------------------------
+# Search-R1's verl fork (github.com/PeterGriffinJin/Search-R1 at a14dc3a): verl/trainer/main_ppo.py builds
+# resource_pool_spec {global_pool: [n_gpus_per_node] * nnodes}, and verl/single_controller/ray/base.py
+# RayResourcePool.get_placement_groups makes one STRICT_PACK placement group of {"CPU", "GPU": 1} bundles per
+# node: GPU counts with no node constraint, so its trainer workers may land on any GPU node.
+
+def search(retriever: dict | None = None, **args) -> dict:
+    base = {"faiss_gpu": False}
+    base.update(args)
+    groups = [{"name": "train", "nodes": 2, "resources": {"gpus": "H100:8"}}]
+    if retriever is not None:
+        groups.append({"name": "retr", "nodes": 1, "resources": retriever})
+    return {"name": "search-groups", "preflight": "off", "checkpoints": {"path": "/ck", "resume": "never"},
+            "groups": groups, "job": {"recipe": "search-r1", "working_dir": None, "args": base}}
+
+
+def hydra(argv) -> dict:
+    return dict(item.split("=", 1) for item in argv[3:])
+
+
+def test_the_retriever_runs_on_its_cpu_group_and_the_trainer_asks_it_there(rlhf_home):
+    p = plan(search({"cpus": 16}, retriever_where="group retr"))
+    (service,) = p.services
+    assert service.where == "group retr" and "--faiss_gpu" not in service.command
+    # ready when it answers on the address the trainer asks, not only on the node's loopback
+    assert service.ready.http == "http://{node_addr}:8000/retrieve"
+    values = hydra(p.job.entrypoint)
+    assert values["retriever.url"] == "http://{group_addr:retr}:8000/retrieve"
+    assert values["trainer.nnodes"] == "2" and values["trainer.n_gpus_per_node"] == "8"
+
+
+def test_a_gpu_retriever_group_is_not_counted_by_the_trainer(rlhf_home):
+    """without_group: the trainer counts the train group's 2 x 8, not every GPU group at its fewest (3 x 1)."""
+    p = plan(search({"gpus": "L4:1"}, retriever_where="group retr", faiss_gpu=True))
+    (service,) = p.services
+    assert service.where == "group retr" and "--faiss_gpu" in service.command
+    values = hydra(p.job.entrypoint)
+    assert values["trainer.nnodes"] == "2" and values["trainer.n_gpus_per_node"] == "8"
+
+
+def test_every_node_stays_the_default_with_groups(rlhf_home):
+    p = plan(search({"gpus": "L4:4"}, train_batch_size=528))  # a multiple of 3 x 4
+    (service,) = p.services
+    assert service.where == "every_node" and service.ready.http == "http://127.0.0.1:8000/retrieve"
+    values = hydra(p.job.entrypoint)
+    assert values["retriever.url"] == "http://127.0.0.1:8000/retrieve"
+    assert values["trainer.nnodes"] == "3" and values["trainer.n_gpus_per_node"] == "4"  # every GPU group, fewest
+
+
+@pytest.mark.parametrize("data, words", [
+    (search({"cpus": 16}, retriever_where="group rtr"),
+     "job.args.retriever_where: infeasible allocation: the task has no group 'rtr' (its groups: train, retr)"),
+    (search({"cpus": 16}, retriever_where="group train"),
+     "job.args.retriever_where: infeasible allocation: group train is the trainer's"),
+    (search({"cpus": 16}, retriever_where="group retr", faiss_gpu=True),
+     "job.args.retriever_where, job.args.faiss_gpu: infeasible allocation: group retr has no GPUs"),
+    (search({"cpus": 16}, faiss_gpu=True),
+     "job.args.retriever_where, job.args.faiss_gpu: infeasible allocation: group retr has no GPUs"),
+    (search({"gpus": "H100:8"}, retriever_where="group retr", train_batch_size=520),
+     "job.args.train_batch_size, job.args.n_agent: infeasible allocation: train_batch_size x n_agent = 520 x 1 = "
+     "520 is not divisible by the cluster's 16 GPUs"),
+])
+def test_a_retriever_group_that_cannot_work_is_refused_naming_the_argument(tmp_path, capsys, rlhf_home, data, words):
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
+    assert code == 2 and words in out, out
+
+
+def test_a_task_without_groups_has_no_group_for_the_retriever(tmp_path, capsys, rlhf_home):
+    data = search(retriever_where="group retr")
+    del data["groups"]
+    data.update(nodes=2, resources={"gpus": "H100:8"})
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
+    assert code == 2 and "job.args.retriever_where" in out and "it has no groups" in out, out
+
+
+def test_retriever_where_is_a_place_or_a_group(tmp_path, capsys, rlhf_home):
+    code, out = check_exit(tmp_path, capsys, search({"cpus": 16}, retriever_where="head"), "--provider", "slurm")
+    assert code == 2 and "job.args.retriever_where" in out, out
+
+
+def test_check_says_where_the_retriever_and_the_trainer_run(tmp_path, capsys, rlhf_home):
+    code, out = check_exit(tmp_path, capsys, search({"gpus": "L4:8"}, retriever_where="group retr"),
+                           "--provider", "slurm")
+    assert code == 0, out
+    assert "retriever: on group retr (every node of it), the trainer asking http://{group_addr:retr}:8000" in out, out
+    assert "Search-R1's verl fork places its trainer workers on any GPU node" in out, out
+    assert "(they count 2 node(s) x 8 GPUs)" in out and "group retr's nodes join Ray with their GPUs, so Ray may place trainer workers there too" in out, out
+
+
+# --- verl: its resource pools are GPU counts, placed on any node ------------------------------------------------
+
+def verl(**args) -> dict:
+    return {"name": "verl-groups", "preflight": "off", "checkpoints": {"path": "/ck"},
+            "groups": [{"name": "train", "nodes": 2, "resources": {"gpus": "H100:8"}},
+                       {"name": "more", "nodes": 1, "resources": {"gpus": "L40S:4"}},
+                       {"name": "cpu", "nodes": 1, "resources": {"cpus": 8}}],
+            "job": {"recipe": "verl-ppo", "working_dir": None, "args": {"train_batch_size": 1200, "ppo_mini_batch_size": 240, **args}}}  # x 12 GPUs
+
+
+def test_verl_counts_every_gpu_group_at_its_fewest_gpus(rlhf_home):
+    values = hydra(plan(verl()).job.entrypoint)
+    assert values["trainer.nnodes"] == "3" and values["trainer.n_gpus_per_node"] == "4"
+
+
+def test_check_says_verl_confines_no_role_to_a_group(tmp_path, capsys, rlhf_home):
+    code, out = check_exit(tmp_path, capsys, verl(), "--provider", "slurm")
+    assert code == 0, out
+    assert "verl places its resource pools on any GPU node" in out and "_init_resource_pool_mgr" in out, out
+    assert "(they count 3 node(s) x 4 GPUs)" in out, out
+
+
+def test_check_says_nothing_of_groups_for_a_task_without_them(tmp_path, capsys, rlhf_home):
+    data = verl()
+    del data["groups"]
+    data.update(nodes=2, resources={"gpus": "H100:8"})
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
+    assert code == 0 and "on any GPU node" not in out, out

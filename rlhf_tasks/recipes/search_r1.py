@@ -1,8 +1,10 @@
 """search-r1: Search-R1's PPO/GRPO (its own fork of verl, `python3 -m verl.trainer.main_ppo`)
-with the retriever it searches through running on every node.
+with the retriever it searches through running on every node, or on a node group of its own
+(`retriever_where: group NAME`, a CPU group for a CPU index).
 
 The multi-node guide launches the same retriever on every node and points the trainer at
-127.0.0.1:8000, so every rollout worker queries its own node. Here each retriever is ready
+127.0.0.1:8000, so every rollout worker queries its own node; on a group, the trainer asks that
+group's node at {group_addr:NAME}. Here each retriever is ready
 only when it answers a real query; rank 0 downloads the index, corpus and NQ data once
 into the shared checkpoint directory before any retriever starts. Search-R1's fork
 predates verl's resume_mode and checks batches differently from verl 0.9, hence its own
@@ -16,18 +18,26 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ..models import require_absolute
-from .base import JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible
+from .base import (WHERE_PATTERN, GroupShape, JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible,
+                   role_group, without_group)
 from .metrics import VerlReader
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
 #: search_r1/search/retrieval_server.py: uvicorn on 0.0.0.0:8000 (fixed), POST /retrieve.
-RETRIEVER_URL = "http://127.0.0.1:8000/retrieve"
+RETRIEVER_AT = "http://{host}:8000/retrieve"
+RETRIEVER_URL = RETRIEVER_AT.format(host="127.0.0.1")
 #: The retriever's encoder (the guide's retrieval_launch.sh): every node's retriever loads it from the hub.
 RETRIEVER_ENCODER = "intfloat/e5-base-v2"
 
 #: Search-R1's verl/trainer/config/ppo_trainer.yaml keys the recipe fills from the task.
 OWNED = {"trainer.nnodes", "trainer.n_gpus_per_node", "trainer.default_local_dir", "trainer.logger",
          "data.train_files", "data.val_files", "retriever.url"}
+
+#: What check says of the fork's placement with node groups (github.com/PeterGriffinJin/Search-R1 at a14dc3a).
+CONFINE_NOTE = ("Search-R1's verl fork places its trainer workers on any GPU node: verl/trainer/main_ppo.py's "
+                "resource_pool_spec is {global_pool: [n_gpus_per_node] * nnodes} and verl/single_controller/ray/"
+                "base.py RayResourcePool.get_placement_groups makes one STRICT_PACK placement group of {CPU, GPU: 1} "
+                "bundles per node, with no node constraint")
 
 
 class SearchR1Args(StrictModel):
@@ -43,7 +53,11 @@ class SearchR1Args(StrictModel):
     data_dir: str | None = Field(None, description="NQ search data, prepared on rank 0 (absolute); default: "
                                  "<checkpoints>/data/nq_search")
     faiss_gpu: bool = Field(True, description="retriever index on the GPUs (faster; its memory is outside Ray's "
-                            "accounting, so keep gpu_memory_utilization moderate)")
+                            "accounting, so keep gpu_memory_utilization moderate); false on a CPU group")
+    retriever_where: str = Field("every_node", pattern=rf"^(every_node|{WHERE_PATTERN})$", description=(
+        "where the retriever runs: every_node (each node's trainer workers ask their own at 127.0.0.1:8000), or "
+        "`group NAME` (every node of that node group, not the first; the trainer asks its node at "
+        "{group_addr:NAME}); the trainer then counts the other GPU groups"))
     topk: int = Field(3, ge=1, description="passages per search")
     max_turns: int = Field(4, ge=1, description="search turns per rollout")
     train_batch_size: int = Field(512, ge=1)
@@ -75,7 +89,7 @@ class SearchR1Args(StrictModel):
 
 
 class SearchR1Job(JobBase):
-    """Search-R1 PPO/GRPO with a retriever on every node."""
+    """Search-R1 PPO/GRPO with a retriever on every node or on a node group."""
 
     recipe_summary = "Search-R1 PPO / GRPO (its verl fork) with a retrieval server on every node"
     recipe_needs = ("Search-R1 checked out at repo_dir and installed on every node; a retriever environment "
@@ -88,7 +102,7 @@ class SearchR1Job(JobBase):
         return VerlReader(total=self.args.total_training_steps)
 
     def ask_framework(self, argv: list[str]) -> list[str]:
-        return ["Search-R1's Hydra config: not checked: Search-R1 is not on PyPI (the nodes install its verl fork "
+        return self._placement + ["Search-R1's Hydra config: not checked: Search-R1 is not on PyPI (the nodes install its verl fork "
                 "from its repository)"]
 
     def build(self, shape: Shape) -> RecipeOutput:
@@ -103,6 +117,10 @@ class SearchR1Job(JobBase):
         if shape.gpus_per_node == 0:
             raise infeasible("Search-R1 trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8",
                              fields=("resources.gpus",))
+        group, shape = _retriever_group(a, shape)
+        # check prints these with what it asked (ask_framework follows build on the same job)
+        self._placement = _placement_lines(group, shape) if shape.groups else []
+        url = RETRIEVER_AT.format(host=f"{{group_addr:{group.name}}}") if group else RETRIEVER_URL
         gpus = shape.nodes * shape.gpus_per_node
         if a.estimator == "grpo" and a.n_agent < 2:
             raise infeasible(f"grpo compares rollouts of the same prompt but n_agent is {a.n_agent}",
@@ -141,12 +159,13 @@ class SearchR1Job(JobBase):
         ]
         retriever = Service.model_validate({
             "name": "retriever",
-            "where": "every_node",
+            "where": a.retriever_where,
             "command": (f"cd {repo} && {a.retriever_python} search_r1/search/retrieval_server.py "
                         f"--index_path {index}/e5_Flat.index --corpus_path {index}/wiki-18.jsonl --topk {a.topk} "
                         f"--retriever_name e5 --retriever_model {RETRIEVER_ENCODER}"
                         + (" --faiss_gpu" if a.faiss_gpu else "")),
-            "ready": {"http": RETRIEVER_URL, "method": "POST",
+            # on a group: ready when it answers on the address the trainer asks
+            "ready": {"http": RETRIEVER_AT.format(host="{node_addr}") if group else RETRIEVER_URL, "method": "POST",
                       "json": {"queries": ["Who wrote Hamlet?"], "topk": a.topk, "return_scores": True}},
             "timeout": "30m",  # loading the ~60 GB flat index
         })
@@ -208,7 +227,7 @@ class SearchR1Job(JobBase):
             f"trainer.total_training_steps={'null' if a.total_training_steps is None else a.total_training_steps}",
             f"trainer.default_local_dir={ckpt}",
             f"max_turns={a.max_turns}",
-            f"retriever.url={RETRIEVER_URL}",
+            f"retriever.url={url}",
             f"retriever.topk={a.topk}",
             *a.extra_overrides,
         ]
@@ -216,16 +235,46 @@ class SearchR1Job(JobBase):
             entrypoint=["python3", "-m", "verl.trainer.main_ppo", *overrides],
             prepare=prepare,
             services=[retriever],
-            node_inputs=[index_dir],  # every node's retriever reads what rank 0 downloaded
+            node_inputs=[index_dir],  # every retriever (each node's, or its group's) reads what rank 0 downloaded
             # Search-R1's verl/trainer/runtime_env.yaml (vLLM with Qwen2 and flash-attn misbehaves).
             env={"VLLM_ATTENTION_BACKEND": "XFORMERS", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
             excludes=EXCLUDES + ["*.index"],
             wandb_args=["trainer.logger=[console,wandb]"] + (
                 [f"trainer.project_name={shape.wandb.project}"] if shape.wandb and shape.wandb.project else []),
-            summary={"checkpoints": ckpt, "retriever": RETRIEVER_URL, "index": index_dir},
+            summary={"checkpoints": ckpt, "retriever": url, "index": index_dir},
             checkpoint_files=["global_step_*"],  # verl's trainer: <default_local_dir>/global_step_N
             # `ulimit -n 65535` before the job: Search-R1's docs/multinode.md and example/multinode/*.sh
             # (github.com/PeterGriffinJin/Search-R1 at a14dc3a)
             open_files=65535,
             models=hub_models(a.model, RETRIEVER_ENCODER),  # the policy (actor, critic, reference); the retriever's
         )
+
+
+def _retriever_group(a: SearchR1Args, shape: Shape) -> tuple[GroupShape | None, Shape]:
+    """With retriever_where: group NAME, that group and the shape of the other GPU groups the trainer counts; else
+    (None, shape). A faiss_gpu index on a group without GPUs is refused (the retriever's --faiss_gpu needs them)."""
+    name = role_group(a.retriever_where, shape, "retriever_where", "retriever")
+    group = next((g for g in shape.groups if g.name == name), None)
+    places = [group] if group else shape.groups
+    cpu = next((g for g in places if not g.gpus_per_node), None)
+    if a.faiss_gpu and cpu is not None:
+        runs = "the retriever runs there" if group else "the retriever runs on every node (retriever_where: every_node)"
+        raise infeasible(f"group {cpu.name} has no GPUs, and {runs} with its index on the GPUs (faiss_gpu: true, "
+                         f"retrieval_server.py --faiss_gpu)", "set faiss_gpu: false (the index in CPU memory)"
+                         + ("" if group else f", or retriever_where: group {cpu.name}"),
+                         args=("retriever_where", "faiss_gpu"))
+    return group, without_group(shape, name, "retriever_where", "retriever") if group else shape
+
+
+def _placement_lines(group: GroupShape | None, trainer: Shape) -> list[str]:
+    """What check says of where the retriever and the trainer's workers run with node groups."""
+    lines = [CONFINE_NOTE + f" (they count {trainer.nodes} node(s) x {trainer.gpus_per_node} GPUs)"]
+    if group is None:
+        lines.append("retriever: on every node, each node's workers asking their own at 127.0.0.1:8000")
+        return lines
+    ray = (f"group {group.name}'s nodes join Ray with their GPUs, so Ray may place trainer workers there too"
+           if group.gpus_per_node else
+           f"group {group.name}'s nodes join Ray without GPUs, so no trainer worker lands there")
+    lines.append(f"retriever: on group {group.name} (every node of it), the trainer asking "
+                 f"{RETRIEVER_AT.format(host=f'{{group_addr:{group.name}}}')}; {ray}")
+    return lines

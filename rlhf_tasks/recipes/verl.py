@@ -28,6 +28,14 @@ GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"
 OWNED = {"trainer.nnodes", "trainer.n_gpus_per_node", "trainer.default_local_dir", "trainer.resume_mode",
          "trainer.logger", "data.train_files", "data.val_files"}
 
+#: What check says of verl's placement with node groups (verl 0.9.1, read in its wheel).
+CONFINE_NOTE = ("verl places its resource pools on any GPU node: verl/trainer/ppo/v1/trainer_base.py "
+                "_init_resource_pool_mgr builds {global_pool: [n_gpus_per_node] * nnodes} (and a reward_pool of GPU "
+                "counts with reward.reward_model.enable_resource_pool), and verl/single_controller/ray/base.py "
+                "ResourcePoolManager.create_resource_pool passes RayResourcePool no accelerator_type, so each pool is "
+                "STRICT_PACK placement groups of {CPU, GPU: 1} bundles on whichever nodes have the GPUs free: no role "
+                "(actor, rollout, reference, critic, reward model) can be confined to a group")
+
 #: Kept out of the uploaded working_dir, besides the plan's defaults: Hydra's run directories.
 EXCLUDES = ["outputs/", "multirun/", "*.log"]
 
@@ -156,7 +164,7 @@ class VerlPPOJob(JobBase):
         return VerlReader()
 
     def ask_framework(self, argv: list[str]) -> list[str]:
-        return ask_verl(argv[3:], self.args.extra_overrides)
+        return self._placement + ask_verl(argv[3:], self.args.extra_overrides)
 
     def build(self, shape: Shape) -> RecipeOutput:
         a = self.args
@@ -167,6 +175,10 @@ class VerlPPOJob(JobBase):
             raise infeasible("verl trains on GPUs but the task has none", "set resources.gpus, e.g. H100:8",
                              fields=("resources.gpus",))
         gpus = shape.nodes * shape.gpus_per_node
+        # check prints it with what it asked of verl (ask_framework follows build on the same job); shape_of counts
+        # every GPU group at its fewest GPUs per node, since the pools may land on any of them
+        self._placement = [CONFINE_NOTE + f" (they count {shape.nodes} node(s) x {shape.gpus_per_node} GPUs)"] \
+            if shape.groups else []
         if a.estimator in GROUP_ESTIMATORS and a.rollout_n < 2:
             raise infeasible(f"{a.estimator} compares responses to the same prompt but rollout_n is {a.rollout_n}",
                              "set rollout_n to 2 or more (e.g. 5)", args=("rollout_n", "estimator"))
