@@ -31,7 +31,11 @@ def max_price(plan: Plan) -> float | None:
     hour" (core/models/profiles.py, Profile.max_price): an offer filter on every instance (gpuhunt's QueryFilter
     through backends/base/offers.py requirements_to_query_filter, and on a fleet's instances through
     server/services/instances.py instance_matches_constraints), so the cluster's price split over its nodes, rounded
-    up to 1/10000 of a dollar (an offer at the bound stays). None without a price, or a free one (dstack wants > 0)."""
+    up to 1/10000 of a dollar (an offer at the bound stays). None without a price, or a free one (dstack wants > 0).
+    With node groups too: dstack has one max_price for the run, which every group's jobs ask alike
+    (server/services/jobs/configurators/base.py _requirements: the run profile's max_price, beside the group's
+    own resources), so the bound that holds the whole at price_per_hour is the whole split over every group's
+    nodes, and a group whose nodes cost more than that share finds no offer (DstackRender.notes says so)."""
     price = plan.placement.price_per_hour
     return math.ceil(price / plan.nodes * 10000) / 10000 if price else None
 
