@@ -1,4 +1,5 @@
-"""dstack: one `type: task` configuration with `nodes: N`, applied with `dstack apply`.
+"""dstack: one `type: task` configuration with `nodes: N` (or, for a task's node groups, dstack's own `groups:`,
+render.DstackRender.node_groups), applied with `dstack apply`.
 
 dstack starts the same commands on every node and sets DSTACK_NODE_RANK,
 DSTACK_MASTER_NODE_IP and DSTACK_NODES_NUM; the node agent reads them. Only job 0's

@@ -1,7 +1,7 @@
 """dstack's pure half (the package's `__init__` adds `launch`, `down`, `forward` through dstack's CLI and
 API): `check` (what dstack would refuse or lose money on, and, where dstack is installed here, its own
 configuration models and gpuhunt's GPU table), the plan the nodes read, and the two rendered files: the
-`type: task` configuration with `nodes: N` and the fleet it runs on.
+`type: task` configuration with `nodes: N` (or a task's node groups as dstack's `groups:`) and the fleet it runs on.
 """
 
 from __future__ import annotations
