@@ -259,8 +259,8 @@ class DstackRender(Provider):
         options = dstack_placement(plan.placement)
         if run_image(plan) and (options.user is None or options.cpu_arch is None):
             missing = " and ".join(f for f in ("user", "cpu_arch") if getattr(options, f) is None)
-            out.append(f"image {run_image(plan)}: without placement.dstack.{missing}, dstack's server reads the image's "
-                       f"configuration from its registry when the run is submitted (a private registry needs "
+            out.append(f"image {run_image(plan)}: without placement.dstack.{missing}, dstack's server reads the "
+                       f"image's configuration from its registry when the run is submitted (a private registry needs "
                        f"placement.dstack.registry_auth; an image the registry cannot serve fails the run)")
         if plan.groups and max_price(plan):
             out.append(f"placement.price_per_hour: dstack's max_price is one bound on every instance of the run, each "
