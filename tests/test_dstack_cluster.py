@@ -162,10 +162,14 @@ def test_fleet_is_provisioned_by_the_server_over_ssh(dstack_bed, dstack_fleet):
         assert "added by dstack" in bed.tb.sh(h, "cat /root/.ssh/authorized_keys", cwd="/")
     out = bed.cli("fleet").output
     assert dstack_fleet in out, out
-    # the offer is what the shim's host_info.json said: 2 CPUs, no GPU, the free disk under /var/lib/docker
+    # the offer is what each shim's host_info.json said: its played CPUs (2 and 4), no GPU, the free disk under
+    # /var/lib/docker
     fleet = bed.api("/api/project/main/fleets/get", {"name": dstack_fleet})
-    res = fleet["instances"][0]["instance_type"]["resources"]
-    assert res["cpus"] == os.cpu_count() and res["gpus"] == [] and 150_000 < res["disk"]["size_mib"] <= 204_800, res
+    cpus = {i["hostname"]: i["instance_type"]["resources"]["cpus"] for i in fleet["instances"]}
+    assert cpus == bed.cpus() and sorted(cpus.values()) == [2, 4], cpus
+    for instance in fleet["instances"]:
+        res = instance["instance_type"]["resources"]
+        assert res["gpus"] == [] and 150_000 < res["disk"]["size_mib"] <= 204_800, res
 
 
 def test_multinode_task_gets_dstack_environment(dstack_bed, dstack_fleet, tmp_path):
@@ -233,9 +237,11 @@ def _why(bed, run, cwd):
 
 def tiny_grpo(tmp_path, steps: int, nodes: int = 2, **changes):
     """tasks/tiny-grpo.yaml on `nodes` hosts with fewer steps (its `resources.cpus: 1` renders `cpu: 1..`, which
-    the hosts' two CPUs meet)."""
+    every host's CPUs meet), or on node groups (`groups=`: instead of its nodes and resources)."""
     task = yaml.safe_load((ROOT / "tasks" / "tiny-grpo.yaml").read_text())
     task["nodes"] = nodes
+    if "groups" in changes:
+        del task["nodes"], task["resources"]
     task["job"]["args"].update(steps=steps, save_every=5)
     task["preflight"] = "off"
     task.update(changes)
@@ -283,6 +289,17 @@ def test_launch_refuses_a_run_no_offer_fits_before_it_submits(dstack_bed, dstack
     runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": False, "include_jobs": False})
     assert "nogpu" not in [r["run_spec"]["run_name"] for r in runs]
     assert sorted(h for h, _ in _fleet_instances(bed, dstack_fleet)) == sorted(bed.fleet_hosts())
+    # node groups: dstack plans each group apart (server/services/runs/plan.py), and the refusal names the one no
+    # host fits (8 CPUs: the hosts have 2 and 4), not the one that fits
+    task = tiny_grpo(tmp_path, steps=10, name="nocpus", groups=[{"name": "trainer", "resources": {"cpus": 2}},
+                                                                {"name": "big", "resources": {"cpus": 8}}])
+    run = launcher(bed, tmp_path, ["launch", str(task), "--provider", "dstack"], timeout=180)
+    assert run.returncode == 2, run.output[-4000:]
+    said = re.search(r"dstack's plan for nocpus has no offer for 1 of its 2 jobs \(group big, groups\[1\]\.resources: "
+                     r"cpu=(x86:)?8\.\. ", run.output)
+    assert said and "then change groups[1].resources" in run.output, run.output[-3000:]
+    runs = bed.api("/api/runs/list", {"project_name": "main", "only_active": False, "include_jobs": False})
+    assert "nocpus" not in [r["run_spec"]["run_name"] for r in runs]
 
 
 def test_launch_refuses_a_cap_it_cannot_price_then_a_priced_job_of_a_second_succeeds_from_the_heads_result_line(
@@ -321,17 +338,27 @@ def test_launch_refuses_a_cap_it_cannot_price_then_a_priced_job_of_a_second_succ
     assert [j["job_submissions"][-1]["status"] for j in final["jobs"]] == ["done", "done"], dump(final)[-3000:]
 
 
+#: Two node groups on the fleet's hosts that differ (tests/dstack/server.py PLAYED_CPUS: 2 and 4 CPUs): the head's
+#: group asks 4 CPUs or more, which only the second host has, the other exactly 2, which only the first has.
+TWO_GROUPS = [{"name": "trainer", "nodes": 1, "resources": {"cpus": 4}},
+              {"name": "reward", "nodes": 1, "resources": {"cpus": 2, "exact": ["cpus"]}}]
+
+
 def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_path):
     """job.working_dir (src/ beside the task) goes through dstack's `files:` to the directory the job's commands
     run in, and the head submits the job from there: the job imports the module it holds (issue 37, item 1).
     The render applied by hand, as README says (`launch` of a job this short races its own end: the launcher
-    takes `dstack apply`'s exit before the cluster's for a lost head, whatever the head's result line says)."""
+    takes `dstack apply`'s exit before the cluster's for a lost head, whatever the head's result line says).
+    On two node groups (issue 46, item 6): dstack's own offer matching puts each group's job on the host whose
+    CPUs fit it (the first group's, job 0 and the head, on the 4-CPU host: not the fleet's first), as the
+    server's jobs say, and the head, which waits for every group's node with its group's Ray label, runs the job."""
     bed = dstack_bed
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "reward_fn.py").write_text("def score(x):\n    return 1.5\n")
     entry = "python3 -c 'import reward_fn; print(\"REWARD\", reward_fn.score(0))'"
     task = tiny_grpo(tmp_path, steps=10, name="wd", job={"recipe": "command", "working_dir": "src", "timeout": "5m",
-                                                          "max_restarts": 0, "args": {"entrypoint": entry}})
+                                                          "max_restarts": 0, "args": {"entrypoint": entry}},
+                     groups=TWO_GROUPS)
     render = launcher(bed, tmp_path, ["render", str(task), "--provider", "dstack", "-o", "out/"], timeout=120)
     assert render.returncode == 0, render.output
     # the Ray token as a dstack project secret, set by hand as the rendered file's header says
@@ -349,6 +376,12 @@ def test_the_tasks_working_dir_reaches_the_job(dstack_bed, dstack_fleet, tmp_pat
     logs = bed.cli("logs", "wd", cwd=tmp_path / "out").output
     assert "REWARD 1.5" in logs and "job wd-wd SUCCEEDED" in logs, logs[-4000:]
     assert "submitting job wd-wd with working_dir /opt/rlhf-tasks-workdir" in logs, logs[-4000:]
+    # where dstack put each group's job: its JobSpec's group and number, the instance it was provisioned on
+    by_cpus = {cpus: ip for ip, cpus in bed.cpus().items()}
+    placed = [(j["job_spec"]["job_num"], j["job_spec"]["node_group_name"],
+               j["job_submissions"][-1]["job_provisioning_data"]["hostname"], j["job_submissions"][-1]["status"])
+              for j in run["jobs"]]
+    assert sorted(placed) == [(0, "trainer", by_cpus[4], "done"), (1, "reward", by_cpus[2], "done")], dump(run)[-3000:]
 
 
 def test_a_failing_job_ends_failed_with_the_node_named_then_down_leaves_nothing(dstack_bed, dstack_fleet, tmp_path):

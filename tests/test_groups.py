@@ -117,15 +117,8 @@ def test_check_exits_2_naming_the_field(tmp_path, capsys, rlhf_home):
 def test_skypilot_refuses_groups_with_the_reason_its_own_code_gives(tmp_path, capsys, rlhf_home):
     code, out = check_exit(tmp_path, capsys, grouped(), "--provider", "sky")
     assert code == 2 and "groups: SkyPilot 0.14.1 gives every node of a task one resources block" in out, out
-    assert "_monitor_job_group_task" in out and "run the task with a provider that does (local, runpod, slurm, kuberay)" in out
-
-
-@pytest.mark.parametrize("name", ["dstack"])
-def test_other_providers_refuse_groups_at_check_for_now(name, tmp_path, capsys, rlhf_home):
-    code, out = check_exit(tmp_path, capsys, grouped(), "--provider", name)
-    assert code == 2, out
-    assert (f"groups: the {name} provider does not render node groups yet: run the task with a provider that does "
-            "(local, runpod, slurm, kuberay)") in out, out
+    assert "_monitor_job_group_task" in out, out
+    assert "run the task with a provider that does (local, dstack, runpod, slurm, kuberay)" in out, out
 
 
 def test_local_refuses_a_group_with_gpus_naming_it(tmp_path, capsys, rlhf_home):

@@ -20,6 +20,7 @@ import pty
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -32,6 +33,9 @@ from urllib.parse import parse_qs, urlparse
 VERSION = "@DSTACK_VERSION@"
 IMAGE_PATH = "@IMAGE_PATH@"
 DOCKER_ROOT = "/var/lib/docker"
+#: The CPUs each host's shim reports, by hostname (@PLAYED_CPUS@ is filled in when it is served: server.py
+#: PLAYED_CPUS): hosts that differ, so that dstack's own offer matching puts each node group on its hosts.
+PLAYED_CPUS = json.loads('@PLAYED_CPUS@')
 #: The one variable of ours in a job's environment: it marks the task's processes, which a container's
 #: teardown would kill (there is no container here).
 CONTAINER_MARK = "DSTACK_TEST_CONTAINER"
@@ -164,7 +168,8 @@ def host_info():
     except (OSError, ValueError):
         pass
     return {"gpu_vendor": "", "gpu_name": "", "gpu_memory": 0, "gpu_count": 0, "addresses": addrs,
-            "disk_size": st.f_bavail * st.f_bsize, "cpus": os.cpu_count() or 1, "memory": mem}
+            "disk_size": st.f_bavail * st.f_bsize, "cpus": PLAYED_CPUS.get(socket.gethostname(), os.cpu_count() or 1),
+            "memory": mem}
 
 
 class Task:

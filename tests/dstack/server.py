@@ -55,6 +55,11 @@ PROJECT = "main"
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 #: Each fleet host's disk as its shim reports it (free space under /var/lib/docker, a tmpfs of this size).
 DOCKER_DISK = "200g"
+#: The CPUs each fleet host's shim reports in `host_info.json` (by the host's index; the host's own count beyond
+#: them), which the server's offers for the SSH fleet's instances are made of: hosts that differ, so that a task's
+#: node groups (`resources.cpus` 4 and exactly 2) land each on its host by dstack's own offer matching. The played
+#: shim limits no job's CPUs, as it plays no container.
+PLAYED_CPUS = (2, 4)
 
 
 def cache_dir() -> Path:
@@ -292,7 +297,8 @@ class DstackBed:
         d.mkdir(parents=True, exist_ok=True)
         program = (HERE / "agent.py").read_text()
         body = f"#!{sys.executable} -I\n" + program.replace("@DSTACK_VERSION@", DSTACK_VERSION).replace(
-            "@IMAGE_PATH@", f"{tbmod.BIN_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            "@IMAGE_PATH@", f"{tbmod.BIN_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").replace(
+            "@PLAYED_CPUS@", json.dumps({h.name: cpus for h, cpus in zip(self.tb.hosts, PLAYED_CPUS)}))
         for name in ("dstack-shim-linux-amd64", "dstack-runner-linux-amd64", "dstack-shim-linux-arm64",
                      "dstack-runner-linux-arm64"):
             (d / name).write_text(body)
@@ -338,6 +344,11 @@ class DstackBed:
             self.tb.wait_port(h, 22, h.ip, 30)
         except TimeoutError as exc:
             raise RuntimeError(f"sshd on {h.name}: {exc}\n{sshd.output}") from None
+
+    def cpus(self) -> dict[str, int]:
+        """Each fleet host's address -> the CPUs its shim reports (PLAYED_CPUS; the host's own beyond them)."""
+        own = os.cpu_count() or 1
+        return {h.ip: PLAYED_CPUS[i] if i < len(PLAYED_CPUS) else own for i, h in enumerate(self.tb.hosts)}
 
     def fleet_hosts(self, n: int | None = None) -> list[str]:
         return [h.ip for h in self.tb.hosts[:n]]

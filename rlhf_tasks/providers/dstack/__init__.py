@@ -1,4 +1,5 @@
-"""dstack: one `type: task` configuration with `nodes: N`, applied with `dstack apply`.
+"""dstack: one `type: task` configuration with `nodes: N` (or, for a task's node groups, dstack's own `groups:`,
+render.DstackRender.node_groups), applied with `dstack apply`.
 
 dstack starts the same commands on every node and sets DSTACK_NODE_RANK,
 DSTACK_MASTER_NODE_IP and DSTACK_NODES_NUM; the node agent reads them. Only job 0's
@@ -109,11 +110,20 @@ class DstackProvider(DstackRender):
             return
         fleets = list(plan.placement.fleets) or answer.get("fleets") or []
         where = f"the fleets {', '.join(fleets)}" if fleets else "no fleet"
+        field, which = "resources", f"({empty[0].get('requirements')})"
+        lacking = [(index, group) for index, group in enumerate(plan.groups)
+                   if any(job.get("group") == group.name for job in empty)]
+        if lacking:  # dstack plans each node group apart, and names each job's group (dstack_api.py plan)
+            field = f"groups[{lacking[0][0]}].resources"
+            which = "(" + "; ".join(
+                f"group {group.name}, groups[{index}].resources: " + next(
+                    str(job.get("requirements")) for job in empty if job.get("group") == group.name)
+                for index, group in lacking) + ")"
         raise BadInput(
             f"dstack's plan for {plan.name} has no offer for {len(empty)} of its {len(answer['jobs'])} jobs "
-            f"({empty[0].get('requirements')}) on {where}: `dstack apply -f {yml}` would submit a run that fails "
+            f"{which} on {where}: `dstack apply -f {yml}` would submit a run that fails "
             f"with no capacity. See what fits with `dstack offer` (its --gpu, --cpu, --disk options), then change "
-            f"resources (amounts are minimums unless in resources.exact), placement.fleets, backends or regions, or "
+            f"{field} (amounts are minimums unless in resources.exact), placement.fleets, backends or regions, or "
             f"apply a fleet that has the hosts ({fleet_name(plan)}.dstack.yml is rendered beside the task)")
 
     def counted_plan(self, plan: Plan, answer: dict) -> Plan:

@@ -4,7 +4,8 @@ API (`dstack.api.Client`, configured as the `dstack` CLI is: ~/.dstack/config.ym
 Run as a script by the interpreter the `dstack` command runs on (the launcher imports no dstack):
 
     python dstack_api.py fleets        -> {"fleets": [NAME, ...]}
-    python dstack_api.py plan FILE     -> {"jobs": [{"offers": N, "total_offers": N, ...}, ...], "fleets": [...]}
+    python dstack_api.py plan FILE     -> {"jobs": [{"group": G, "offers": N, "total_offers": N, ...}, ...],
+                                           "fleets": [...]}
     python dstack_api.py secrets-set   -> {"set": [NAME, ...]}      (stdin: {"NAME": "value", ...})
     python dstack_api.py secrets-delete NAME... -> {"deleted": [NAME, ...]}  (those of them the project has)
 
@@ -33,7 +34,9 @@ def fleet_names(client) -> list[str]:
 
 
 def plan_summary(client, configuration) -> dict:
-    """dstack's run plan of a task configuration, as counts: per job, the offers that fit it."""
+    """dstack's run plan of a task configuration, as counts: per job, the offers that fit it, and the node group
+    it is of (JobSpec.node_group_name, core/models/runs.py: a task's `groups:` are planned group by group,
+    server/services/runs/plan.py _get_job_batches_for_planning; a task without groups is one group, "0")."""
     from dstack._internal.core.models.envs import Env
 
     configuration = configuration.model_copy(deep=True)
@@ -43,7 +46,8 @@ def plan_summary(client, configuration) -> dict:
     jobs = []
     for job_plan in run_plan.job_plans:
         requirements = job_plan.job_spec.requirements
-        jobs.append({"job": job_plan.job_spec.job_name, "offers": len(job_plan.offers),
+        jobs.append({"job": job_plan.job_spec.job_name, "group": job_plan.job_spec.node_group_name,
+                     "offers": len(job_plan.offers),
                      "total_offers": job_plan.total_offers, "max_price": job_plan.max_price,
                      "requirements": requirements.pretty_format(resources_only=True)
                      if hasattr(requirements, "pretty_format") else str(requirements.resources)})

@@ -32,7 +32,11 @@ def max_price(plan: Plan) -> float | None:
     through backends/base/offers.py requirements_to_query_filter, and on a fleet's instances through
     server/services/instances.py instance_matches_constraints), so one node's bound (Plan.node_price_bound: the
     cluster's price split over its nodes, or the dearest group's price per node), rounded up to 1/10000 of a dollar
-    (an offer at the bound stays). None without a price, or a free one (dstack wants > 0)."""
+    (an offer at the bound stays). None without a price, or a free one (dstack wants > 0). With node groups, dstack
+    has one max_price for the run, which every group's jobs ask alike (server/services/jobs/configurators/base.py
+    _requirements: the run profile's max_price, beside the group's own resources): groups priced each
+    (groups[i].price_per_hour) bound every node at the dearest group's; a cluster's price split evenly leaves a
+    group whose nodes cost more than that share with no offer (DstackRender.notes says so)."""
     price = plan.node_price_bound
     return math.ceil(price * 10000) / 10000 if price else None
 

@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from ...errors import BadInput
 from ...models import StrictModel, require_absolute
-from ...spec import provider_part
+from ...spec import group_part, provider_part
 from ..base import Sharing
 
 #: Which storage the nodes of one dstack run share, read in dstack 0.22.5. A network volume is one cloud disk that
@@ -111,3 +112,27 @@ class DstackPlacement(StrictModel):
 
 def dstack_placement(placement) -> DstackPlacement:
     return provider_part(DstackPlacement, placement.dstack, "placement.dstack")
+
+
+#: placement.dstack keys that are the run's, not a node group's: dstack 0.22.5's NodeGroup has `name`, `nodes`,
+#: `resources`, `commands` and `ports` only (core/models/configurations.py), so the image's user and registry
+#: credentials are the task configuration's, one for every group, and the fleet (an SSH fleet's hosts) is one for
+#: the run: each group's `resources` pick its hosts among the fleet's (server/services/runs/plan.py plans each node
+#: group's offers apart, _get_job_batches_for_planning). A group may give `cpu_arch`, which dstack reads per group
+#: (its `resources.cpu`, jobs/configurators/base.py _requirements).
+RUN_KEYS = {
+    "ssh": "the fleet's hosts are the run's: give placement.dstack.ssh once with every group's hosts, and each "
+           "group's resources match its own among them (dstack plans each node group's offers apart)",
+    "user": "dstack's `user:` is the task configuration's, one for every group's jobs (its NodeGroup has no user)",
+    "registry_auth": "dstack's `registry_auth:` is the task configuration's, one for every group's jobs (its "
+                     "NodeGroup has no registry_auth)",
+}
+
+
+def group_dstack(placement, group, index: int) -> DstackPlacement:
+    """A node group's options: its `placement.dstack` keys over the task's, read with this provider's model
+    (BadInput naming `groups[i].placement.dstack.<key>`); the run's own keys (RUN_KEYS) refused per group."""
+    for key, why in RUN_KEYS.items():
+        if key in group.placement.dstack:
+            raise BadInput(f"groups[{index}].placement.dstack.{key}: {why}; give it in placement.dstack")
+    return group_part(DstackPlacement, placement, group, index, "dstack")

@@ -1,7 +1,7 @@
 """dstack's pure half (the package's `__init__` adds `launch`, `down`, `forward` through dstack's CLI and
 API): `check` (what dstack would refuse or lose money on, and, where dstack is installed here, its own
 configuration models and gpuhunt's GPU table), the plan the nodes read, and the two rendered files: the
-`type: task` configuration with `nodes: N` and the fleet it runs on.
+`type: task` configuration with `nodes: N` (or a task's node groups as dstack's `groups:`) and the fleet it runs on.
 """
 
 from __future__ import annotations
@@ -17,22 +17,35 @@ from ..base import Provider, Retries
 from ..shipping import LOCAL_DIR, NODE_DIR, WRITTEN_BY, agent_command, dump_yaml, shared_entry, shipped_files
 from .archive import JOB_DIR, dstack_packs, upload_limit
 from .offers import SPOT, dstack_gpu, dstack_resources, max_price
-from .options import SHARING, DstackPlacement, DstackShared, dstack_placement, per_node_name, volume_backends
+from .options import (SHARING, DstackPlacement, DstackShared, dstack_placement, group_dstack, per_node_name,
+                      volume_backends)
 from .project_secrets import SECRET_NAME_MAX, SECRET_PREFIX, secret_name, secret_reference, secret_variables
 
 #: The fleet's `idle_duration` when the task does not set `placement.idle`: dstack's own default for a run's
 #: instances (fleets.py: "Defaults to `5m` for runs and `3d` for fleets"), not the fleet's 3 days.
 FLEET_IDLE_S = 300
 
+#: The resources a task's (or a node group's) jobs ask for: the container's shared memory, the memory and CPUs
+#: offers must have (a fleet asks none of them: its instances fit whatever the run asks).
+RUN_RESOURCES = ("shm_size", "memory", "cpu")
+
+#: The dstack whose `groups:` (heterogeneous multi-node tasks) this provider renders, as its errors name it.
+DSTACK_GROUPS = "0.22.5"
+
 
 def _field_of(error: str) -> str:
-    """The task's field for the location dstack's validation error names first (`task.resources.gpu`)."""
+    """The task's field for the location dstack's validation error names first (`task.resources.gpu`; a node
+    group's `task.groups.1.resources.gpu` is `groups[1].resources.gpus`)."""
     for line in error.splitlines()[1:]:
         loc = line.strip().split(".")
         if loc and loc[0] in ("task", "fleet"):
             loc = loc[1:]
         if not loc or " " in line.strip():
             continue
+        if loc[0] == "groups" and len(loc) > 1 and loc[1].isdigit():
+            inside = _field_of(f"\n{'.'.join(loc[2:])}") if loc[2:3] == ["resources"] else "the task"
+            inside = inside if inside != "the task" else ".".join(loc[2:3])
+            return f"groups[{loc[1]}]" + (f".{inside}" if inside else "")
         if loc[0] in ("backends", "regions"):
             return f"placement.{loc[0]}" + (f"[{loc[1]}]" if len(loc) > 1 and loc[1].isdigit() else "")
         if loc[:2] == ["resources", "gpu"]:
@@ -49,6 +62,11 @@ def fleet_name(plan: Plan) -> str:
     return f"{plan.name}-fleet"
 
 
+def run_image(plan: Plan) -> str | None:
+    """The image every job of the run runs: the task's, or its node groups' one (DstackRender.check_group_images)."""
+    return plan.groups[0].image if plan.groups else plan.image
+
+
 def job_script(plan: Plan) -> str:
     """`commands` as one item: dstack runs `bash -i -c "<items joined with ' && '>"`, where a failing line inside a
     multi-line item does not stop the next (no `set -e`); one script under `set -e` stops at the first failure."""
@@ -59,6 +77,7 @@ class DstackRender(Provider):
     """The provider's pure part: options, checks, plan, render."""
 
     name = "dstack"
+    renders_groups = True  # dstack's own `groups:`, one node group per task group (node_groups)
     shared_option = ("checkpoints.shared.dstack: {host_path: /PATH} (a directory every fleet host mounts) or {volume: "
                      "NAME} with placement.backends: [runpod]")
     sharing = SHARING
@@ -84,11 +103,15 @@ class DstackRender(Provider):
                            f"would be longer than dstack's {SECRET_NAME_MAX} characters; use a shorter variable name")
         options = dstack_placement(task.placement)
         self.check_volume(task, shared_entry(DstackShared, task.checkpoints.shared.get(self.name), self.name), options)
-        if not task.image:
-            for field in ("user", "cpu_arch", "registry_auth"):
-                if getattr(options, field) is not None:
-                    raise BadInput(f"placement.dstack.{field}: it is for a custom image, and the task gives no image "
-                                   f"(dstack's default image runs as root on x86)")
+        image = self.check_group_images(task)
+        given = [("placement.dstack", options)] + [(f"groups[{index}].placement.dstack", group_dstack(
+            task.placement, group, index)) for index, group in enumerate(task.groups)]
+        if not image:
+            for where, own in given:
+                for field in ("user", "cpu_arch", "registry_auth"):
+                    if getattr(own, field) is not None:
+                        raise BadInput(f"{where}.{field}: it is for a custom image, and the task gives no image "
+                                       f"(dstack's default image runs as root on x86)")
         if options.ssh and task.placement.spot != "off":
             raise BadInput(f"placement.spot: {task.placement.spot}: an SSH fleet's hosts (placement.dstack.ssh) are "
                            f"no spot instances; leave placement.spot out")
@@ -96,6 +119,23 @@ class DstackRender(Provider):
             which = "backends" if task.placement.backends else "regions"
             raise BadInput(f"placement.{which}: the task runs on its SSH fleet (placement.dstack.ssh), which has "
                            f"no cloud {which}; leave placement.{which} out")
+
+    @staticmethod
+    def check_group_images(task: Task) -> str | None:
+        """The run's image: the task's, or its groups' one image. dstack 0.22.5's NodeGroup has no `image`
+        (core/models/configurations.py: name, nodes, resources, commands, ports), so every group's jobs run the
+        task configuration's: a group naming another is refused."""
+        if not task.groups:
+            return task.image
+        image = task.groups[0].image or task.image
+        for index, group in enumerate(task.groups):
+            if (group.image or task.image) != image:
+                default = "dstack's default image"
+                raise BadInput(f"groups[{index}].image: {group.image or task.image or default} is not the image of "
+                               f"group {task.groups[0].name} ({image or default}): dstack {DSTACK_GROUPS} "
+                               f"runs every node group's jobs in the task configuration's one image (its NodeGroup "
+                               f"has no image); give the groups one image (the task's image)")
+        return image
 
     def check_volume(self, task: Task, shared: DstackShared | None, options: DstackPlacement) -> None:
         """One network volume for every node only where the run can land on backends that mount it in several
@@ -217,11 +257,21 @@ class DstackRender(Provider):
     def notes(self, plan: Plan) -> list[str]:
         out = super().notes(plan)
         options = dstack_placement(plan.placement)
-        if plan.image and (options.user is None or options.cpu_arch is None):
+        if run_image(plan) and (options.user is None or options.cpu_arch is None):
             missing = " and ".join(f for f in ("user", "cpu_arch") if getattr(options, f) is None)
-            out.append(f"image {plan.image}: without placement.dstack.{missing}, dstack's server reads the image's "
-                       f"configuration from its registry when the run is submitted (a private registry needs "
+            out.append(f"image {run_image(plan)}: without placement.dstack.{missing}, dstack's server reads the "
+                       f"image's configuration from its registry when the run is submitted (a private registry needs "
                        f"placement.dstack.registry_auth; an image the registry cannot serve fails the run)")
+        if plan.groups and max_price(plan) and plan.placement.price_per_hour is not None:
+            out.append(f"placement.price_per_hour: dstack's max_price is one bound on every instance of the run, each "
+                       f"node group's alike (offers.max_price): ${max_price(plan):.4g}/h, the cluster's "
+                       f"${plan.placement.price_per_hour:.4g}/h over its {plan.nodes} nodes, so a group whose nodes "
+                       f"cost more finds no offer even where the whole would fit the price; give each group's "
+                       f"price_per_hour instead (the bound is then the dearest group's node)")
+        elif plan.groups and max_price(plan):
+            out.append(f"groups[i].price_per_hour: dstack's max_price is one bound on every instance of the run "
+                       f"(offers.max_price): ${max_price(plan):.4g}/h, the dearest group's node, holds the cheaper "
+                       f"groups' nodes too; the head counts the groups' sum, or dstack's run plan at launch")
         if plan.budget.max_cost is not None and plan.budget.price_per_hour is None:
             out.append("placement.max_cost: a `dstack apply` of the rendered file by hand counts no price, so its head "
                        "never stops the job at the cap (placement.max_duration still holds); `rlhf-tasks launch` counts "
@@ -271,37 +321,17 @@ class DstackRender(Provider):
                         hint = "\n  " + did_you_mean(wrong, [b.value for b in BackendType], "its backends")
                     raise BadInput(f"{field}: dstack {version} refuses {name}: "
                                    + str(exc).strip().replace("\n", "\n  ") + hint) from None
-        gpu = plan.resources.gpus
+        configuration = next(iter(parsed.values()))
+        table: dict[str, set[int]] = {}
+        for accelerator in gpuhunt.KNOWN_ACCELERATORS:
+            table.setdefault(accelerator.name, set()).add(int(accelerator.memory))
+        asked = [("resources.gpus", plan.resources.gpus, configuration.resources.gpu)] if not plan.groups else [
+            (f"groups[{index}].resources.gpus", group.machine.gpus, configuration.groups[index].resources.gpu)
+            for index, group in enumerate(plan.groups)]
         notes: list[str] = []
-        if gpu and not gpu.isdigit():
-            table: dict[str, set[int]] = {}
-            for accelerator in gpuhunt.KNOWN_ACCELERATORS:
-                table.setdefault(accelerator.name, set()).add(int(accelerator.memory))
-            lower = {name.lower(): name for name in table}
-            spec = next(iter(parsed.values())).resources.gpu
-            memory = spec.memory
-            if not spec.name and memory is not None:  # by memory alone: the GPUs gpuhunt has of that memory
-                fits = sorted(n for n, sizes in table.items() if any(
-                    (memory.min is None or memory.min <= size) and (memory.max is None or size <= memory.max)
-                    for size in sizes))
-                if not fits:
-                    raise BadInput(f"resources.gpus: {gpu}: gpuhunt's GPU table has no GPU of {memory}, so no "
-                                   f"dstack offer matches {dstack_gpu(gpu)} (its GPUs' memory: "
-                                   f"{', '.join(f'{size}GB' for size in sorted({s for v in table.values() for s in v} - {0}))})")
-                notes.append(f"resources.gpus {gpu}: dstack takes any GPU of gpuhunt's table with that memory: "
-                             f"{', '.join(fits)}")
-            for name in spec.name or []:
-                if name.lower() not in lower:
-                    raise BadInput(f"resources.gpus: {gpu}: dstack {version} renders GPU name {name!r}, which no "
-                                   f"dstack offer carries: gpuhunt's GPU table has no such GPU "
-                                   f"{did_you_mean(name, sorted(table), 'its GPUs')}")
-                sizes = table[lower[name.lower()]]
-                memory = spec.memory
-                if memory is not None and memory.min is not None and not any(
-                        memory.min <= size <= (memory.max if memory.max is not None else size) for size in sizes):
-                    raise BadInput(f"resources.gpus: {gpu}: gpuhunt's GPU table has {lower[name.lower()]} with "
-                                   f"{', '.join(f'{size}GB' for size in sorted(sizes))} only, so no dstack offer "
-                                   f"matches {dstack_gpu(gpu)}")
+        for field, gpu, spec in asked:
+            if gpu and not gpu.isdigit():
+                notes += gpu_names_offered(field, gpu, spec, table, version)
         return [f"dstack {version}'s configuration models (parse_apply_configuration) take "
                 f"{' and '.join(parsed)}; backends and GPU names are dstack's and gpuhunt's", *notes]
 
@@ -310,9 +340,11 @@ class DstackRender(Provider):
     def task_config(self, plan: Plan, files: dict[str, str]) -> dict:
         res, placement = plan.resources, plan.placement
         options = dstack_placement(placement)
-        config: dict = {"type": "task", "name": plan.name, "nodes": plan.nodes}
-        if plan.image:
-            config["image"] = plan.image
+        config: dict = {"type": "task", "name": plan.name}
+        if not plan.groups:
+            config["nodes"] = plan.nodes
+        if run_image(plan):
+            config["image"] = run_image(plan)
             config["shell"] = "bash"
             if options.user:
                 config["user"] = options.user
@@ -327,9 +359,12 @@ class DstackRender(Provider):
         if self.ships_working_dir(plan):
             config["files"].append(f"{self.files_path(plan)}:{JOB_DIR}")
             config["working_dir"] = JOB_DIR
-        config["commands"] = [job_script(plan)]
-        config["ports"] = [plan.ray.dashboard_port]
-        config["resources"] = dstack_resources(res, ("shm_size", "memory", "cpu"), options.cpu_arch)
+        if plan.groups:
+            config["groups"] = self.node_groups(plan)
+        else:
+            config["commands"] = [job_script(plan)]
+            config["ports"] = [plan.ray.dashboard_port]
+            config["resources"] = dstack_resources(res, RUN_RESOURCES, options.cpu_arch)
         ckpt = plan.checkpoint_dir
         if ckpt:
             shared = shared_entry(DstackShared, plan.checkpoint_shared, self.name)
@@ -354,14 +389,38 @@ class DstackRender(Provider):
                 config[key] = list(getattr(placement, key))
         return config
 
+    def node_groups(self, plan: Plan) -> list[dict]:
+        """The task's node groups as dstack 0.22.5's `groups:` (core/models/configurations.py NodeGroup: `name`,
+        `nodes`, `resources`, `commands`, `ports`), in the task's order: dstack numbers the jobs across the groups
+        in that order (server/services/jobs/configurators/task.py get_job_specs: job_num counts on from group to
+        group), and DSTACK_NODE_RANK is the job number, so a group's ranks start at its first_rank, as the plan
+        counts them, and the master (DSTACK_MASTER_NODE_IP, the cluster's job_ips[0]: background/pipeline_tasks/
+        jobs_running.py _get_cluster_info) is the first group's first node, the head. The dashboard's port is the
+        first group's only: `dstack apply` attaches to job 0 and forwards its ports alone (api/_public/runs.py
+        Run.attach)."""
+        groups = []
+        for index, group in enumerate(plan.groups):
+            options = group_dstack(plan.placement, group, index)
+            entry = {"name": group.name, "nodes": group.nodes,
+                     "resources": dstack_resources(group.machine, RUN_RESOURCES, options.cpu_arch),
+                     "commands": [job_script(plan.for_group(group))]}
+            if index == 0:
+                entry["ports"] = [plan.ray.dashboard_port]
+            groups.append(entry)
+        return groups
+
     def fleet_config(self, plan: Plan) -> dict:
         """A fleet with `placement: cluster` (nodes on one fast network) that fits the task.
 
         On cloud backends, `nodes: {min: 0, max: N}`: the fleet starts empty, the run provisions its N instances
         in it, and an instance idle for `idle_duration` (placement.idle where the task sets it, `never` rendering
         `off`; else FLEET_IDLE_S) is terminated, since dstack terminates only instances above `nodes.min`
-        (fleets.py, idle_duration): nothing is left billing. With placement.dstack.ssh, the user's hosts in
-        `ssh_config`, and none of the cloud fleet's fields, which dstack refuses for an SSH fleet.
+        (fleets.py, idle_duration): nothing is left billing. With node groups, `max` counts every group's nodes and
+        the fleet gives no `resources`: a fleet's resources are combined with each job's to filter its offers
+        (server/services/requirements/combine.py combine_fleet_and_run_requirements), and a fleet without them
+        is unconstrained (server/services/fleets.py get_fleet_requirements): each group's own resources choose.
+        With placement.dstack.ssh, the user's hosts in `ssh_config`, and none of the cloud fleet's fields, which
+        dstack refuses for an SSH fleet.
         """
         placement = plan.placement
         ssh = dstack_placement(placement).ssh
@@ -373,7 +432,8 @@ class DstackRender(Provider):
         idle = placement.idle if "idle" in placement.model_fields_set else FLEET_IDLE_S
         fleet.update({"nodes": {"min": 0, "max": plan.nodes}, "idle_duration": int(idle) if idle else "off",
                       "placement": "cluster"})
-        fleet["resources"] = dstack_resources(plan.resources, ())
+        if not plan.groups:  # a fleet's resources bound every instance's offers: with groups, each group's own
+            fleet["resources"] = dstack_resources(plan.resources, ())
         fleet["spot_policy"] = SPOT[plan.placement.spot]
         if max_price(plan):  # a cloud fleet's field (dstack refuses it for an SSH fleet); the lower of the two counts
             fleet["max_price"] = max_price(plan)
@@ -402,3 +462,35 @@ class DstackRender(Provider):
                    "Apply once before the task: dstack apply -f <this file>\n")}
         out.update(files)
         return out
+
+
+def gpu_names_offered(field: str, gpu: str, spec, table: dict[str, set[int]], version: str) -> list[str]:
+    """A task's (or a node group's) GPUs as dstack's parsed GPU spec (`spec`) against gpuhunt's GPU table (`table`:
+    name -> the memory sizes it comes in): BadInput naming `field` where no dstack offer can carry them; the
+    note `check` prints for GPUs asked by memory alone."""
+    from ...models import did_you_mean
+
+    lower = {name.lower(): name for name in table}
+    memory = spec.memory
+    notes = []
+    if not spec.name and memory is not None:  # by memory alone: the GPUs gpuhunt has of that memory
+        fits = sorted(n for n, sizes in table.items() if any(
+            (memory.min is None or memory.min <= size) and (memory.max is None or size <= memory.max)
+            for size in sizes))
+        if not fits:
+            raise BadInput(f"{field}: {gpu}: gpuhunt's GPU table has no GPU of {memory}, so no "
+                           f"dstack offer matches {dstack_gpu(gpu)} (its GPUs' memory: "
+                           f"{', '.join(f'{size}GB' for size in sorted({s for v in table.values() for s in v} - {0}))})")
+        notes.append(f"{field} {gpu}: dstack takes any GPU of gpuhunt's table with that memory: {', '.join(fits)}")
+    for name in spec.name or []:
+        if name.lower() not in lower:
+            raise BadInput(f"{field}: {gpu}: dstack {version} renders GPU name {name!r}, which no "
+                           f"dstack offer carries: gpuhunt's GPU table has no such GPU "
+                           f"{did_you_mean(name, sorted(table), 'its GPUs')}")
+        sizes = table[lower[name.lower()]]
+        if memory is not None and memory.min is not None and not any(
+                memory.min <= size <= (memory.max if memory.max is not None else size) for size in sizes):
+            raise BadInput(f"{field}: {gpu}: gpuhunt's GPU table has {lower[name.lower()]} with "
+                           f"{', '.join(f'{size}GB' for size in sorted(sizes))} only, so no dstack offer "
+                           f"matches {dstack_gpu(gpu)}")
+    return notes
