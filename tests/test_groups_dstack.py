@@ -121,6 +121,18 @@ def test_check_says_one_max_price_holds_every_group(tmp_path, capsys, rlhf_home)
     assert "$3/h, the cluster's $9/h over its 3 nodes" in out, out
 
 
+def test_groups_priced_each_bound_every_instance_at_the_dearest_groups_node(tmp_path, capsys, rlhf_home):
+    data = task()
+    data["groups"][0]["price_per_hour"], data["groups"][1]["price_per_hour"] = 24.0, 1.5
+    config, fleet = rendered(data)
+    assert config["max_price"] == fleet["max_price"] == 24.0
+    code, out = check_exit(tmp_path, capsys, data, "--provider", "dstack")
+    assert code == 0, out
+    assert "groups[i].price_per_hour: dstack's max_price is one bound on every instance of the run " \
+        "(offers.max_price): $24/h, the dearest group's node" in out, out
+    assert "$49.50/h for the cluster (groups[i].price_per_hour per node: trainer 2 x $24.00 + reward 1 x $1.50" in out
+
+
 def test_an_ssh_fleet_with_groups_is_the_tasks_hosts(rlhf_home):
     ssh = {"hosts": ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "user": "root", "identity_file": "~/.ssh/id_rsa"}
     config, fleet = rendered(task(placement={"dstack": {"ssh": ssh}}))

@@ -103,11 +103,14 @@ def test_dstack_parser_accepts_every_task(task_path):
     task_cfg = parse(yaml.safe_load(files[f"{name}.dstack.yml"]))
     fleet_cfg = parse(yaml.safe_load(files[f"{name}-fleet.dstack.yml"]))
     assert task_cfg.type == "task" and fleet_cfg.type == "fleet"
-    assert task_cfg.nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
+    groups = task_cfg.node_groups or []  # a task with node groups: dstack's groups, each its nodes and commands
+    nodes = sum(g.nodes for g in groups) if groups else task_cfg.nodes
+    assert nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
     shipped = {(m.local_path, m.path) for m in task_cfg.files}  # one directory, and the working_dir (from here)
     assert ("rlhf-tasks", "/opt/rlhf-tasks") in shipped and any(name.startswith("rlhf-tasks/") for name in files)
     assert shipped <= {("rlhf-tasks", "/opt/rlhf-tasks"), (".", "/opt/rlhf-tasks-workdir")}
-    assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
+    for commands in [g.commands for g in groups] or [task_cfg.commands]:
+        assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in commands[-1]
 
 
 def test_dstack_parser_rejects_what_we_must_not_render():
