@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from conftest import ROOT, need
+from test_providers_render import tasks_for
 from rlhf_tasks import providers
 from rlhf_tasks.spec import load_task, parse_task
 
-TASKS = sorted((ROOT / "tasks").glob("*.yaml"))
 
 
 def _sky():
@@ -84,7 +84,7 @@ def test_skypilots_ray_ports_as_read_from_its_code():
     assert (11002, 19999) in ranges and (10002, 19999) in ranges  # head; workers keep Ray's default
 
 
-@pytest.mark.parametrize("task_path", TASKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("task_path", tasks_for("sky"), ids=lambda p: p.stem)
 def test_no_port_of_our_ray_is_one_skypilots_ray_uses(task_path):
     single, ranges = skypilot_ray_ports()
     ray = providers.get("sky").plan(load_task(task_path)).ray

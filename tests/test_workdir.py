@@ -300,6 +300,8 @@ def shipped_tasks_providers() -> list[tuple[str, str]]:
         named &= set(providers.names())
         if data["job"]["recipe"] == "torchrun":
             named.discard("kuberay")  # KubeRay always starts Ray: refused, no render kept
+        if data.get("groups"):
+            named.discard("sky")  # SkyPilot renders no node groups: refused at check (tests/test_groups.py)
         pairs += [(path.name, name) for name in sorted(named)]
     return pairs
 
