@@ -11,6 +11,7 @@ import json
 import sys
 import types
 
+import pytest
 import yaml
 
 from rlhf_tasks import providers
@@ -175,3 +176,39 @@ def test_every_node_with_gpus_is_nccls_as_before(monkeypatch):
     check, fake = allreduce_on([8, 8, 8], monkeypatch)
     check.step_allreduce("nccl")
     assert fake.pinned == ["id0", "id1", "id2"] and not check.notes
+
+
+@pytest.mark.cluster
+def test_the_real_operator_starts_a_served_groups_ray_with_no_gpus_and_another_gpu_groups_with_its_own(
+        kube_cluster, ns, tmp_path):
+    """KubeRay v1.6.2 itself writes each pod's `ray start` (KUBERAY_GEN_RAY_START_CMD, in the pod it creates):
+    the served group's `resources: {GPU: "0"}` is `--num-gpus=0` though its container asks for a GPU, and an
+    unserved GPU group's is its limits' `--num-gpus=1`. The pods stay Pending (the played nodes have no GPUs):
+    what is read is the operator's own command, not a run."""
+    import testbed as tbmod
+    from test_kuberay_cluster import kubectl_json
+
+    data = {"name": "served", "preflight": "off", "wait": {"head": "3m", "nodes": "3m"},
+            "job": {"recipe": "command", "working_dir": None, "args": {"entrypoint": "echo hi"}},
+            "groups": [{"name": "trainer", "nodes": 1, "resources": {"cpus": 1}},
+                       {"name": "rm", "nodes": 1, "resources": {"cpus": 1, "gpus": "L40S:1"}},
+                       {"name": "gpu", "nodes": 1, "resources": {"cpus": 1, "gpus": "L40S:1"}}]}
+    provider = providers.get("kuberay")
+    p = provider.plan(parse_task(data))
+    p = p.replace(groups=[p.groups[0], p.groups[1].model_copy(update={"ray_gpus": 0}), p.groups[2]])
+    (text,) = provider.render(p).values()
+    path = tmp_path / "served.rayjob.yaml"
+    path.write_text(text)
+    kube_cluster.cp.kubectl("-n", ns, "apply", "-f", str(path))
+
+    def commands():
+        found = {}
+        for pod in (kubectl_json(kube_cluster, ns, "pods") or {"items": []})["items"]:
+            group = pod["metadata"].get("labels", {}).get("ray.io/group")
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+            if group and "KUBERAY_GEN_RAY_START_CMD" in env:
+                found[group] = env["KUBERAY_GEN_RAY_START_CMD"]
+        return found if {"rm", "gpu"} <= set(found) else None
+    found = tbmod.poll(commands, 120, "the operator's worker pods of groups rm and gpu")
+    assert "--num-gpus=0 " in found["rm"] and "--resources='{\"l40s\":1,\"rm\":1}'" in found["rm"], found
+    assert "--num-gpus=1 " in found["gpu"], found
