@@ -212,3 +212,26 @@ def test_the_real_operator_starts_a_served_groups_ray_with_no_gpus_and_another_g
     found = tbmod.poll(commands, 120, "the operator's worker pods of groups rm and gpu")
     assert "--num-gpus=0 " in found["rm"] and "--resources='{\"l40s\":1,\"rm\":1}'" in found["rm"], found
     assert "--num-gpus=1 " in found["gpu"], found
+
+
+def test_doctor_says_where_a_groups_nodes_give_ray_other_gpus_than_the_plan_says(monkeypatch, rlhf_home):
+    """A served group's node with GPUs in Ray is one a framework's placement group may fill; a GPU group's node
+    with fewer than its GPUs lacks some (each group's own count, as the plan's ray_gpus and gpus_per_node say)."""
+    from rlhf_tasks import doctor
+
+    p = plan(ppo(reward_where="group rm"))
+
+    def node(i, group, gpus):
+        return {"node_ip": "10.0.0.%d" % i, "labels": {"rlhf-tasks/group": group},
+                "resources_total": {"CPU": 8.0, group: float(max(gpus, 1)), **({"GPU": float(gpus)} if gpus else {})}}
+    monkeypatch.setattr(doctor, "http_request", lambda url, headers=None, timeout=None: (200 if headers else 401, b""))
+    seen = {"nodes": [node(1, "train", 8), node(2, "train", 8), node(3, "rm", 0)]}
+    monkeypatch.setattr(doctor, "alive_nodes", lambda address, token: seen["nodes"])
+    checks = {c.name: c for c in doctor.access_checks(doctor.Target("ppo-groups", "http://d", "t", p))}
+    assert checks["GPUs per group"].ok, checks["GPUs per group"].detail
+    seen["nodes"] = [node(1, "train", 8), node(2, "train", 4), node(3, "rm", 1)]
+    checks = {c.name: c for c in doctor.access_checks(doctor.Target("ppo-groups", "http://d", "t", p))}
+    detail = checks["GPUs per group"].detail
+    assert not checks["GPUs per group"].ok
+    assert "10.0.0.2 (group train) registered 4 GPUs, not 8" in detail, detail
+    assert "10.0.0.3 (group rm) registered 1 GPUs, not 0 (the recipe serves them outside Ray)" in detail, detail
