@@ -103,11 +103,14 @@ def test_dstack_parser_accepts_every_task(task_path):
     task_cfg = parse(yaml.safe_load(files[f"{name}.dstack.yml"]))
     fleet_cfg = parse(yaml.safe_load(files[f"{name}-fleet.dstack.yml"]))
     assert task_cfg.type == "task" and fleet_cfg.type == "fleet"
-    assert task_cfg.nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
+    groups = task_cfg.groups or []  # dstack's own node groups (NodeGroup) where the task has groups
+    nodes = task_cfg.nodes if not groups else sum(group.nodes for group in groups)
+    assert nodes == fleet_cfg.nodes.max == load_task(task_path).nodes and fleet_cfg.nodes.min == 0
     shipped = {(m.local_path, m.path) for m in task_cfg.files}  # one directory, and the working_dir (from here)
     assert ("rlhf-tasks", "/opt/rlhf-tasks") in shipped and any(name.startswith("rlhf-tasks/") for name in files)
     assert shipped <= {("rlhf-tasks", "/opt/rlhf-tasks"), (".", "/opt/rlhf-tasks-workdir")}
-    assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in task_cfg.commands[-1]
+    for commands in [group.commands for group in groups] or [task_cfg.commands]:
+        assert "python3 /opt/rlhf-tasks/lib/rlhf_tasks/agent/__main__.py" in commands[-1]
 
 
 def test_dstack_parser_rejects_what_we_must_not_render():
