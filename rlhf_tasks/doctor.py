@@ -133,6 +133,7 @@ def access_checks(t: Target) -> list[Check]:
         whole, counts = group_counts(nodes, [group.model_dump() for group in t.plan.groups])
         checks.append(Check("node groups", whole, counts, "" if whole else
                             "a group lacks nodes: read its nodes' agent logs (node logs) and relaunch"))
+        checks.append(group_gpus_check(nodes, t.plan.groups))
     if t.plan is not None:
         for key, want in (("CPU", t.plan.ray.num_cpus), ("GPU", t.plan.ray.num_gpus)):
             short = [n["node_ip"] for n in nodes if want and n.get("resources_total", {}).get(key, 0) < want]
@@ -140,6 +141,22 @@ def access_checks(t: Target) -> list[Check]:
                 checks.append(Check(f"{key}s per node", False, f"{', '.join(short)} registered fewer than {want} {key}s",
                                     f"check the machines' {key}s against resources in the task"))
     return checks
+
+
+def group_gpus_check(nodes: list[dict], groups: list) -> Check:
+    """Each group's nodes give Ray the GPUs the plan says: a GPU group's its GPUs per node, a group whose GPUs
+    the recipe serves outside Ray (ray_gpus 0) none, or a framework's placement group may fill them."""
+    wrong = []
+    for group in groups:
+        want = group.gpus_per_node if group.ray_gpus is None else group.ray_gpus
+        for node in [n for n in nodes if (n.get("labels") or {}).get(GROUP_LABEL) == group.name]:
+            have = node.get("resources_total", {}).get("GPU", 0)
+            if have != want if group.ray_gpus is not None else have < want:
+                wrong.append(f"{node['node_ip']} (group {group.name}) registered {have:g} GPUs, not {want}"
+                             + (" (the recipe serves them outside Ray)" if group.ray_gpus == 0 else ""))
+    return Check("GPUs per group", not wrong, "; ".join(wrong) or "every group's nodes as the plan says",
+                 "" if not wrong else "check the machines' GPUs against each group's resources, and the nodes' "
+                 "ray start --num-gpus in their agent logs")
 
 
 def _group_of(node: dict) -> str:

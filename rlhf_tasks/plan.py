@@ -293,6 +293,9 @@ class GroupPlan(StrictModel):
     machine: Resources                    # the group's resources block, for the provider to place
     price_per_hour: float | None = None   # US dollars per hour for each of its nodes, where the task gives it
     placement: GroupPlacement = GroupPlacement()  # the group's own provider options, over the task's
+    #: The GPUs its nodes give Ray (`ray start --num-gpus`): 0 for a group whose GPUs the recipe serves outside
+    #: Ray (RecipeOutput.served_groups), so that no framework's placement group lands on them; None: its GPUs.
+    ray_gpus: int | None = None
 
     @property
     def worker_ranks(self) -> range:
@@ -300,8 +303,9 @@ class GroupPlan(StrictModel):
         return range(self.first_rank + (1 if self.first_rank == 0 else 0), self.first_rank + self.nodes)
 
 
-def group_plans(task: Task) -> list[GroupPlan]:
-    """The task's groups in the plan, ranks counted in the task's order (the first group holds rank 0)."""
+def group_plans(task: Task, served: list[str] = ()) -> list[GroupPlan]:
+    """The task's groups in the plan, ranks counted in the task's order (the first group holds rank 0); those in
+    `served` (the recipe serves their GPUs outside Ray) with no GPUs for Ray."""
     out, rank = [], 0
     for group in task.groups:
         res = group.resources
@@ -310,7 +314,8 @@ def group_plans(task: Task) -> list[GroupPlan]:
         out.append(GroupPlan(name=group.name, nodes=group.nodes, first_rank=rank, gpus_per_node=res.gpus_per_node,
                              gpu_name=res.gpu_name, num_cpus=res.cpus, labels={GROUP_LABEL: group.name},
                              resources=resources, setup=list(group.setup), image=group.image or task.image, machine=res,
-                             placement=group.placement, price_per_hour=group.price_per_hour))
+                             placement=group.placement, price_per_hour=group.price_per_hour,
+                             ray_gpus=0 if group.name in served else None))
         rank += group.nodes
     return out
 
@@ -592,7 +597,7 @@ def build_plan(task: Task, provider: str, contract: Contract, networks: dict[str
                        f"no Ray runtime environment reaches it: install what it needs in setup, set variables under "
                        f"env, or remove job.runtime_env")
     runtime_env = runtimeenv.plan_env(job.runtime_env, task.base_dir, working_dir)
-    groups = group_plans(task)
+    groups = group_plans(task, out.served_groups)
     resources = task.groups[0].resources if task.groups else task.resources  # the head's
     vendors = {gpu_vendor(g.gpu_name) for g in groups if g.gpus_per_node} if groups else \
         {gpu_vendor(resources.gpu_name)} if resources.gpus_per_node else set()

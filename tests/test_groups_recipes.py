@@ -176,7 +176,7 @@ def test_check_says_where_the_retriever_and_the_trainer_run(tmp_path, capsys, rl
     assert code == 0, out
     assert "retriever: on group retr (every node of it), the trainer asking http://{group_addr:retr}:8000" in out, out
     assert "Search-R1's verl fork places its trainer workers on any GPU node" in out, out
-    assert "(they count 2 node(s) x 8 GPUs)" in out and "group retr's nodes join Ray with their GPUs, so Ray may place trainer workers there too" in out, out
+    assert "(they count 2 node(s) x 8 GPUs)" in out and "group retr's GPUs are the retriever's, not Ray's: its nodes join Ray with none" in out, out
 
 
 # --- verl: its resource pools are GPU counts, placed on any node ------------------------------------------------

@@ -20,7 +20,8 @@ nodes that did not answer:
               slowest send and receive, the slowest pair
   gloo        torch.distributed all_reduce with Gloo on CPU tensors, 1 MiB .. 64 MiB,
               the bus bandwidth per size (without torch: the TCP figures, and it says so)
-  nccl        the same with NCCL on one GPU per node, where every node has GPUs
+  nccl        the same with NCCL on one GPU per node, among the nodes Ray has GPUs on (a node group whose
+              GPUs a recipe serves outside Ray joins with none: its NCCL is not the job's)
   doctor      (`--checks`) each service's readiness, the checkpoint directory shared and
               writable, free disk and /dev/shm
 
@@ -188,7 +189,7 @@ class Preflight(object):
                 self.run_step("pairs", self.step_pairs)
                 if all(n.get("torch") for n in self.nodes):
                     self.run_step("gloo", lambda: self.step_allreduce("gloo"))
-                if self.args.torch and self.gpu_nodes():
+                if self.args.torch and self.nccl_nodes():
                     self.run_step("nccl", lambda: self.step_allreduce("nccl"))
             else:
                 self.notes.append("one node: there is no network between nodes to check")
@@ -310,14 +311,15 @@ class Preflight(object):
 
     def step_interfaces(self) -> None:
         problems = ["%s: %s" % (n["label"], n["gloo_if"]["problem"]) for n in self.nodes if n["gloo_if"]["problem"]]
-        if self.gpu_nodes():
-            problems += ["%s: %s" % (n["label"], n["nccl_if"]["problem"]) for n in self.nodes if n["nccl_if"]["problem"]]
+        nccl = set(self.nccl_nodes())
+        problems += ["%s: %s" % (self.nodes[i]["label"], self.nodes[i]["nccl_if"]["problem"]) for i in sorted(nccl)
+                     if self.nodes[i]["nccl_if"]["problem"]]
         if problems:
             raise Failed("interfaces", "; ".join(problems) + ". Fix the task's network preset or env")
         if len(self.nodes) < 2:
             return
         deadline = self.step_deadline("interfaces")
-        kinds = ["gloo_if"] + (["nccl_if"] if self.gpu_nodes() else [])
+        kinds = ["gloo_if"] + (["nccl_if"] if nccl else [])
         peers = partners(len(self.nodes), schedule(len(self.nodes), REACH_DISTANCES, REACH_SAMPLE_ROUNDS))
         if self.early is not None:
             index = self.early_index()
@@ -325,6 +327,8 @@ class Preflight(object):
                       if why and kind in kinds}  # type: Dict[tuple, str]
         else:
             failed = self.reach_now(kinds, peers, deadline)
+        # NCCL's addresses matter between the nodes it runs on
+        failed = {key: why for key, why in failed.items() if key[2] != "nccl_if" or {key[0], key[1]} <= nccl}
         for index in self.culprits(failed):
             self.fail("interfaces", self.unreachable(index, failed))
         if self.failures:
@@ -436,8 +440,11 @@ class Preflight(object):
                 self.warnings.append("%s differs between nodes: %s" % (
                     what, "; ".join("%s on %s" % kv for kv in groups.items())))
 
-    def gpu_nodes(self) -> bool:
-        return bool(self.nodes) and all(n["gpus"] > 0 for n in self.nodes)
+    def nccl_nodes(self) -> List[int]:
+        """The nodes NCCL is checked among: those Ray has GPUs on, where two or more have (a served group's
+        nodes join Ray with none, and the job's NCCL never reaches them); [] otherwise."""
+        indices = [i for i, n in enumerate(self.nodes) if n["gpus"] > 0]
+        return indices if len(indices) > 1 else []
 
     def step_pairs(self) -> None:
         if self.early is not None:
@@ -496,23 +503,29 @@ class Preflight(object):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         deadline = self.step_deadline(backend)
-        actors = self.actors
+        who, actors = list(range(len(self.nodes))), self.actors
         if backend == "nccl":
-            if ray.available_resources().get("GPU", 0) < len(self.nodes):
-                self.notes.append("NCCL not checked: no free GPU on every node (a job is using them)")
+            who = self.nccl_nodes()
+            left = [self.nodes[i] for i in range(len(self.nodes)) if i not in who]
+            if ray.available_resources().get("GPU", 0) < len(who):
+                self.notes.append("NCCL not checked: no free GPU on every node Ray has GPUs on (a job is using them)")
                 return
+            if left:
+                self.notes.append("NCCL among the %d nodes Ray has GPUs on, not %s: %s Ray without GPUs" % (
+                    len(who), ", ".join(n["label"] + (" (group %s)" % n["group"] if n.get("group") else "")
+                                        for n in left), "it joins" if len(left) == 1 else "they join"))
             probe = ray.remote(num_cpus=0, num_gpus=1)(NodeProbe)
-            actors = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote()
-                      for n in self.nodes]
-            self.gather("nccl", [a.torch_info.remote(STEP_CAPS["torch"] - 5) for a in actors],
-                        list(range(len(self.nodes))), deadline)
-        master = self.nodes[0]["address"]
-        port = self.gather(backend, [actors[0].free_port.remote()], [0], deadline)[0]
-        world = len(self.nodes)
+            actors = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(self.nodes[i]["node_id"],
+                                                                                        soft=False)).remote()
+                      for i in who]
+            self.gather("nccl", [a.torch_info.remote(STEP_CAPS["torch"] - 5) for a in actors], who, deadline)
+        master = self.nodes[who[0]]["address"]
+        port = self.gather(backend, [actors[0].free_port.remote()], who[:1], deadline)[0]
+        world = len(who)
         calls = [actor.allreduce.remote(backend, master, port, rank, world, list(SIZES), SIZE_BUDGET_S,
                                         node_limit(deadline)) for rank, actor in enumerate(actors)]
-        results = self.gather(backend, calls, list(range(world)), deadline)
-        errors = ["%s: %s" % (self.label(i), r["error"]) for i, r in enumerate(results) if r.get("error")]
+        results = self.gather(backend, calls, who, deadline)
+        errors = ["%s: %s" % (self.label(i), r["error"]) for i, r in zip(who, results) if r.get("error")]
         if errors:
             raise Failed(backend, "torch.distributed all_reduce with %s failed: %s" % (
                 "Gloo" if backend == "gloo" else "NCCL", "; ".join(errors)))

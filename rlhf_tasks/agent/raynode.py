@@ -198,8 +198,10 @@ def ray_start_command(plan: dict, info: NodeInfo, head: bool) -> List[str]:
     if ray.get("temp_dir"):  # one per node: raylets sharing a session dir race for socket names
         cmd += ["--temp-dir", "%s/n%d" % (ray["temp_dir"], info.rank)]
     group = group_of(plan, info.rank)
-    if group is not None:  # a group's node: its own CPUs and GPUs, and its label and custom resources
-        ray = dict(ray, num_cpus=group.get("num_cpus"), num_gpus=group["gpus_per_node"] or None)
+    if group is not None:  # a group's node: its own CPUs and GPUs (none where a recipe serves them outside Ray:
+        # ray_gpus 0), and its label and custom resources
+        gpus = group.get("ray_gpus")
+        ray = dict(ray, num_cpus=group.get("num_cpus"), num_gpus=(group["gpus_per_node"] or None) if gpus is None else gpus)
     for flag, key in (("--object-store-memory", "object_store_memory"), ("--num-cpus", "num_cpus"), ("--num-gpus", "num_gpus"),
                       ("--min-worker-port", "min_worker_port"), ("--max-worker-port", "max_worker_port")):
         if ray.get(key) is not None:

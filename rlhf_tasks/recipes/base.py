@@ -81,6 +81,10 @@ class RecipeOutput:
     #: What else the job reads from the hub by name at run time (a dataset): not fetched ahead, so the
     #: job keeps the hub online.
     hub_reads: list[str] = field(default_factory=list)
+    #: Node groups whose GPUs the recipe serves outside Ray (a reward model, a GPU retriever): their nodes join
+    #: Ray with no GPUs (GroupPlan.ray_gpus 0), or a framework's placement groups ({GPU: 1} bundles on any node)
+    #: could put an actor or a vLLM engine on the GPUs the served model holds.
+    served_groups: list[str] = field(default_factory=list)
 
 
 #: A Hugging Face Hub repository id as a recipe's argument names one (`Qwen/Qwen2.5-7B`); a path
@@ -156,6 +160,12 @@ def role_group(where: str, shape: Shape, arg: str, what: str) -> str | None:
         raise infeasible(f"group {name} is the trainer's (the first group holds the head and the driver)",
                          f"give the {what} a group of its own after the first", args=(arg,))
     return name
+
+
+def served_line(name: str, what: str, roles: str) -> str:
+    """What check says of a group the recipe serves `what` on outside Ray (RecipeOutput.served_groups)."""
+    return (f"group {name}'s GPUs are the {what}'s, not Ray's: its nodes join Ray with none (ray start "
+            f"--num-gpus 0), so no {roles} lands there")
 
 
 def without_group(shape: Shape, name: str, arg: str, what: str) -> Shape:

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .base import (WHERE_PATTERN, JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible,
-                   role_group, without_group)
+                   role_group, served_line, without_group)
 from .metrics import OpenRLHFReader
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$")
@@ -521,6 +521,7 @@ def openrlhf_command(a: OpenRLHFArgs, shape: Shape) -> RecipeOutput:
                  "checkpoints": f"{ckpt}/ckpt",
                  **({"placement": _placement_lines(a, shape)} if shape.groups else {})},
         services=[served] if served else [],
+        served_groups=[served.where.removeprefix("group ")] if served else [],
         checkpoint_files=["ckpt/_actor/global_step*"],  # strategy.save_ckpt(<ckpt_path>/_actor, tag=global_stepN)
         models=hub_models(a.pretrain, a.reward_pretrain, served_model, a.critic_pretrain if "critic" in roles else None),
         hub_reads=hub_models(a.prompt_data),  # blending_datasets loads a hub dataset by name at run time
@@ -531,7 +532,8 @@ def _placement_lines(a: OpenRLHFArgs, shape: Shape) -> list[str]:
     """What check says of where each role runs with node groups."""
     lines = [CONFINE_NOTE + f" (they count {shape.nodes} node(s) x {shape.gpus_per_node} GPUs)"]
     if a.reward_where != "ray":
-        lines.append(f"reward model: served on {a.reward_where} (openrlhf.cli.serve_rm, --reward.remote_url)")
+        lines.append(f"reward model: served on {a.reward_where} (openrlhf.cli.serve_rm, --reward.remote_url); "
+                     + served_line(a.reward_where.removeprefix("group "), "reward model", "Ray role or vLLM engine"))
     return lines
 
 

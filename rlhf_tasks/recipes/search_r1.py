@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from ..models import require_absolute
 from .base import (WHERE_PATTERN, GroupShape, JobBase, RecipeOutput, Service, Shape, StrictModel, hub_models, infeasible,
-                   role_group, without_group)
+                   role_group, served_line, without_group)
 from .metrics import VerlReader
 from .verl import EXCLUDES, check_divides, check_tensor_parallel, override_keys
 
@@ -247,6 +247,8 @@ class SearchR1Job(JobBase):
             # (github.com/PeterGriffinJin/Search-R1 at a14dc3a)
             open_files=65535,
             models=hub_models(a.model, RETRIEVER_ENCODER),  # the policy (actor, critic, reference); the retriever's
+            # a GPU group's retriever (its encoder, a faiss_gpu index) holds the group's GPUs: not Ray's
+            served_groups=[group.name] if group and group.gpus_per_node else [],
         )
 
 
@@ -272,8 +274,7 @@ def _placement_lines(group: GroupShape | None, trainer: Shape) -> list[str]:
     if group is None:
         lines.append("retriever: on every node, each node's workers asking their own at 127.0.0.1:8000")
         return lines
-    ray = (f"group {group.name}'s nodes join Ray with their GPUs, so Ray may place trainer workers there too"
-           if group.gpus_per_node else
+    ray = (served_line(group.name, "retriever", "trainer worker") if group.gpus_per_node else
            f"group {group.name}'s nodes join Ray without GPUs, so no trainer worker lands there")
     lines.append(f"retriever: on group {group.name} (every node of it), the trainer asking "
                  f"{RETRIEVER_AT.format(host=f'{{group_addr:{group.name}}}')}; {ray}")

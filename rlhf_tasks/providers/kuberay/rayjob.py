@@ -41,7 +41,10 @@ def group_specs(plan: Plan, options: KubeRayPlacement) -> tuple[dict, list[dict]
     other nodes are a worker group of their name, each its group's machine and image, with its own
     placement.kuberay keys over the task's, and the group's Ray labels and custom resources in KubeRay's
     group `labels` and `resources` (common/pod.go: `--labels`, and `--resources` beside the GPUs the container's
-    limits give; rayStartParams may then name neither, utils/validation.go)."""
+    limits give; rayStartParams may then name neither, utils/validation.go). A group whose GPUs the recipe serves
+    outside Ray (GroupPlan.ray_gpus 0) says `GPU: "0"` there: updateRayStartParamsResources maps a key ending in
+    "gpu" (utils/resources.go IsGPUResourceKey) to num-gpus, which addWellKnownAcceleratorResources then does not
+    take from the container's GPU limits (v1.6.2), so its pods keep their GPUs and Ray gets none."""
     if not plan.groups:
         head = {"rayStartParams": ray_start_params(plan, True), "template": pod_template(plan, options, True)}
         spec = {"rayStartParams": ray_start_params(plan, False), "template": pod_template(plan, options, False)}
@@ -53,6 +56,8 @@ def group_specs(plan: Plan, options: KubeRayPlacement) -> tuple[dict, list[dict]
         resources = {name: str(count) for name, count in group.resources.items()}
         if group.num_cpus:
             resources["cpu"] = str(group.num_cpus)
+        if group.ray_gpus is not None:
+            resources["GPU"] = str(group.ray_gpus)
 
         def spec(is_head: bool) -> dict:
             return {"rayStartParams": ray_start_params(plan, is_head), "labels": dict(group.labels),
