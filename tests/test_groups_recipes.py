@@ -81,12 +81,14 @@ def test_check_says_what_openrlhf_cannot_confine(tmp_path, capsys, rlhf_home):
     assert "OpenRLHF places its Ray roles on any GPU node" in out and "reward model: served on group rm" in out, out
 
 
-def test_a_task_without_groups_has_no_group_to_serve_on(tmp_path, capsys, rlhf_home):
-    data = ppo(reward_where="group rm")
+@pytest.mark.parametrize("task, arg", [(lambda: ppo(reward_where="group rm"), "reward_where"),
+                                       (lambda: search(retriever_where="group retr"), "retriever_where")])
+def test_a_task_without_groups_has_no_group_to_serve_on(tmp_path, capsys, rlhf_home, task, arg):
+    data = task()
     del data["groups"]
     data.update(nodes=2, resources={"gpus": "A100-80GB:8"})
     code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
-    assert code == 2 and "job.args.reward_where" in out and "it has no groups" in out, out
+    assert code == 2 and f"job.args.{arg}" in out and "it has no groups" in out, out
 
 
 
@@ -157,12 +159,6 @@ def test_a_retriever_group_that_cannot_work_is_refused_naming_the_argument(tmp_p
     assert code == 2 and words in out, out
 
 
-def test_a_task_without_groups_has_no_group_for_the_retriever(tmp_path, capsys, rlhf_home):
-    data = search(retriever_where="group retr")
-    del data["groups"]
-    data.update(nodes=2, resources={"gpus": "H100:8"})
-    code, out = check_exit(tmp_path, capsys, data, "--provider", "slurm")
-    assert code == 2 and "job.args.retriever_where" in out and "it has no groups" in out, out
 
 
 def test_retriever_where_is_a_place_or_a_group(tmp_path, capsys, rlhf_home):
