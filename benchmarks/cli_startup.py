@@ -25,6 +25,8 @@ COMMANDS = {
     "rlhf-tasks render (slurm, groups)": [BIN / "rlhf-tasks", "render", "benchmarks/groups.yaml", "--provider", "slurm"],
     "rlhf-tasks render (kuberay, groups)": [BIN / "rlhf-tasks", "render", "benchmarks/groups.yaml", "--provider",
                                             "kuberay"],
+    "rlhf-tasks render (dstack, groups)": [BIN / "rlhf-tasks", "render", "benchmarks/groups.yaml", "--provider",
+                                           "dstack"],
     "ray --help": [BIN / "ray", "--help"],
 }
 

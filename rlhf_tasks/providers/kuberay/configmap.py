@@ -39,7 +39,8 @@ def pack(files: dict[str, str]) -> bytes:
     """Path -> text as an xz-compressed tar that is the same bytes for the same files (sorted members,
     fixed times, owners and modes; xz keeps no time): render stays pure, a re-apply changes nothing.
     xz, not gzip: the agent gzipped came within 1 KiB of the annotations' cap, xz takes a fifth less,
-    and the pods' python3 unpacks either (tarfile.open detects it)."""
+    and the pods' python3 unpacks either (tarfile.open detects it). xz's default preset, 6: 9 with its extreme
+    flag packs 92 bytes less of 87 KB in 1.7 times as long, most of what `render` takes (benchmarks/RESULTS.md)."""
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(files):
@@ -48,7 +49,7 @@ def pack(files: dict[str, str]) -> bytes:
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
             tar.addfile(info, io.BytesIO(data))
-    return lzma.compress(raw.getvalue(), preset=9 | lzma.PRESET_EXTREME)
+    return lzma.compress(raw.getvalue(), preset=6)
 
 
 def last_applied_size(obj: dict) -> int:
