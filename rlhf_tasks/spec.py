@@ -384,7 +384,7 @@ class Task(StrictModel):
     resources: Resources = Resources()
     groups: list[Group] = Field([], description=(
         "node groups, each its own nodes and resources (instead of top-level nodes and resources): the first holds "
-        "rank 0, the head; local, kuberay, slurm and runpod run them, the others refuse them at check for now"))
+        "rank 0, the head; local, dstack, kuberay, slurm and runpod run them; sky refuses them at check"))
     image: str | None = None
     env_not_secret: list[str] = Field([], description=(
         "names under env that only look like secrets (by their name, e.g. MAX_NEW_TOKEN, or by their value's "
